@@ -1,0 +1,235 @@
+"""The sharded lookup: a `jax.custom_vjp` whose backward applies the optimizer.
+
+Forward (under `jax.shard_map`, per stack): each device sends every
+destination shard its segment of the COO batch (`all_to_all`); each shard
+gathers the rows, scales them by the gains (and `max_norm`), pools them into
+per-source-device partial activations and sends them back (`all_to_all`);
+each device sums the partials of its rows.
+
+Backward: the activation gradients are gathered onto every shard
+(`all_gather`), turned into per-entry row gradients, summed over duplicate
+ids (sort + segment sum: no work proportional to the vocabulary), and the
+table's optimizer updates exactly the touched rows and their slots. The
+cotangent returned for `tables` is the *updated* state, so
+`jax.grad(loss)(tables)` returns the new tables.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from sparse_embed.planning import EmbeddingPlan, StackPlan
+from sparse_embed.preprocess import ShardedCooMatrix
+from sparse_embed.tables import EmbeddingVariables, check_state
+
+
+class _Received(NamedTuple):
+    """The COO entries a shard received, `[D, C]` each (from every source device)."""
+
+    col_ids: jax.Array
+    row_ids: jax.Array
+    values: jax.Array
+
+
+def _exchange(stack: StackPlan, axis: str, coo: ShardedCooMatrix) -> _Received:
+    """Sends segment s of this device's batch to shard s (inside shard_map)."""
+    S = stack.num_shards
+
+    def send(x):
+        return jax.lax.all_to_all(x.reshape(S, -1), axis, 0, 0, tiled=True)
+
+    return _Received(send(coo.col_ids), send(coo.row_ids), send(coo.values))
+
+
+def _clip_scale(rows: jax.Array, max_norm: float) -> tuple[jax.Array, jax.Array]:
+    """Scale that brings each row's L2 norm to at most max_norm, and the norm. `[..., 1]` each."""
+    norm = jnp.sqrt(jnp.sum(rows * rows, axis=-1, keepdims=True))
+    return jnp.where(norm > max_norm, max_norm / jnp.where(norm > 0, norm, 1.0), 1.0), norm
+
+
+def _forward_stack(stack: StackPlan, axis: str, coo: ShardedCooMatrix, table: jax.Array):
+    """Per device: `[rows_per_device, dim]` activations, plus the received entries."""
+    rec = _exchange(stack, axis, coo)
+    D, rpd = stack.num_shards, stack.rows_per_device
+    rows = table.at[rec.col_ids].get(mode="fill", fill_value=0).astype(jnp.float32)  # [D, C, dim]
+    if stack.max_norm is not None:
+        rows = rows * _clip_scale(rows, stack.max_norm)[0]
+    src = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32)[:, None], rec.row_ids.shape)
+    partial = jnp.zeros((D, rpd + 1, stack.embedding_dim), jnp.float32)
+    partial = partial.at[src, rec.row_ids].add(rows * rec.values[..., None], mode="drop")
+    pooled = jax.lax.all_to_all(partial[:, :rpd], axis, 0, 0, tiled=True)  # [S, rpd, dim]
+    return pooled.sum(axis=0), rec
+
+
+def _dedup(cols: jax.Array, grads: jax.Array, rows_per_shard: int):
+    """Sums the gradients of duplicate row ids.
+
+    cols `[N]` (padding = rows_per_shard), grads `[N, dim]` ->
+    unique cols `[N]` (unused slots get distinct out-of-range ids) and their
+    summed grads `[N, dim]`.
+    """
+    n = cols.shape[0]
+    order = jnp.argsort(cols)
+    sorted_cols = cols[order]
+    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_cols[1:] != sorted_cols[:-1]])
+    segment = jnp.cumsum(is_new) - 1
+    summed = jax.ops.segment_sum(grads[order], segment, num_segments=n, indices_are_sorted=True)
+    unused = rows_per_shard + 1 + jnp.arange(n, dtype=cols.dtype)
+    unique_cols = unused.at[segment].set(sorted_cols, indices_are_sorted=True)
+    # The padding entries form one segment at col rows_per_shard: out of range too.
+    return unique_cols, summed
+
+
+def _backward_stack(
+    stack: StackPlan, axis: str, rec: _Received, variables: EmbeddingVariables, g: jax.Array, step
+) -> EmbeddingVariables:
+    """Per shard: applies the optimizer to the rows the received entries touched."""
+    D, rpd, dim = stack.num_shards, stack.rows_per_device, stack.embedding_dim
+    table = variables.table
+    grads_all = jax.lax.all_gather(g, axis, tiled=False)  # [D, rpd, dim]
+    src = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32)[:, None], rec.row_ids.shape)
+    entry_grads = grads_all.at[src, rec.row_ids].get(mode="fill", fill_value=0) * rec.values[..., None]
+    if stack.max_norm is not None:
+        x = table.at[rec.col_ids].get(mode="fill", fill_value=0).astype(jnp.float32)
+        scale, norm = _clip_scale(x, stack.max_norm)
+        clipped = norm > stack.max_norm
+        radial = jnp.sum(x * entry_grads, axis=-1, keepdims=True) / jnp.where(clipped, norm * norm, 1.0)
+        entry_grads = scale * (entry_grads - jnp.where(clipped, radial * x, 0.0))
+    cols, grads = _dedup(rec.col_ids.reshape(-1), entry_grads.reshape(-1, dim), stack.rows_per_shard)
+
+    opt = stack.optimizer
+    rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
+    slots = {k: v.at[cols].get(mode="fill", fill_value=0) for k, v in variables.slots.items()}
+    new_rows, new_slots = opt.update(rows, slots, grads, opt.learning_rate_at(step))
+    put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
+    return EmbeddingVariables(put(table, new_rows), {k: put(variables.slots[k], new_slots[k]) for k in slots})
+
+
+def _specs(plan: EmbeddingPlan, tables):
+    row = P(plan.axis_name, None)
+    return {
+        s.name: EmbeddingVariables(row, {k: row for k in tables[s.name].slots}) for s in plan.stacks
+    }
+
+
+def _forward(plan: EmbeddingPlan, batch, tables):
+    """Global activations per stack `[D * rows_per_device, dim]` and the received entries."""
+    axis = plan.axis_name
+    batch_spec = {s.name: ShardedCooMatrix(*([P(axis)] * 5)) for s in plan.stacks}
+    table_spec = {s.name: P(axis, None) for s in plan.stacks}
+    rec_spec = {s.name: _Received(*([P(axis)] * 3)) for s in plan.stacks}
+
+    def body(batch, tables):
+        acts, recs = {}, {}
+        for s in plan.stacks:
+            coo = jax.tree.map(lambda x: x[0], batch[s.name])
+            acts[s.name], rec = _forward_stack(s, axis, coo, tables[s.name])
+            recs[s.name] = jax.tree.map(lambda x: x[None], rec)
+        return acts, recs
+
+    fn = jax.shard_map(
+        body, mesh=plan.mesh, in_specs=(batch_spec, table_spec),
+        out_specs=({s.name: P(axis) for s in plan.stacks}, rec_spec),
+    )
+    return fn(batch, {k: v.table for k, v in tables.items()})
+
+
+def _backward(plan: EmbeddingPlan, recs, tables, grads, step):
+    axis = plan.axis_name
+    rec_spec = {s.name: _Received(*([P(axis)] * 3)) for s in plan.stacks}
+    state_spec = _specs(plan, tables)
+
+    def body(recs, tables, grads, step):
+        out = {}
+        for s in plan.stacks:
+            rec = jax.tree.map(lambda x: x[0], recs[s.name])
+            out[s.name] = _backward_stack(s, axis, rec, tables[s.name], grads[s.name], step)
+        return out
+
+    fn = jax.shard_map(
+        body, mesh=plan.mesh,
+        in_specs=(rec_spec, state_spec, {s.name: P(axis) for s in plan.stacks}, P()),
+        out_specs=state_spec,
+    )
+    return fn(recs, tables, grads, step)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lookup_stacks(plan, batch, tables, step):
+    return _forward(plan, batch, tables)[0]
+
+
+def _lookup_fwd(plan, batch, tables, step):
+    acts, recs = _forward(plan, batch, tables)
+    return acts, (recs, tables, step)
+
+
+def _lookup_bwd(plan, residuals, grads):
+    recs, tables, step = residuals
+    grads = {k: g.astype(jnp.float32) for k, g in grads.items()}
+    return None, _backward(plan, recs, tables, grads, step), None
+
+
+_lookup_stacks.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def _check_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix]) -> None:
+    if set(batch) != set(plan.stack_names):
+        raise ValueError(
+            f"batch has stacks {sorted(batch)} but the plan has {sorted(plan.stack_names)}; "
+            "build it with sparse_embed.preprocess(plan, ...)."
+        )
+    D = plan.num_shards
+    for name, coo in batch.items():
+        if not isinstance(coo, ShardedCooMatrix):
+            raise TypeError(f"Stack {name!r}: batch entry must be a ShardedCooMatrix, got {type(coo).__name__}.")
+        n = coo.col_ids.shape
+        if coo.shard_starts.shape != (D, D) or len(n) != 2 or n[0] != D or n[1] % D:
+            raise ValueError(f"Stack {name!r}: batch arrays have shapes {[x.shape for x in coo]}, "
+                             f"which do not fit a mesh of {D} devices; was it built for another plan?")
+        for x in (coo.row_ids, coo.values):
+            if x.shape != n:
+                raise ValueError(f"Stack {name!r}: col_ids, row_ids and values must have equal shapes.")
+
+
+def lookup(
+    plan: EmbeddingPlan,
+    batch: Mapping[str, ShardedCooMatrix],
+    tables: Mapping[str, EmbeddingVariables],
+    step: jax.Array | int | None = None,
+) -> dict[str, jax.Array]:
+    """Looks up every feature of the plan. Differentiable w.r.t. `tables`.
+
+    Args:
+      plan: the `EmbeddingPlan` (static).
+      batch: `{stack: ShardedCooMatrix}` from `preprocess`.
+      tables: `{stack: EmbeddingVariables}` from `init_tables`/`stack_tables`.
+      step: the global step (int scalar); needed by learning-rate schedules.
+
+    Returns:
+      `{feature: activations}`, `[batch_size, dim]` (pooled) or
+      `[batch_size, max_sequence_length, dim]` (sequence), float32, sharded
+      over the batch.
+
+    The "gradient" of the loss w.r.t. `tables` is the updated state: the
+    optimizer already applied to the touched rows. Use `tables` only through
+    one `lookup` in a loss, and replace them with what `jax.grad` returns.
+    """
+    _check_batch(plan, batch)
+    check_state(plan, tables)
+    if step is not None:
+        step = jnp.asarray(step)
+    acts = _lookup_stacks(plan, dict(batch), dict(tables), step)
+    out = {}
+    for s in plan.stacks:
+        a = acts[s.name].reshape(plan.num_shards, s.rows_per_device, s.embedding_dim)
+        for lay in s.features:
+            f = lay.feature
+            x = a[:, lay.row_offset : lay.row_offset + lay.rows_per_device]
+            out[f.name] = x.reshape(f.output_shape)
+    return out

@@ -1,0 +1,144 @@
+"""Static configuration: what a table is and which features read it.
+
+Specs are frozen and hashable (they end up inside the jit-static
+`EmbeddingPlan`) and are never mutated by the library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_embed import optimizers as _opt
+
+Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+def default_initializer(embedding_dim: int) -> Initializer:
+    """Truncated normal with stddev 1/sqrt(embedding_dim) (the TPUEmbedding default)."""
+    return jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(embedding_dim))
+
+
+def _check_name(kind: str, name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{kind} name must be a non-empty string, got {name!r}.")
+
+
+def _check_positive_int(what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{what} must be a positive int, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class TableSpec:
+    """One embedding table: `[vocabulary_size, embedding_dim]` rows.
+
+    Attributes:
+      name: unique table name (a key of `unstack_tables` and checkpoints).
+      vocabulary_size: number of valid ids; ids must lie in `[0, vocabulary_size)`.
+      embedding_dim: width of a row.
+      initializer: `f(key, shape, dtype) -> array` (a `jax.nn.initializers`
+        function). It is called once per table with `shape=(vocabulary_size,
+        embedding_dim)` inside a jit whose output is sharded, so the table is
+        generated shard by shard. Default: truncated normal, stddev
+        `1/sqrt(embedding_dim)`.
+      optimizer: an optimizer spec from `sparse_embed.optimizers` that the
+        lookup's backward applies to touched rows. Default: `SGD(0.01)`.
+      combiner: how a sample's ids are pooled: "sum", "mean" (weighted mean)
+        or "sqrtn" (sum divided by the L2 norm of the weights).
+      max_norm: if set, each looked-up row is scaled down to at most this L2
+        norm before it is combined (as `tf.nn.embedding_lookup_sparse`).
+      dtype: storage dtype of the table.
+    """
+
+    name: str
+    vocabulary_size: int
+    embedding_dim: int
+    initializer: Initializer | None = None
+    optimizer: _opt.Optimizer | None = None
+    combiner: str = "mean"
+    max_norm: float | None = None
+    dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        _check_name("Table", self.name)
+        _check_positive_int(f"Table {self.name!r}: vocabulary_size", self.vocabulary_size)
+        _check_positive_int(f"Table {self.name!r}: embedding_dim", self.embedding_dim)
+        if self.combiner not in COMBINERS:
+            raise ValueError(
+                f"Table {self.name!r}: combiner must be one of {COMBINERS}, got {self.combiner!r}."
+            )
+        if self.max_norm is not None and not (float(self.max_norm) > 0):
+            raise ValueError(f"Table {self.name!r}: max_norm must be > 0, got {self.max_norm!r}.")
+        if self.optimizer is not None and not isinstance(self.optimizer, _opt.Optimizer):
+            raise TypeError(
+                f"Table {self.name!r}: optimizer must be a sparse_embed.optimizers spec "
+                f"(e.g. optimizers.Adagrad(0.05)), got {type(self.optimizer).__name__}. "
+                "optax transforms apply to dense params; embedding rows are updated in the backward."
+            )
+        if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
+            raise ValueError(f"Table {self.name!r}: dtype must be a float dtype, got {self.dtype!r}.")
+        # Normalise so that equal specs hash equally.
+        object.__setattr__(self, "vocabulary_size", int(self.vocabulary_size))
+        object.__setattr__(self, "embedding_dim", int(self.embedding_dim))
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        if self.max_norm is not None:
+            object.__setattr__(self, "max_norm", float(self.max_norm))
+
+    @property
+    def resolved_initializer(self) -> Initializer:
+        return self.initializer or default_initializer(self.embedding_dim)
+
+    @property
+    def resolved_optimizer(self) -> _opt.Optimizer:
+        return self.optimizer or _opt.DEFAULT
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class FeatureSpec:
+    """One input feature: the ids of each sample, looked up in `table`.
+
+    Attributes:
+      name: unique feature name (a key of the `preprocess` input and of the
+        `lookup` output).
+      table: the `TableSpec` it reads. Several features may share a table.
+      batch_size: the *global* batch size of this feature (all devices).
+      max_sequence_length: 0 = pooled output `[batch_size, dim]` (the table's
+        combiner pools a sample's ids); L > 0 = unpooled output
+        `[batch_size, L, dim]`: id `j` of a sample lands at position `j`,
+        positions past the sample's length are zero, ids past L are truncated.
+    """
+
+    name: str
+    table: TableSpec
+    batch_size: int
+    max_sequence_length: int = 0
+
+    def __post_init__(self):
+        _check_name("Feature", self.name)
+        if not isinstance(self.table, TableSpec):
+            raise TypeError(f"Feature {self.name!r}: table must be a TableSpec, got {type(self.table).__name__}.")
+        _check_positive_int(f"Feature {self.name!r}: batch_size", self.batch_size)
+        msl = self.max_sequence_length
+        if isinstance(msl, bool) or not isinstance(msl, (int, np.integer)) or msl < 0:
+            raise ValueError(f"Feature {self.name!r}: max_sequence_length must be an int >= 0, got {msl!r}.")
+        object.__setattr__(self, "batch_size", int(self.batch_size))
+        object.__setattr__(self, "max_sequence_length", int(msl))
+
+    @property
+    def is_sequence(self) -> bool:
+        return self.max_sequence_length > 0
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        """Shape of this feature's activations from `lookup`."""
+        if self.is_sequence:
+            return (self.batch_size, self.max_sequence_length, self.table.embedding_dim)
+        return (self.batch_size, self.table.embedding_dim)

@@ -1,0 +1,188 @@
+"""Stacked, sharded table state: create it, and convert to/from per-table arrays.
+
+A stack's table is `[num_shards * rows_per_shard, dim]`, sharded
+`P(axis, None)`: shard `s` holds global rows `[s*rps, (s+1)*rps)`, and its
+local row `j` is stack row `j*S + s` (MOD layout, see `planning`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_embed.planning import EmbeddingPlan, StackPlan
+
+SLOT_DTYPE = jnp.float32
+
+
+class EmbeddingVariables(NamedTuple):
+    """A stack's trainable state: `table [rows, dim]` and optimizer `slots {name: [rows, width]}`."""
+
+    table: jax.Array
+    slots: dict[str, jax.Array]
+
+
+def table_key(rng: jax.Array, table_name: str) -> jax.Array:
+    """The init key of one table: independent of stacking, mesh and other tables."""
+    return jax.random.fold_in(rng, zlib.crc32(table_name.encode()) & 0x7FFFFFFF)
+
+
+def to_shard_major(stack: StackPlan, rows: jax.Array) -> jax.Array:
+    """`[total_rows, w]` in stack-row order -> the sharded global layout (jit-able)."""
+    s, w = stack.num_shards, rows.shape[-1]
+    return rows.reshape(stack.rows_per_shard, s, w).transpose(1, 0, 2).reshape(-1, w)
+
+
+def from_shard_major(stack: StackPlan, array: np.ndarray) -> np.ndarray:
+    """The sharded global layout -> `[total_rows, w]` in stack-row order (host)."""
+    s, w = stack.num_shards, array.shape[-1]
+    return array.reshape(s, stack.rows_per_shard, w).transpose(1, 0, 2).reshape(-1, w)
+
+
+def _slot_arrays(plan: EmbeddingPlan, stack: StackPlan) -> dict[str, jax.Array]:
+    shape = (stack.total_rows,)
+    return {
+        name: jnp.full(shape + (spec.width,), spec.init, SLOT_DTYPE)
+        for name, spec in stack.optimizer.slots(stack.embedding_dim).items()
+    }
+
+
+def _init_stack(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array) -> EmbeddingVariables:
+    blocks = []
+    for p in stack.tables:
+        t = p.table
+        w = t.resolved_initializer(table_key(rng, t.name), (t.vocabulary_size, t.embedding_dim), t.dtype)
+        if w.shape != (t.vocabulary_size, t.embedding_dim):
+            raise ValueError(
+                f"Table {t.name!r}: initializer returned shape {w.shape}, "
+                f"expected {(t.vocabulary_size, t.embedding_dim)}."
+            )
+        blocks.append(jnp.pad(w.astype(t.dtype), ((0, p.padded_rows - t.vocabulary_size), (0, 0))))
+    table = to_shard_major(stack, jnp.concatenate(blocks, axis=0))
+    return EmbeddingVariables(table, _slot_arrays(plan, stack))
+
+
+def init_tables(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, EmbeddingVariables]:
+    """Initialises every stack, sharded: `{stack: EmbeddingVariables}`.
+
+    Runs as one jit whose outputs carry the plan's table sharding, so each
+    device generates only its own rows. A table's values depend only on
+    `rng` and its name (not on stacking or mesh size); padding rows are zero.
+    """
+    sharding = plan.table_sharding()
+
+    def init(key):
+        return {s.name: _init_stack(plan, s, key) for s in plan.stacks}
+
+    out_shardings = {
+        s.name: EmbeddingVariables(sharding, {k: sharding for k in s.optimizer.slots(s.embedding_dim)})
+        for s in plan.stacks
+    }
+    return jax.jit(init, out_shardings=out_shardings)(rng)
+
+
+def _check_arrays(plan: EmbeddingPlan, arrays: Mapping[str, np.ndarray], what: str) -> None:
+    missing = sorted(set(plan.tables) - set(arrays))
+    unknown = sorted(set(arrays) - set(plan.tables))
+    if missing or unknown:
+        raise ValueError(f"{what}: tables missing {missing}, unknown {unknown}; the plan has {sorted(plan.tables)}.")
+
+
+def _stacked_global(plan: EmbeddingPlan, stack: StackPlan, per_table: dict[str, np.ndarray], width: int, fill, dtype):
+    """Builds a sharded global array from per-table `[vocab, width]` host arrays, shard by shard."""
+    s_count, rps = stack.num_shards, stack.rows_per_shard
+
+    def shard(index):
+        rows = np.arange(stack.num_shards * rps)[index[0]]
+        stack_rows = (rows % rps) * s_count + rows // rps
+        out = np.full((rows.size, width), fill, dtype)
+        for p in stack.tables:
+            ids = stack_rows - p.row_offset
+            hit = (ids >= 0) & (ids < p.table.vocabulary_size)
+            out[hit] = per_table[p.table.name][ids[hit]]
+        return out[:, index[1]]
+
+    return jax.make_array_from_callback((s_count * rps, width), plan.table_sharding(), shard, dtype=dtype)
+
+
+def stack_tables(
+    plan: EmbeddingPlan,
+    arrays: Mapping[str, np.ndarray],
+    slots: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+) -> dict[str, EmbeddingVariables]:
+    """Per-table `{name: [vocabulary_size, dim]}` arrays -> the plan's stacked, sharded state.
+
+    Slots are fresh (the optimizer's initial values) unless `slots`
+    (`{table: {slot_name: [vocabulary_size, width]}}`) gives them.
+    Inverse of `unstack_tables`.
+    """
+    _check_arrays(plan, arrays, "stack_tables")
+    host = {}
+    for name, a in arrays.items():
+        t = plan.tables[name]
+        a = np.asarray(a)
+        if a.shape != (t.vocabulary_size, t.embedding_dim):
+            raise ValueError(
+                f"Table {name!r}: array has shape {a.shape}, expected {(t.vocabulary_size, t.embedding_dim)}."
+            )
+        if not np.issubdtype(a.dtype, np.number):
+            raise ValueError(f"Table {name!r}: array dtype {a.dtype} is not numeric.")
+        host[name] = a
+    out = {}
+    for s in plan.stacks:
+        table = _stacked_global(plan, s, host, s.embedding_dim, 0, s.dtype)
+        slot_arrays = {}
+        for slot_name, spec in s.optimizer.slots(s.embedding_dim).items():
+            given = {}
+            for p in s.tables:
+                v = None if slots is None else slots.get(p.table.name, {}).get(slot_name)
+                if v is None:
+                    v = np.full((p.table.vocabulary_size, spec.width), spec.init, SLOT_DTYPE)
+                v = np.asarray(v)
+                if v.shape != (p.table.vocabulary_size, spec.width):
+                    raise ValueError(
+                        f"Table {p.table.name!r}: slot {slot_name!r} has shape {v.shape}, "
+                        f"expected {(p.table.vocabulary_size, spec.width)}."
+                    )
+                given[p.table.name] = v
+            slot_arrays[slot_name] = _stacked_global(plan, s, given, spec.width, spec.init, SLOT_DTYPE)
+        out[s.name] = EmbeddingVariables(table, slot_arrays)
+    return out
+
+
+def check_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> None:
+    missing = sorted(set(plan.stack_names) - set(tables))
+    unknown = sorted(set(tables) - set(plan.stack_names))
+    if missing or unknown:
+        raise ValueError(
+            f"tables do not match the plan: stacks missing {missing}, unknown {unknown}; "
+            f"the plan has {list(plan.stack_names)}."
+        )
+    for s in plan.stacks:
+        shape = tuple(tables[s.name].table.shape)
+        if shape != (s.total_rows, s.embedding_dim):
+            raise ValueError(f"Stack {s.name!r}: table has shape {shape}, the plan expects {(s.total_rows, s.embedding_dim)}.")
+
+
+def unstack_tables(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, np.ndarray]:
+    """The stacked state -> `{table_name: np.ndarray [vocabulary_size, dim]}` (mesh-independent)."""
+    check_state(plan, tables)
+    return {name: arrays["table"] for name, arrays in unstack_state(plan, tables).items()}
+
+
+def unstack_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, dict[str, np.ndarray]]:
+    """`{table_name: {"table": [vocab, dim], slot_name: [vocab, width], ...}}` on the host."""
+    check_state(plan, tables)
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for s in plan.stacks:
+        v = tables[s.name]
+        arrays = {"table": v.table, **v.slots}
+        rows = {k: from_shard_major(s, np.asarray(a)) for k, a in arrays.items()}
+        for p in s.tables:
+            sl = slice(p.row_offset, p.row_offset + p.table.vocabulary_size)
+            out[p.table.name] = {k: r[sl] for k, r in rows.items()}
+    return out

@@ -1,0 +1,34 @@
+"""Test configuration: a simulated 8-device CPU mesh, set before JAX starts."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import sparse_embed  # noqa: E402,F401  (adds its XLA flags before the backend starts)
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def make_mesh(n: int, axis: str = "x") -> Mesh:
+    devices = jax.devices()
+    if len(devices) < n:
+        pytest.skip(f"needs {n} devices, have {len(devices)}")
+    return Mesh(np.array(devices[:n]), (axis,))
+
+
+@pytest.fixture(params=[1, 2, 8], ids=lambda n: f"mesh{n}")
+def mesh(request) -> Mesh:
+    return make_mesh(request.param)
+
+
+@pytest.fixture
+def mesh8() -> Mesh:
+    return make_mesh(8)
