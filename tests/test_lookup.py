@@ -1,0 +1,221 @@
+"""lookup forward and backward (training) against the dense numpy reference."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparse_embed as se
+from sparse_embed import optimizers as opt
+import reference as ref
+
+B = 16  # global batch: divides 1, 2 and 8 devices
+
+
+def _run_forward(plan, tables, ids, weights=None):
+    batch, stats = se.preprocess(plan, ids, weights)
+    acts = jax.jit(lambda b, t: se.lookup(plan, b, t))(batch, tables)
+    return {k: np.asarray(v) for k, v in acts.items()}, stats
+
+
+def _check_forward(plan, tables, feats, samples, ids, weights):
+    acts, _ = _run_forward(plan, tables, ids, weights)
+    W = se.unstack_tables(plan, tables)
+    for name, f in feats.items():
+        want = ref.lookup(W[f.table.name], samples[name], combiner=f.table.combiner,
+                          seq_len=f.max_sequence_length, max_norm=f.table.max_norm)
+        assert acts[name].shape == f.output_shape
+        np.testing.assert_allclose(acts[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "list", "pair", "1d"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_forward_every_combiner_and_format(mesh, fmt, weighted):
+    rng = np.random.default_rng(0)
+    max_len = 1 if fmt == "1d" else 5
+    feats, samples, ids, weights = {}, {}, {}, {}
+    for combiner in ("sum", "mean", "sqrtn"):
+        t = se.TableSpec(f"t_{combiner}", 50 + len(combiner), 8, combiner=combiner)
+        name = f"f_{combiner}"
+        feats[name] = se.FeatureSpec(name, t, B)
+        samples[name] = ref.random_samples(rng, B, t.vocabulary_size, max_len, weighted=weighted)
+        samples[name][3] = []  # an empty row -> zero activation
+        ids[name], weights[name] = ref.render(samples[name], fmt)
+    plan = se.plan(feats, mesh)
+    tables = se.init_tables(plan, jax.random.key(1))
+    _check_forward(plan, tables, feats, samples, ids, weights if weighted else None)
+
+
+def _mixed_features():
+    """Two tables shared by several features, a sequence feature, max_norm, two dims."""
+    a = se.TableSpec("a", 97, 8, combiner="sum")
+    b = se.TableSpec("b", 40, 8, combiner="sum")
+    c = se.TableSpec("c", 33, 4, combiner="mean", max_norm=0.3)
+    return {
+        "a1": se.FeatureSpec("a1", a, B),
+        "a2": se.FeatureSpec("a2", a, 2 * B),
+        "b_seq": se.FeatureSpec("b_seq", b, B, max_sequence_length=3),
+        "b1": se.FeatureSpec("b1", b, B),
+        "c1": se.FeatureSpec("c1", c, B),
+    }
+
+
+@pytest.mark.parametrize("stacking", ["auto", None, [["a", "b"]], [["b"], ["a"]]],
+                         ids=["auto", "none", "explicit_ab", "explicit_single"])
+def test_forward_stacking_shared_tables_sequence_max_norm(mesh, stacking):
+    rng = np.random.default_rng(1)
+    feats = _mixed_features()
+    samples = {n: ref.random_samples(rng, f.batch_size, f.table.vocabulary_size, 6, weighted=True)
+               for n, f in feats.items()}
+    ids = {n: ref.render(s, "list")[0] for n, s in samples.items()}
+    weights = {n: ref.render(s, "list")[1] for n, s in samples.items()}
+    plan = se.plan(feats, mesh, stacking=stacking)
+    tables = se.init_tables(plan, jax.random.key(2))
+    _check_forward(plan, tables, feats, samples, ids, weights)
+
+
+def test_auto_stacking_groups_compatible_tables(mesh8):
+    plan = se.plan(_mixed_features(), mesh8)
+    assert plan.stack_names == ("a_b", "c")
+    assert se.plan(_mixed_features(), mesh8, stacking=None).stack_names == ("a", "b", "c")
+
+
+def test_sequence_dense_input_keeps_column_positions(mesh8):
+    t = se.TableSpec("t", 30, 4, combiner="sum")
+    f = se.FeatureSpec("s", t, 8, max_sequence_length=3)
+    plan = se.plan({"s": f}, mesh8)
+    tables = se.init_tables(plan, jax.random.key(0))
+    ids = np.full((8, 5), -1)
+    ids[0] = [1, -1, 2, 7, 9]  # position 1 empty, positions >= 3 truncated
+    acts, _ = _run_forward(plan, tables, {"s": ids})
+    W = se.unstack_tables(plan, tables)["t"]
+    np.testing.assert_allclose(acts["s"][0], np.stack([W[1], np.zeros(4), W[2]]), rtol=1e-6)
+    np.testing.assert_array_equal(acts["s"][1:], 0)
+
+
+def test_zero_weight_sum_gives_zero_activation(mesh8):
+    t = se.TableSpec("t", 30, 4, combiner="mean")
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    tables = se.init_tables(plan, jax.random.key(0))
+    ids = [np.array([1, 2])] * 8
+    w = [np.array([1.0, -1.0])] * 8
+    acts, _ = _run_forward(plan, tables, {"f": ids}, {"f": w})
+    np.testing.assert_array_equal(acts["f"], 0)
+
+
+# ---------------------------------------------------------------- training
+def _loss_and_train(plan, cts):
+    def loss(tables, batch, step):
+        acts = se.lookup(plan, batch, tables, step)
+        return sum(jnp.sum(acts[k] * cts[k]) for k in cts)
+
+    return jax.jit(jax.grad(loss), donate_argnums=0)
+
+
+OPTIMIZERS = {
+    "sgd": (lambda: opt.SGD(0.05), ref.sgd),
+    "adagrad": (lambda: opt.Adagrad(0.1, initial_accumulator_value=0.5), ref.adagrad),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("stacking", ["auto", None])
+def test_multi_step_training_matches_reference(mesh, name, stacking):
+    make_opt, update = OPTIMIZERS[name]
+    rng = np.random.default_rng(3)
+    o = make_opt()
+    a = se.TableSpec("a", 61, 8, combiner="sum", optimizer=o)
+    b = se.TableSpec("b", 26, 8, combiner="sum", optimizer=o)
+    c = se.TableSpec("c", 19, 4, combiner="sqrtn", optimizer=o, max_norm=0.4)
+    feats = {
+        "a1": se.FeatureSpec("a1", a, B),
+        "a2": se.FeatureSpec("a2", a, B),
+        "b_seq": se.FeatureSpec("b_seq", b, B, max_sequence_length=2),
+        "c1": se.FeatureSpec("c1", c, B),
+    }
+    plan = se.plan(feats, mesh, stacking=stacking)
+    tables = se.init_tables(plan, jax.random.key(4))
+    state = {n: {k: v.astype(np.float64) for k, v in s.items()} for n, s in se.unstack_state(plan, tables).items()}
+    cts = {n: rng.normal(size=f.output_shape).astype(np.float32) for n, f in feats.items()}
+    train = _loss_and_train(plan, cts)
+    for step in range(4):
+        # step 2 is full of duplicates (ids from a pool of 3), also across features sharing a table
+        pool = 3 if step == 2 else None
+        samples = {n: ref.random_samples(rng, f.batch_size, f.table.vocabulary_size, 5, weighted=True, id_pool=pool)
+                   for n, f in feats.items()}
+        ids = {n: ref.render(s, "list")[0] for n, s in samples.items()}
+        w = {n: ref.render(s, "list")[1] for n, s in samples.items()}
+        batch, _ = se.preprocess(plan, ids, w)
+        for tname in ("a", "b", "c"):
+            W = state[tname]["table"]
+            grads: dict[int, np.ndarray] = {}
+            for n, f in feats.items():
+                if f.table.name == tname:
+                    for r, g in ref.row_grads(W, samples[n], cts[n], combiner=f.table.combiner,
+                                              seq_len=f.max_sequence_length, max_norm=f.table.max_norm).items():
+                        grads[r] = grads.get(r, 0.0) + g
+            ref.apply(update, state[tname], grads, o.learning_rate)
+        tables = train(tables, batch, jnp.int32(step))
+    got = se.unstack_state(plan, tables)
+    for tname in state:
+        for k in state[tname]:
+            np.testing.assert_allclose(got[tname][k], state[tname][k], rtol=1e-4, atol=1e-5, err_msg=f"{tname}/{k}")
+
+
+def test_schedule_learning_rate_uses_step(mesh8):
+    sched = lambda step: 0.1 * (step + 1)
+    t = se.TableSpec("t", 16, 4, combiner="sum", optimizer=opt.SGD(sched))
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    tables = se.init_tables(plan, jax.random.key(0))
+    W0 = se.unstack_tables(plan, tables)["t"].copy()
+    ids = np.arange(8)
+    batch, _ = se.preprocess(plan, {"f": ids})
+    train = _loss_and_train(plan, {"f": np.ones((8, 4), np.float32)})
+    tables = train(tables, batch, jnp.int32(4))
+    W1 = se.unstack_tables(plan, tables)["t"]
+    np.testing.assert_allclose(W1[:8], W0[:8] - 0.5, rtol=1e-6)
+    np.testing.assert_array_equal(W1[8:], W0[8:])  # untouched rows stay bit-identical
+    with pytest.raises(ValueError, match="schedule"):
+        jax.grad(lambda t: se.lookup(plan, batch, t)["f"].sum())(tables)
+
+
+def test_untouched_rows_and_padding_rows_never_change(mesh8):
+    t = se.TableSpec("t", 21, 4, combiner="mean", optimizer=opt.Adagrad(0.5))  # padded to 24 rows
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8, capacity=16)
+    tables = se.init_tables(plan, jax.random.key(0))
+    before = np.asarray(tables["t"].table).copy()
+    batch, _ = se.preprocess(plan, {"f": np.full((8, 2), 20)})  # only the last real row
+    tables = _loss_and_train(plan, {"f": np.ones((8, 4), np.float32)})(tables, batch, 0)
+    after = np.asarray(tables["t"].table)
+    stack = plan.stack("t")
+    rows = se.tables.from_shard_major(stack, after) != se.tables.from_shard_major(stack, before)
+    assert set(np.nonzero(rows.any(1))[0]) == {20}
+
+
+def test_no_recompile_across_batches(mesh8):
+    t = se.TableSpec("t", 100, 4, combiner="sum", optimizer=opt.Adagrad(0.1))
+    plan = se.plan({"f": se.FeatureSpec("f", t, 16)}, mesh8)
+    train = _loss_and_train(plan, {"f": np.ones((16, 4), np.float32)})
+    tables = se.init_tables(plan, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    first, _ = se.preprocess(plan, {"f": rng.integers(-1, 100, (16, 6))})
+    tables = train(tables, first, 0)
+    for step in range(1, 4):  # fewer ids than the first batch: capacity does not shrink
+        batch, stats = se.preprocess(plan, {"f": rng.integers(-1, 100, (16, 3))})
+        chex.assert_trees_all_equal_shapes(batch, first)
+        tables = train(tables, batch, step)
+    assert train._cache_size() == 1
+
+
+def test_donated_tables_are_consumed(mesh8):
+    t = se.TableSpec("t", 100, 4, combiner="sum")
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    tables = se.init_tables(plan, jax.random.key(0))
+    batch, _ = se.preprocess(plan, {"f": np.arange(8)})
+    old = tables["t"].table
+    new = _loss_and_train(plan, {"f": np.ones((8, 4), np.float32)})(tables, batch, 0)
+    assert old.is_deleted()
+    assert new["t"].table.sharding == plan.table_sharding()
