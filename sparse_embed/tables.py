@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec as P
+
 from sparse_embed.planning import EmbeddingPlan, StackPlan
 
 SLOT_DTYPE = jnp.float32
@@ -31,52 +33,70 @@ def table_key(rng: jax.Array, table_name: str) -> jax.Array:
     return jax.random.fold_in(rng, zlib.crc32(table_name.encode()) & 0x7FFFFFFF)
 
 
-def to_shard_major(stack: StackPlan, rows: jax.Array) -> jax.Array:
-    """`[total_rows, w]` in stack-row order -> the sharded global layout (jit-able)."""
-    s, w = stack.num_shards, rows.shape[-1]
-    return rows.reshape(stack.rows_per_shard, s, w).transpose(1, 0, 2).reshape(-1, w)
-
-
 def from_shard_major(stack: StackPlan, array: np.ndarray) -> np.ndarray:
     """The sharded global layout -> `[total_rows, w]` in stack-row order (host)."""
     s, w = stack.num_shards, array.shape[-1]
     return array.reshape(s, stack.rows_per_shard, w).transpose(1, 0, 2).reshape(-1, w)
 
 
-def _slot_arrays(plan: EmbeddingPlan, stack: StackPlan) -> dict[str, jax.Array]:
-    shape = (stack.total_rows,)
+def _slot_arrays(stack: StackPlan) -> dict[str, jax.Array]:
     return {
-        name: jnp.full(shape + (spec.width,), spec.init, SLOT_DTYPE)
+        name: jnp.full((stack.total_rows, spec.width), spec.init, SLOT_DTYPE)
         for name, spec in stack.optimizer.slots(stack.embedding_dim).items()
     }
 
 
-def _init_stack(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array) -> EmbeddingVariables:
-    blocks = []
-    for p in stack.tables:
-        t = p.table
-        w = t.resolved_initializer(table_key(rng, t.name), (t.vocabulary_size, t.embedding_dim), t.dtype)
-        if w.shape != (t.vocabulary_size, t.embedding_dim):
-            raise ValueError(
-                f"Table {t.name!r}: initializer returned shape {w.shape}, "
-                f"expected {(t.vocabulary_size, t.embedding_dim)}."
-            )
-        blocks.append(jnp.pad(w.astype(t.dtype), ((0, p.padded_rows - t.vocabulary_size), (0, 0))))
-    table = to_shard_major(stack, jnp.concatenate(blocks, axis=0))
-    return EmbeddingVariables(table, _slot_arrays(plan, stack))
+def _natural_table(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array, i: int) -> jax.Array:
+    """Table i of the stack in id order, padded to a multiple of S*S rows, sharded by row blocks."""
+    t, S = stack.tables[i].table, stack.num_shards
+    w = t.resolved_initializer(table_key(rng, t.name), (t.vocabulary_size, t.embedding_dim), t.dtype)
+    if w.shape != (t.vocabulary_size, t.embedding_dim):
+        raise ValueError(
+            f"Table {t.name!r}: initializer returned shape {w.shape}, expected {(t.vocabulary_size, t.embedding_dim)}."
+        )
+    w = jnp.pad(w.astype(t.dtype), ((0, -t.vocabulary_size % (S * S)), (0, 0)))
+    return jax.lax.with_sharding_constraint(w, plan.table_sharding())
+
+
+def _block_to_mod(stack: StackPlan, axis: str, blocks: list[jax.Array]) -> jax.Array:
+    """Inside shard_map: each table's contiguous row block -> this shard's MOD rows, stacked.
+
+    Shard d holds rows `[d*n*S, (d+1)*n*S)` of a table; row r must go to shard
+    `r % S`, local row `r // S`: one all_to_all of `[S, n, dim]`.
+    """
+    S = stack.num_shards
+    shard = jax.lax.axis_index(axis)
+    out = []
+    for p, block in zip(stack.tables, blocks):
+        n = block.shape[0] // S
+        x = block.reshape(n, S, -1).transpose(1, 0, 2)
+        x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(S * n, -1)[: p.padded_rows // S]
+        real = jnp.arange(p.padded_rows // S) * S + shard < p.table.vocabulary_size
+        out.append(jnp.where(real[:, None], x, jnp.zeros((), x.dtype)))
+    return jnp.concatenate(out, axis=0)
 
 
 def init_tables(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, EmbeddingVariables]:
     """Initialises every stack, sharded: `{stack: EmbeddingVariables}`.
 
-    Runs as one jit whose outputs carry the plan's table sharding, so each
-    device generates only its own rows. A table's values depend only on
-    `rng` and its name (not on stacking or mesh size); padding rows are zero.
+    Runs as one jit: each device generates a contiguous block of each
+    table's rows and one all_to_all moves them to their MOD shard, so no
+    device ever holds more than a few shards' worth of a table. A table's
+    values depend only on `rng` and its name (not on stacking or mesh size);
+    padding rows are zero; slots hold the optimizer's initial values.
     """
-    sharding = plan.table_sharding()
+    sharding, axis = plan.table_sharding(), plan.axis_name
 
     def init(key):
-        return {s.name: _init_stack(plan, s, key) for s in plan.stacks}
+        out = {}
+        for s in plan.stacks:
+            blocks = [_natural_table(plan, s, key, i) for i in range(len(s.tables))]
+            relayout = jax.shard_map(
+                lambda *b, s=s: _block_to_mod(s, axis, list(b)), mesh=plan.mesh,
+                in_specs=P(axis, None), out_specs=P(axis, None),
+            )
+            out[s.name] = EmbeddingVariables(relayout(*blocks), _slot_arrays(s))
+        return out
 
     out_shardings = {
         s.name: EmbeddingVariables(sharding, {k: sharding for k in s.optimizer.slots(s.embedding_dim)})

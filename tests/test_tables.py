@@ -1,0 +1,131 @@
+"""init_tables, stack_tables, unstack_tables / unstack_state."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparse_embed as se
+from sparse_embed import optimizers as opt
+from conftest import make_mesh
+
+STACKINGS = ["auto", None, [["a", "c"]]]
+
+
+def _features(o=None):
+    o = o or opt.Adagrad(0.1, initial_accumulator_value=0.25)
+    a = se.TableSpec("a", 37, 8, optimizer=o)
+    b = se.TableSpec("b", 100, 8, optimizer=o)
+    c = se.TableSpec("c", 5, 8, optimizer=o)
+    return {n: se.FeatureSpec(n, t, 8) for n, t in (("fa", a), ("fb", b), ("fc", c), ("fa2", a))}
+
+
+@pytest.mark.parametrize("stacking", STACKINGS, ids=["auto", "none", "explicit"])
+def test_init_layout_sharding_and_padding(mesh, stacking):
+    plan = se.plan(_features(), mesh, stacking=stacking)
+    tables = se.init_tables(plan, jax.random.key(0))
+    for s in plan.stacks:
+        v = tables[s.name]
+        assert v.table.shape == (s.total_rows, 8) and v.table.dtype == jnp.float32
+        assert v.table.sharding.is_equivalent_to(plan.table_sharding(), 2)
+        assert set(v.slots) == {"accumulator"}
+        np.testing.assert_array_equal(np.asarray(v.slots["accumulator"]), 0.25)
+        assert v.slots["accumulator"].sharding.is_equivalent_to(plan.table_sharding(), 2)
+        # padding rows (past each table's vocabulary) are zero, real rows are not
+        rows = se.tables.from_shard_major(s, np.asarray(v.table))
+        for p in s.tables:
+            block = rows[p.row_offset : p.row_offset + p.padded_rows]
+            assert (np.abs(block[: p.table.vocabulary_size]).sum(1) > 0).all()
+            np.testing.assert_array_equal(block[p.table.vocabulary_size :], 0)
+
+
+def test_init_values_independent_of_stacking_and_mesh():
+    want = se.unstack_tables(p := se.plan(_features(), make_mesh(1)), se.init_tables(p, jax.random.key(7)))
+    for n, stacking in ((8, "auto"), (2, None), (8, [["a", "c"]])):
+        p = se.plan(_features(), make_mesh(n), stacking=stacking)
+        got = se.unstack_tables(p, se.init_tables(p, jax.random.key(7)))
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+    other = se.unstack_tables(p, se.init_tables(p, jax.random.key(8)))
+    assert not np.array_equal(other["a"], want["a"])
+
+
+def test_default_initializer_statistics(mesh8):
+    t = se.TableSpec("t", 4000, 16)
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    w = se.unstack_tables(plan, se.init_tables(plan, jax.random.key(0)))["t"]
+    # stddev 1/sqrt(16) before truncation at 2 sigma (as TF's TruncatedNormal): std 0.8796 * 0.25
+    assert abs(w.std() - 0.25 * 0.87962566) < 0.005
+    assert abs(w.mean()) < 0.01
+    assert np.abs(w).max() <= 2 * 0.25 + 1e-6
+
+
+def test_custom_initializer_and_dtype(mesh8):
+    t = se.TableSpec("t", 30, 4, initializer=jax.nn.initializers.constant(0.5), dtype=jnp.bfloat16)
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    tables = se.init_tables(plan, jax.random.key(0))
+    assert tables["t"].table.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(se.unstack_tables(plan, tables)["t"].astype(np.float32), 0.5)
+
+
+def test_init_never_holds_a_whole_table_on_one_device(mesh8):
+    t = se.TableSpec("t", 80_000, 64)
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    table_bytes = 80_000 * 64 * 4
+    compiled = jax.jit(lambda k: se.init_tables(plan, k)).lower(jax.random.key(0)).compile()
+    mem = compiled.memory_analysis()
+    assert mem.output_size_in_bytes <= table_bytes / 8 * 1.01
+    assert mem.temp_size_in_bytes < table_bytes * 0.75  # a few shards' worth, never the whole table
+
+
+def test_initializer_with_wrong_shape_is_an_error(mesh8):
+    t = se.TableSpec("bad", 30, 4, initializer=lambda k, shape, dtype: jnp.zeros((3, 4), dtype))
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    with pytest.raises(ValueError, match="'bad'.*initializer returned shape"):
+        se.init_tables(plan, jax.random.key(0))
+
+
+@pytest.mark.parametrize("stacking", STACKINGS, ids=["auto", "none", "explicit"])
+def test_stack_unstack_round_trip_with_slots(mesh, stacking):
+    plan = se.plan(_features(), mesh, stacking=stacking)
+    rng = np.random.default_rng(0)
+    arrays = {n: rng.normal(size=(t.vocabulary_size, 8)).astype(np.float32) for n, t in plan.tables.items()}
+    slots = {"b": {"accumulator": rng.uniform(size=(100, 8)).astype(np.float32)}}
+    tables = se.stack_tables(plan, arrays, slots)
+    for s in plan.stacks:
+        assert tables[s.name].table.sharding.is_equivalent_to(plan.table_sharding(), 2)
+    state = se.unstack_state(plan, tables)
+    for n in arrays:
+        np.testing.assert_array_equal(state[n]["table"], arrays[n])
+        want = slots["b"]["accumulator"] if n == "b" else np.full((plan.tables[n].vocabulary_size, 8), 0.25)
+        np.testing.assert_array_equal(state[n]["accumulator"], want)
+    back = se.unstack_tables(plan, tables)
+    assert set(back) == set(arrays)
+
+
+def test_stacked_layout_is_mod_sharding(mesh8):
+    """Row r of a table lives on shard r % 8 (in a single-table stack)."""
+    t = se.TableSpec("t", 64, 2)
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    w = np.repeat(np.arange(64, dtype=np.float32)[:, None], 2, 1)
+    tables = se.stack_tables(plan, {"t": w})
+    for shard in tables["t"].table.addressable_shards:
+        s = shard.index[0].start // 8
+        np.testing.assert_array_equal(np.asarray(shard.data)[:, 0], np.arange(8) * 8 + s)
+
+
+def test_stack_tables_bad_input(mesh8):
+    plan = se.plan(_features(), mesh8)
+    good = {n: np.zeros((t.vocabulary_size, 8), np.float32) for n, t in plan.tables.items()}
+    with pytest.raises(ValueError, match=r"missing \['c'\]"):
+        se.stack_tables(plan, {k: v for k, v in good.items() if k != "c"})
+    with pytest.raises(ValueError, match=r"unknown \['zz'\]"):
+        se.stack_tables(plan, {**good, "zz": good["a"]})
+    with pytest.raises(ValueError, match=r"Table 'b': array has shape \(99, 8\)"):
+        se.stack_tables(plan, {**good, "b": np.zeros((99, 8))})
+    with pytest.raises(ValueError, match=r"Table 'a': slot 'accumulator' has shape"):
+        se.stack_tables(plan, good, {"a": {"accumulator": np.zeros((37, 3))}})
+    with pytest.raises(ValueError, match="stacks missing"):
+        se.unstack_tables(plan, {})
