@@ -1,0 +1,155 @@
+"""preprocess: the COO layout, Stats, capacities and overflow policies, checked against numpy."""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+
+import sparse_embed as se
+import reference as ref
+from conftest import make_mesh
+
+
+def _plan(mesh, **kw):
+    a = se.TableSpec("a", 50, 4, combiner="sum")
+    b = se.TableSpec("b", 13, 4, combiner="sum")
+    feats = {
+        "fa": se.FeatureSpec("fa", a, 16),
+        "fb": se.FeatureSpec("fb", b, 8),
+        "fseq": se.FeatureSpec("fseq", b, 8, max_sequence_length=2),
+    }
+    return se.plan(feats, mesh, **kw)
+
+
+def _random_ids(rng, plan, max_len=5):
+    samples = {n: ref.random_samples(rng, f.batch_size, f.table.vocabulary_size, max_len, weighted=True)
+               for n, f in plan.features.items()}
+    return samples, {n: ref.render(s, "list")[0] for n, s in samples.items()}, {
+        n: ref.render(s, "list")[1] for n, s in samples.items()}
+
+
+def _expected_entries(plan, samples):
+    """{(device, shard): sorted list of (row_id, col_id, value)} computed directly from the samples."""
+    out = collections.defaultdict(list)
+    for stack in plan.stacks:
+        S = stack.num_shards
+        for lay in stack.features:
+            f = lay.feature
+            spd, L = f.batch_size // S, f.max_sequence_length
+            for b, s in enumerate(samples[f.name]):
+                ids = [i for i, _ in s][: L or None]
+                w = np.array([x for _, x in s])[: L or None]
+                for j, i in enumerate(ids):
+                    r = lay.table_row_offset + i
+                    row = lay.row_offset + (b % spd) * max(L, 1) + (j if L else 0)
+                    out[(stack.name, b // spd, r % S)].append((row, r // S, float(w[j])))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_coo_layout_matches_numpy(n):
+    plan = _plan(make_mesh(n))
+    samples, ids, w = _random_ids(np.random.default_rng(n), plan)
+    batch, stats = se.preprocess(plan, ids, w, device_put=False)
+    want = _expected_entries(plan, samples)
+    for stack in plan.stacks:
+        coo, S = batch[stack.name], n
+        C = coo.capacity
+        assert coo.col_ids.shape == coo.row_ids.shape == coo.values.shape == (n, S * C)
+        counts = []
+        for d in range(n):
+            for s in range(S):
+                lo, hi = coo.shard_starts[d, s], coo.shard_ends[d, s]
+                assert lo == s * C and hi - lo <= C
+                got = list(zip(coo.row_ids[d, lo:hi], coo.col_ids[d, lo:hi], coo.values[d, lo:hi]))
+                assert [g[0] for g in got] == sorted(g[0] for g in got)  # row order inside a segment
+                exp = want.get((stack.name, d, s), [])
+                assert sorted((int(r), int(c)) for r, c, _ in got) == sorted((r, c) for r, c, _ in exp)
+                np.testing.assert_allclose(sorted(v for *_, v in got), sorted(v for *_, v in exp), rtol=1e-6)
+                # padding entries point out of range and carry no gain
+                assert (coo.col_ids[d, hi : (s + 1) * C] == stack.rows_per_shard).all()
+                assert (coo.row_ids[d, hi : (s + 1) * C] == stack.rows_per_device).all()
+                assert (coo.values[d, hi : (s + 1) * C] == 0).all()
+                counts.append(hi - lo)
+        assert stats.max_ids_per_partition[stack.name] == max(counts)
+        assert stats.num_ids[stack.name] == sum(counts)
+        assert stats.dropped_ids[stack.name] == 0
+        uniq = [len({c for _, c, _ in want.get((stack.name, d, s), [])}) for d in range(n) for s in range(S)]
+        assert stats.max_unique_ids_per_partition[stack.name] == max(uniq)
+
+
+def test_device_put_places_batch_on_the_mesh(mesh8):
+    plan = _plan(mesh8)
+    _, ids, _ = _random_ids(np.random.default_rng(0), plan)
+    batch, _ = se.preprocess(plan, ids)
+    for coo in batch.values():
+        for x in coo:
+            assert isinstance(x, jax.Array) and x.sharding.is_equivalent_to(plan.batch_sharding(), x.ndim)
+
+
+def _hot_ids(plan, n_hot):
+    """fa: every sample holds ids 0, 8, 16, ... (all on shard 0 of an 8-device mesh)."""
+    ids = {n: np.full((f.batch_size, 1), -1) for n, f in plan.features.items()}
+    ids["fa"] = np.tile(np.arange(n_hot) % 7 * 8, (16, 1))
+    return ids
+
+
+def test_overflow_error_names_stack_partition_and_counts(mesh8):
+    plan = _plan(mesh8, stacking=None, capacity=8)
+    with pytest.raises(ValueError, match=r"Stack 'a' \(features \['fa'\]\): partition \(device 0, shard 0\) has 12 ids but the capacity is 8"):
+        se.preprocess(plan, _hot_ids(plan, 6))  # 2 samples per device x 6 ids
+
+
+def test_overflow_drop_is_counted_and_deterministic(mesh8):
+    plan = _plan(mesh8, stacking=None, capacity=8, on_overflow="drop")
+    ids = _hot_ids(plan, 6)
+    batch, stats = se.preprocess(plan, ids)
+    assert stats.dropped_ids["a"] == 8 * (12 - 8)
+    assert stats.max_ids_per_partition["a"] == 12
+    again, _ = se.preprocess(plan, ids)
+    for x, y in zip(batch["a"], again["a"]):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # the last ids in sample order are dropped: sample 0 keeps 6 ids, sample 1 keeps the first 2
+    tables = se.init_tables(plan, jax.random.key(0))
+    W = se.unstack_tables(plan, tables)["a"]
+    act = np.asarray(se.lookup(plan, batch, tables)["fa"])
+    np.testing.assert_allclose(act[0], W[[0, 8, 16, 24, 32, 40]].sum(0), rtol=1e-5)
+    np.testing.assert_allclose(act[1], W[[0, 8]].sum(0), rtol=1e-5)
+
+
+def test_grow_capacity_fits_observed_stats(mesh8):
+    plan = _plan(mesh8, stacking=None, capacity=8, on_overflow="drop")
+    _, stats = se.preprocess(plan, _hot_ids(plan, 6))
+    grown = se.grow_capacity(plan, stats)
+    assert grown.capacity("a") == 16 and grown.capacity("b") == 8
+    batch, stats2 = se.preprocess(grown, _hot_ids(plan, 6))
+    assert stats2.dropped_ids["a"] == 0 and batch["a"].capacity == 16
+    assert se.grow_capacity(plan, stats, headroom=2.0).capacity("a") == 24
+    with pytest.raises(ValueError, match="headroom"):
+        se.grow_capacity(plan, stats, headroom=0.5)
+
+
+def test_auto_capacity_sizes_from_first_batch_and_only_grows(mesh8):
+    plan = _plan(mesh8, stacking=None)
+    assert plan.capacity("a") is None
+    small = {n: np.full((f.batch_size, 1), 1) for n, f in plan.features.items()}
+    b1, s1 = se.preprocess(plan, small)
+    c1 = b1["a"].capacity
+    assert c1 >= s1.max_ids_per_partition["a"] and plan.capacity("a") == c1
+    b2, s2 = se.preprocess(plan, _hot_ids(plan, 40))  # needs 80 per partition: grows, nothing dropped
+    assert b2["a"].capacity >= 80 and s2.dropped_ids["a"] == 0
+    b3, _ = se.preprocess(plan, small)  # never shrinks: no recompile
+    assert b3["a"].capacity == b2["a"].capacity
+    # copies of the plan (jit static args) share the high-water mark, hashing ignores it
+    assert hash(plan) == hash(_plan(mesh8, stacking=None)) and plan == _plan(mesh8, stacking=None)
+
+
+def test_stats_merge():
+    a = se.Stats({"s": 3}, {"s": 2}, {"s": 1}, {"s": 10}, {"s": 8})
+    b = se.Stats({"s": 5, "t": 1}, {"s": 1, "t": 1}, {"s": 2, "t": 0}, {"s": 4, "t": 1}, {"s": 8, "t": 8})
+    m = a.merge(b)
+    assert m.max_ids_per_partition == {"s": 5, "t": 1}
+    assert m.dropped_ids == {"s": 3, "t": 0} and m.num_ids == {"s": 14, "t": 1}
