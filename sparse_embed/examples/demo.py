@@ -1,0 +1,500 @@
+"""End-to-end demo: a click model with sharded embeddings, trained on synthetic data.
+
+A hidden "teacher" (its own random embedding tables and a scoring function)
+labels Zipf-skewed categorical ids plus a few dense floats with clicks. The
+student is sparse_embed tables (Adagrad, applied inside the backward pass)
+plus a small DLRM-style MLP head in flax.linen, trained with optax Adam. The
+teacher's AUC on the same data is the ceiling the student can reach.
+
+Features (all read by a stacked, sharded table set):
+
+- ``user``:    one id per sample            (table ``user``)
+- ``item``:    the candidate item, one id   (table ``item``)
+- ``history``: the last ``L`` items seen, a sequence feature ``[B, L, dim]``
+               that shares the ``item`` table (-1 padded)
+- ``tags``:    1..k weighted tags, ragged ``(values, row_lengths)`` (table ``tag``)
+
+Host data generation and ``sparse_embed.preprocess`` of the next batches run
+in a background thread while the device trains on the current one.
+
+Run::
+
+    python -m sparse_embed.examples.demo                      # all local devices
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python -m sparse_embed.examples.demo                  # 8 simulated CPU devices
+"""
+
+from __future__ import annotations
+
+import sparse_embed as se  # first: it sets XLA flags before JAX starts a backend
+
+import argparse
+import dataclasses
+import queue
+import threading
+import time
+from collections import deque
+from functools import partial
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+AXIS = "device"
+
+
+# ---------------------------------------------------------------------------
+# Synthetic data: Zipf ids and a hidden teacher that turns them into clicks.
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Shape of the synthetic data."""
+
+    users: int = 100_000
+    items: int = 20_000
+    tags: int = 2_000
+    history_len: int = 8
+    max_tags: int = 5
+    num_dense: int = 4
+    zipf_exponent: float = 1.1
+    teacher_dim: int = 8
+    signal: float = 1.5  # std of the teacher's logit: sets the label noise, so the ceiling AUC
+
+
+class ZipfSampler(NamedTuple):
+    """Draws ids with P(rank r) ~ 1/(r+1)^a; ranks are scattered over the id space."""
+
+    cdf: np.ndarray  # [vocab] float64, increasing to 1
+    ids_by_rank: np.ndarray  # [vocab] int64, a permutation
+
+    @classmethod
+    def create(cls, rng: np.random.Generator, vocab: int, exponent: float) -> "ZipfSampler":
+        p = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** exponent
+        return cls(np.cumsum(p / p.sum()), rng.permutation(vocab))
+
+    def __call__(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        ranks = np.searchsorted(self.cdf, rng.random(shape), side="right")
+        return self.ids_by_rank[np.minimum(ranks, self.cdf.size - 1)]
+
+
+class Examples(NamedTuple):
+    """One batch on the host. B = batch size, L = history length."""
+
+    ids: dict[str, Any]  # feature -> ids in a `sparse_embed.preprocess` format
+    weights: dict[str, Any]  # feature -> weights, same structure (tags only)
+    dense: np.ndarray  # [B, num_dense] float32
+    history_mask: np.ndarray  # [B, L] float32, 1 where a history position holds an item
+    labels: np.ndarray  # [B] float32 clicks
+    teacher_logits: np.ndarray  # [B] float32, the teacher's logit (for the ceiling AUC)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Teacher:
+    """The hidden model: random tables and a scoring function that generate the labels.
+
+    score = (u + h + t + d) . i + b_i, where u, i, t are user, item and
+    weighted-mean tag vectors, h a position-decayed mean of the history's item
+    vectors, d = tanh(W dense); the logit is that score standardised, times
+    `config.signal`, plus a negative offset (about a third of the samples click).
+    """
+
+    config: DataConfig
+    user: np.ndarray  # [users, k]
+    item: np.ndarray  # [items, k]
+    item_bias: np.ndarray  # [items]
+    tag: np.ndarray  # [tags, k]
+    dense_proj: np.ndarray  # [num_dense, k]
+    position_decay: np.ndarray  # [L]
+    samplers: dict[str, ZipfSampler]
+    center: float = 0.0
+    scale: float = 1.0
+
+    @classmethod
+    def create(cls, config: DataConfig, seed: int) -> "Teacher":
+        rng = np.random.default_rng([seed, 0])
+        k, a = config.teacher_dim, config.zipf_exponent
+        normal = lambda *shape: rng.normal(0.0, 1.0 / np.sqrt(k), shape).astype(np.float32)
+        samplers = {name: ZipfSampler.create(rng, n, a)
+                    for name, n in (("user", config.users), ("item", config.items), ("tag", config.tags))}
+        t = cls(config, normal(config.users, k), normal(config.items, k),
+                rng.normal(0.0, 0.5, config.items).astype(np.float32), normal(config.tags, k),
+                rng.normal(0.0, 1.0, (config.num_dense, k)).astype(np.float32),
+                0.75 ** np.arange(config.history_len, dtype=np.float32), samplers)
+        raw = t.raw_scores(*t.draw_ids(np.random.default_rng([seed, 99]), 16_384))
+        return dataclasses.replace(t, center=float(raw.mean()), scale=float(raw.std()))
+
+    def draw_ids(self, rng: np.random.Generator, batch: int):
+        """Host ids of one batch: user/item [B], history [B, L] (-1 padded), tags ragged, dense [B, F]."""
+        c = self.config
+        user = self.samplers["user"](rng, (batch,))
+        item = self.samplers["item"](rng, (batch,))
+        lengths = rng.integers(0, c.history_len + 1, batch)
+        history = self.samplers["item"](rng, (batch, c.history_len))
+        history[np.arange(c.history_len)[None, :] >= lengths[:, None]] = -1
+        tag_lengths = rng.integers(1, c.max_tags + 1, batch)
+        tag_ids = self.samplers["tag"](rng, (int(tag_lengths.sum()),))
+        tag_w = rng.uniform(0.2, 1.0, tag_ids.size).astype(np.float32)
+        dense = rng.normal(size=(batch, c.num_dense)).astype(np.float32)
+        return user, item, history, (tag_ids, tag_w, tag_lengths), dense
+
+    def raw_scores(self, user, item, history, tags, dense) -> np.ndarray:
+        """The unscaled teacher score of each sample, `[B]`."""
+        tag_ids, tag_w, tag_lengths = tags
+        batch = user.size
+        mask = (history >= 0).astype(np.float32)  # [B, L]
+        pos_w = mask * self.position_decay[None, :]
+        h = np.einsum("bl,blk->bk", pos_w, self.item[np.maximum(history, 0)])
+        h /= np.maximum(pos_w.sum(1, keepdims=True), 1e-6)
+        rows = np.repeat(np.arange(batch), tag_lengths)
+        t = np.zeros((batch, self.config.teacher_dim), np.float32)
+        np.add.at(t, rows, tag_w[:, None] * self.tag[tag_ids])
+        t /= np.bincount(rows, weights=tag_w, minlength=batch)[:, None]
+        d = np.tanh(dense @ self.dense_proj)
+        intent = self.user[user] + h + t + d
+        return np.sum(intent * self.item[item], axis=1) + self.item_bias[item]
+
+    def logits(self, raw: np.ndarray) -> np.ndarray:
+        return (self.config.signal * (raw - self.center) / self.scale - 1.0).astype(np.float32)
+
+    def sample(self, rng: np.random.Generator, batch: int) -> Examples:
+        """One labelled batch, in the formats `sparse_embed.preprocess` accepts."""
+        user, item, history, tags, dense = self.draw_ids(rng, batch)
+        logits = self.logits(self.raw_scores(user, item, history, tags, dense))
+        labels = (rng.random(batch) < 1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+        tag_ids, tag_w, tag_lengths = tags
+        ids = {"user": user, "item": item, "history": history, "tags": (tag_ids, tag_lengths)}
+        weights = {"tags": (tag_w, tag_lengths)}
+        return Examples(ids, weights, dense, (history >= 0).astype(np.float32), labels, logits)
+
+
+# ---------------------------------------------------------------------------
+# The student: sparse_embed tables + a DLRM-style head.
+
+
+def feature_specs(config: DataConfig, batch_size: int, dim: int, optimizer: se.optimizers.Optimizer,
+                  init_std: float):
+    """Three tables (stacked into one by the planner), four features; `history` shares `item`."""
+    init = jax.nn.initializers.truncated_normal(init_std)
+    table = lambda name, vocab: se.TableSpec(name, vocab, dim, init, optimizer, combiner="mean")
+    user, item, tag = table("user", config.users), table("item", config.items), table("tag", config.tags)
+    return {
+        "user": se.FeatureSpec("user", user, batch_size),
+        "item": se.FeatureSpec("item", item, batch_size),
+        "history": se.FeatureSpec("history", item, batch_size, max_sequence_length=config.history_len),
+        "tags": se.FeatureSpec("tags", tag, batch_size),
+    }
+
+
+class Head(nn.Module):
+    """Embeddings + dense floats -> click logit `[B]`.
+
+    The history `[B, L, dim]` is pooled with learned per-position weights
+    (softmax over the valid positions); then the pairwise dot products of the
+    five `[B, dim]` vectors and the vectors themselves feed an MLP.
+    """
+
+    hidden: Sequence[int] = (64, 32)
+
+    @nn.compact
+    def __call__(self, acts: dict[str, jax.Array], dense: jax.Array, history_mask: jax.Array) -> jax.Array:
+        dim = acts["user"].shape[-1]
+        position_logits = self.param("position_logits", nn.initializers.zeros, (history_mask.shape[1],))
+        w = jnp.exp(position_logits)[None, :] * history_mask  # [B, L]
+        w = w / jnp.maximum(w.sum(axis=1, keepdims=True), 1e-6)
+        history = jnp.einsum("bl,bld->bd", w, acts["history"])
+        dense_vec = nn.Dense(dim)(nn.relu(nn.Dense(2 * dim)(dense)))
+        vectors = jnp.stack([acts["user"], acts["item"], acts["tags"], history, dense_vec], axis=1)
+        i, j = np.triu_indices(vectors.shape[1], k=1)
+        dots = jnp.einsum("bid,bjd->bij", vectors, vectors)[:, i, j]  # [B, 10]
+        x = jnp.concatenate([vectors.reshape(vectors.shape[0], -1), dots, dense], axis=1)
+        for width in self.hidden:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(1)(x)[:, 0]
+
+
+class DenseInputs(NamedTuple):
+    """The non-embedding inputs of a batch, on device (sharded over the batch)."""
+
+    dense: jax.Array  # [B, num_dense]
+    history_mask: jax.Array  # [B, L]
+    labels: jax.Array  # [B]
+
+
+class Batch(NamedTuple):
+    """A batch ready for the device step, plus its host labels/teacher logits for AUC."""
+
+    sparse: dict[str, se.ShardedCooMatrix]
+    inputs: DenseInputs
+    labels: np.ndarray  # [B]
+    teacher_logits: np.ndarray  # [B]
+    stats: se.Stats  # what preprocess saw (ids per partition, capacity, drops)
+
+
+def make_predict(plan: se.EmbeddingPlan, model: Head) -> Callable:
+    """`predict(params, tables, sparse, inputs, step=None) -> logits [B]`; jit it to evaluate.
+
+    Called outside `jax.grad` the lookup is a plain forward: tables are not updated.
+    """
+
+    def predict(params, tables, sparse, inputs: DenseInputs, step=None) -> jax.Array:
+        acts = se.lookup(plan, sparse, tables, step)  # {feature: [B, dim] or [B, L, dim]}
+        return model.apply(params, acts, inputs.dense, inputs.history_mask)
+
+    return predict
+
+
+def make_train_step(plan: se.EmbeddingPlan, model: Head, tx: optax.GradientTransformation) -> Callable:
+    """`train_step(params, opt_state, tables, sparse, inputs, step) -> (params, opt_state, tables, loss)`.
+
+    One jit; params, optimizer state and tables are donated (updated in place).
+    """
+    predict = make_predict(plan, model)
+
+    def loss_fn(params, tables, sparse, inputs: DenseInputs, step) -> jax.Array:
+        logits = predict(params, tables, sparse, inputs, step)
+        return optax.sigmoid_binary_cross_entropy(logits, inputs.labels).mean()
+
+    @partial(jax.jit, donate_argnums=(0, 1, 2))
+    def train_step(params, opt_state, tables, sparse, inputs: DenseInputs, step):
+        # The "gradient" w.r.t. tables is the updated tables (Adagrad already applied).
+        loss, (grads, new_tables) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+            params, tables, sparse, inputs, step)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, new_tables, loss
+
+    return train_step
+
+
+# ---------------------------------------------------------------------------
+# Host pipeline: generate + preprocess in a background thread.
+
+
+def make_batch(teacher: Teacher, plan: se.EmbeddingPlan, batch_size: int, rng: np.random.Generator) -> Batch:
+    """Samples a batch and preprocesses it for the device (COO per stack, dense inputs sharded)."""
+    ex = teacher.sample(rng, batch_size)
+    sparse, stats = se.preprocess(plan, ex.ids, ex.weights)
+    if any(stats.dropped_ids.values()):  # cannot happen with auto capacity; never drop silently
+        raise RuntimeError(f"preprocess dropped ids: {stats.dropped_ids}")
+    sharding = NamedSharding(plan.mesh, P(plan.axis_name))
+    inputs = jax.device_put(DenseInputs(ex.dense, ex.history_mask, ex.labels), sharding)
+    return Batch(sparse, inputs, ex.labels, ex.teacher_logits, stats)
+
+
+class Prefetcher:
+    """Runs `make(i)` for i in [0, count) on a background thread, `depth` items ahead.
+
+    The device step is dispatched asynchronously and runs outside the GIL
+    (as does much of numpy), so this host work overlaps it. An exception in `make` is re-raised
+    in the consumer.
+    """
+
+    def __init__(self, make: Callable[[int], Any], count: int, depth: int = 2):
+        self._make, self._count = make, count
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for i in range(self._count):
+                if not self._put(("ok", self._make(i))):
+                    return
+        except BaseException as e:  # noqa: BLE001  (handed to the consumer)
+            self._put(("error", e))
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in range(self._count):
+            kind, item = self._queue.get()
+            if kind == "error":
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------
+# Metrics.
+
+
+def auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """ROC AUC from ranks (Mann-Whitney U, ties get their average rank). `[N]` each."""
+    labels = np.asarray(labels).astype(bool).ravel()
+    scores = np.asarray(scores, np.float64).ravel()
+    n_pos = int(labels.sum())
+    n_neg = labels.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    avg_rank = np.cumsum(counts) - (counts - 1) / 2.0  # 1-based average rank of each distinct score
+    rank_sum = avg_rank[inverse][labels].sum()
+    return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def score(predict: Callable, params, tables, batches: Sequence[Batch]) -> tuple[float, float]:
+    """(model AUC, teacher AUC) over the examples of `batches`."""
+    logits = [np.asarray(predict(params, tables, b.sparse, b.inputs)) for b in batches]
+    labels = np.concatenate([b.labels for b in batches])
+    teacher = np.concatenate([b.teacher_logits for b in batches])
+    return auc(labels, np.concatenate(logits)), auc(labels, teacher)
+
+
+# ---------------------------------------------------------------------------
+# Driver.
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line; checks that the batch splits evenly over the devices."""
+    p = argparse.ArgumentParser(prog="python -m sparse_embed.examples.demo", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=8000, help="training steps")
+    p.add_argument("--batch-size", type=int, default=1024, help="global batch; must divide by the device count")
+    p.add_argument("--seed", type=int, default=0, help="seeds the teacher, the data and the model")
+    p.add_argument("--eval-batches", type=int, default=16,
+                   help="held-out batches for eval AUC (and as many recent training batches for train AUC)")
+    p.add_argument("--embedding-dim", type=int, default=16, help="width of every table's rows")
+    p.add_argument("--embedding-lr", type=float, default=0.05, help="Adagrad learning rate of the tables")
+    # The loss is a batch mean, so a row's gradient is ~1/batch: an initial accumulator of
+    # 0.1 (the Adagrad default) would dwarf g*g and leave rarely seen rows almost frozen.
+    p.add_argument("--embedding-init-acc", type=float, default=1e-6,
+                   help="Adagrad initial accumulator of the tables (small: the loss is a batch mean)")
+    # Small initial rows: an id never seen in training then contributes ~nothing, not noise.
+    p.add_argument("--embedding-init-std", type=float, default=0.02, help="stddev of the initial rows")
+    p.add_argument("--dense-lr", type=float, default=2e-3, help="Adam learning rate of the MLP head")
+    p.add_argument("--users", type=int, default=DataConfig.users, help="user vocabulary")
+    p.add_argument("--items", type=int, default=DataConfig.items, help="item vocabulary")
+    p.add_argument("--tags", type=int, default=DataConfig.tags, help="tag vocabulary")
+    p.add_argument("--log-every", type=int, default=20, help="steps between progress-bar updates")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    n = len(jax.devices())
+    if args.batch_size % n:
+        p.error(f"--batch-size {args.batch_size} must divide by the {n} devices")
+    if args.steps < 1 or args.eval_batches < 1:
+        p.error("--steps and --eval-batches must be >= 1")
+    return args
+
+
+class Result(NamedTuple):
+    """What training produced."""
+
+    params: Any
+    tables: dict[str, se.EmbeddingVariables]
+    losses: list[float]  # one per step
+    recent: list[Batch]  # the last `eval_batches` training batches (for train AUC)
+    stats: se.Stats  # preprocess stats merged over all training batches
+    seconds: float  # wall time of the loop
+
+
+def train(args: argparse.Namespace, plan: se.EmbeddingPlan, teacher: Teacher, model: Head,
+          params: Any, tables: dict[str, se.EmbeddingVariables]) -> Result:
+    """The training loop: a prefetch thread makes batches while the device steps.
+
+    Losses are fetched every `log_every` steps only, so the host never waits
+    for the device in between (dispatch stays asynchronous).
+    """
+    tx = optax.adam(args.dense_lr)
+    opt_state = jax.device_put(tx.init(params), NamedSharding(plan.mesh, P()))
+    train_step = make_train_step(plan, model, tx)
+    make = lambda i: make_batch(teacher, plan, args.batch_size, np.random.default_rng([args.seed, 1, i]))
+    losses, pending, recent, stats = [], [], deque(maxlen=args.eval_batches), None
+    bar = tqdm(total=args.steps, unit="step", disable=args.no_progress, dynamic_ncols=True)
+    start = t_log = time.perf_counter()
+    with Prefetcher(make, args.steps) as batches:
+        for step, batch in enumerate(batches):
+            params, opt_state, tables, loss = train_step(
+                params, opt_state, tables, batch.sparse, batch.inputs, jnp.asarray(step, jnp.int32))
+            pending.append(loss)
+            recent.append(batch)
+            stats = batch.stats if stats is None else stats.merge(batch.stats)
+            if len(pending) == args.log_every or step == args.steps - 1:
+                losses += [float(x) for x in jax.device_get(pending)]
+                now = time.perf_counter()
+                bar.set_postfix(loss=f"{np.mean(losses[-len(pending):]):.4f}",
+                                ex_s=f"{len(pending) * args.batch_size / (now - t_log):,.0f}")
+                bar.update(len(pending))
+                pending, t_log = [], now
+    bar.close()
+    return Result(params, tables, losses, list(recent), stats, time.perf_counter() - start)
+
+
+def init_head(model: Head, plan: se.EmbeddingPlan, config: DataConfig, key: jax.Array) -> Any:
+    """Head params, replicated over the mesh (initialised from one dummy example's shapes)."""
+    acts = {name: jnp.zeros((1, *f.output_shape[1:])) for name, f in plan.features.items()}
+    dense, mask = jnp.zeros((1, config.num_dense)), jnp.zeros((1, config.history_len))
+    init = jax.jit(model.init, out_shardings=NamedSharding(plan.mesh, P()))
+    return init(key, acts, dense, mask)
+
+
+def build(args: argparse.Namespace):
+    """Teacher, plan, initial tables and head params, and the held-out eval batches."""
+    config = DataConfig(users=args.users, items=args.items, tags=args.tags)
+    teacher = Teacher.create(config, args.seed)
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    optimizer = se.optimizers.Adagrad(args.embedding_lr, initial_accumulator_value=args.embedding_init_acc)
+    features = feature_specs(config, args.batch_size, args.embedding_dim, optimizer, args.embedding_init_std)
+    plan = se.plan(features, mesh)  # the three tables share dim/optimizer/combiner: one stack
+    tables = se.init_tables(plan, jax.random.key(args.seed))
+    eval_batches = [make_batch(teacher, plan, args.batch_size, np.random.default_rng([args.seed, 2, i]))
+                    for i in range(args.eval_batches)]
+    model = Head()
+    params = init_head(model, plan, config, jax.random.key(args.seed + 1))
+    return teacher, plan, model, params, tables, eval_batches
+
+
+def loss_curve(losses: Sequence[float], points: int = 8) -> str:
+    """`"0.634 0.561 ..."`: mean loss over `points` equal stretches of training."""
+    chunks = np.array_split(np.asarray(losses), min(points, len(losses)))
+    return " ".join(f"{c.mean():.4f}" for c in chunks)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Trains the student on teacher-labelled data; prints and returns losses and AUCs."""
+    args = parse_args(argv)
+    teacher, plan, model, params, tables, eval_batches = build(args)
+    print(f"{len(jax.devices())} device(s), stacks {list(plan.stack_names)}, "
+          f"{args.steps} steps x {args.batch_size} examples")
+    result = train(args, plan, teacher, model, params, tables)
+    predict = jax.jit(make_predict(plan, model))
+    train_auc, teacher_train_auc = score(predict, result.params, result.tables, result.recent)
+    eval_auc, teacher_auc = score(predict, result.params, result.tables, eval_batches)
+
+    examples_per_second = args.steps * args.batch_size / result.seconds
+    print(f"trained in {result.seconds:.1f} s ({examples_per_second:,.0f} examples/s); "
+          f"preprocess capacity {result.stats.capacity}, dropped ids {result.stats.dropped_ids}")
+    print(f"loss curve (mean over {min(8, len(result.losses))} stretches): {loss_curve(result.losses)}")
+    print(f"{'AUC':<36}{'model':>8}{'teacher':>10}")
+    print(f"{f'train (last {len(result.recent)} training batches)':<36}{train_auc:>8.4f}{teacher_train_auc:>10.4f}")
+    print(f"{f'eval  ({len(eval_batches)} held-out batches)':<36}{eval_auc:>8.4f}{teacher_auc:>10.4f}")
+    print("(the teacher's AUC is the ceiling on held-out data; on batches it trained on, the model "
+          "can exceed it by fitting their label noise)")
+    return {"losses": result.losses, "train_auc": train_auc, "eval_auc": eval_auc, "teacher_auc": teacher_auc,
+            "teacher_train_auc": teacher_train_auc, "seconds": result.seconds,
+            "examples_per_second": examples_per_second}
+
+
+if __name__ == "__main__":
+    main()
