@@ -100,12 +100,16 @@ def _backward_stack(
         clipped = norm > stack.max_norm
         radial = jnp.sum(x * entry_grads, axis=-1, keepdims=True) / jnp.where(clipped, norm * norm, 1.0)
         entry_grads = scale * (entry_grads - jnp.where(clipped, radial * x, 0.0))
-    cols, grads = _dedup(rec.col_ids.reshape(-1), entry_grads.reshape(-1, dim), stack.rows_per_shard)
+    opt, lr = stack.optimizer, stack.optimizer.learning_rate_at(step)
+    cols, grads = rec.col_ids.reshape(-1), entry_grads.reshape(-1, dim)
+    delta = opt.linear_delta(grads, lr) if table.dtype == jnp.float32 else None
+    if delta is not None:  # e.g. SGD: duplicates need no combining, scatter-add each occurrence
+        return EmbeddingVariables(table.at[cols].add(delta, mode="drop"), variables.slots)
 
-    opt = stack.optimizer
+    cols, grads = _dedup(cols, grads, stack.rows_per_shard)
     rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
     slots = {k: v.at[cols].get(mode="fill", fill_value=0) for k, v in variables.slots.items()}
-    new_rows, new_slots = opt.update(rows, slots, grads, opt.learning_rate_at(step))
+    new_rows, new_slots = opt.update(rows, slots, grads, lr)
     put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
     return EmbeddingVariables(put(table, new_rows), {k: put(variables.slots[k], new_slots[k]) for k in slots})
 
@@ -224,7 +228,13 @@ def lookup(
     check_state(plan, tables)
     if step is not None:
         step = jnp.asarray(step)
-    acts = _lookup_stacks(plan, dict(batch), dict(tables), step)
+    return _lookup_jit(plan, dict(batch), dict(tables), step)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _lookup_jit(plan: EmbeddingPlan, batch, tables, step) -> dict[str, jax.Array]:
+    """One compiled program when called eagerly; inlined into the caller's jit otherwise."""
+    acts = _lookup_stacks(plan, batch, tables, step)
     out = {}
     for s in plan.stacks:
         a = acts[s.name].reshape(plan.num_shards, s.rows_per_device, s.embedding_dim)

@@ -69,6 +69,14 @@ class Optimizer:
     def update(self, rows: jax.Array, slots: Slots, grads: jax.Array, lr: jax.Array) -> tuple[jax.Array, Slots]:
         raise NotImplementedError
 
+    def linear_delta(self, grads: jax.Array, lr: jax.Array) -> jax.Array | None:
+        """If the update is `rows + delta(g)` with delta linear in g and no slots, that delta.
+
+        Such an update can be scatter-added per occurrence, which skips
+        combining duplicate ids first. None (the default) means it cannot.
+        """
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class SGD(Optimizer):
@@ -76,6 +84,9 @@ class SGD(Optimizer):
 
     def update(self, rows, slots, grads, lr):
         return rows - lr * grads, slots
+
+    def linear_delta(self, grads, lr):
+        return -lr * grads
 
 
 @dataclasses.dataclass(frozen=True)
