@@ -85,6 +85,16 @@ def _dedup(cols: jax.Array, grads: jax.Array, rows_per_shard: int):
     return unique_cols, summed
 
 
+def _check_trainable(stack: StackPlan, variables: EmbeddingVariables) -> None:
+    want = sorted(stack.optimizer.slots(stack.embedding_dim))
+    if sorted(variables.slots) != want:
+        raise ValueError(
+            f"Stack {stack.name!r} cannot be trained: its {type(stack.optimizer).__name__} optimizer needs "
+            f"slots {want} but the tables have {sorted(variables.slots)} (created with with_slots=False for "
+            "inference?). Create them with slots, e.g. init_tables(plan, rng) or stack_tables(plan, arrays)."
+        )
+
+
 def _backward_stack(
     stack: StackPlan, axis: str, rec: _Received, variables: EmbeddingVariables, g: jax.Array, step
 ) -> EmbeddingVariables:
@@ -100,16 +110,17 @@ def _backward_stack(
         clipped = norm > stack.max_norm
         radial = jnp.sum(x * entry_grads, axis=-1, keepdims=True) / jnp.where(clipped, norm * norm, 1.0)
         entry_grads = scale * (entry_grads - jnp.where(clipped, radial * x, 0.0))
-    opt, lr = stack.optimizer, stack.optimizer.learning_rate_at(step)
+    opt = stack.optimizer
+    _check_trainable(stack, variables)
     cols, grads = rec.col_ids.reshape(-1), entry_grads.reshape(-1, dim)
-    delta = opt.linear_delta(grads, lr) if table.dtype == jnp.float32 else None
-    if delta is not None:  # e.g. SGD: duplicates need no combining, scatter-add each occurrence
+    delta = opt.linear_delta(grads, step) if table.dtype == jnp.float32 else None
+    if delta is not None:  # e.g. plain SGD: duplicates need no combining, scatter-add each occurrence
         return EmbeddingVariables(table.at[cols].add(delta, mode="drop"), variables.slots)
 
     cols, grads = _dedup(cols, grads, stack.rows_per_shard)
     rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
     slots = {k: v.at[cols].get(mode="fill", fill_value=0) for k, v in variables.slots.items()}
-    new_rows, new_slots = opt.update(rows, slots, grads, lr)
+    new_rows, new_slots = opt.update(rows, slots, grads, step)
     put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
     return EmbeddingVariables(put(table, new_rows), {k: put(variables.slots[k], new_slots[k]) for k in slots})
 

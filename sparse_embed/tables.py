@@ -76,7 +76,11 @@ def _block_to_mod(stack: StackPlan, axis: str, blocks: list[jax.Array]) -> jax.A
     return jnp.concatenate(out, axis=0)
 
 
-def init_tables(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, EmbeddingVariables]:
+def _slot_names(stack: StackPlan, with_slots: bool) -> list[str]:
+    return list(stack.optimizer.slots(stack.embedding_dim)) if with_slots else []
+
+
+def init_tables(plan: EmbeddingPlan, rng: jax.Array, *, with_slots: bool = True) -> dict[str, EmbeddingVariables]:
     """Initialises every stack, sharded: `{stack: EmbeddingVariables}`.
 
     Runs as one jit: each device generates a contiguous block of each
@@ -84,6 +88,8 @@ def init_tables(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, EmbeddingVaria
     device ever holds more than a few shards' worth of a table. A table's
     values depend only on `rng` and its name (not on stacking or mesh size);
     padding rows are zero; slots hold the optimizer's initial values.
+    `with_slots=False` creates no optimizer slots (inference/eval memory);
+    such tables can be looked up but not trained.
     """
     sharding, axis = plan.table_sharding(), plan.axis_name
 
@@ -95,11 +101,11 @@ def init_tables(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, EmbeddingVaria
                 lambda *b, s=s: _block_to_mod(s, axis, list(b)), mesh=plan.mesh,
                 in_specs=P(axis, None), out_specs=P(axis, None),
             )
-            out[s.name] = EmbeddingVariables(relayout(*blocks), _slot_arrays(s))
+            out[s.name] = EmbeddingVariables(relayout(*blocks), _slot_arrays(s) if with_slots else {})
         return out
 
     out_shardings = {
-        s.name: EmbeddingVariables(sharding, {k: sharding for k in s.optimizer.slots(s.embedding_dim)})
+        s.name: EmbeddingVariables(sharding, dict.fromkeys(_slot_names(s, with_slots), sharding))
         for s in plan.stacks
     }
     return jax.jit(init, out_shardings=out_shardings)(rng)
@@ -133,14 +139,18 @@ def stack_tables(
     plan: EmbeddingPlan,
     arrays: Mapping[str, np.ndarray],
     slots: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+    *,
+    with_slots: bool = True,
 ) -> dict[str, EmbeddingVariables]:
     """Per-table `{name: [vocabulary_size, dim]}` arrays -> the plan's stacked, sharded state.
 
     Slots are fresh (the optimizer's initial values) unless `slots`
-    (`{table: {slot_name: [vocabulary_size, width]}}`) gives them.
-    Inverse of `unstack_tables`.
+    (`{table: {slot_name: [vocabulary_size, width]}}`) gives them;
+    `with_slots=False` creates none (inference). Inverse of `unstack_state`.
     """
     _check_arrays(plan, arrays, "stack_tables")
+    if slots and not with_slots:
+        raise ValueError("stack_tables: slots were given but with_slots=False.")
     host = {}
     for name, a in arrays.items():
         t = plan.tables[name]
@@ -156,8 +166,8 @@ def stack_tables(
     for s in plan.stacks:
         table = _stacked_global(plan, s, host, s.embedding_dim, 0, s.dtype)
         slot_arrays = {}
-        for slot_name, spec in s.optimizer.slots(s.embedding_dim).items():
-            given = {}
+        for slot_name in _slot_names(s, with_slots):
+            spec, given = s.optimizer.slots(s.embedding_dim)[slot_name], {}
             for p in s.tables:
                 v = None if slots is None else slots.get(p.table.name, {}).get(slot_name)
                 if v is None:
@@ -183,9 +193,22 @@ def check_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -
             f"the plan has {list(plan.stack_names)}."
         )
     for s in plan.stacks:
-        shape = tuple(tables[s.name].table.shape)
+        v = tables[s.name]
+        shape = tuple(v.table.shape)
         if shape != (s.total_rows, s.embedding_dim):
             raise ValueError(f"Stack {s.name!r}: table has shape {shape}, the plan expects {(s.total_rows, s.embedding_dim)}.")
+        specs = s.optimizer.slots(s.embedding_dim)
+        if v.slots and set(v.slots) != set(specs):
+            raise ValueError(
+                f"Stack {s.name!r}: slots {sorted(v.slots)} do not match its {type(s.optimizer).__name__} "
+                f"optimizer's {sorted(specs)}."
+            )
+        for name, a in v.slots.items():
+            if tuple(a.shape) != (s.total_rows, specs[name].width):
+                raise ValueError(
+                    f"Stack {s.name!r}: slot {name!r} has shape {tuple(a.shape)}, "
+                    f"the plan expects {(s.total_rows, specs[name].width)}."
+                )
 
 
 def unstack_tables(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, np.ndarray]:
