@@ -114,20 +114,87 @@ def row_grads(W: np.ndarray, samples: Samples, ct: np.ndarray, *, combiner: str,
     return grads
 
 
-def sgd(w, slots, g, lr):
+# Optimizers: update(w, slots, g, lr, step) -> (w, slots), float64 rows [dim].
+def sgd(w, slots, g, lr, step):
     return w - lr * g, slots
 
 
-def adagrad(w, slots, g, lr):
+def adagrad(w, slots, g, lr, step):
     acc = slots["accumulator"] + g * g
     return w - lr * g / np.sqrt(acc), {"accumulator": acc}
 
 
-def apply(update, state: dict[str, np.ndarray], grads: dict[int, np.ndarray], lr: float) -> None:
+def rowwise_adagrad(eps):
+    def update(w, slots, g, lr, step):
+        acc = slots["accumulator"] + np.mean(g * g)
+        return w - lr * g / (np.sqrt(acc) + eps), {"accumulator": acc}
+    return update
+
+
+def adam(b1, b2, eps):
+    def update(w, slots, g, lr, step):
+        m = b1 * slots["momentum"] + (1 - b1) * g
+        v = b2 * slots["velocity"] + (1 - b2) * g * g
+        t = step + 1
+        m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
+        return w - lr * m_hat / (np.sqrt(v_hat) + eps), {"momentum": m, "velocity": v}
+    return update
+
+
+def adagrad_momentum(momentum, beta2, eps, exponent, nesterov):
+    def update(w, slots, g, lr, step):
+        acc = slots["accumulator"] + g * g if beta2 == 1 else beta2 * slots["accumulator"] + (1 - beta2) * g * g
+        p = (acc + eps) ** (-1.0 / exponent)
+        m = momentum * slots["momentum"] + p * g
+        d = momentum * m + p * g if nesterov else m
+        return w - lr * d, {"accumulator": acc, "momentum": m}
+    return update
+
+
+def ftrl(power, l1, l2, beta, mult_lr):
+    """Written from the FTRL-Proximal paper's per-coordinate form (sigma, z, n)."""
+    def update(w, slots, g, lr, step):
+        n, z = slots["accumulator"], slots["linear"]
+        n_new = n + g * g
+        sigma = (n_new ** -power - n ** -power) / lr
+        if mult_lr:
+            z_new = z + lr * (g - sigma * w)
+            zz, quad = z_new / lr, (n_new ** -power + beta) / lr + 2 * l2
+        else:
+            z_new = z + g - sigma * w
+            zz, quad = z_new, (n_new ** -power + beta) / lr + 2 * l2
+        w_new = np.where(np.abs(zz) <= l1, 0.0, -(zz - np.sign(zz) * l1) / quad)
+        return w_new, {"accumulator": n_new, "linear": z_new}
+    return update
+
+
+def laprop(b1, b2, eps):
+    def update(w, slots, g, lr, step):
+        # nu is the bias-corrected EMA of g^2 (+eps): nu_t = sum_i b2^(t-i) (g_i^2+eps) (1-b2) / (1-b2^(t+1))
+        d = b2 * (1 - b2**step) / (1 - b2 ** (step + 1))
+        nu = d * slots["nu"] + (1 - d) * (g * g + eps)
+        mu = b1 * slots["mu"] + np.sqrt(1 - b1 * b1) * g / np.sqrt(nu)
+        return w - lr * mu, {"mu": mu, "nu": nu}
+    return update
+
+
+def with_options(update, clip_gradient=None, clip_weight=None, weight_decay=0.0):
+    def wrapped(w, slots, g, lr, step):
+        if clip_gradient is not None:
+            g = np.clip(g, *clip_gradient)
+        w_new, slots = update(w, slots, g, lr, step)
+        w_new = w_new - lr * weight_decay * w
+        if clip_weight is not None:
+            w_new = np.clip(w_new, *clip_weight)
+        return w_new, slots
+    return wrapped
+
+
+def apply(update, state: dict[str, np.ndarray], grads: dict[int, np.ndarray], lr: float, step: int = 0) -> None:
     """Applies a row update in place to `state = {"table": W, slot: ...}` for the touched rows."""
     for r, g in grads.items():
         slots = {k: v[r].astype(np.float64) for k, v in state.items() if k != "table"}
-        w, slots = update(state["table"][r].astype(np.float64), slots, g, lr)
+        w, slots = update(state["table"][r].astype(np.float64), slots, np.asarray(g, np.float64), lr, step)
         state["table"][r] = w
         for k, v in slots.items():
             state[k][r] = v

@@ -157,7 +157,7 @@ def test_multi_step_training_matches_reference(mesh, name, stacking):
                     for r, g in ref.row_grads(W, samples[n], cts[n], combiner=f.table.combiner,
                                               seq_len=f.max_sequence_length, max_norm=f.table.max_norm).items():
                         grads[r] = grads.get(r, 0.0) + g
-            ref.apply(update, state[tname], grads, o.learning_rate)
+            ref.apply(update, state[tname], grads, o.learning_rate, step)
         tables = train(tables, batch, jnp.int32(step))
     got = se.unstack_state(plan, tables)
     for tname in state:

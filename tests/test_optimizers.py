@@ -1,0 +1,207 @@
+"""Every embedded optimizer and option, trained through lookup on 8 devices, against numpy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sparse_embed as se
+from sparse_embed import optimizers as opt
+import reference as ref
+
+B = 16
+SCHEDULES = {
+    "linear": optax.linear_schedule(0.2, 0.02, 4),
+    "warmup_cosine": optax.warmup_cosine_decay_schedule(0.0, 0.3, 2, 6, 0.01),
+}
+
+
+def _momentum_sign_sgd(rows, slots, grads, step):
+    m = 0.5 * slots["m"] + grads
+    return rows - 0.1 * jnp.sign(m), {"m": m}
+
+
+def _ref_momentum_sign_sgd(w, slots, g, lr, step):
+    m = 0.5 * slots["m"] + g
+    return w - 0.1 * np.sign(m), {"m": m}
+
+
+# name -> (spec, numpy update)
+CASES = {
+    "sgd": (opt.SGD(0.1), ref.sgd),
+    "adagrad": (opt.Adagrad(0.2, initial_accumulator_value=0.3), ref.adagrad),
+    "rowwise_adagrad": (opt.RowwiseAdagrad(0.2, epsilon=1e-3), ref.rowwise_adagrad(1e-3)),
+    "adam": (opt.Adam(0.05, b1=0.8, b2=0.9, eps=1e-3), ref.adam(0.8, 0.9, 1e-3)),
+    "adagrad_momentum": (opt.AdagradMomentum(0.1, momentum=0.8), ref.adagrad_momentum(0.8, 1.0, 1e-10, 2.0, False)),
+    "adagrad_momentum_nesterov_beta2": (
+        opt.AdagradMomentum(0.1, momentum=0.7, beta2=0.9, epsilon=1e-3, exponent=3.0, use_nesterov=True),
+        ref.adagrad_momentum(0.7, 0.9, 1e-3, 3.0, True)),
+    "ftrl": (opt.FTRL(0.5), ref.ftrl(-0.5, 0.0, 0.0, 0.0, False)),
+    "ftrl_l1_l2_beta": (opt.FTRL(0.5, learning_rate_power=-0.7, l1=0.02, l2=0.1, beta=0.3),
+                        ref.ftrl(-0.7, 0.02, 0.1, 0.3, False)),
+    "ftrl_multiply_linear": (opt.FTRL(0.5, l1=0.02, l2=0.1, beta=0.3, multiply_linear_by_learning_rate=True),
+                             ref.ftrl(-0.5, 0.02, 0.1, 0.3, True)),
+    "laprop": (opt.LaProp(0.05, b1=0.8, b2=0.9, eps=1e-6), ref.laprop(0.8, 0.9, 1e-6)),
+    "sgd_all_options": (opt.SGD(0.1, clip_gradient=(-0.05, 0.05), clip_weight=(-0.3, 0.3), weight_decay=0.5),
+                        ref.with_options(ref.sgd, (-0.05, 0.05), (-0.3, 0.3), 0.5)),
+    "adam_all_options": (opt.Adam(0.05, clip_gradient=(-0.1, 0.2), clip_weight=(-0.2, 0.25), weight_decay=0.1),
+                         ref.with_options(ref.adam(0.9, 0.999, 1e-8), (-0.1, 0.2), (-0.2, 0.25), 0.1)),
+    "ftrl_decay": (opt.FTRL(0.5, l1=0.01, weight_decay=0.2), ref.with_options(ref.ftrl(-0.5, 0.01, 0, 0, False), None, None, 0.2)),
+    "adagrad_linear_schedule": (opt.Adagrad(SCHEDULES["linear"]), ref.adagrad),
+    "sgd_warmup_cosine": (opt.SGD(SCHEDULES["warmup_cosine"]), ref.sgd),
+    "custom": (opt.Custom(_momentum_sign_sgd, {"m": opt.SlotSpec(4, 0.0)}), _ref_momentum_sign_sgd),
+}
+
+
+def _lr_at(o, step):
+    return float(o.learning_rate(step)) if callable(o.learning_rate) else o.learning_rate
+
+
+def _samples(rng, f, step):
+    vocab = f.table.vocabulary_size
+    if step == 1:  # only a few low ids: most rows untouched this step (lazy updates)
+        return ref.random_samples(rng, f.batch_size, vocab, 3, weighted=True, id_pool=4)
+    if step == 2:  # full of duplicates
+        return ref.random_samples(rng, f.batch_size, vocab, 6, weighted=True, min_len=4, id_pool=2)
+    return ref.random_samples(rng, f.batch_size, vocab, 4, weighted=True)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_training_matches_numpy(mesh8, case):
+    o, update = CASES[case]
+    a = se.TableSpec("a", 40, 4, combiner="sum", optimizer=o)
+    b = se.TableSpec("b", 19, 4, combiner="mean", optimizer=o)
+    feats = {"a1": se.FeatureSpec("a1", a, B), "a2": se.FeatureSpec("a2", a, B), "b1": se.FeatureSpec("b1", b, B)}
+    plan = se.plan(feats, mesh8)
+    tables = se.init_tables(plan, jax.random.key(0))
+    state = {n: {k: v.astype(np.float64) for k, v in s.items()} for n, s in se.unstack_state(plan, tables).items()}
+    rng = np.random.default_rng(1)
+    cts = {n: rng.normal(size=f.output_shape).astype(np.float32) for n, f in feats.items()}
+
+    def loss(tables, batch, step):
+        acts = se.lookup(plan, batch, tables, step)
+        return sum(jnp.sum(acts[k] * cts[k]) for k in cts)
+
+    train = jax.jit(jax.grad(loss), donate_argnums=0)
+    for step in range(5):
+        samples = {n: _samples(rng, f, step) for n, f in feats.items()}
+        ids, w = zip(*(ref.render(samples[n], "list") for n in feats))
+        batch, _ = se.preprocess(plan, dict(zip(feats, ids)), dict(zip(feats, w)))
+        for tname in state:
+            grads: dict[int, np.ndarray] = {}
+            for n, f in feats.items():
+                if f.table.name == tname:
+                    for r, g in ref.row_grads(state[tname]["table"], samples[n], cts[n],
+                                              combiner=f.table.combiner).items():
+                        grads[r] = grads.get(r, 0.0) + g
+            ref.apply(update, state[tname], grads, _lr_at(o, step), step)
+        tables = train(tables, batch, jnp.int32(step))
+    got = se.unstack_state(plan, tables)
+    for tname in state:
+        assert set(got[tname]) == set(state[tname])
+        for k, want in state[tname].items():
+            # rtol 1e-5, plus an atol of 1e-5 of the array's scale for f32 cancellation near zero
+            np.testing.assert_allclose(got[tname][k], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                       err_msg=f"{tname}/{k}")
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_sgd_and_adagrad_equal_optax_on_touched_rows(mesh8, name):
+    o, tx = {"sgd": (opt.SGD(0.3), optax.sgd(0.3)),
+             "adagrad": (opt.Adagrad(0.3, initial_accumulator_value=0.2), optax.adagrad(0.3, 0.2, eps=0.0))}[name]
+    t = se.TableSpec("t", 24, 4, combiner="sum", optimizer=o)
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    tables = se.init_tables(plan, jax.random.key(3))
+    W = jnp.asarray(se.unstack_tables(plan, tables)["t"])
+    ids = np.array([[1, 1, 5], [5, 7, -1]] * 4)
+    touched = np.array([1, 5, 7])
+    ct = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    batch, _ = se.preprocess(plan, {"f": ids})
+    state = tx.init(W[touched])
+    for step in range(3):
+        dense_grad = jax.grad(lambda w: jnp.sum(jnp.stack([w[r[r >= 0]].sum(0) for r in ids]) * ct))(W)
+        upd, state = tx.update(dense_grad[touched], state, W[touched])
+        W = W.at[touched].set(optax.apply_updates(W[touched], upd))
+        tables = jax.jit(jax.grad(lambda tb: jnp.sum(se.lookup(plan, batch, tb, step)["f"] * ct)))(tables)
+    np.testing.assert_allclose(se.unstack_tables(plan, tables)["t"], np.asarray(W), rtol=1e-5, atol=1e-6)
+
+
+def test_step_is_required_for_bias_correction(mesh8):
+    t = se.TableSpec("t", 16, 4, optimizer=opt.Adam(0.1))
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    tables = se.init_tables(plan, jax.random.key(0))
+    batch, _ = se.preprocess(plan, {"f": np.arange(8)})
+    with pytest.raises(ValueError, match="Adam needs the global step"):
+        jax.grad(lambda tb: se.lookup(plan, batch, tb)["f"].sum())(tables)
+
+
+def test_slot_free_tables_look_up_but_do_not_train(mesh8):
+    t = se.TableSpec("t", 16, 4, optimizer=opt.Adagrad(0.1))
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    full = se.init_tables(plan, jax.random.key(0))
+    lean = se.init_tables(plan, jax.random.key(0), with_slots=False)
+    assert lean["t"].slots == {}
+    batch, _ = se.preprocess(plan, {"f": np.arange(8)})
+    np.testing.assert_array_equal(np.asarray(se.lookup(plan, batch, lean)["f"]),
+                                  np.asarray(se.lookup(plan, batch, full)["f"]))
+    with pytest.raises(ValueError, match=r"Stack 't' cannot be trained: its Adagrad optimizer needs slots \['accumulator'\]"):
+        jax.grad(lambda tb: se.lookup(plan, batch, tb, 0)["f"].sum())(lean)
+    lean2 = se.stack_tables(plan, se.unstack_tables(plan, full), with_slots=False)
+    assert lean2["t"].slots == {}
+    # SGD has no slots: slot-free tables train
+    sgd_plan = se.plan({"f": se.FeatureSpec("f", se.TableSpec("t", 16, 4, optimizer=opt.SGD(0.1)), 8)}, mesh8)
+    new = jax.grad(lambda tb: se.lookup(sgd_plan, batch, tb, 0)["f"].sum())(se.init_tables(sgd_plan, jax.random.key(0), with_slots=False))
+    assert new["t"].slots == {}
+
+
+def test_mismatched_slots_are_rejected(mesh8):
+    t = se.TableSpec("t", 16, 4, optimizer=opt.Adam(0.1))
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    tables = se.init_tables(plan, jax.random.key(0))
+    bad = {"t": se.EmbeddingVariables(tables["t"].table, {"momentum": tables["t"].slots["momentum"]})}
+    batch, _ = se.preprocess(plan, {"f": np.arange(8)})
+    with pytest.raises(ValueError, match=r"Stack 't': slots \['momentum'\] do not match its Adam optimizer's"):
+        se.lookup(plan, batch, bad)
+
+
+def test_auto_stacking_never_mixes_optimizers(mesh8):
+    feats = {n: se.FeatureSpec(n, se.TableSpec(n, 10, 4, optimizer=o), 8) for n, o in
+             [("a", opt.Adam(0.1)), ("b", opt.Adam(0.1)), ("c", opt.Adam(0.1, b1=0.5)), ("d", opt.FTRL(0.1)),
+              ("e", opt.RowwiseAdagrad(0.1))]}
+    assert set(se.plan(feats, mesh8).stack_names) == {"a_b", "c", "d", "e"}
+    with pytest.raises(ValueError, match=r"Tables 'a' and 'c' cannot be stacked: optimizer: Adam\(.*b1=0.9.*vs Adam\(.*b1=0.5"):
+        se.plan(feats, mesh8, stacking=[["a", "c"]])
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: opt.Adam(0.1, b1=1.0), "b1 must be in"),
+    (lambda: opt.Adagrad(0.1, initial_accumulator_value=-1), "initial_accumulator_value must be > 0"),
+    (lambda: opt.FTRL(0.1, learning_rate_power=0.5), "learning_rate_power must be <= 0"),
+    (lambda: opt.FTRL(0.1, l1=-1), "l1 must be >= 0"),
+    (lambda: opt.SGD(0.1, clip_gradient=(1, -1)), "clip_gradient needs min <= max"),
+    (lambda: opt.SGD(0.1, clip_weight=3), "clip_weight must be a"),
+    (lambda: opt.SGD(0.1, weight_decay=-0.1), "weight_decay must be >= 0"),
+    (lambda: opt.AdagradMomentum(0.1, beta2=0), "beta2 must be in"),
+    (lambda: opt.LaProp(0.1, b2=1.5), "b2 must be in"),
+    (lambda: opt.Custom(None), "fn must be a function"),
+    (lambda: opt.Custom(_momentum_sign_sgd, {"m": (4, 0.0)}), "must be a SlotSpec"),
+])
+def test_bad_hyperparameters(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+def test_specs_hash_by_value_and_have_documented_slots():
+    assert hash(opt.FTRL(0.1, l1=0.1)) == hash(opt.FTRL(0.1, l1=0.1))
+    assert opt.Adam(0.1) != opt.Adam(0.2)
+    assert opt.Custom(_momentum_sign_sgd, {"m": opt.SlotSpec(4, 0.0)}) == opt.Custom(_momentum_sign_sgd, {"m": opt.SlotSpec(4, 0.0)})
+    widths = {type(o).__name__: {k: s.width for k, s in o.slots(8).items()} for o in (
+        opt.SGD(), opt.Adagrad(), opt.RowwiseAdagrad(), opt.Adam(), opt.AdagradMomentum(), opt.FTRL(), opt.LaProp())}
+    assert widths == {
+        "SGD": {}, "Adagrad": {"accumulator": 8}, "RowwiseAdagrad": {"accumulator": 1},
+        "Adam": {"momentum": 8, "velocity": 8}, "AdagradMomentum": {"accumulator": 8, "momentum": 8},
+        "FTRL": {"accumulator": 8, "linear": 8}, "LaProp": {"mu": 8, "nu": 8},
+    }
