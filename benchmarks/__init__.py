@@ -1,0 +1,1 @@
+"""Runnable benchmarks (see step.py); a package so tests can `from benchmarks.step import main`."""
