@@ -28,6 +28,9 @@ from sparse_embed.preprocess import ShardedCooMatrix
 from sparse_embed.tables import EmbeddingVariables, check_state
 
 
+CHUNK = 16384  # entries gathered/scattered at a time: temporaries of CHUNK x dim floats
+
+
 class _Received(NamedTuple):
     """The COO entries a shard received, `[D, C]` each (from every source device)."""
 
@@ -52,17 +55,40 @@ def _clip_scale(rows: jax.Array, max_norm: float) -> tuple[jax.Array, jax.Array]
     return jnp.where(norm > max_norm, max_norm / jnp.where(norm > 0, norm, 1.0), 1.0), norm
 
 
+def _scan_chunks(body, carry, *entries: jax.Array, fills: tuple):
+    """Folds `body(carry, *chunk)` over flat `[N]` entries in chunks of at most CHUNK.
+
+    Gathering and scattering a chunk at a time keeps temporaries at
+    `CHUNK x dim` instead of `N x dim` (no large buffer to page in, and the
+    gathered rows stay in cache until they are scattered). Entries are padded
+    with `fills` to a whole number of chunks.
+    """
+    n = entries[0].shape[0]
+    k = max(1, -(-n // CHUNK))
+    size = -(-n // k)
+    padded = [jnp.pad(x, (0, k * size - n), constant_values=f).reshape(k, size) for x, f in zip(entries, fills)]
+    return jax.lax.scan(lambda c, xs: (body(c, *xs), None), carry, padded)[0]
+
+
 def _forward_stack(stack: StackPlan, axis: str, coo: ShardedCooMatrix, table: jax.Array):
     """Per device: `[rows_per_device, dim]` activations, plus the received entries."""
     rec = _exchange(stack, axis, coo)
-    D, rpd = stack.num_shards, stack.rows_per_device
-    rows = table.at[rec.col_ids].get(mode="fill", fill_value=0).astype(jnp.float32)  # [D, C, dim]
-    if stack.max_norm is not None:
-        rows = rows * _clip_scale(rows, stack.max_norm)[0]
-    src = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32)[:, None], rec.row_ids.shape)
-    partial = jnp.zeros((D, rpd + 1, stack.embedding_dim), jnp.float32)
-    partial = partial.at[src, rec.row_ids].add(rows * rec.values[..., None], mode="drop")
-    pooled = jax.lax.all_to_all(partial[:, :rpd], axis, 0, 0, tiled=True)  # [S, rpd, dim]
+    D, rpd, dim = stack.num_shards, stack.rows_per_device, stack.embedding_dim
+    # Output row of each entry in the [D, rpd + 1] partials; row rpd of each source is the padding trash row.
+    out = (jnp.arange(D, dtype=jnp.int32)[:, None] * (rpd + 1) + rec.row_ids).reshape(-1)
+
+    def pool(acc, cols, out, values):
+        rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
+        if stack.max_norm is not None:
+            rows = rows * _clip_scale(rows, stack.max_norm)[0]
+        return acc.at[out].add(rows * values[:, None], mode="drop")
+
+    zeros = jax.lax.pcast(jnp.zeros((D * (rpd + 1), dim), jnp.float32), (axis,), to="varying")
+    partial = _scan_chunks(pool, zeros,
+                           rec.col_ids.reshape(-1), out, rec.values.reshape(-1),
+                           fills=(stack.rows_per_shard, D * (rpd + 1), 0.0))
+    partial = partial.reshape(D, rpd + 1, dim)[:, :rpd]
+    pooled = jax.lax.all_to_all(partial, axis, 0, 0, tiled=True)  # [S, rpd, dim]
     return pooled.sum(axis=0), rec
 
 
@@ -100,23 +126,26 @@ def _backward_stack(
 ) -> EmbeddingVariables:
     """Per shard: applies the optimizer to the rows the received entries touched."""
     D, rpd, dim = stack.num_shards, stack.rows_per_device, stack.embedding_dim
-    table = variables.table
-    grads_all = jax.lax.all_gather(g, axis, tiled=False)  # [D, rpd, dim]
-    src = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32)[:, None], rec.row_ids.shape)
-    entry_grads = grads_all.at[src, rec.row_ids].get(mode="fill", fill_value=0) * rec.values[..., None]
+    table, opt = variables.table, stack.optimizer
+    _check_trainable(stack, variables)
+    # Activation gradients of every source device, with a zero row rpd per source for padding entries.
+    grads_all = jnp.pad(jax.lax.all_gather(g, axis, tiled=False), ((0, 0), (0, 1), (0, 0)))
+    grads_all = grads_all.reshape(D * (rpd + 1), dim)
+    src_rows = (jnp.arange(D, dtype=jnp.int32)[:, None] * (rpd + 1) + rec.row_ids).reshape(-1)
+    cols, values = rec.col_ids.reshape(-1), rec.values.reshape(-1)
+
+    grads = grads_all[src_rows] * values[:, None]
+    if opt.is_linear and stack.max_norm is None and table.dtype == jnp.float32:
+        # e.g. plain SGD: duplicates need no combining, scatter-add each occurrence's delta. (One
+        # scatter: a chunked scan would carry the table through a loop, which XLA:CPU copies.)
+        return EmbeddingVariables(table.at[cols].add(opt.linear_delta(grads, step), mode="drop"), variables.slots)
+
     if stack.max_norm is not None:
-        x = table.at[rec.col_ids].get(mode="fill", fill_value=0).astype(jnp.float32)
+        x = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
         scale, norm = _clip_scale(x, stack.max_norm)
         clipped = norm > stack.max_norm
-        radial = jnp.sum(x * entry_grads, axis=-1, keepdims=True) / jnp.where(clipped, norm * norm, 1.0)
-        entry_grads = scale * (entry_grads - jnp.where(clipped, radial * x, 0.0))
-    opt = stack.optimizer
-    _check_trainable(stack, variables)
-    cols, grads = rec.col_ids.reshape(-1), entry_grads.reshape(-1, dim)
-    delta = opt.linear_delta(grads, step) if table.dtype == jnp.float32 else None
-    if delta is not None:  # e.g. plain SGD: duplicates need no combining, scatter-add each occurrence
-        return EmbeddingVariables(table.at[cols].add(delta, mode="drop"), variables.slots)
-
+        radial = jnp.sum(x * grads, axis=-1, keepdims=True) / jnp.where(clipped, norm * norm, 1.0)
+        grads = scale * (grads - jnp.where(clipped, radial * x, 0.0))
     cols, grads = _dedup(cols, grads, stack.rows_per_shard)
     rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
     slots = {k: v.at[cols].get(mode="fill", fill_value=0) for k, v in variables.slots.items()}

@@ -139,13 +139,17 @@ class Optimizer:
             new_rows = jnp.clip(new_rows, *self.clip_weight)
         return new_rows, new_slots
 
-    def linear_delta(self, grads: jax.Array, step) -> jax.Array | None:
-        """If the update is `rows + delta(g)`, delta linear in g, no slots: that delta.
+    @property
+    def is_linear(self) -> bool:
+        """True if the update is `rows + linear_delta(g)`, linear in g, with no slots.
 
         Such an update can be scatter-added per occurrence, which skips
-        combining duplicate ids first. None (the default) means it cannot.
+        combining duplicate ids first.
         """
-        return None
+        return False
+
+    def linear_delta(self, grads: jax.Array, step) -> jax.Array:
+        raise NotImplementedError(f"{type(self).__name__} has no linear update.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +161,11 @@ class SGD(Optimizer):
     def rule(self, rows, slots, grads, step, lr):
         return rows - lr * grads, slots
 
+    @property
+    def is_linear(self):
+        return self.clip_gradient is None and self.clip_weight is None and not self.weight_decay
+
     def linear_delta(self, grads, step):
-        if self.clip_gradient or self.clip_weight or self.weight_decay:
-            return None
         return -self.learning_rate_at(step) * grads
 
 

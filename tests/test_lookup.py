@@ -219,3 +219,21 @@ def test_donated_tables_are_consumed(mesh8):
     new = _loss_and_train(plan, {"f": np.ones((8, 4), np.float32)})(tables, batch, 0)
     assert old.is_deleted()
     assert new["t"].table.sharding == plan.table_sharding()
+
+
+@pytest.fixture
+def tiny_chunks(monkeypatch):
+    """Gather/scatter in chunks of 5 entries (many chunks, with padding) instead of the default."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("sparse_embed.lookup"), "CHUNK", 5)
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_chunked_gather_scatter_matches_reference(tiny_chunks, name):
+    from conftest import make_mesh
+
+    test_multi_step_training_matches_reference(make_mesh(2), name, "auto")
