@@ -139,8 +139,12 @@ class EmbeddingPlan:
         raise KeyError(f"No table {table_name!r} in this plan; tables are {sorted(self.tables)}.")
 
     def table_sharding(self) -> NamedSharding:
-        """Sharding of every stacked table and slot: rows over the plan's axis."""
-        return NamedSharding(self.mesh, P(self.axis_name, None))
+        """Sharding of every stacked table and slot: rows over the plan's axis.
+
+        Spelled `P(axis)` (not the equivalent `P(axis, None)`), as jit outputs
+        are, so that a step's output tables hit the same jit cache entry.
+        """
+        return NamedSharding(self.mesh, P(self.axis_name))
 
     def batch_sharding(self) -> NamedSharding:
         """Sharding of preprocessed batch arrays: leading device axis over the plan's axis."""

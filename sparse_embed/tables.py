@@ -7,6 +7,7 @@ local row `j` is stack row `j*S + s` (MOD layout, see `planning`).
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Mapping, NamedTuple
 
@@ -91,24 +92,23 @@ def init_tables(plan: EmbeddingPlan, rng: jax.Array, *, with_slots: bool = True)
     `with_slots=False` creates no optimizer slots (inference/eval memory);
     such tables can be looked up but not trained.
     """
+    return _init_jit(plan, with_slots, rng)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_jit(plan: EmbeddingPlan, with_slots: bool, rng: jax.Array) -> dict[str, EmbeddingVariables]:
+    """One compiled init per (plan, with_slots); outputs carry the table sharding."""
     sharding, axis = plan.table_sharding(), plan.axis_name
-
-    def init(key):
-        out = {}
-        for s in plan.stacks:
-            blocks = [_natural_table(plan, s, key, i) for i in range(len(s.tables))]
-            relayout = jax.shard_map(
-                lambda *b, s=s: _block_to_mod(s, axis, list(b)), mesh=plan.mesh,
-                in_specs=P(axis, None), out_specs=P(axis, None),
-            )
-            out[s.name] = EmbeddingVariables(relayout(*blocks), _slot_arrays(s) if with_slots else {})
-        return out
-
-    out_shardings = {
-        s.name: EmbeddingVariables(sharding, dict.fromkeys(_slot_names(s, with_slots), sharding))
-        for s in plan.stacks
-    }
-    return jax.jit(init, out_shardings=out_shardings)(rng)
+    out = {}
+    for s in plan.stacks:
+        blocks = [_natural_table(plan, s, rng, i) for i in range(len(s.tables))]
+        relayout = jax.shard_map(
+            lambda *b, s=s: _block_to_mod(s, axis, list(b)), mesh=plan.mesh,
+            in_specs=P(axis, None), out_specs=P(axis, None),
+        )
+        slots = _slot_arrays(s) if with_slots else {}
+        out[s.name] = EmbeddingVariables(relayout(*blocks), slots)
+    return jax.lax.with_sharding_constraint(out, sharding)
 
 
 def _check_arrays(plan: EmbeddingPlan, arrays: Mapping[str, np.ndarray], what: str) -> None:
