@@ -1,0 +1,144 @@
+"""Checkpoint conversion: serving exports (tables only, optional bf16) and re-layout for N devices.
+
+A serving checkpoint is one directory with the `embeddings` item
+`{table: {"table": [vocabulary_size, dim]}}` (exact shapes, no slots) and a
+`meta` item of kind "serving"; `load_serving` reads it back for
+`serving_lookup`.
+
+Memory: exporting from live tables gathers each table to the host (a serving
+model needs whole tables on its one device anyway). Converting a checkpoint
+on disk reads one array at a time onto one device, so peak memory is the
+largest single table (or slot), not the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import Callable, Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import SingleDeviceSharding
+
+from sparse_embed.checkpoint import (
+    EMBEDDINGS, META, USER, CheckpointError, CheckpointInfo, TableRecord, _checkpointer, read_embeddings,
+    read_info, resolve, training_info,
+)
+from sparse_embed.natural import TABLE_KEY, stored_rows, to_natural
+from sparse_embed.planning import EmbeddingPlan
+from sparse_embed.specs import TableSpec
+from sparse_embed.tables import EmbeddingVariables, check_state
+
+DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+          "float16": jnp.float16, "f16": jnp.float16}
+
+
+def _dtype(dtype) -> np.dtype | None:
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(DTYPES)}.")
+        dtype = DTYPES[dtype]
+    return np.dtype(dtype)
+
+
+def _save(dst: str, arrays: dict, info: CheckpointInfo) -> None:
+    if os.path.exists(dst):
+        raise CheckpointError(f"{dst} already exists; choose a new destination.")
+    items = {EMBEDDINGS: ocp.args.PyTreeSave(arrays), META: ocp.args.JsonSave(info.to_json())}
+    _checkpointer().save(dst, args=ocp.args.Composite(**items))
+
+
+def _serving_info(records: Iterable[TableRecord], dtype, stacking, num_shards, step) -> CheckpointInfo:
+    recs = tuple(
+        dataclasses.replace(r, slots=(), stored_rows=r.vocabulary_size, dtype=str(dtype or np.dtype(r.dtype)))
+        for r in records
+    )
+    return CheckpointInfo("serving", recs, stacking, num_shards, step, False)
+
+
+def export_serving(path: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], *,
+                   dtype=None, step: int | None = None) -> None:
+    """Writes a serving checkpoint of the live `tables`: `[vocab, dim]` per table, no slots, optional dtype."""
+    check_state(plan, tables)
+    dtype, natural = _dtype(dtype), to_natural(plan, tables)
+    arrays = {}
+    for name, t in plan.tables.items():
+        a = np.asarray(natural[name][TABLE_KEY])[: t.vocabulary_size]
+        arrays[name] = {TABLE_KEY: a.astype(dtype or a.dtype)}
+    info = training_info(plan, step, False)
+    _save(os.fspath(path), arrays, _serving_info(info.tables, dtype, info.stacking, info.num_shards, step))
+
+
+def load_serving(path: str | os.PathLike, *, device: jax.Device | None = None) -> tuple[dict[str, jax.Array], dict[str, TableSpec]]:
+    """`({table: [vocab, dim] array on `device`}, {table: TableSpec})` from a serving or training checkpoint.
+
+    The specs carry vocabulary, dim, dtype, combiner and max_norm (for
+    `FeatureSpec`s of `serving_lookup`).
+    """
+    step_dir = resolve(path)
+    info = read_info(step_dir)
+    arrays = {name: array for name, (_, array) in _read_tables(step_dir, info, [TABLE_KEY], None, device)}
+    return arrays, {t.name: t.to_spec() for t in info.tables}
+
+
+def _read_tables(step_dir: str, info: CheckpointInfo, keys: list[str], rows_for: Callable[[TableRecord], int] | None,
+                 device: jax.Device | None):
+    """Yields `(table, (key, array))` one array at a time, on one device, `rows_for(record)` rows."""
+    sharding = SingleDeviceSharding(device or jax.devices()[0])
+    for rec in info.tables:
+        widths = {TABLE_KEY: (rec.embedding_dim, rec.dtype), **{k: (w, "float32") for k, w in rec.slots}}
+        for key in keys if keys else widths:
+            w, dt = widths[key]
+            rows = rows_for(rec) if rows_for else rec.vocabulary_size
+            target = {rec.name: {key: jax.ShapeDtypeStruct((rows, w), np.dtype(dt), sharding=sharding)}}
+            yield rec.name, (key, read_embeddings(step_dir, target)[rec.name][key])
+
+
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, devices: int | None = None,
+                       serving: bool = False, dtype=None, step: int | None = None,
+                       progress: Callable[[Iterable], Iterable] | None = None) -> str:
+    """Converts a checkpoint; returns the written step directory.
+
+    - `serving=True`: a serving checkpoint at `dst` (`[vocab, dim]` tables,
+      no slots, optionally cast to `dtype`, e.g. "bf16").
+    - else: a training checkpoint at `dst/<step>` laid out (padded) for
+      `devices` devices (default: as saved), slots and user pytree kept.
+      Any checkpoint restores onto any mesh anyway; this rewrites the stored
+      padding and the recorded mesh size.
+    `progress` wraps the iteration over arrays (e.g. `tqdm`).
+    """
+    step_dir = resolve(src, step)
+    info = read_info(step_dir)
+    dtype = _dtype(dtype)
+    progress = progress or (lambda it, **_: it)
+    if serving:
+        keys, rows_for, out_dir, n = [TABLE_KEY], None, os.fspath(dst), info.num_shards
+        new_info = _serving_info(info.tables, dtype, info.stacking, n, info.step)
+    else:
+        if info.kind != "training":
+            raise CheckpointError(f"{step_dir} is a {info.kind} checkpoint; only training checkpoints convert to "
+                                  "training checkpoints.")
+        if dtype is not None:
+            raise ValueError("dtype= applies to serving exports only (training tables keep the dtype of their spec).")
+        n = devices or info.num_shards
+        if n <= 0:
+            raise ValueError(f"devices must be >= 1, got {n}.")
+        keys, rows_for = [], (lambda r: stored_rows(r.vocabulary_size, n))
+        new_info = dataclasses.replace(
+            info, num_shards=n, tables=tuple(dataclasses.replace(r, stored_rows=rows_for(r)) for r in info.tables))
+        out_dir = os.path.join(os.fspath(dst), str(info.step if info.step is not None else 0))
+    arrays: dict[str, dict[str, np.ndarray]] = {}
+    total = sum(1 + (0 if serving else len(r.slots)) for r in info.tables)
+    for name, (key, a) in progress(_read_tables(step_dir, info, keys, rows_for, None), total=total, unit="array"):
+        arrays.setdefault(name, {})[key] = np.asarray(a).astype(dtype) if (serving and dtype) else np.asarray(a)
+    _save(out_dir, arrays, new_info)
+    if not serving and info.has_user:  # the user pytree is mesh-independent: copy it as is
+        shutil.copytree(os.path.join(step_dir, USER), os.path.join(out_dir, USER))
+    return out_dir
+

@@ -1,0 +1,142 @@
+"""The stacked-and-sharded table layout of jax-tpu-embedding (and so Keras-RS), to and from per-table arrays.
+
+In that layout a stack is `[num_shards * rows_per_shard, stack_dim]` (or
+`[num_shards, rows_per_shard, stack_dim]`): each table is padded to
+`round_up(vocab, 8 * num_shards)` rows (padding rows hold `pad_value`) and
+`round_up(dim, 8)` columns, MOD-sharded (id `i` -> shard `i % num_shards`,
+local row `i // num_shards`), its shards rotated by `shard_rotation`, and
+placed at `row_offset_in_shard` inside every shard. `JteTableLayout` records
+this per table; build it from jax-tpu-embedding's own prepared `TableSpec`s
+(`jte_layout_from_specs`) or compute it the way its `stack_tables` does
+(`jte_layout`). Host numpy; the package itself is not needed.
+
+    arrays = se.unstack_tables(plan, tables)                 # {table: [vocab, dim]}
+    stacked = se.to_jte(layout, arrays, num_shards=8)        # {stack: [8 * rows, stack_dim]}
+    back = se.from_jte(layout, stacked, num_shards=8)        # == arrays
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from sparse_embed.specs import TableSpec
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class JteTableLayout:
+    """Where one table lives in a jax-tpu-embedding stack."""
+
+    name: str
+    vocabulary_size: int
+    embedding_dim: int
+    stack_name: str
+    padded_vocab_size: int  # multiple of 8 * num_shards
+    stack_vocab_size: int  # rows of the whole stack (all shards)
+    stack_embedding_dim: int  # multiple of 8
+    row_offset_in_shard: int
+    shard_rotation: int
+
+
+def jte_layout_from_specs(table_specs: Iterable[Any], num_shards: int) -> tuple[JteTableLayout, ...]:
+    """Layouts from jax-tpu-embedding `TableSpec`s (after its `stack_tables`/`auto_stack_tables`)."""
+    out = []
+    for t in table_specs:
+        # jax-tpu-embedding's `stacked_table_spec` property asserts on unstacked tables: read the field.
+        st, sis = getattr(t, "_stacked_table_spec", None), t.setting_in_stack
+        if st is None:  # an unstacked table: jax-tpu-embedding's default placement
+            padded = _round_up(t.vocabulary_size, 8 * num_shards)
+            out.append(JteTableLayout(t.name, t.vocabulary_size, t.embedding_dim, t.name, padded, padded,
+                                      _round_up(t.embedding_dim, 8), 0, 0))
+            continue
+        out.append(JteTableLayout(t.name, t.vocabulary_size, t.embedding_dim, st.stack_name,
+                                  sis.padded_vocab_size, st.stack_vocab_size, st.stack_embedding_dim,
+                                  sis.row_offset_in_shard, sis.shard_rotation))
+    return tuple(out)
+
+
+def jte_layout(tables: Mapping[str, TableSpec] | Sequence[TableSpec], num_shards: int, *,
+               stacking: Sequence[Sequence[str]] | None = None, rotation: int = 1) -> tuple[JteTableLayout, ...]:
+    """The layout jax-tpu-embedding's `stack_tables(features, group, ...)` gives each group.
+
+    `stacking`: groups of table names, in stack order (default: one stack per
+    table); stacks are named by joining their tables' names with "_" (names
+    longer than 50 characters are shortened by jax-tpu-embedding: pass its
+    specs to `jte_layout_from_specs` instead). `rotation` is its shard
+    rotation step (its default: SparseCores per device).
+    """
+    specs = dict(tables) if isinstance(tables, Mapping) else {t.name: t for t in tables}
+    groups = [list(g) for g in stacking] if stacking is not None else [[n] for n in sorted(specs)]
+    listed = [n for g in groups for n in g]
+    if sorted(listed) != sorted(specs):
+        raise ValueError(f"stacking must name every table once; it names {listed}, the tables are {sorted(specs)}.")
+    out = []
+    for g in groups:
+        name = "_".join(g)
+        if len(name) > 50:
+            raise ValueError(f"Stack {name[:50]}...: names over 50 characters are hashed by jax-tpu-embedding; "
+                             "use jte_layout_from_specs with its prepared TableSpecs.")
+        padded = {n: _round_up(specs[n].vocabulary_size, 8 * num_shards) for n in g}
+        dim = max(_round_up(specs[n].embedding_dim, 8) for n in g)
+        offset, rot = 0, 0
+        for n in g:
+            out.append(JteTableLayout(n, specs[n].vocabulary_size, specs[n].embedding_dim, name, padded[n],
+                                      sum(padded.values()), dim, offset, rot))
+            offset += padded[n] // num_shards
+            rot = (rot + rotation) % num_shards
+    return tuple(out)
+
+
+def _stacks(layout: Sequence[JteTableLayout]) -> dict[str, list[JteTableLayout]]:
+    out: dict[str, list[JteTableLayout]] = {}
+    for t in layout:
+        out.setdefault(t.stack_name, []).append(t)
+    return out
+
+
+def to_jte(layout: Sequence[JteTableLayout], arrays: Mapping[str, np.ndarray], num_shards: int, *,
+           pad_value: float = np.nan) -> dict[str, np.ndarray]:
+    """`{table: [vocab, dim]}` -> `{stack: [num_shards * rows_per_shard, stack_dim]}` float32.
+
+    Padding rows/columns of a table hold `pad_value` (jax-tpu-embedding's
+    default is NaN); rows of a stack no table uses are 0.
+    """
+    missing = sorted({t.name for t in layout} - set(arrays))
+    if missing:
+        raise ValueError(f"to_jte: no arrays for tables {missing}.")
+    out = {}
+    for stack, members in _stacks(layout).items():
+        first = members[0]
+        buf = np.zeros((num_shards, first.stack_vocab_size // num_shards, first.stack_embedding_dim), np.float32)
+        for t in members:
+            a = np.asarray(arrays[t.name])
+            if a.shape != (t.vocabulary_size, t.embedding_dim):
+                raise ValueError(f"Table {t.name!r}: array has shape {a.shape}, expected "
+                                 f"{(t.vocabulary_size, t.embedding_dim)}.")
+            padded = np.full((t.padded_vocab_size, t.stack_embedding_dim), pad_value, np.float32)
+            padded[: t.vocabulary_size, : t.embedding_dim] = a
+            shards = padded.reshape(-1, num_shards, t.stack_embedding_dim).swapaxes(0, 1)  # [S, rows, dim]
+            rows = t.padded_vocab_size // num_shards
+            buf[:, t.row_offset_in_shard : t.row_offset_in_shard + rows] = np.roll(shards, t.shard_rotation, axis=0)
+        out[stack] = buf.reshape(-1, first.stack_embedding_dim)
+    return out
+
+
+def from_jte(layout: Sequence[JteTableLayout], stacked: Mapping[str, np.ndarray], num_shards: int
+             ) -> dict[str, np.ndarray]:
+    """`{stack: [num_shards * rows, stack_dim]}` (or `[num_shards, rows, stack_dim]`) -> `{table: [vocab, dim]}`."""
+    out = {}
+    for t in layout:
+        if t.stack_name not in stacked:
+            raise ValueError(f"Table {t.name!r}: its stack {t.stack_name!r} is not among {sorted(stacked)}.")
+        s = np.asarray(stacked[t.stack_name]).reshape(num_shards, -1, t.stack_embedding_dim)
+        rows = t.padded_vocab_size // num_shards
+        shards = np.roll(s[:, t.row_offset_in_shard : t.row_offset_in_shard + rows], -t.shard_rotation, axis=0)
+        out[t.name] = shards.swapaxes(0, 1).reshape(-1, t.stack_embedding_dim)[: t.vocabulary_size, : t.embedding_dim]
+    return out

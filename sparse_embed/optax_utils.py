@@ -1,0 +1,77 @@
+"""Optax for models that hold embedding state: a dense optimizer, and exact swaps.
+
+The "gradient" `jax.grad` returns for an `EmbeddingVariables` is the updated
+state (the lookup's backward already applied the table's optimizer), so a
+train step must give dense params to optax and *replace* embedding state:
+
+    tx = sparse_embed.optax_tx(optax.adam(1e-3))
+    opt_state = tx.init(params)
+    ...
+    grads = jax.grad(loss)(params, ...)          # embedding leaves: new state
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = sparse_embed.apply_updates(params, updates)
+
+`params` is any pytree; every leaf inside an `EmbeddingVariables` (table and
+slots) is embedding state, everything else is dense.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from sparse_embed.tables import EmbeddingVariables
+
+EMBEDDING = "embedding"
+DENSE = "dense"
+
+
+def is_embedding(node: Any) -> bool:
+    """True for an `EmbeddingVariables` node (a stack's table and slots)."""
+    return isinstance(node, EmbeddingVariables)
+
+
+def param_labels(params: Any) -> Any:
+    """`params` with every `EmbeddingVariables` replaced by "embedding" and every other leaf by "dense".
+
+    A prefix of `params`, usable as `optax.multi_transform` (`optax.partition`) labels.
+    """
+    return jax.tree.map(lambda x: EMBEDDING if is_embedding(x) else DENSE, params, is_leaf=is_embedding)
+
+
+def optax_tx(dense_tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`dense_tx` on the dense leaves; embedding "grads" pass through unchanged.
+
+    Embedding leaves hold no optimizer state and are never seen by `dense_tx`
+    (so e.g. `optax.clip_by_global_norm` inside it measures dense grads only).
+    The updates this returns must be applied with `sparse_embed.apply_updates`,
+    not `optax.apply_updates` (which would add the new table to the old one).
+    Wrap `dense_tx`, not the result, in transforms that rewrite updates
+    (`optax.MultiSteps`, `optax.apply_if_finite`): an embedding update is a
+    new state, not a delta, and zeroing it would zero the tables.
+    """
+    # multi_transform: the name every optax >= 0.2.4 has (later also `optax.partition`).
+    return optax.multi_transform({DENSE: dense_tx, EMBEDDING: optax.identity()}, param_labels)
+
+
+def _apply_one(param: Any, update: Any) -> Any:
+    if not is_embedding(param):
+        return optax.apply_updates(param, update)
+    if not is_embedding(update):
+        raise TypeError(
+            f"apply_updates: an embedding state's update must be the EmbeddingVariables that jax.grad returned "
+            f"for it, got {type(update).__name__}. Build the optimizer with sparse_embed.optax_tx(dense_tx)."
+        )
+    return update
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+    """`optax.apply_updates` on dense leaves; embedding state becomes its update, bit for bit.
+
+    Embedding leaves are replaced, not added to: no arithmetic and no pass
+    over the tables (with donation the new tables are the backward's
+    in-place scatter). `updates` must come from `optax_tx(...).update`.
+    """
+    return jax.tree.map(_apply_one, params, updates, is_leaf=is_embedding)

@@ -1,0 +1,127 @@
+"""sparse_embed.flax.linen.Embed: the same activations and updated tables as lookup + jax.grad."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import sparse_embed as se
+from sparse_embed.flax import linen as sel
+from train_fixtures import B, assert_trees_equal, features_vector, make_batch, make_plan
+
+
+class Head(nn.Module):
+    @nn.compact
+    def __call__(self, acts):
+        return nn.Dense(1)(nn.relu(nn.Dense(16)(features_vector(acts))))[:, 0]
+
+
+class Tower(nn.Module):
+    plan: se.EmbeddingPlan
+
+    def setup(self):
+        self.embed = sel.Embed(self.plan)
+        self.head = Head()
+
+    def __call__(self, batch, step=None):
+        acts = self.embed(batch, step)
+        return self.head(acts), acts
+
+
+LABELS = np.random.default_rng(3).normal(size=B).astype(np.float32)
+
+
+def _model_loss(model):
+    def loss(params, batch, step):
+        out, acts = model.apply({"params": params}, batch, step)
+        return jnp.mean((out - LABELS) ** 2), acts
+
+    return loss
+
+
+def _direct_loss(plan):
+    def loss(tables, head, batch, step):
+        acts = se.lookup(plan, batch, tables, step)
+        return jnp.mean((Head().apply({"params": head}, acts) - LABELS) ** 2), acts
+
+    return loss
+
+
+def _params(plan):
+    """What Tower.init makes, from init_tables and Head.init (cheaper: no lookup in the init)."""
+    acts = {n: jnp.ones(f.output_shape) for n, f in plan.features.items()}
+    return {"embed": {"tables": se.init_tables(plan, jax.random.key(0))},
+            "head": Head().init(jax.random.key(1), acts)["params"]}
+
+
+def test_activations_and_updated_tables_equal_lookup(mesh8):
+    plan = make_plan(mesh8, "sgd")  # test_flax_nnx covers adagrad and rowwise
+    batch, step = make_batch(plan, 0), jnp.int32(3)
+    params = _params(plan)
+    tables = params["embed"]["tables"]
+
+    grads, acts = jax.jit(jax.grad(_model_loss(Tower(plan)), has_aux=True))(params, batch, step)
+    (new_tables, head_grads), want_acts = jax.jit(jax.grad(_direct_loss(plan), argnums=(0, 1), has_aux=True))(
+        tables, params["head"], batch, step)
+    assert_trees_equal(acts, want_acts)
+    assert_trees_equal(grads["embed"]["tables"], new_tables)
+    assert_trees_equal(grads["head"], head_grads)
+    for s in plan.stack_names:  # the "gradient" is the updated table, not a delta
+        changed = np.asarray(new_tables[s].table) != np.asarray(tables[s].table)
+        assert changed.any() and not changed.all()
+
+
+def test_jit_init_keeps_tables_sharded(mesh8):
+    plan = make_plan(mesh8)
+    params = jax.jit(Tower(plan).init)(jax.random.key(1), make_batch(plan, 0), 0)["params"]
+    assert jax.tree.structure(params) == jax.tree.structure(jax.eval_shape(lambda: _params(plan)))
+    for leaf in jax.tree.leaves(params["embed"]):
+        assert leaf.sharding.is_equivalent_to(plan.table_sharding(), 2)
+    assert set(params["embed"]["tables"]["users"].slots) == {"momentum", "velocity"}
+
+
+def test_eval_module_has_no_slots(mesh8):
+    plan = make_plan(mesh8)
+    variables = jax.eval_shape(sel.Embed(plan, with_slots=False).init, jax.random.key(0), make_batch(plan, 0))
+    assert all(v.slots == {} for v in variables["params"]["tables"].values())
+
+
+def test_documented_train_step_equals_lookup_plus_plain_optax(mesh8):
+    """The README's linen step: grad, update, apply; donated; no recompile for a new batch."""
+    plan = make_plan(mesh8)
+    model = Tower(plan)
+    tx = se.optax_tx(optax.adam(1e-2))
+    layout = se.LayoutMap(mesh8, plan=plan)  # dense state replicated and committed, as the step returns it
+    params = _params(plan)
+    params = jax.device_put(params, layout.shardings(params))
+    opt_state = jax.jit(tx.init, out_shardings=layout.shardings(jax.eval_shape(tx.init, params)))(params)
+    loss_fn = lambda p, b, s: _model_loss(model)(p, b, s)[0]
+
+    @jax.jit(donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch, step):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, step)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return se.apply_updates(params, updates), opt_state, loss
+
+    ref = (params["embed"]["tables"], params["head"], optax.adam(1e-2).init(params["head"]))
+    ref_sh = layout.shardings(ref)  # pinned: the reference compiles once too
+    ref = jax.device_put(jax.tree.map(jnp.copy, ref), ref_sh)  # params are donated below
+
+    @jax.jit(out_shardings=ref_sh)
+    def reference_step(tables, head, head_state, batch, step):
+        new_tables, g = jax.grad(lambda *a: _direct_loss(plan)(*a)[0], argnums=(0, 1))(tables, head, batch, step)
+        updates, head_state = optax.adam(1e-2).update(g, head_state, head)
+        return new_tables, optax.apply_updates(head, updates), head_state
+
+    for step in range(3):
+        batch = make_batch(plan, step)
+        old_table = params["embed"]["tables"]["items"].table
+        params, opt_state, _ = train_step(params, opt_state, batch, jnp.int32(step))
+        ref = reference_step(*ref, batch, jnp.int32(step))
+        assert old_table.is_deleted()
+        assert_trees_equal(params["embed"]["tables"], ref[0])
+        assert_trees_equal(params["head"], ref[1])
+    assert train_step._cache_size() == 1 and reference_step._cache_size() == 1

@@ -1,0 +1,153 @@
+"""sparse_embed.flax.nnx: Embed gives lookup's activations and updated tables; Optimizer trains it exactly."""
+
+from __future__ import annotations
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sparse_embed as se
+from sparse_embed.flax import nnx as sen
+from train_fixtures import B, assert_trees_equal, features_vector, make_batch, make_plan
+
+LABELS = np.random.default_rng(3).normal(size=B).astype(np.float32)
+
+
+class Head(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(40, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, acts):
+        return self.out(nnx.relu(self.hidden(features_vector(acts))))[:, 0]
+
+
+class Tower(nnx.Module):
+    def __init__(self, plan, rngs: nnx.Rngs):
+        self.embed = sen.Embed(plan, rngs=rngs)
+        self.head = Head(rngs)
+
+    def __call__(self, batch, step=None):
+        acts = self.embed(batch, step)
+        return self.head(acts), acts
+
+
+def loss_fn(model, batch, step):
+    out, acts = model(batch, step)
+    return jnp.mean((out - LABELS) ** 2), acts
+
+
+def direct_loss(plan, head_def):
+    """lookup + the head, on plain arrays: the reference for the module."""
+
+    def loss(tables, head_state, batch, step):
+        acts = se.lookup(plan, batch, tables, step)
+        return jnp.mean((nnx.merge(head_def, head_state)(acts) - LABELS) ** 2), acts
+
+    return loss
+
+
+def _embedding_grads(grads: nnx.State, plan) -> dict[str, se.EmbeddingVariables]:
+    g = grads["embed"]["tables"]
+    return {s: se.EmbeddingVariables(g[s]["table"].get_value(), {k: v.get_value() for k, v in g[s]["slots"].items()})
+            for s in plan.stack_names}
+
+
+@pytest.mark.parametrize("items_optimizer", ["adagrad", "rowwise"])
+def test_activations_and_updated_tables_equal_lookup(mesh8, items_optimizer):
+    plan = make_plan(mesh8, items_optimizer)
+    batch, step = make_batch(plan, 0), jnp.int32(2)
+    model = Tower(plan, nnx.Rngs(0))
+    tables = model.embed.embedding_variables()
+
+    grad_fn = nnx.jit(nnx.grad(loss_fn, has_aux=True))
+    grads, acts = grad_fn(model, batch, step)
+    head_def, head_state = nnx.split(model.head)
+    (new_tables, head_grads), want_acts = jax.jit(
+        jax.grad(direct_loss(plan, head_def), argnums=(0, 1), has_aux=True))(tables, head_state, batch, step)
+    assert_trees_equal(acts, want_acts)
+    assert_trees_equal(_embedding_grads(grads, plan), new_tables)
+    assert_trees_equal(nnx.as_pure(grads["head"]), nnx.as_pure(head_grads))
+    changed = np.asarray(new_tables["items"].table) != np.asarray(tables["items"].table)
+    assert changed.any() and not changed.all()
+
+
+def test_variables_are_typed_and_sharded(mesh8):
+    plan = make_plan(mesh8)
+    model = Tower(plan, nnx.Rngs(0))
+    assert_trees_equal(model.embed.embedding_variables(), se.init_tables(plan, nnx.Rngs(0).params()))
+    emb = nnx.state(model, sen.EmbeddingTable).flat_state().paths
+    assert sorted(emb) == sorted(
+        [("embed", "tables", "items", "table"), ("embed", "tables", "items", "slots", "accumulator"),
+         ("embed", "tables", "users", "table"), ("embed", "tables", "users", "slots", "momentum"),
+         ("embed", "tables", "users", "slots", "velocity")])
+    assert len(nnx.state(model, sen.EmbeddingSlot).flat_state()) == 3
+    assert all(p[0] == "head" for p in nnx.state(model, sen.DENSE).flat_state().paths)
+    shardings = nnx.get_named_sharding(nnx.state(model, sen.EmbeddingTable), mesh8)
+    for (_, var), sharding in zip(nnx.state(model, sen.EmbeddingTable).flat_state(), jax.tree.leaves(shardings)):
+        assert var.get_value().sharding.is_equivalent_to(plan.table_sharding(), 2)
+        assert sharding.is_equivalent_to(plan.table_sharding(), 2)
+    # LayoutMap shardings fit an nnx State: device_put, then update the model in place.
+    state = nnx.state(model)
+    layout = se.LayoutMap(mesh8, [(r"hidden/kernel$", jax.P(None, "x"))], plan=plan)
+    nnx.update(model, jax.device_put(state, layout.shardings(state)))
+    assert model.head.hidden.kernel.get_value().sharding.spec == jax.P(None, "x")
+    assert model.embed.tables["users"]["table"].get_value().sharding.is_equivalent_to(plan.table_sharding(), 2)
+
+
+def test_eval_module_has_no_slots(mesh8):
+    embed = nnx.eval_shape(lambda: sen.Embed(make_plan(mesh8), rngs=nnx.Rngs(0), with_slots=False))
+    assert len(nnx.state(embed, sen.EmbeddingTable).flat_state()) == 2
+    assert len(nnx.state(embed, sen.EmbeddingSlot).flat_state()) == 0
+
+
+def test_documented_train_step_equals_lookup_plus_plain_optax(mesh8):
+    """The README's nnx step: value_and_grad, optimizer.update; donated; no state of table size."""
+    make_tx = lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1, momentum=0.9))
+    plan = make_plan(mesh8)
+    model = Tower(plan, nnx.Rngs(0))
+    optimizer = sen.Optimizer(model, make_tx())
+    assert max(x.size for x in jax.tree.leaves(nnx.state(optimizer))) < 40 * 16 + 1  # dense-sized only
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def train_step(model, optimizer, batch, step):
+        (loss, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, step)
+        optimizer.update(model, grads)
+        return loss
+
+    head_def, head = nnx.split(model.head)
+    head = nnx.as_pure(head)
+    tx = make_tx()
+
+    ref = (model.embed.embedding_variables(), head, tx.init(head))
+    ref_sh = se.LayoutMap(mesh8, plan=plan).shardings(ref)  # pinned: the reference compiles once
+    ref = jax.device_put(jax.tree.map(jnp.copy, ref), ref_sh)  # the model's arrays are donated below
+
+    @jax.jit(out_shardings=ref_sh)
+    def reference_step(tables, head, head_opt, batch, step):
+        new_tables, g = jax.grad(lambda *a: direct_loss(plan, head_def)(*a)[0], argnums=(0, 1))(
+            tables, head, batch, step)
+        updates, head_opt = tx.update(g, head_opt, head)
+        return new_tables, optax.apply_updates(head, updates), head_opt
+
+    for step in range(3):
+        batch = make_batch(plan, step)
+        old = model.embed.tables["items"]["table"].get_value()
+        train_step(model, optimizer, batch, jnp.int32(step))
+        ref = reference_step(*ref, batch, jnp.int32(step))
+        assert old.is_deleted()
+        assert_trees_equal(model.embed.embedding_variables(), ref[0])
+        assert_trees_equal(nnx.as_pure(nnx.state(model.head)), ref[1])
+    assert int(optimizer.step.get_value()) == 3 and reference_step._cache_size() == 1
+
+
+def test_update_rejects_grads_without_embedding_state(mesh8):
+    plan = make_plan(mesh8)
+    model = Tower(plan, nnx.Rngs(0))
+    optimizer = sen.Optimizer(model, optax.sgd(0.1))
+    grads = nnx.state(model, sen.DENSE)  # what nnx.grad(..., argnums=nnx.DiffState(0, sen.DENSE)) returns
+    with pytest.raises(ValueError, match=r"grads hold embedding state \[\] .*take nnx.grad with respect to nnx.Param"):
+        optimizer.update(model, grads)

@@ -1,0 +1,132 @@
+"""serving_lookup equals the training lookup for every combiner and format; OOV policies; jax.export."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparse_embed as se
+import reference as ref
+from conftest import make_mesh
+
+B = 16
+
+
+def _coo(samples):
+    idx = np.array([[b, j] for b, s in enumerate(samples) for j in range(len(s))], np.int64).reshape(-1, 2)
+    vals = np.array([i for s in samples for i, _ in s], np.int64)
+    w = np.array([x for s in samples for _, x in s], np.float32)
+    shape = (len(samples), max([len(s) for s in samples] + [1]))
+    return (idx, vals, shape), (idx, w, shape)
+
+
+def _render(samples, fmt):
+    return _coo(samples) if fmt == "coo" else ref.render(samples, fmt)
+
+
+def _setup(fmt, weighted, seq_len=0, max_norm=None, seed=0):
+    rng = np.random.default_rng(seed)
+    feats, samples = {}, {}
+    for combiner in ("sum", "mean", "sqrtn"):
+        t = se.TableSpec(f"t_{combiner}", 40 + len(combiner), 8, combiner=combiner, max_norm=max_norm)
+        feats[f"f_{combiner}"] = se.FeatureSpec(f"f_{combiner}", t, B, max_sequence_length=seq_len)
+        s = ref.random_samples(rng, B, t.vocabulary_size, 1 if fmt == "1d" else 5, weighted=weighted)
+        s[2] = []
+        samples[f"f_{combiner}"] = s
+    rendered = {n: _render(s, fmt) for n, s in samples.items()}
+    ids = {n: r[0] for n, r in rendered.items()}
+    weights = {n: r[1] for n, r in rendered.items()} if weighted else None
+    return feats, samples, ids, weights
+
+
+@pytest.mark.parametrize("fmt", ["dense", "1d", "list", "pair", "coo"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("seq_len, max_norm", [(0, 0.4), (3, None)], ids=["pooled_max_norm", "sequence"])
+def test_serving_equals_training_lookup_and_numpy(fmt, weighted, seq_len, max_norm):
+    feats, samples, ids, weights = _setup(fmt, weighted, seq_len, max_norm)
+    plan = se.plan(feats, make_mesh(2))
+    state = se.init_tables(plan, jax.random.key(0))
+    arrays = se.unstack_tables(plan, state)
+    train_ids = ids if fmt != "coo" else {n: ref.render(s, "list")[0] for n, s in samples.items()}
+    train_w = None if not weighted else (weights if fmt != "coo" else {n: ref.render(s, "list")[1] for n, s in samples.items()})
+    batch, _ = se.preprocess(plan, train_ids, train_w)
+    want = se.lookup(plan, batch, state)
+    got = jax.jit(lambda t, i, w: se.serving_lookup(feats, t, i, w))(arrays, ids, weights)
+    for name, f in feats.items():
+        assert got[name].shape == f.output_shape and got[name].dtype == jnp.float32
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6, err_msg=name)
+        numpy = ref.lookup(arrays[f.table.name], samples[name], combiner=f.table.combiner, seq_len=seq_len,
+                           max_norm=max_norm)
+        np.testing.assert_allclose(got[name], numpy, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _oov_setup():
+    t = se.TableSpec("t", 10, 4, combiner="mean")
+    feats = {"f": se.FeatureSpec("f", t, 3)}
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    ids = {"f": np.array([[1, 12], [3, -1], [-5, 2]])}  # 12 and -5 are out of vocabulary, -1 is padding
+    return feats, {"t": table}, ids, table
+
+
+@pytest.mark.parametrize("policy", ["zero", "default"])
+def test_oov_zero_and_default_vector(policy):
+    feats, tables, ids, W = _oov_setup()
+    default = np.array([1.0, -2.0, 3.0, 0.5], np.float32)
+    oov = "zero" if policy == "zero" else {"t": default}
+    d = np.zeros(4) if policy == "zero" else default
+    want = np.stack([(W[1] + d) / 2, W[3], (d + W[2]) / 2])
+    eager = se.serving_lookup(feats, tables, ids, oov=oov)
+    jitted = jax.jit(lambda t, i: se.serving_lookup(feats, t, i, oov=oov))(tables, ids)
+    for got in (eager, jitted):
+        np.testing.assert_allclose(got["f"], want, rtol=1e-6)
+
+
+def test_oov_error_raises_eagerly_and_poisons_under_jit():
+    feats, tables, ids, W = _oov_setup()
+    with pytest.raises(ValueError, match=r"Feature 'f' \(table 't'\): id 12 in sample 0 is out of vocabulary"):
+        se.serving_lookup(feats, tables, ids)
+    got = np.asarray(jax.jit(lambda t, i: se.serving_lookup(feats, t, i))(tables, ids)["f"])
+    assert np.isnan(got[0]).all() and np.isnan(got[2]).all()
+    np.testing.assert_array_equal(got[1], W[3])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"oov": "skip"}, "oov must be 'error', 'zero' or a"),
+    ({"oov": np.zeros(3)}, r"default vector has shape \(3,\)"),
+])
+def test_bad_oov_policy(bad, match):
+    feats, tables, ids, _ = _oov_setup()
+    with pytest.raises(ValueError, match=match):
+        se.serving_lookup(feats, tables, ids, **bad)
+
+
+def test_jax_export_roundtrip_and_serving_checkpoint(tmp_path):
+    feats, samples, ids, weights = _setup("dense", True)
+    plan = se.plan(feats, make_mesh(8))
+    state = se.init_tables(plan, jax.random.key(4))
+    se.export_serving(tmp_path / "serve", plan, state)
+    tables, specs = se.load_serving(tmp_path / "serve")
+    assert {n: s.combiner for n, s in specs.items()} == {t.name: t.combiner for t in plan.tables.values()}
+    serve_feats = {n: se.FeatureSpec(n, specs[f.table.name], B) for n, f in feats.items()}
+    fn = jax.jit(lambda t, i, w: se.serving_lookup(serve_feats, t, i, w, oov="zero"))
+    exported = jax.export.export(fn)(tables, ids, weights)
+    reloaded = jax.export.deserialize(exported.serialize())
+    got = reloaded.call(tables, ids, weights)
+    batch, _ = se.preprocess(plan, ids, weights)
+    want = se.lookup(plan, batch, state)
+    for name in feats:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_serving_export(tmp_path):
+    feats, _, ids, _ = _setup("dense", False)
+    plan = se.plan(feats, make_mesh(2))
+    state = se.init_tables(plan, jax.random.key(4))
+    se.export_serving(tmp_path / "s", plan, state, dtype="bf16")
+    tables, specs = se.load_serving(tmp_path / "s")
+    assert all(t.dtype == jnp.bfloat16 for t in tables.values())
+    want = se.unstack_tables(plan, state)
+    for n, t in tables.items():
+        np.testing.assert_array_equal(np.asarray(t), want[n].astype(jnp.bfloat16))
