@@ -1,10 +1,14 @@
-"""End-to-end demo: a click model with sharded embeddings, trained on synthetic data.
+"""DLRM demo: a click model with sharded embeddings, trained on synthetic data.
 
 A hidden "teacher" (its own random embedding tables and a scoring function)
 labels Zipf-skewed categorical ids plus a few dense floats with clicks. The
-student is sparse_embed tables (Adagrad, applied inside the backward pass)
-plus a small DLRM-style MLP head in flax.linen, trained with optax Adam. The
-teacher's AUC on the same data is the ceiling the student can reach.
+student is a DLRM in flax.linen: `sparse_embed.flax.linen.Embed` (the tables,
+Adagrad applied inside the backward pass), a bottom MLP on the dense floats,
+pairwise dot interactions and a top MLP, trained with
+`sparse_embed.optax_tx(optax.adam(...))` + `sparse_embed.apply_updates` in one
+jit whose in/out shardings come from a `sparse_embed.LayoutMap` (params,
+optimizer state and tables donated). The teacher's AUC on the same data is
+the ceiling the student can reach.
 
 Features (all read by a stacked, sharded table set):
 
@@ -19,9 +23,10 @@ in a background thread while the device trains on the current one.
 
 Run::
 
-    python -m sparse_embed.examples.demo                      # all local devices
+    python -m sparse_embed.examples.dlrm                      # all local devices
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python -m sparse_embed.examples.demo                  # 8 simulated CPU devices
+        python -m sparse_embed.examples.dlrm                  # 8 simulated CPU devices
+    python -m sparse_embed.examples.dlrm --checkpoint-dir /tmp/dlrm   # then: sparse-embed inspect /tmp/dlrm
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from functools import partial
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import flax.linen as nn
+from sparse_embed.flax import linen as sel
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,31 +197,40 @@ def feature_specs(config: DataConfig, batch_size: int, dim: int, optimizer: se.o
     }
 
 
-class Head(nn.Module):
+class DLRM(nn.Module):
     """Embeddings + dense floats -> click logit `[B]`.
 
     The history `[B, L, dim]` is pooled with learned per-position weights
-    (softmax over the valid positions); then the pairwise dot products of the
-    five `[B, dim]` vectors and the vectors themselves feed an MLP.
+    (softmax over the valid positions); the dense floats go through a bottom
+    MLP; the pairwise dot products of the five `[B, dim]` vectors and the
+    vectors themselves feed the top MLP.
     """
 
-    hidden: Sequence[int] = (64, 32)
+    plan: se.EmbeddingPlan
+    top: Sequence[int] = (64, 32)
 
     @nn.compact
-    def __call__(self, acts: dict[str, jax.Array], dense: jax.Array, history_mask: jax.Array) -> jax.Array:
+    def __call__(self, sparse, dense: jax.Array, history_mask: jax.Array, step=None) -> jax.Array:
+        acts = sel.Embed(self.plan, name="embed")(sparse, step)  # {feature: [B, dim] or [B, L, dim]}
         dim = acts["user"].shape[-1]
         position_logits = self.param("position_logits", nn.initializers.zeros, (history_mask.shape[1],))
         w = jnp.exp(position_logits)[None, :] * history_mask  # [B, L]
         w = w / jnp.maximum(w.sum(axis=1, keepdims=True), 1e-6)
         history = jnp.einsum("bl,bld->bd", w, acts["history"])
-        dense_vec = nn.Dense(dim)(nn.relu(nn.Dense(2 * dim)(dense)))
-        vectors = jnp.stack([acts["user"], acts["item"], acts["tags"], history, dense_vec], axis=1)
+        bottom = nn.Dense(dim, name="bottom_1")(nn.relu(nn.Dense(2 * dim, name="bottom_0")(dense)))
+        vectors = jnp.stack([acts["user"], acts["item"], acts["tags"], history, bottom], axis=1)
         i, j = np.triu_indices(vectors.shape[1], k=1)
         dots = jnp.einsum("bid,bjd->bij", vectors, vectors)[:, i, j]  # [B, 10]
         x = jnp.concatenate([vectors.reshape(vectors.shape[0], -1), dots, dense], axis=1)
-        for width in self.hidden:
-            x = nn.relu(nn.Dense(width)(x))
-        return nn.Dense(1)(x)[:, 0]
+        for k, width in enumerate(self.top):
+            x = nn.relu(nn.Dense(width, name=f"top_{k}")(x))
+        return nn.Dense(1, name="out")(x)[:, 0]
+
+
+# Sharding rules for the dense params (first match wins; unmatched: replicated). The
+# tables always get the plan's row sharding. The first top layer is split over the
+# devices by output column, to show a model-parallel dense layer next to the tables.
+LAYOUT_RULES = [(r"top_0/kernel$", P(None, AXIS)), (r"top_0/bias$", P(AXIS))]
 
 
 class DenseInputs(NamedTuple):
@@ -236,39 +251,43 @@ class Batch(NamedTuple):
     stats: se.Stats  # what preprocess saw (ids per partition, capacity, drops)
 
 
-def make_predict(plan: se.EmbeddingPlan, model: Head) -> Callable:
-    """`predict(params, tables, sparse, inputs, step=None) -> logits [B]`; jit it to evaluate.
+def make_predict(model: DLRM) -> Callable:
+    """`predict(params, sparse, inputs) -> logits [B]` (jitted; a plain forward, tables not updated)."""
+    return jax.jit(lambda params, sparse, inputs: model.apply({"params": params}, sparse, inputs.dense,
+                                                               inputs.history_mask))
 
-    Called outside `jax.grad` the lookup is a plain forward: tables are not updated.
+
+def make_train_step(model: DLRM, tx: optax.GradientTransformation, shardings: "Shardings") -> Callable:
+    """`train_step(params, opt_state, sparse, inputs, step) -> (params, opt_state, loss)`.
+
+    One jit, in/out shardings from the LayoutMap; params (tables included) and
+    optimizer state are donated, so the tables are updated in place.
     """
 
-    def predict(params, tables, sparse, inputs: DenseInputs, step=None) -> jax.Array:
-        acts = se.lookup(plan, sparse, tables, step)  # {feature: [B, dim] or [B, L, dim]}
-        return model.apply(params, acts, inputs.dense, inputs.history_mask)
-
-    return predict
-
-
-def make_train_step(plan: se.EmbeddingPlan, model: Head, tx: optax.GradientTransformation) -> Callable:
-    """`train_step(params, opt_state, tables, sparse, inputs, step) -> (params, opt_state, tables, loss)`.
-
-    One jit; params, optimizer state and tables are donated (updated in place).
-    """
-    predict = make_predict(plan, model)
-
-    def loss_fn(params, tables, sparse, inputs: DenseInputs, step) -> jax.Array:
-        logits = predict(params, tables, sparse, inputs, step)
+    def loss_fn(params, sparse, inputs: DenseInputs, step) -> jax.Array:
+        logits = model.apply({"params": params}, sparse, inputs.dense, inputs.history_mask, step)
         return optax.sigmoid_binary_cross_entropy(logits, inputs.labels).mean()
 
-    @partial(jax.jit, donate_argnums=(0, 1, 2))
-    def train_step(params, opt_state, tables, sparse, inputs: DenseInputs, step):
-        # The "gradient" w.r.t. tables is the updated tables (Adagrad already applied).
-        loss, (grads, new_tables) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-            params, tables, sparse, inputs, step)
+    def train_step(params, opt_state, sparse, inputs: DenseInputs, step):
+        # The "gradient" of the tables is the updated tables (Adagrad already applied);
+        # optax_tx passes it through and apply_updates swaps it in exactly.
+        loss, grads = jax.value_and_grad(loss_fn)(params, sparse, inputs, step)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, new_tables, loss
+        return se.apply_updates(params, updates), opt_state, loss
 
-    return train_step
+    return jax.jit(train_step, donate_argnums=(0, 1),
+                   in_shardings=(shardings.params, shardings.opt_state, shardings.batch, shardings.batch,
+                                 shardings.replicated),
+                   out_shardings=(shardings.params, shardings.opt_state, shardings.replicated))
+
+
+class Shardings(NamedTuple):
+    """Where every input and output of the train step lives."""
+
+    params: Any
+    opt_state: Any
+    batch: NamedSharding  # leading (batch/device) axis over the mesh
+    replicated: NamedSharding
 
 
 # ---------------------------------------------------------------------------
@@ -354,9 +373,9 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
-def score(predict: Callable, params, tables, batches: Sequence[Batch]) -> tuple[float, float]:
+def score(predict: Callable, params, batches: Sequence[Batch]) -> tuple[float, float]:
     """(model AUC, teacher AUC) over the examples of `batches`."""
-    logits = [np.asarray(predict(params, tables, b.sparse, b.inputs)) for b in batches]
+    logits = [np.asarray(predict(params, b.sparse, b.inputs)) for b in batches]
     labels = np.concatenate([b.labels for b in batches])
     teacher = np.concatenate([b.teacher_logits for b in batches])
     return auc(labels, np.concatenate(logits)), auc(labels, teacher)
@@ -368,7 +387,7 @@ def score(predict: Callable, params, tables, batches: Sequence[Batch]) -> tuple[
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line; checks that the batch splits evenly over the devices."""
-    p = argparse.ArgumentParser(prog="python -m sparse_embed.examples.demo", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m sparse_embed.examples.dlrm", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=8000, help="training steps")
     p.add_argument("--batch-size", type=int, default=1024, help="global batch; must divide by the device count")
@@ -388,6 +407,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--items", type=int, default=DataConfig.items, help="item vocabulary")
     p.add_argument("--tags", type=int, default=DataConfig.tags, help="tag vocabulary")
     p.add_argument("--log-every", type=int, default=20, help="steps between progress-bar updates")
+    p.add_argument("--checkpoint-dir", help="save the trained state here (sparse_embed.CheckpointManager); "
+                   "inspect it with `sparse-embed inspect DIR`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     n = len(jax.devices())
@@ -401,32 +422,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 class Result(NamedTuple):
     """What training produced."""
 
-    params: Any
-    tables: dict[str, se.EmbeddingVariables]
+    params: Any  # {"embed": {"tables": {stack: EmbeddingVariables}}, dense layers...}
     losses: list[float]  # one per step
     recent: list[Batch]  # the last `eval_batches` training batches (for train AUC)
     stats: se.Stats  # preprocess stats merged over all training batches
     seconds: float  # wall time of the loop
 
 
-def train(args: argparse.Namespace, plan: se.EmbeddingPlan, teacher: Teacher, model: Head,
-          params: Any, tables: dict[str, se.EmbeddingVariables]) -> Result:
+def train(args: argparse.Namespace, plan: se.EmbeddingPlan, teacher: Teacher, model: DLRM,
+          params: Any, layout: se.LayoutMap) -> Result:
     """The training loop: a prefetch thread makes batches while the device steps.
 
     Losses are fetched every `log_every` steps only, so the host never waits
     for the device in between (dispatch stays asynchronous).
     """
-    tx = optax.adam(args.dense_lr)
-    opt_state = jax.device_put(tx.init(params), NamedSharding(plan.mesh, P()))
-    train_step = make_train_step(plan, model, tx)
+    tx = se.optax_tx(optax.adam(args.dense_lr))  # adam on dense leaves; tables pass through
+    opt_sharding = layout.shardings(jax.eval_shape(tx.init, params))
+    opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
+    shardings = Shardings(layout.shardings(params), opt_sharding, plan.batch_sharding(),
+                          NamedSharding(plan.mesh, P()))
+    train_step = make_train_step(model, tx, shardings)
     make = lambda i: make_batch(teacher, plan, args.batch_size, np.random.default_rng([args.seed, 1, i]))
     losses, pending, recent, stats = [], [], deque(maxlen=args.eval_batches), None
     bar = tqdm(total=args.steps, unit="step", disable=args.no_progress, dynamic_ncols=True)
     start = t_log = time.perf_counter()
     with Prefetcher(make, args.steps) as batches:
         for step, batch in enumerate(batches):
-            params, opt_state, tables, loss = train_step(
-                params, opt_state, tables, batch.sparse, batch.inputs, jnp.asarray(step, jnp.int32))
+            params, opt_state, loss = train_step(params, opt_state, batch.sparse, batch.inputs,
+                                                 jnp.asarray(step, jnp.int32))
             pending.append(loss)
             recent.append(batch)
             stats = batch.stats if stats is None else stats.merge(batch.stats)
@@ -438,31 +461,35 @@ def train(args: argparse.Namespace, plan: se.EmbeddingPlan, teacher: Teacher, mo
                 bar.update(len(pending))
                 pending, t_log = [], now
     bar.close()
-    return Result(params, tables, losses, list(recent), stats, time.perf_counter() - start)
-
-
-def init_head(model: Head, plan: se.EmbeddingPlan, config: DataConfig, key: jax.Array) -> Any:
-    """Head params, replicated over the mesh (initialised from one dummy example's shapes)."""
-    acts = {name: jnp.zeros((1, *f.output_shape[1:])) for name, f in plan.features.items()}
-    dense, mask = jnp.zeros((1, config.num_dense)), jnp.zeros((1, config.history_len))
-    init = jax.jit(model.init, out_shardings=NamedSharding(plan.mesh, P()))
-    return init(key, acts, dense, mask)
+    return Result(params, losses, list(recent), stats, time.perf_counter() - start)
 
 
 def build(args: argparse.Namespace):
-    """Teacher, plan, initial tables and head params, and the held-out eval batches."""
+    """Teacher, plan, model, its sharded params (tables included), the layout and the eval batches."""
     config = DataConfig(users=args.users, items=args.items, tags=args.tags)
     teacher = Teacher.create(config, args.seed)
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     optimizer = se.optimizers.Adagrad(args.embedding_lr, initial_accumulator_value=args.embedding_init_acc)
     features = feature_specs(config, args.batch_size, args.embedding_dim, optimizer, args.embedding_init_std)
     plan = se.plan(features, mesh)  # the three tables share dim/optimizer/combiner: one stack
-    tables = se.init_tables(plan, jax.random.key(args.seed))
     eval_batches = [make_batch(teacher, plan, args.batch_size, np.random.default_rng([args.seed, 2, i]))
                     for i in range(args.eval_batches)]
-    model = Head()
-    params = init_head(model, plan, config, jax.random.key(args.seed + 1))
-    return teacher, plan, model, params, tables, eval_batches
+    model = DLRM(plan)
+    first = eval_batches[0]
+    init = lambda key: model.init(key, first.sparse, first.inputs.dense, first.inputs.history_mask)["params"]
+    layout = se.LayoutMap(mesh, LAYOUT_RULES, plan=plan)
+    key = jax.random.key(args.seed)
+    params = jax.jit(init, out_shardings=layout.shardings(jax.eval_shape(init, key)))(key)
+    return teacher, plan, model, params, layout, eval_batches
+
+
+def save_checkpoint(directory: str, plan: se.EmbeddingPlan, params: Any, step: int) -> None:
+    """Saves the tables (mesh-independent) and the dense params, and waits for the write."""
+    dense = {k: v for k, v in params.items() if k != "embed"}
+    with se.CheckpointManager(directory) as manager:
+        manager.save(step, plan, params["embed"]["tables"], user=dense)
+        manager.wait()
+    print(f"checkpoint of step {step} saved in {directory} (inspect: sparse-embed inspect {directory})")
 
 
 def loss_curve(losses: Sequence[float], points: int = 8) -> str:
@@ -474,13 +501,15 @@ def loss_curve(losses: Sequence[float], points: int = 8) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Trains the student on teacher-labelled data; prints and returns losses and AUCs."""
     args = parse_args(argv)
-    teacher, plan, model, params, tables, eval_batches = build(args)
+    teacher, plan, model, params, layout, eval_batches = build(args)
     print(f"{len(jax.devices())} device(s), stacks {list(plan.stack_names)}, "
           f"{args.steps} steps x {args.batch_size} examples")
-    result = train(args, plan, teacher, model, params, tables)
-    predict = jax.jit(make_predict(plan, model))
-    train_auc, teacher_train_auc = score(predict, result.params, result.tables, result.recent)
-    eval_auc, teacher_auc = score(predict, result.params, result.tables, eval_batches)
+    result = train(args, plan, teacher, model, params, layout)
+    predict = make_predict(model)
+    train_auc, teacher_train_auc = score(predict, result.params, result.recent)
+    eval_auc, teacher_auc = score(predict, result.params, eval_batches)
+    if args.checkpoint_dir:
+        save_checkpoint(args.checkpoint_dir, plan, result.params, args.steps)
 
     examples_per_second = args.steps * args.batch_size / result.seconds
     print(f"trained in {result.seconds:.1f} s ({examples_per_second:,.0f} examples/s); "
