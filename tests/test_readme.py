@@ -15,7 +15,7 @@ def _quick_start_commands() -> list[str]:
 def test_quick_start_has_two_commands():
     cmds = _quick_start_commands()
     assert len(cmds) == 2 and all("\n" not in c for c in cmds)
-    assert "sparse_embed.examples.demo" in cmds[0]
+    assert "sparse_embed.examples.dlrm" in cmds[0]
     assert "[test]" in cmds[1] and "pytest" in cmds[1]
 
 
