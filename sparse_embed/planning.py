@@ -97,7 +97,7 @@ class StackPlan:
         return sum(f.rows_per_device for f in self.features)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class EmbeddingPlan:
     """The static result of `plan()`. Hashable; a static argument of jit."""
 
@@ -116,6 +116,17 @@ class EmbeddingPlan:
     @property
     def stack_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.stacks)
+
+    def __repr__(self) -> str:
+        lines = [f"EmbeddingPlan({self.num_shards} shards on mesh axis {self.axis_name!r}, on_overflow={self.on_overflow!r})"]
+        for s in self.stacks:
+            tables = ", ".join(f"{p.table.name}[{p.table.vocabulary_size}]" for p in s.tables)
+            feats = ", ".join(
+                f.feature.name + (f"[seq {f.feature.max_sequence_length}]" if f.feature.is_sequence else "")
+                for f in s.features)
+            lines.append(f"  stack {s.name!r}: [{s.total_rows}, {s.embedding_dim}] {type(s.optimizer).__name__}, "
+                         f"tables {tables}; features {feats}; capacity {self.capacity(s.name) or 'auto'}")
+        return "\n".join(lines)
 
     def stack(self, name: str) -> StackPlan:
         for s in self.stacks:
@@ -161,11 +172,13 @@ def _round_up(x: int, m: int) -> int:
 
 
 def auto_capacity_for(needed: int) -> int:
-    """Capacity for `needed` entries with ~10% headroom, on a coarse grid.
+    """Capacity for `needed` entries with headroom, on a coarse grid.
 
-    The grid (8 steps per power of two) keeps growth, and so recompiles, rare.
+    Headroom: 10%, or 3 sqrt(needed) if larger (the batch-to-batch spread of
+    small counts); the grid (8 steps per power of two) keeps growth, and so
+    recompiles, rare.
     """
-    target = max(CAPACITY_ALIGNMENT, math.ceil(needed * 1.1))
+    target = max(CAPACITY_ALIGNMENT, math.ceil(needed + max(0.1 * needed, 3 * math.sqrt(needed))))
     granule = max(CAPACITY_ALIGNMENT, 1 << max(0, target.bit_length() - 4))
     return _round_up(target, granule)
 

@@ -147,3 +147,24 @@ def test_two_axis_mesh_needs_axis_name():
 def test_default_mesh_uses_all_devices():
     p = se.plan({"f": se.FeatureSpec("f", _t(), 8)})
     assert p.num_shards == len(jax.devices()) == make_mesh(8).size
+
+
+def test_plan_repr_is_a_short_summary(mesh8):
+    t, u = _t("t"), _t("u", optimizer=opt.Adam(0.1))
+    p = se.plan({"a": se.FeatureSpec("a", t, 8), "s": se.FeatureSpec("s", t, 8, max_sequence_length=3),
+                 "b": se.FeatureSpec("b", u, 8)}, mesh8, capacity={"u": 64})
+    text = repr(p)
+    assert text.splitlines() == [
+        "EmbeddingPlan(8 shards on mesh axis 'x', on_overflow='error')",
+        "  stack 't': [16, 4] SGD, tables t[10]; features a, s[seq 3]; capacity auto",
+        "  stack 'u': [16, 4] Adam, tables u[10]; features b; capacity 64",
+    ]
+
+
+@pytest.mark.parametrize("needed", [1, 14, 100, 5_000, 655_360])
+def test_auto_capacity_headroom(needed):
+    from sparse_embed.planning import auto_capacity_for
+
+    cap = auto_capacity_for(needed)
+    assert cap % 8 == 0 and cap >= needed + max(0.1 * needed, 3 * needed**0.5)
+    assert cap <= 1.3 * needed + 64  # coarse grid, but not wasteful
