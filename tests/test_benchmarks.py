@@ -11,3 +11,13 @@ def test_step_benchmark_smoke(capsys):
     for key in ("same_batch", "full_range"):
         assert out["vocab"][key]["ratio"] > 0
     assert "vocabulary independence" in capsys.readouterr().out
+
+
+def test_preprocess_benchmark_smoke(capsys):
+    from benchmarks import preprocess
+
+    out = preprocess.main(["--quick"])
+    assert {(r["input"], r["devices"]) for r in out["rows"]} == {
+        (i, d) for i in ("dense", "ragged") for d in (1, 8)}
+    assert all(r["sparse_embed_s"] > 0 for r in out["rows"])
+    assert "ratio" in capsys.readouterr().out
