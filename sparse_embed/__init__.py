@@ -26,7 +26,7 @@ from sparse_embed.convert import convert_checkpoint, export_serving, load_servin
 from sparse_embed.inputs import FlatIds, flatten  # noqa: E402
 from sparse_embed.jte import JteTableLayout, from_jte, jte_layout, jte_layout_from_specs, to_jte  # noqa: E402
 from sparse_embed.layout import LayoutMap  # noqa: E402
-from sparse_embed.lookup import lookup  # noqa: E402
+from sparse_embed.lookup import lookup, nonfinite_rows  # noqa: E402
 from sparse_embed.optax_utils import apply_updates, optax_tx, param_labels  # noqa: E402
 from sparse_embed.planning import (  # noqa: E402
     EmbeddingPlan,
@@ -82,6 +82,7 @@ __all__ = [
     "grow_capacity",
     "init_tables",
     "lookup",
+    "nonfinite_rows",
     "optax_tx",
     "optimizers",
     "param_labels",

@@ -2,9 +2,10 @@
 
 Accepted per feature (`weights` has the same structure, floats):
 
-- 1-D int array `[B]`: one id per sample (-1 = the sample has no id);
-- 2-D int array `[B, L]`: -1 is padding (the column index is the sequence
-  position, so a -1 in the middle leaves a zero position);
+- 1-D int array `[B]`: one id per sample (-1 = the sample has no id), so a
+  flat `[B * L]` array is B * L samples (a batch-size error), never reshaped;
+- 2-D int array `[B, L]` (L may be 0): -1 is padding (the column index is the
+  sequence position, so a -1 in the middle leaves a zero position);
 - ragged: a *list* of B 1-D int arrays, or a *tuple* `(values, row_lengths)`.
   Ragged input has no padding value: every id must be valid.
 
@@ -81,9 +82,17 @@ def _from_lengths(feature: FeatureSpec, values: np.ndarray, lengths: np.ndarray)
     return samples, positions
 
 
+def _batch_size_message(feature: FeatureSpec, batch: int, one_d: bool) -> str:
+    msg = f"got {batch} samples, but the FeatureSpec's batch_size is {feature.batch_size}."
+    if one_d and batch > feature.batch_size and batch % feature.batch_size == 0:
+        msg += (" A 1-D array is one id per sample: reshape flat ids to [batch, L] (-1 padded), "
+                "or pass them ragged as (values, row_lengths).")
+    return msg
+
+
 def flatten(feature: FeatureSpec, ids: Any, weights: Any = None) -> FlatIds:
     """Validates one feature's ids (and weights) and flattens them. Batch = `FeatureSpec.batch_size`."""
-    kind = _structure(ids)
+    kind, one_d = _structure(ids), False
     if weights is not None and _structure(weights) != kind:
         raise _err(feature, f"weights are {_structure(weights)} but ids are {kind}; give them the same structure.")
     if kind == "pair":
@@ -118,7 +127,7 @@ def flatten(feature: FeatureSpec, ids: Any, weights: Any = None) -> FlatIds:
         if a.ndim not in (1, 2):
             raise _err(feature, f"dense ids must be 1-D [batch] or 2-D [batch, L], got shape {a.shape}.")
         w = None if weights is None else _float_array(feature, weights, a.shape, "weights")
-        a2 = a.reshape(a.shape[0], -1)
+        a2, one_d = (a, False) if a.ndim == 2 else (a[:, None], True)
         batch, padding_ok = a2.shape[0], True
         keep = a2 != PADDING_ID
         samples, positions = np.nonzero(keep)
@@ -126,7 +135,7 @@ def flatten(feature: FeatureSpec, ids: Any, weights: Any = None) -> FlatIds:
         if w is not None:
             w = w.reshape(a2.shape)[keep]
     if batch != feature.batch_size:
-        raise _err(feature, f"got {batch} samples, but the FeatureSpec's batch_size is {feature.batch_size}.")
+        raise _err(feature, _batch_size_message(feature, batch, one_d))
     vocab = feature.table.vocabulary_size
     bad = (values < 0) | (values >= vocab)
     if bad.any():

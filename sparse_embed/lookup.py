@@ -11,7 +11,9 @@ Backward: the activation gradients are gathered onto every shard
 ids (sort + segment sum: no work proportional to the vocabulary), and the
 table's optimizer updates exactly the touched rows and their slots. The
 cotangent returned for `tables` is the *updated* state, so
-`jax.grad(loss)(tables)` returns the new tables.
+`jax.grad(loss)(tables)` returns the new tables. Under the plan's default
+`nonfinite_gradients="skip"`, a row whose gradient is NaN/inf keeps its
+values and slots; `nonfinite_rows` counts such rows.
 """
 
 from __future__ import annotations
@@ -92,6 +94,14 @@ def _forward_stack(stack: StackPlan, axis: str, coo: ShardedCooMatrix, table: ja
     return pooled.sum(axis=0), rec
 
 
+def _segments(cols: jax.Array):
+    """Groups equal cols: the sorting order, the sorted cols and each sorted entry's group index."""
+    order = jnp.argsort(cols)
+    sorted_cols = cols[order]
+    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_cols[1:] != sorted_cols[:-1]])
+    return order, sorted_cols, jnp.cumsum(is_new) - 1
+
+
 def _dedup(cols: jax.Array, grads: jax.Array, rows_per_shard: int):
     """Sums the gradients of duplicate row ids.
 
@@ -100,15 +110,35 @@ def _dedup(cols: jax.Array, grads: jax.Array, rows_per_shard: int):
     summed grads `[N, dim]`.
     """
     n = cols.shape[0]
-    order = jnp.argsort(cols)
-    sorted_cols = cols[order]
-    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_cols[1:] != sorted_cols[:-1]])
-    segment = jnp.cumsum(is_new) - 1
+    order, sorted_cols, segment = _segments(cols)
     summed = jax.ops.segment_sum(grads[order], segment, num_segments=n, indices_are_sorted=True)
     unused = rows_per_shard + 1 + jnp.arange(n, dtype=cols.dtype)
     unique_cols = unused.at[segment].set(sorted_cols, indices_are_sorted=True)
     # The padding entries form one segment at col rows_per_shard: out of range too.
     return unique_cols, summed
+
+
+def _nonfinite(grads: jax.Array) -> jax.Array:
+    """Per gradient row `[N, dim]`: does it hold a NaN or inf? `[N]` bool."""
+    return ~jnp.isfinite(grads).all(axis=-1)
+
+
+def _bad_groups(cols: jax.Array, bad: jax.Array):
+    """Per group of equal cols: does any of its entries have `bad` set? And each sorted entry's group."""
+    order, _, segment = _segments(cols)
+    hits = jax.ops.segment_sum(bad[order].astype(jnp.int32), segment, num_segments=cols.shape[0],
+                               indices_are_sorted=True)
+    return hits > 0, order, segment
+
+
+def _poisoned(cols: jax.Array, bad: jax.Array) -> jax.Array:
+    """Per entry: does any entry with the same col have `bad` set? Sorts only when some entry is bad."""
+
+    def spread(_):
+        group_bad, order, segment = _bad_groups(cols, bad)
+        return jnp.zeros_like(bad).at[order].set(group_bad[segment], unique_indices=True)
+
+    return jax.lax.cond(bad.any(), spread, lambda _: bad, None)
 
 
 def _check_trainable(stack: StackPlan, variables: EmbeddingVariables) -> None:
@@ -121,24 +151,36 @@ def _check_trainable(stack: StackPlan, variables: EmbeddingVariables) -> None:
         )
 
 
-def _backward_stack(
-    stack: StackPlan, axis: str, rec: _Received, variables: EmbeddingVariables, g: jax.Array, step
-) -> EmbeddingVariables:
-    """Per shard: applies the optimizer to the rows the received entries touched."""
+def _entry_grads(stack: StackPlan, axis: str, rec: _Received, g: jax.Array):
+    """Per received entry: its row (col) on this shard, its gradient `gain * dL/dactivation`, and
+    whether that activation gradient holds a NaN/inf (checked per activation row: cheaper than per entry)."""
     D, rpd, dim = stack.num_shards, stack.rows_per_device, stack.embedding_dim
-    table, opt = variables.table, stack.optimizer
-    _check_trainable(stack, variables)
     # Activation gradients of every source device, with a zero row rpd per source for padding entries.
     grads_all = jnp.pad(jax.lax.all_gather(g, axis, tiled=False), ((0, 0), (0, 1), (0, 0)))
     grads_all = grads_all.reshape(D * (rpd + 1), dim)
     src_rows = (jnp.arange(D, dtype=jnp.int32)[:, None] * (rpd + 1) + rec.row_ids).reshape(-1)
     cols, values = rec.col_ids.reshape(-1), rec.values.reshape(-1)
+    return cols, grads_all[src_rows] * values[:, None], _nonfinite(grads_all)[src_rows]
 
-    grads = grads_all[src_rows] * values[:, None]
+
+def _backward_stack(
+    stack: StackPlan, axis: str, rec: _Received, variables: EmbeddingVariables, g: jax.Array, step,
+    skip_nonfinite: bool,
+) -> EmbeddingVariables:
+    """Per shard: applies the optimizer to the rows the received entries touched.
+
+    With `skip_nonfinite`, a row whose gradient is NaN/inf keeps its values and slots.
+    """
+    table, opt = variables.table, stack.optimizer
+    _check_trainable(stack, variables)
+    cols, grads, bad = _entry_grads(stack, axis, rec, g)
     if opt.is_linear and stack.max_norm is None and table.dtype == jnp.float32:
         # e.g. plain SGD: duplicates need no combining, scatter-add each occurrence's delta. (One
         # scatter: a chunked scan would carry the table through a loop, which XLA:CPU copies.)
-        return EmbeddingVariables(table.at[cols].add(opt.linear_delta(grads, step), mode="drop"), variables.slots)
+        delta = opt.linear_delta(grads, step)
+        if skip_nonfinite:  # drop every occurrence of a row that has a non-finite one
+            delta = jnp.where(_poisoned(cols, bad)[:, None], 0.0, delta)
+        return EmbeddingVariables(table.at[cols].add(delta, mode="drop"), variables.slots)
 
     if stack.max_norm is not None:
         x = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
@@ -150,6 +192,10 @@ def _backward_stack(
     rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
     slots = {k: v.at[cols].get(mode="fill", fill_value=0) for k, v in variables.slots.items()}
     new_rows, new_slots = opt.update(rows, slots, grads, step)
+    if skip_nonfinite:  # the summed gradient is non-finite if any of its terms is (or if it overflows)
+        skipped = _nonfinite(grads)[:, None]
+        new_rows = jnp.where(skipped, rows, new_rows)
+        new_slots = {k: jnp.where(skipped, slots[k], v) for k, v in new_slots.items()}
     put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
     return EmbeddingVariables(put(table, new_rows), {k: put(variables.slots[k], new_slots[k]) for k in slots})
 
@@ -187,12 +233,13 @@ def _backward(plan: EmbeddingPlan, recs, tables, grads, step):
     axis = plan.axis_name
     rec_spec = {s.name: _Received(*([P(axis)] * 3)) for s in plan.stacks}
     state_spec = _specs(plan, tables)
+    skip = plan.nonfinite_gradients == "skip"
 
     def body(recs, tables, grads, step):
         out = {}
         for s in plan.stacks:
             rec = jax.tree.map(lambda x: x[0], recs[s.name])
-            out[s.name] = _backward_stack(s, axis, rec, tables[s.name], grads[s.name], step)
+            out[s.name] = _backward_stack(s, axis, rec, tables[s.name], grads[s.name], step, skip)
         return out
 
     fn = jax.shard_map(
@@ -263,6 +310,8 @@ def lookup(
     The "gradient" of the loss w.r.t. `tables` is the updated state: the
     optimizer already applied to the touched rows. Use `tables` only through
     one `lookup` in a loss, and replace them with what `jax.grad` returns.
+    Rows whose gradient is NaN/inf are left unchanged unless the plan says
+    `nonfinite_gradients="apply"` (see `nonfinite_rows`).
     """
     _check_batch(plan, batch)
     check_state(plan, tables)
@@ -283,3 +332,59 @@ def _lookup_jit(plan: EmbeddingPlan, batch, tables, step) -> dict[str, jax.Array
             x = a[:, lay.row_offset : lay.row_offset + lay.rows_per_device]
             out[f.name] = x.reshape(f.output_shape)
     return out
+
+
+def _stack_grads(plan: EmbeddingPlan, grads: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """`{feature: dL/dactivations}` -> `{stack: [D * rows_per_device, dim]}` (inverse of `_lookup_jit`'s split)."""
+    missing = sorted(set(plan.features) - set(grads))
+    if missing:
+        raise ValueError(f"activation_grads is missing features {missing}; give one per feature of the plan.")
+    out = {}
+    for s in plan.stacks:
+        parts = []
+        for lay in s.features:
+            g = jnp.asarray(grads[lay.feature.name], jnp.float32)
+            if g.shape != lay.feature.output_shape:
+                raise ValueError(f"Feature {lay.feature.name!r}: activation_grads has shape {g.shape}, "
+                                 f"but its activations have shape {lay.feature.output_shape}.")
+            parts.append(g.reshape(plan.num_shards, lay.rows_per_device, s.embedding_dim))
+        out[s.name] = jnp.concatenate(parts, axis=1).reshape(-1, s.embedding_dim)
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _nonfinite_rows_jit(plan: EmbeddingPlan, batch, grads) -> dict[str, jax.Array]:
+    axis = plan.axis_name
+
+    def body(batch, grads):
+        out = {}
+        for s in plan.stacks:
+            rec = _exchange(s, axis, jax.tree.map(lambda x: x[0], batch[s.name]))
+            cols, _, bad = _entry_grads(s, axis, rec, grads[s.name])
+            out[s.name] = jax.lax.psum(jnp.sum(_bad_groups(cols, bad)[0], dtype=jnp.int32), axis)
+        return out
+
+    fn = jax.shard_map(
+        body, mesh=plan.mesh,
+        in_specs=({s.name: ShardedCooMatrix(*([P(axis)] * 5)) for s in plan.stacks}, {s.name: P(axis) for s in plan.stacks}),
+        out_specs={s.name: P() for s in plan.stacks},
+    )
+    return fn(batch, _stack_grads(plan, grads))
+
+
+def nonfinite_rows(
+    plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix], activation_grads: Mapping[str, jax.Array]
+) -> dict[str, jax.Array]:
+    """How many table rows a NaN/inf activation gradient reaches: `{stack: int32 count}`.
+
+    These are the rows that the backward of `lookup` leaves unchanged under
+    `plan(..., nonfinite_gradients="skip")` (or poisons under "apply"): rows
+    read by an output row whose gradient holds a NaN or inf. (Optimizers
+    that combine duplicates also skip a row whose finite gradients overflow
+    when summed; that rare row is not counted here.) The
+    backward cannot return this count through `jax.grad`, so compute it from
+    the gradient of the loss w.r.t. the activations, e.g.
+    `jax.grad(head_loss)(acts)`, when the loss is not finite. Jit-able.
+    """
+    _check_batch(plan, batch)
+    return _nonfinite_rows_jit(plan, dict(batch), dict(activation_grads))

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from sparse_embed.specs import FeatureSpec, TableSpec
 
 OVERFLOW_POLICIES = ("error", "drop")
+NONFINITE_POLICIES = ("skip", "apply")
 CAPACITY_ALIGNMENT = 8
 
 
@@ -105,6 +106,7 @@ class EmbeddingPlan:
     axis_name: str
     stacks: tuple[StackPlan, ...]
     on_overflow: str
+    nonfinite_gradients: str = "skip"
     # Auto-capacity high-water marks {stack: capacity}; shared by the copies
     # of this plan, never part of its identity.
     auto_capacity: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -118,7 +120,10 @@ class EmbeddingPlan:
         return tuple(s.name for s in self.stacks)
 
     def __repr__(self) -> str:
-        lines = [f"EmbeddingPlan({self.num_shards} shards on mesh axis {self.axis_name!r}, on_overflow={self.on_overflow!r})"]
+        policies = f"on_overflow={self.on_overflow!r}"
+        if self.nonfinite_gradients != "skip":
+            policies += f", nonfinite_gradients={self.nonfinite_gradients!r}"
+        lines = [f"EmbeddingPlan({self.num_shards} shards on mesh axis {self.axis_name!r}, {policies})"]
         for s in self.stacks:
             tables = ", ".join(f"{p.table.name}[{p.table.vocabulary_size}]" for p in s.tables)
             feats = ", ".join(
@@ -287,6 +292,7 @@ def plan(
     stacking: Any = "auto",
     capacity: int | Mapping[str, int] | None = None,
     on_overflow: str = "error",
+    nonfinite_gradients: str = "skip",
 ) -> EmbeddingPlan:
     """Plans the stacked, sharded layout of the tables that `features` read.
 
@@ -305,6 +311,9 @@ def plan(
       on_overflow: with an explicit capacity, what a batch that needs more
         does: "error" (ValueError) or "drop" (excess ids dropped
         deterministically, the last ones in sample order, counted in Stats).
+      nonfinite_gradients: what the backward does with a row whose gradient
+        is NaN or inf: "skip" (the row and its slots keep their old values;
+        `nonfinite_rows` counts such rows) or "apply" (update it anyway).
 
     Returns:
       The `EmbeddingPlan`. Stacks are named by their tables' names joined
@@ -320,11 +329,13 @@ def plan(
     num_shards = mesh.shape[axis]
     if on_overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}.")
+    if nonfinite_gradients not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite_gradients must be one of {NONFINITE_POLICIES}, got {nonfinite_gradients!r}.")
     for f in feats.values():
         if f.batch_size % num_shards:
             raise ValueError(
                 f"Feature {f.name!r}: batch_size {f.batch_size} does not divide evenly over the "
-                f"{num_shards} devices of mesh axis {axis!r}."
+                f"{num_shards} devices of mesh axis {axis!r}; use a multiple of {num_shards}."
             )
 
     groups = _group_tables(tables, stacking)
@@ -357,7 +368,7 @@ def plan(
                 layouts.append(lay)
                 row += lay.rows_per_device
         stacks.append(StackPlan(name, tuple(placements.values()), tuple(layouts), num_shards, caps[name]))
-    return EmbeddingPlan(mesh, axis, tuple(stacks), on_overflow)
+    return EmbeddingPlan(mesh, axis, tuple(stacks), on_overflow, nonfinite_gradients)
 
 
 def grow_capacity(plan: EmbeddingPlan, stats, *, headroom: float = 1.0) -> EmbeddingPlan:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import sparse_embed as se
+import reference as ref
 
 
 @pytest.fixture
@@ -117,3 +118,166 @@ def test_lookup_rejects_foreign_batch_and_tables(setup, mesh8):
         se.lookup(plan, batch, {})
     with pytest.raises(TypeError, match="ShardedCooMatrix"):
         se.lookup(plan, {"tbl": tuple(batch["tbl"])}, tables)
+
+
+# ---------------------------------------------------------------- ids that would land on padding or another table
+@pytest.fixture
+def stacked(mesh8):
+    """Two stacked tables: 'a' (vocab 21, padded to 24 rows) then 'b' at stack rows [24, 56)."""
+    a, b = se.TableSpec("a", 21, 4, combiner="sum"), se.TableSpec("b", 30, 4, combiner="sum")
+    plan = se.plan({"fa": se.FeatureSpec("fa", a, 8), "fb": se.FeatureSpec("fb", b, 8)}, mesh8)
+    assert plan.stack_names == ("a_b",) and plan.stack("a_b").total_rows == 56
+    return plan
+
+
+@pytest.mark.parametrize("bad", [21, 23, 24, 56, 2**31 - 1, 2**40],
+                         ids=["vocab", "padding_row", "next_table", "stack_rows", "int32_max", "int64"])
+def test_id_in_padding_or_another_stacked_table(stacked, bad):
+    ids = np.zeros((8, 2), np.int64)
+    ids[3, 1] = bad
+    with pytest.raises(ValueError, match=rf"Feature 'fa' \(table 'a'\): id {bad} in sample 3 is out of range: "
+                                         r"ids must be < vocabulary_size 21"):
+        se.preprocess(stacked, {"fa": ids, "fb": np.zeros(8, np.int32)})
+
+
+def test_int32_min_id(setup):
+    _expect(setup, F + r"id -2147483648 in sample 0 is out of range: negative",
+            {"f": np.full((8, 2), np.iinfo(np.int32).min, np.int32)})
+
+
+# ---------------------------------------------------------------- 1-D vs 2-D
+def test_flat_ids_for_a_multi_hot_feature(setup):
+    """1-D is one id per sample: a flat [B * L] array is never reshaped, it is B * L samples."""
+    _expect(setup, F + r"got 16 samples, but the FeatureSpec's batch_size is 8\. A 1-D array is one id per sample: "
+                       r"reshape flat ids to \[batch, L\]", {"f": np.ones(16, np.int32)})
+
+
+def test_one_d_ids_equal_a_single_column(setup):
+    """[B] and [B, 1] mean the same; for a sequence feature, that id is position 0."""
+    plan, _ = setup
+    ids = np.array([3, -1, 5, 7, 0, 1, -1, 19])
+    for name in ("f", "g"):
+        one, col = (se.flatten(plan.features[name], x) for x in (ids, ids[:, None]))
+        for a, b in zip(one, col):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(one.positions, 0)
+
+
+# ---------------------------------------------------------------- empty features
+def _train_step(plan, cts):
+    def loss(tables, batch):
+        acts = se.lookup(plan, batch, tables, 0)
+        return sum(jax.numpy.sum(acts[k] * cts[k]) for k in cts), acts
+
+    return jax.jit(jax.grad(loss, has_aux=True))
+
+
+EMPTY = {
+    "dense_all_padding": (np.full((8, 3), -1), np.zeros((8, 3))),
+    "dense_no_columns": (np.zeros((8, 0), np.int64), np.zeros((8, 0))),
+    "one_d_all_padding": (np.full(8, -1), np.ones(8)),
+    "list_of_empty_rows": ([np.array([], np.int64)] * 8, [np.array([], np.float32)] * 8),
+    "list_of_empty_lists": ([[]] * 8, [[]] * 8),
+    "pair_zero_lengths": ((np.array([], np.int64), np.zeros(8, int)), (np.array([]), np.zeros(8, int))),
+}
+
+
+@pytest.mark.parametrize("form", list(EMPTY))
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_empty_feature_gives_zero_activations_and_no_table_change(mesh8, form, weighted):
+    t = se.TableSpec("t", 20, 4, combiner="sqrtn", optimizer=se.optimizers.Adagrad(0.1))
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    ids, w = EMPTY[form]
+    batch, stats = se.preprocess(plan, {"f": ids}, {"f": w} if weighted else None)
+    assert stats.num_ids == {"t": 0}
+    tables = se.init_tables(plan, jax.random.key(0))
+    before = se.unstack_state(plan, tables)
+    new, acts = _train_step(plan, {"f": np.ones((8, 4), np.float32)})(tables, batch)
+    np.testing.assert_array_equal(acts["f"], 0)
+    after = se.unstack_state(plan, new)
+    for k in before["t"]:
+        np.testing.assert_array_equal(after["t"][k], before["t"][k], err_msg=k)
+
+
+# ---------------------------------------------------------------- NaN / inf upstream gradients
+NONFINITE_OPTIMIZERS = {
+    "sgd": (lambda: se.optimizers.SGD(0.1), ref.sgd, None),  # the scatter-add path
+    "adagrad": (lambda: se.optimizers.Adagrad(0.1), ref.adagrad, None),  # the combine-duplicates path
+    "adagrad_max_norm": (lambda: se.optimizers.Adagrad(0.1), ref.adagrad, 0.5),
+}
+
+
+def _nonfinite_case(mesh, name, policy):
+    make_opt, update, max_norm = NONFINITE_OPTIMIZERS[name]
+    o = make_opt()
+    a = se.TableSpec("a", 30, 4, combiner="mean", optimizer=o, max_norm=max_norm)
+    b = se.TableSpec("b", 21, 4, combiner="mean", optimizer=o, max_norm=max_norm)
+    feats = {"fa": se.FeatureSpec("fa", a, 8), "fb": se.FeatureSpec("fb", b, 8),
+             "fb_seq": se.FeatureSpec("fb_seq", b, 8, max_sequence_length=3)}
+    plan = se.plan(feats, mesh, nonfinite_gradients=policy)
+    rng = np.random.default_rng(5)
+    samples = {n: ref.random_samples(rng, 8, f.table.vocabulary_size, 4, weighted=True, min_len=1, id_pool=12)
+               for n, f in feats.items()}
+    cts = {n: rng.normal(size=f.output_shape).astype(np.float32) for n, f in feats.items()}
+    cts["fa"][2] = np.nan  # every row sample 2 reads
+    cts["fb"][0, 1] = -np.inf
+    cts["fb_seq"][5, 1] = np.inf  # only the id at position 1 of sample 5
+    ids = {n: ref.render(s, "list")[0] for n, s in samples.items()}
+    weights = {n: ref.render(s, "list")[1] for n, s in samples.items()}
+    batch, _ = se.preprocess(plan, ids, weights)
+    tables = se.init_tables(plan, jax.random.key(3))
+    state = {n: {k: v.astype(np.float64) for k, v in s.items()} for n, s in se.unstack_state(plan, tables).items()}
+    new, _ = _train_step(plan, cts)(tables, batch)
+    with np.errstate(invalid="ignore"):  # inf - inf in the reference's max_norm vjp
+        grads = _reference_grads(feats, samples, cts, state, max_norm)
+    bad = {t: {r for r, g in gs.items() if not np.isfinite(g).all()} for t, gs in grads.items()}
+    return plan, batch, cts, o, update, state, grads, bad, se.unstack_state(plan, new)
+
+
+def _reference_grads(feats, samples, cts, state, max_norm):
+    grads = {"a": {}, "b": {}}
+    for n, f in feats.items():
+        W = state[f.table.name]["table"]
+        for r, g in ref.row_grads(W, samples[n], cts[n], combiner="mean", seq_len=f.max_sequence_length,
+                                  max_norm=max_norm).items():
+            grads[f.table.name][r] = grads[f.table.name].get(r, 0.0) + g
+    return grads
+
+
+@pytest.mark.parametrize("name", list(NONFINITE_OPTIMIZERS))
+def test_nonfinite_gradient_rows_are_skipped(mesh8, name):
+    plan, batch, cts, o, update, state, grads, bad, got = _nonfinite_case(mesh8, name, "skip")
+    assert bad["a"] and bad["b"] and len(bad["a"]) < len(grads["a"])  # some rows skipped, others updated
+    for t in ("a", "b"):
+        before = {k: v.copy() for k, v in state[t].items()}
+        ref.apply(update, state[t], {r: g for r, g in grads[t].items() if r not in bad[t]}, o.learning_rate)
+        for k in state[t]:
+            assert np.isfinite(got[t][k]).all()
+            np.testing.assert_allclose(got[t][k], state[t][k], rtol=1e-5, atol=1e-6, err_msg=f"{t}/{k}")
+            rows = sorted(bad[t])
+            np.testing.assert_array_equal(got[t][k][rows], before[k][rows].astype(np.float32))
+    counts = jax.jit(lambda b, g: se.nonfinite_rows(plan, b, g))(batch, cts)
+    assert {k: int(v) for k, v in counts.items()} == {"a_b": len(bad["a"]) + len(bad["b"])}
+    with pytest.raises(ValueError, match=r"activation_grads is missing features \['fb'\]"):
+        se.nonfinite_rows(plan, batch, {k: v for k, v in cts.items() if k != "fb"})
+
+
+def test_nonfinite_gradients_apply_poisons_exactly_those_rows(mesh8):
+    *_, grads, bad, got = _nonfinite_case(mesh8, "adagrad", "apply")
+    for t in ("a", "b"):
+        assert {int(r) for r in np.nonzero(~np.isfinite(got[t]["table"]).all(1))[0]} == bad[t]
+
+
+def test_readme_bad_input_table_names_existing_tests():
+    import pathlib
+    import re
+
+    tests = pathlib.Path(__file__).parent
+    section = (tests.parent / "README.md").read_text().split("### Bad input", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| input")]
+    assert len(rows) >= 15
+    for row in rows:
+        named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", row.rsplit("|", 2)[1])
+        assert named, f"row names no test: {row}"
+        for file, name in named:
+            assert re.search(rf"^def {name}\(", (tests / file).read_text(), re.M), f"{file}::{name} not found"

@@ -106,6 +106,7 @@ def test_plan_layout(mesh8):
         (dict(capacity={"nope": 8}), r"capacity names unknown stacks \['nope'\]"),
         (dict(capacity=0), "capacity must be a positive int"),
         (dict(on_overflow="ignore"), "on_overflow must be one of"),
+        (dict(nonfinite_gradients="zero"), r"nonfinite_gradients must be one of \('skip', 'apply'\)"),
         (dict(axis_name="y"), "axis_name 'y' is not an axis"),
     ],
 )
