@@ -12,7 +12,7 @@ from sparse_embed import _xla_flags
 
 _xla_flags.ensure_cpu_flags()
 
-from sparse_embed import optimizers  # noqa: E402
+from sparse_embed import distributed, optimizers  # noqa: E402
 from sparse_embed.checkpoint import (  # noqa: E402
     CheckpointError,
     CheckpointInfo,
@@ -85,6 +85,7 @@ __all__ = [
     "nonfinite_rows",
     "optax_tx",
     "optimizers",
+    "distributed",
     "param_labels",
     "plan",
     "preprocess",

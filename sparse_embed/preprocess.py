@@ -18,6 +18,7 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import numpy as np
 
+from sparse_embed import distributed as _dist
 from sparse_embed.inputs import FlatIds, flatten
 from sparse_embed.planning import EmbeddingPlan, StackPlan, auto_capacity_for
 from sparse_embed.specs import FeatureSpec
@@ -43,7 +44,12 @@ class ShardedCooMatrix(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Stats:
-    """What preprocessing saw, per stack (so capacities can be sized from real data)."""
+    """What preprocessing saw, per stack (so capacities can be sized from real data).
+
+    When the plan's mesh spans several processes, the stats are already
+    combined over all of them (maxima of maxima, sums of counts) and equal on
+    every process; `merge` combines the stats of several batches.
+    """
 
     max_ids_per_partition: dict[str, int]
     max_unique_ids_per_partition: dict[str, int]
@@ -115,37 +121,66 @@ def _capacity(plan: EmbeddingPlan, stack: StackPlan, needed: int) -> int:
     return current
 
 
-def _overflow_error(stack: StackPlan, counts: np.ndarray, capacity: int) -> ValueError:
+def _overflow_error(stack: StackPlan, counts: np.ndarray, capacity: int, positions=None) -> ValueError:
     S = stack.num_shards
     p = int(np.argmax(counts))
+    device = p // S if positions is None else positions[p // S]
     feats = [lay.feature.name for lay in stack.features]
     return ValueError(
-        f"Stack {stack.name!r} (features {feats}): partition (device {p // S}, shard {p % S}) "
+        f"Stack {stack.name!r} (features {feats}): partition (device {device}, shard {p % S}) "
         f"has {int(counts[p])} ids but the capacity is {capacity}. Raise capacity= in plan() "
         f"(or use sparse_embed.grow_capacity(plan, stats)), or pass on_overflow='drop'."
     )
 
 
-def _build_stack(plan: EmbeddingPlan, stack: StackPlan, flats: dict[str, FlatIds]):
-    D = S = stack.num_shards
+class _Partitioned(NamedTuple):
+    """A stack's entries sorted by partition (d * S + s), d over the `num_devices` devices built here."""
+
+    key: np.ndarray
+    col: np.ndarray
+    row: np.ndarray
+    val: np.ndarray
+    rank: np.ndarray  # position inside its partition
+    counts: np.ndarray  # [num_devices * S]
+    needed: int  # max entries in a partition
+    max_unique: int  # max unique rows in a partition
+    num_devices: int
+
+
+def _max_unique_per_partition(key: np.ndarray, col: np.ndarray, rows_per_shard: int, partitions: int) -> int:
+    """Most distinct cols in one partition. A sort + diff (numpy's hash-based np.unique is ~10x slower here)."""
+    if key.size == 0:
+        return 0
+    pairs = np.sort(key.astype(np.int64) * rows_per_shard + col)
+    first = np.concatenate([[True], pairs[1:] != pairs[:-1]])
+    return int(np.bincount(pairs[first] // rows_per_shard, minlength=partitions).max())
+
+
+def _partition(plan: EmbeddingPlan, stack: StackPlan, flats: dict[str, FlatIds], num_devices: int) -> _Partitioned:
+    S = stack.num_shards
     key, col, row, val = _stack_entries(plan, stack, flats)
     order = np.argsort(key, kind="stable")
     key, col, row, val = key[order], col[order], row[order], val[order]
-    counts = np.bincount(key, minlength=D * S)
+    counts = np.bincount(key, minlength=num_devices * S)
     starts = np.cumsum(counts) - counts
     rank = np.arange(key.size) - starts[key]
-    uniq = np.unique(key * stack.rows_per_shard + col) // stack.rows_per_shard
-    max_unique = int(np.bincount(uniq, minlength=D * S).max()) if uniq.size else 0
+    max_unique = _max_unique_per_partition(key, col, stack.rows_per_shard, num_devices * S)
     needed = int(counts.max()) if counts.size else 0
-    cap = _capacity(plan, stack, max(needed, 1))
+    return _Partitioned(key, col, row, val, rank, counts, needed, max_unique, num_devices)
+
+
+def _fill(stack: StackPlan, part: _Partitioned, cap: int):
+    """Drops entries past `cap` (the caller has checked the policy) and builds the COO arrays."""
+    D, S = part.num_devices, stack.num_shards
+    key, col, row, val, counts = part.key, part.col, part.row, part.val, part.counts
     dropped = 0
-    if needed > cap:
-        if plan.on_overflow == "error":
-            raise _overflow_error(stack, counts, cap)
-        keep = rank < cap
+    if part.needed > cap:
+        keep = part.rank < cap
         dropped = int((~keep).sum())
-        key, col, row, val, rank = key[keep], col[keep], row[keep], val[keep], rank[keep]
+        key, col, row, val, rank = key[keep], col[keep], row[keep], val[keep], part.rank[keep]
         counts = np.minimum(counts, cap)
+    else:
+        rank = part.rank
 
     slot = key * cap + rank  # position in the flat [D * S * cap] buffer
     col_ids = np.full(D * S * cap, stack.rows_per_shard, np.int32)
@@ -160,7 +195,129 @@ def _build_stack(plan: EmbeddingPlan, stack: StackPlan, flats: dict[str, FlatIds
         row_ids.reshape(D, S * cap),
         values.reshape(D, S * cap),
     )
-    return coo, needed, max_unique, dropped, int(key.size) + dropped, cap
+    return coo, dropped
+
+
+def _build_stack(plan: EmbeddingPlan, stack: StackPlan, flats: dict[str, FlatIds]):
+    part = _partition(plan, stack, flats, stack.num_shards)
+    cap = _capacity(plan, stack, max(part.needed, 1))
+    if part.needed > cap and plan.on_overflow == "error":
+        raise _overflow_error(stack, part.counts, cap)
+    coo, dropped = _fill(stack, part, cap)
+    return coo, part.needed, part.max_unique, dropped, int(part.key.size), cap
+
+
+def _check_keys(plan: EmbeddingPlan, ids, weights) -> dict:
+    features = plan.features
+    if not isinstance(ids, Mapping):
+        raise TypeError(f"ids must be a mapping feature name -> ids, got {type(ids).__name__}.")
+    weights = {} if weights is None else weights
+    for what, given in (("ids", ids), ("weights", weights)):
+        unknown = sorted(set(given) - set(features))
+        if unknown:
+            raise ValueError(f"{what} has unknown features {unknown}; the plan's features are {sorted(features)}.")
+    missing = sorted(set(features) - set(ids))
+    if missing:
+        raise ValueError(f"ids is missing features {missing}; every feature of the plan needs ids.")
+    return weights
+
+
+def _flatten_all(plan: EmbeddingPlan, ids, weights) -> dict[str, FlatIds]:
+    weights = _check_keys(plan, ids, weights)
+    return {name: flatten(f, ids[name], weights.get(name)) for name, f in plan.features.items()}
+
+
+def _num_samples(x: Any) -> int | None:
+    """Samples in one feature's ids (any accepted format), or None if that cannot be told."""
+    try:
+        if isinstance(x, tuple):
+            return len(x[1]) if len(x) == 2 else None
+        if isinstance(x, list):
+            return len(x)
+        return int(np.shape(x)[0])
+    except Exception:  # noqa: BLE001 - malformed input: flatten() reports it
+        return None
+
+
+def _flatten_local(plan: EmbeddingPlan, ids, weights, num_local: int) -> dict[str, FlatIds]:
+    """`_flatten_all` for this process's rows: `num_local` of the plan's devices' share of each batch."""
+    weights = _check_keys(plan, ids, weights)
+    flats = {}
+    for name, f in plan.features.items():
+        local_batch = f.batch_size // plan.num_shards * num_local
+        n = _num_samples(ids[name])
+        if n is not None and n != local_batch:
+            raise ValueError(
+                f"Feature {name!r} (table {f.table.name!r}): got {n} samples, but this process (process "
+                f"{jax.process_index()} of {jax.process_count()}) must pass {local_batch}: the plan's mesh spans "
+                f"several processes, so each process passes only its own rows, {f.batch_size // plan.num_shards} "
+                f"samples for each of its {num_local} of the {plan.num_shards} devices (the global batch_size "
+                f"is {f.batch_size})."
+            )
+        flats[name] = flatten(dataclasses.replace(f, batch_size=local_batch), ids[name], weights.get(name))
+    return flats
+
+
+_FIELDS = 4  # numbers per stack exchanged between processes: needed, max_unique, num_ids, dropped
+
+
+def _preprocess_processes(plan: EmbeddingPlan, ids, weights, device_put: bool):
+    """`preprocess` when the plan's mesh spans several processes (see its docstring)."""
+    processes = _dist.mesh_processes(plan.mesh)
+    positions = _dist.local_positions(plan)
+    me = jax.process_index()
+    error, parts = None, {}
+    try:
+        flats = _flatten_local(plan, ids, weights, len(positions))
+        parts = {s.name: _partition(plan, s, flats, len(positions)) for s in plan.stacks}
+    except Exception as e:  # noqa: BLE001 - every process must still take part in the exchange
+        error = e
+    mine = [int(error is not None)]
+    for s in plan.stacks:
+        p = parts.get(s.name)
+        if p is None:
+            mine += [0] * _FIELDS
+            continue
+        # An explicit capacity is known up front, so each process can count its own drops.
+        dropped = int(np.maximum(p.counts - s.capacity, 0).sum()) if s.capacity is not None else 0
+        mine += [p.needed, p.max_unique, int(p.key.size), dropped]
+    table = _dist.allgather_ints(processes, mine)
+    if error is not None:
+        raise error
+    failed = [processes[i] for i in np.flatnonzero(table[:, 0])]
+    if failed:
+        raise ValueError(f"preprocess failed on process(es) {failed} (see their error); this process ({me}) "
+                         "raises too, so that no process runs a step the others skip.")
+
+    batch, fields = {}, {k: {} for k in ("max_ids", "max_unique", "dropped", "num_ids", "capacity")}
+    for i, s in enumerate(plan.stacks):
+        col = table[:, 1 + _FIELDS * i: 1 + _FIELDS * (i + 1)]
+        needed, max_unique = int(col[:, 0].max()), int(col[:, 1].max())
+        num_ids, dropped = int(col[:, 2].sum()), int(col[:, 3].sum())
+        part = parts[s.name]
+        cap = _capacity(plan, s, max(needed, 1))  # the same on every process: same high-water mark
+        if needed > cap:
+            if plan.on_overflow == "error":
+                if part.needed == needed:
+                    raise _overflow_error(s, part.counts, cap, positions)
+                worst = processes[int(np.argmax(col[:, 0]))]
+                feats = [lay.feature.name for lay in s.features]
+                raise ValueError(
+                    f"Stack {s.name!r} (features {feats}): a partition on process {worst} has {needed} ids but "
+                    f"the capacity is {cap}. Raise capacity= in plan() (or use sparse_embed.grow_capacity(plan, "
+                    f"stats)), or pass on_overflow='drop'."
+                )
+        coo, _ = _fill(s, part, cap)  # the drops were counted (by every process) before the exchange
+        if device_put:
+            sharding = plan.batch_sharding()
+            coo = ShardedCooMatrix(*(
+                jax.make_array_from_process_local_data(sharding, x, (plan.num_shards, *x.shape[1:])) for x in coo
+            ))
+        batch[s.name] = coo
+        for k, v in zip(fields, (needed, max_unique, dropped, num_ids, cap)):
+            fields[k][s.name] = v
+    stats = Stats(fields["max_ids"], fields["max_unique"], fields["dropped"], fields["num_ids"], fields["capacity"])
+    return batch, stats
 
 
 def preprocess(
@@ -185,22 +342,26 @@ def preprocess(
     Returns:
       `({stack: ShardedCooMatrix}, Stats)`.
 
+    Multi-process (the plan's mesh has devices of several processes, under
+    `jax.distributed`): every process calls `preprocess` with only its own
+    rows of each feature: the samples of its devices' positions along the
+    plan's axis, in mesh order (`sparse_embed.distributed.process_rows`), so
+    `batch_size * local_devices / num_devices` samples per feature. It gets
+    global arrays (`jax.make_array_from_process_local_data`) ready for the
+    jitted step, or with `device_put=False` numpy arrays for its local
+    devices only. The processes agree on every decision (auto capacity
+    growth, overflow errors, bad input on any process raises on all of
+    them), and the returned `Stats` are global (maxima and sums over all
+    processes). Every process must call it the same number of times, in the
+    same order.
+
     Raises:
       ValueError naming the feature for bad ids/weights/structure/batch size,
       or the stack for a capacity overflow under `on_overflow="error"`.
     """
-    features = plan.features
-    if not isinstance(ids, Mapping):
-        raise TypeError(f"ids must be a mapping feature name -> ids, got {type(ids).__name__}.")
-    weights = {} if weights is None else weights
-    for what, given in (("ids", ids), ("weights", weights)):
-        unknown = sorted(set(given) - set(features))
-        if unknown:
-            raise ValueError(f"{what} has unknown features {unknown}; the plan's features are {sorted(features)}.")
-    missing = sorted(set(features) - set(ids))
-    if missing:
-        raise ValueError(f"ids is missing features {missing}; every feature of the plan needs ids.")
-    flats = {name: flatten(f, ids[name], weights.get(name)) for name, f in features.items()}
+    if _dist.spans_processes(plan):
+        return _preprocess_processes(plan, ids, weights, device_put)
+    flats = _flatten_all(plan, ids, weights)
 
     batch, fields = {}, {k: {} for k in ("max_ids", "max_unique", "dropped", "num_ids", "capacity")}
     for stack in plan.stacks:

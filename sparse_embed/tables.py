@@ -211,6 +211,15 @@ def check_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -
                 )
 
 
+def _to_host(a: jax.Array) -> np.ndarray:
+    """The whole global array on this host (gathered from the other processes if it spans several)."""
+    if getattr(a, "is_fully_addressable", True):
+        return np.asarray(a)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
 def unstack_tables(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, np.ndarray]:
     """The stacked state -> `{table_name: np.ndarray [vocabulary_size, dim]}` (mesh-independent)."""
     check_state(plan, tables)
@@ -224,7 +233,7 @@ def unstack_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables])
     for s in plan.stacks:
         v = tables[s.name]
         arrays = {"table": v.table, **v.slots}
-        rows = {k: from_shard_major(s, np.asarray(a)) for k, a in arrays.items()}
+        rows = {k: from_shard_major(s, _to_host(a)) for k, a in arrays.items()}
         for p in s.tables:
             sl = slice(p.row_offset, p.row_offset + p.table.vocabulary_size)
             out[p.table.name] = {k: r[sl] for k, r in rows.items()}

@@ -1,0 +1,94 @@
+"""One process of the multi-process tests (started by launch.run_workers). argv: out_dir ref_ckpt_dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from launch import worker_init
+
+pid, nproc = worker_init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import sparse_embed as se  # noqa: E402
+from sparse_embed import distributed as sd  # noqa: E402
+import scenario  # noqa: E402
+
+out_dir, ref_ckpt = sys.argv[1], sys.argv[2]
+mesh = Mesh(np.array(jax.devices()), ("x",))
+assert len(jax.local_devices()) * nproc == 8 == mesh.size
+
+
+def feed(plan, ids):
+    return sd.process_slice(plan, ids)
+
+
+def gathered_tables(plan, tables):
+    return se.unstack_tables(plan, tables)  # gathers across processes itself
+
+
+results = {}
+# 1. training: several steps, auto capacity that grows once; then a checkpoint
+plan = scenario.make_plan(mesh)
+tables, losses, stats, programs = scenario.train(plan, feed)
+results.update({f"trained/{k}": v for k, v in gathered_tables(plan, tables).items()})
+results["losses"] = np.array(losses)
+results["stats"] = scenario.stats_array(stats)
+results["programs"] = np.array(programs)
+with se.CheckpointManager(os.path.join(out_dir, "ckpt")) as ckpt:
+    ckpt.save(scenario.STEPS, plan, tables)
+
+# 2. a checkpoint saved by one process (8 devices) restored here
+restored = se.CheckpointManager(ref_ckpt).restore(plan)
+results.update({f"restored/{k}": v for k, v in gathered_tables(plan, restored.tables).items()})
+
+# 3. explicit capacity with drops: global stats and the assembled batch
+drop_plan = scenario.make_plan(mesh, capacity=8, on_overflow="drop")
+ids = scenario.global_ids(drop_plan, scenario.GROW_AT)
+batch, st = se.preprocess(drop_plan, feed(drop_plan, ids))
+results["drop/stats"] = scenario.stats_array(st)
+for name, coo in batch.items():
+    for field, x in zip(coo._fields, multihost_utils.process_allgather(coo, tiled=True)):
+        results[f"drop/{name}/{field}"] = x
+
+# 4. errors are raised on every process (nobody deadlocks in the next step)
+messages = {}
+error_plan = scenario.make_plan(mesh, capacity=8)
+try:
+    se.preprocess(error_plan, feed(error_plan, ids))
+except ValueError as e:
+    messages["overflow"] = str(e)
+bad = feed(plan, scenario.global_ids(plan, 0))
+if pid == nproc - 1:
+    bad["user"] = bad["user"][:-1]  # one sample short on the last process only
+try:
+    se.preprocess(plan, bad)
+except ValueError as e:
+    messages["batch"] = str(e)
+if pid == 0:
+    bad = scenario.global_ids(plan, 0)  # the global batch instead of this process's rows
+    bad["user"] = bad["user"][sd.process_rows(plan, "user")]
+    try:
+        se.preprocess(plan, bad)
+    except ValueError as e:
+        messages["global"] = str(e)
+else:
+    try:
+        se.preprocess(plan, feed(plan, scenario.global_ids(plan, 0)))
+    except ValueError as e:
+        messages["global"] = str(e)
+# still in step after the errors: one more good batch through the train step
+batch, _ = se.preprocess(plan, feed(plan, scenario.global_ids(plan, 0)))
+scenario.make_step(plan)(tables, batch, np.int32(0))[1].block_until_ready()
+
+if pid == 0:
+    np.savez(os.path.join(out_dir, "results.npz"), **results)
+with open(os.path.join(out_dir, f"messages{pid}.json"), "w") as f:
+    json.dump(messages, f)
+multihost_utils.sync_global_devices("done")
+print(f"worker {pid}/{nproc}: ok")

@@ -1,0 +1,104 @@
+"""Multi-process training under jax.distributed: N local processes × 8/N CPU devices each.
+
+The same run (tests/multiprocess/scenario.py) in N worker processes and in
+this process (8 devices) must give the same tables, losses and Stats;
+checkpoints cross between process counts; errors are raised on every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import sparse_embed as se
+from conftest import make_mesh
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess")
+sys.path.insert(0, HERE)
+
+import launch  # noqa: E402
+import scenario  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The run in this process on 8 devices, and a checkpoint of its final state."""
+    plan = scenario.make_plan(make_mesh(8))
+    tables, losses, stats, programs = scenario.train(plan)
+    ckpt = str(tmp_path_factory.mktemp("ref_ckpt"))
+    with se.CheckpointManager(ckpt) as m:
+        m.save(scenario.STEPS, plan, tables)
+    drop_plan = scenario.make_plan(make_mesh(8), capacity=8, on_overflow="drop")
+    drop_batch, drop_stats = se.preprocess(drop_plan, scenario.global_ids(drop_plan, scenario.GROW_AT),
+                                           device_put=False)
+    return dict(tables=se.unstack_tables(plan, tables), losses=np.array(losses), stats=scenario.stats_array(stats),
+                programs=programs, ckpt=ckpt, drop_batch=drop_batch, drop_stats=scenario.stats_array(drop_stats))
+
+
+def test_reference_grows_capacity_once(reference):
+    caps = reference["stats"][:, -2:]  # capacity of both stacks, per step
+    assert (caps[scenario.GROW_AT] > caps[0]).any() and (caps[:scenario.GROW_AT] == caps[0]).all()
+    assert (caps[scenario.GROW_AT:] == caps[scenario.GROW_AT]).all()
+    assert reference["programs"] == 2  # one compile, one recompile for the growth
+
+
+@pytest.mark.parametrize("num_processes", [2, 4])
+def test_multiprocess_run_equals_single_process(reference, tmp_path, num_processes):
+    launch.run_workers(os.path.join(HERE, "worker.py"), num_processes, [str(tmp_path), reference["ckpt"]],
+                       devices_per_process=8 // num_processes, timeout=120)
+    got = dict(np.load(tmp_path / "results.npz"))
+
+    # training: same tables, losses, (global) Stats and number of compiled programs
+    for name, want in reference["tables"].items():
+        np.testing.assert_allclose(got[f"trained/{name}"], want, rtol=0, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(got["losses"], reference["losses"], rtol=1e-6, atol=1e-5)  # summed in another order
+    np.testing.assert_array_equal(got["stats"], reference["stats"])
+    assert int(got["programs"]) == reference["programs"]
+
+    # checkpoint 1 process -> N processes, and N processes -> 1 process (on a 4-device sub-mesh)
+    for name, want in reference["tables"].items():
+        np.testing.assert_array_equal(got[f"restored/{name}"], want, err_msg=name)
+    plan4 = scenario.make_plan(make_mesh(4))
+    restored = se.CheckpointManager(str(tmp_path / "ckpt")).restore(plan4)
+    assert restored.step == scenario.STEPS
+    for name, want in se.unstack_tables(plan4, restored.tables).items():
+        np.testing.assert_array_equal(want, got[f"trained/{name}"], err_msg=name)
+
+    # explicit capacity, on_overflow="drop": the assembled batch and the Stats equal one process's
+    np.testing.assert_array_equal(got["drop/stats"], reference["drop_stats"])
+    assert reference["drop_stats"][0, 4:6].sum() > 0  # ids were dropped
+    for name, coo in reference["drop_batch"].items():
+        for field, want in zip(coo._fields, coo):
+            np.testing.assert_array_equal(got[f"drop/{name}/{field}"], want, err_msg=f"{name}/{field}")
+
+    # errors: raised on every process, with the reason on the process that caused it
+    msgs = [json.loads((tmp_path / f"messages{i}.json").read_text()) for i in range(num_processes)]
+    last = num_processes - 1
+    for i, m in enumerate(msgs):
+        assert "capacity is 8" in m["overflow"], m
+        if i == last:
+            assert f"got {scenario.B // num_processes - 1} samples" in m["batch"] and "own rows" in m["batch"], m
+        else:
+            assert f"failed on process(es) [{last}]" in m["batch"], m
+        if i == 0:
+            assert f"got {scenario.B} samples" in m["global"] and f"must pass {scenario.B // num_processes}" in m["global"]
+        else:
+            assert "failed on process(es) [0]" in m["global"], m
+
+
+def test_launcher_kills_all_workers_when_one_fails(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['SE_PROCESS_ID'] == '1':\n"
+                      "    print('bad input on worker 1'); sys.exit(3)\n"
+                      "time.sleep(60)\n")
+    with pytest.raises(launch.WorkersFailed, match=r"(?s)worker\(s\) \[1\] exited with \[3\].*bad input on worker 1"):
+        launch.run_workers(str(script), 2, [], devices_per_process=4, timeout=30)
+    script.write_text("import time\ntime.sleep(60)\n")
+    with pytest.raises(launch.WorkersFailed, match="timed out after 1 s"):
+        launch.run_workers(str(script), 2, [], devices_per_process=4, timeout=1)
