@@ -130,3 +130,23 @@ def test_bf16_serving_export(tmp_path):
     want = se.unstack_tables(plan, state)
     for n, t in tables.items():
         np.testing.assert_array_equal(np.asarray(t), want[n].astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("seq_len", [0, 3], ids=["pooled", "sequence"])
+def test_unsorted_coo_indices_are_never_misassigned(seq_len):
+    """COO entries in any order give the same activations as sorted ones (and as numpy)."""
+    feats, samples, ids, weights = _setup("coo", True, seq_len)
+    order = np.random.default_rng(1).permutation
+    shuffled_ids, shuffled_w = {}, {}
+    for n, (idx, vals, shape) in ids.items():
+        p = order(len(vals))
+        shuffled_ids[n] = (idx[p], vals[p], shape)
+        shuffled_w[n] = (idx[p], weights[n][1][p], shape)
+    arrays = {f.table.name: np.random.default_rng(2).normal(size=(f.table.vocabulary_size, 8)).astype(np.float32)
+              for f in feats.values()}
+    got = se.serving_lookup(feats, arrays, shuffled_ids, shuffled_w)
+    want = se.serving_lookup(feats, arrays, ids, weights)
+    for name, f in feats.items():
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6, err_msg=name)
+        numpy = ref.lookup(arrays[f.table.name], samples[name], combiner=f.table.combiner, seq_len=seq_len)
+        np.testing.assert_allclose(got[name], numpy, rtol=1e-5, atol=1e-6, err_msg=name)
