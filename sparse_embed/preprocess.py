@@ -147,24 +147,43 @@ class _Partitioned(NamedTuple):
     num_devices: int
 
 
-def _max_unique_per_partition(key: np.ndarray, col: np.ndarray, rows_per_shard: int, partitions: int) -> int:
-    """Most distinct cols in one partition. A sort + diff (numpy's hash-based np.unique is ~10x slower here)."""
+def _max_unique_per_partition(key: np.ndarray, col: np.ndarray, rows_per_shard: int, num_shards: int,
+                              num_devices: int) -> int:
+    """Most distinct cols in one (device, shard) partition, in O(N) without a sort.
+
+    Per source device: every entry writes its index into a scratch slot of
+    its (shard, col) and reads it back; an entry that reads its own index
+    represents its (shard, col) (numpy keeps the last of repeated writes).
+    `key` is `device * num_shards + shard`, entries grouped by key.
+    """
     if key.size == 0:
         return 0
-    pairs = np.sort(key.astype(np.int64) * rows_per_shard + col)
-    first = np.concatenate([[True], pairs[1:] != pairs[:-1]])
-    return int(np.bincount(pairs[first] // rows_per_shard, minlength=partitions).max())
+    scratch = np.empty(num_shards * rows_per_shard, np.int32)  # only the touched pages get mapped
+    device, shard = np.divmod(key, num_shards)
+    bounds = np.searchsorted(device, np.arange(num_devices + 1))
+    best = 0
+    for d in range(num_devices):
+        lo, hi = bounds[d], bounds[d + 1]
+        if lo == hi:
+            continue
+        slot = shard[lo:hi] * rows_per_shard + col[lo:hi]
+        index = np.arange(hi - lo, dtype=np.int32)
+        scratch[slot] = index
+        first = scratch[slot] == index
+        best = max(best, int(np.bincount(shard[lo:hi][first], minlength=num_shards).max()))
+    return best
 
 
 def _partition(plan: EmbeddingPlan, stack: StackPlan, flats: dict[str, FlatIds], num_devices: int) -> _Partitioned:
     S = stack.num_shards
     key, col, row, val = _stack_entries(plan, stack, flats)
-    order = np.argsort(key, kind="stable")
+    # Small keys sort as uint16 (numpy's O(N) radix sort), ~6x faster than int64.
+    order = np.argsort(key.astype(np.uint16) if num_devices * S <= 2**16 else key, kind="stable")
     key, col, row, val = key[order], col[order], row[order], val[order]
     counts = np.bincount(key, minlength=num_devices * S)
     starts = np.cumsum(counts) - counts
     rank = np.arange(key.size) - starts[key]
-    max_unique = _max_unique_per_partition(key, col, stack.rows_per_shard, num_devices * S)
+    max_unique = _max_unique_per_partition(key, col, stack.rows_per_shard, S, num_devices)
     needed = int(counts.max()) if counts.size else 0
     return _Partitioned(key, col, row, val, rank, counts, needed, max_unique, num_devices)
 
