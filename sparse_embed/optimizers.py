@@ -109,6 +109,13 @@ class Optimizer:
                 raise ValueError(f"{type(self).__name__}: {k} must be > 0, got {v!r}.")
             object.__setattr__(self, k, float(v))
 
+    def _decay_rates(self, *names: str) -> None:
+        for k in names:
+            v = getattr(self, k)
+            if isinstance(v, bool) or not 0 <= float(v) < 1:
+                raise ValueError(f"{type(self).__name__}: {k} must be in [0, 1), got {v!r}.")
+            object.__setattr__(self, k, float(v))
+
     def learning_rate_at(self, step: jax.Array | None) -> jax.Array:
         """The learning rate at `step` (schedules need a step)."""
         lr = self.learning_rate
@@ -222,10 +229,7 @@ class Adam(Optimizer):
     eps: float = 1e-8
 
     def _check(self):
-        for k in ("b1", "b2"):
-            v = getattr(self, k)
-            if not 0 <= float(v) < 1:
-                raise ValueError(f"Adam: {k} must be in [0, 1), got {v!r}.")
+        self._decay_rates("b1", "b2")
         self._positive(eps=self.eps)
 
     def slots(self, dim):
@@ -330,10 +334,7 @@ class LaProp(Optimizer):
     eps: float = 1e-30
 
     def _check(self):
-        for k in ("b1", "b2"):
-            v = getattr(self, k)
-            if not 0 <= float(v) < 1:
-                raise ValueError(f"LaProp: {k} must be in [0, 1), got {v!r}.")
+        self._decay_rates("b1", "b2")
 
     def slots(self, dim):
         return {"mu": SlotSpec(dim, 0.0), "nu": SlotSpec(dim, 0.0)}
