@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sparse_embed.planning import EmbeddingPlan, StackPlan
-from sparse_embed.tables import SLOT_DTYPE, EmbeddingVariables, _natural_table
+from sparse_embed.tables import SLOT_DTYPE, EmbeddingVariables, _natural_table, blocks_to_mod
 
 TABLE_KEY = "table"  # the table's own entry among {"table": ..., slot_name: ...}
 
@@ -47,18 +47,6 @@ def _mod_to_blocks(stack: StackPlan, local: jax.Array, axis: str) -> list[jax.Ar
         block = jax.lax.axis_index(axis) * n * S + jnp.arange(n * S)
         out.append(jnp.where((block < p.table.vocabulary_size)[:, None], x, jnp.zeros((), x.dtype)))
     return out
-
-
-def _blocks_to_mod(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.Array:
-    """Inside shard_map: each table's natural block `[n*S, w]` -> this shard's MOD rows `[rps, w]`."""
-    S = stack.num_shards
-    out = []
-    for p, x in zip(stack.tables, blocks):
-        n = x.shape[0] // S
-        x = x.reshape(n, S, -1).transpose(1, 0, 2)
-        x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(S * n, -1)[: p.padded_rows // S]
-        out.append(x)
-    return jnp.concatenate(out, axis=0)
 
 
 def to_natural(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, dict[str, jax.Array]]:
@@ -121,7 +109,7 @@ def from_natural(
             for key in keys:
                 blocks = [fill(s, i, key, natural[p.table.name][key], rng) for i, p in enumerate(s.tables)]
                 fn = jax.shard_map(
-                    lambda *b, s=s: _blocks_to_mod(s, list(b), axis), mesh=plan.mesh,
+                    lambda *b, s=s: blocks_to_mod(s, list(b), axis), mesh=plan.mesh,
                     in_specs=P(axis, None), out_specs=P(axis, None),
                 )
                 arrays[key] = fn(*blocks)

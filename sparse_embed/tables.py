@@ -59,21 +59,19 @@ def _natural_table(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array, i: int
     return jax.lax.with_sharding_constraint(w, plan.table_sharding())
 
 
-def _block_to_mod(stack: StackPlan, axis: str, blocks: list[jax.Array]) -> jax.Array:
-    """Inside shard_map: each table's contiguous row block -> this shard's MOD rows, stacked.
+def blocks_to_mod(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.Array:
+    """Inside shard_map: each table's contiguous row block `[n*S, w]` -> this shard's MOD rows, stacked.
 
     Shard d holds rows `[d*n*S, (d+1)*n*S)` of a table; row r must go to shard
-    `r % S`, local row `r // S`: one all_to_all of `[S, n, dim]`.
+    `r % S`, local row `r // S`: one all_to_all of `[S, n, w]`. Rows past a
+    table's vocabulary come through as the blocks have them.
     """
     S = stack.num_shards
-    shard = jax.lax.axis_index(axis)
     out = []
     for p, block in zip(stack.tables, blocks):
         n = block.shape[0] // S
         x = block.reshape(n, S, -1).transpose(1, 0, 2)
-        x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(S * n, -1)[: p.padded_rows // S]
-        real = jnp.arange(p.padded_rows // S) * S + shard < p.table.vocabulary_size
-        out.append(jnp.where(real[:, None], x, jnp.zeros((), x.dtype)))
+        out.append(jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(S * n, -1)[: p.padded_rows // S])
     return jnp.concatenate(out, axis=0)
 
 
@@ -103,7 +101,7 @@ def _init_jit(plan: EmbeddingPlan, with_slots: bool, rng: jax.Array) -> dict[str
     for s in plan.stacks:
         blocks = [_natural_table(plan, s, rng, i) for i in range(len(s.tables))]
         relayout = jax.shard_map(
-            lambda *b, s=s: _block_to_mod(s, axis, list(b)), mesh=plan.mesh,
+            lambda *b, s=s: blocks_to_mod(s, list(b), axis), mesh=plan.mesh,
             in_specs=P(axis, None), out_specs=P(axis, None),
         )
         slots = _slot_arrays(s) if with_slots else {}
