@@ -8,9 +8,12 @@ their per-device buffers for 1 and 8 devices (sparse_embed: numpy arrays,
 `device_put=False`; jax-tpu-embedding: `preprocess_sparse_dense_matmul_input`
 with its own thread pool). Reported: median seconds per batch, M ids/s, and
 the ratio sparse_embed / jax-tpu-embedding throughput (goal >= 1.0).
+sparse_embed runs its C kernels (one thread) unless `--numpy` (or a build
+without the extension) selects its numpy path.
 
     python benchmarks/preprocess.py            # dense and ragged, 1 and 8 devices
     python benchmarks/preprocess.py --quick    # a small smoke run
+    python benchmarks/preprocess.py --numpy    # sparse_embed's numpy fallback
 """
 
 from __future__ import annotations
@@ -92,9 +95,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="small batch, 2 tables, 3 reps (smoke run)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--numpy", action="store_true", help="sparse_embed's numpy path, not its C extension")
     args = p.parse_args(argv)
     if "jax" not in sys.modules:  # simulate 8 CPU devices for the 8-device plan (before JAX starts)
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    from sparse_embed import inputs as se_inputs  # after XLA_FLAGS: importing sparse_embed starts JAX
+
+    saved = se_inputs._native
+    if args.numpy:
+        se_inputs._native = None
+    try:
+        return _run(args, "numpy" if se_inputs._native is None else "native")
+    finally:
+        se_inputs._native = saved
+
+
+def _run(args: argparse.Namespace, path: str) -> dict[str, Any]:
+    print(f"sparse_embed path: {path}")
     tables, batch, reps = (2, 256, 3) if args.quick else (TABLES, BATCH, args.reps)
     rng = np.random.default_rng(0)
     results = []
@@ -106,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             ours = timeit(sparse_embed_fn(tables, batch, devices), inputs, reps)
             jte = jte_fn(tables, batch, devices, ragged)
             theirs = timeit(jte, inputs, reps) if jte else float("nan")
-            row = {"input": "ragged" if ragged else "dense", "devices": devices, "ids": n_ids,
+            row = {"input": "ragged" if ragged else "dense", "devices": devices, "ids": n_ids, "path": path,
                    "sparse_embed_s": ours, "jte_s": theirs, "ratio": theirs / ours}
             results.append(row)
             print(f"{row['input']:<8}{devices:>8}{ours:>16.4f}{n_ids / ours / 1e6:>9.1f}{theirs:>10.4f}"

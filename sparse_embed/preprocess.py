@@ -13,14 +13,15 @@ row) and value 0.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import numpy as np
 
 from sparse_embed import distributed as _dist
-from sparse_embed.inputs import FlatIds, flatten
-from sparse_embed.planning import EmbeddingPlan, StackPlan, auto_capacity_for
+from sparse_embed import inputs as _inputs
+from sparse_embed.inputs import CanonicalIds, FlatIds, flatten
+from sparse_embed.planning import EmbeddingPlan, FeatureLayout, StackPlan, auto_capacity_for
 from sparse_embed.specs import FeatureSpec
 
 
@@ -93,7 +94,7 @@ def _gains(feature: FeatureSpec, row: np.ndarray, weights: np.ndarray) -> np.nda
     return g.astype(np.float32)
 
 
-def _stack_entries(plan: EmbeddingPlan, stack: StackPlan, flats: dict[str, FlatIds]):
+def _stack_entries(stack: StackPlan, flats: dict[str, FlatIds]):
     """All entries of a stack: (partition key d*S+s, col_id, row_id, value), in row order per device."""
     S = stack.num_shards
     keys, cols, rows, vals = [], [], [], []
@@ -133,18 +134,29 @@ def _overflow_error(stack: StackPlan, counts: np.ndarray, capacity: int, positio
     )
 
 
-class _Partitioned(NamedTuple):
-    """A stack's entries sorted by partition (d * S + s), d over the `num_devices` devices built here."""
+_Buffers = tuple[np.ndarray, np.ndarray, np.ndarray]  # flat col_ids, row_ids, values
 
-    key: np.ndarray
-    col: np.ndarray
-    row: np.ndarray
-    val: np.ndarray
-    rank: np.ndarray  # position inside its partition
-    counts: np.ndarray  # [num_devices * S]
-    needed: int  # max entries in a partition
-    max_unique: int  # max unique rows in a partition
-    num_devices: int
+
+class _Partitioned(NamedTuple):
+    """A stack's entries, counted per partition d * S + s (d over the `num_devices` devices built here).
+
+    `scatter(cap)` writes them into flat `[num_devices * S * cap]` col_ids,
+    row_ids, values: each partition's first `cap` entries in row order, then
+    padding. Entries past `cap` are dropped (the caller checks the policy).
+    """
+
+    counts: np.ndarray  # [num_devices * S] int64 entries per partition
+    max_unique: int  # most unique rows in a partition
+    scatter: Callable[[int], _Buffers]
+
+    @property
+    def needed(self) -> int:
+        """Most entries in a partition."""
+        return int(self.counts.max())
+
+    @property
+    def num_ids(self) -> int:
+        return int(self.counts.sum())
 
 
 def _max_unique_per_partition(key: np.ndarray, col: np.ndarray, rows_per_shard: int, num_shards: int,
@@ -174,56 +186,87 @@ def _max_unique_per_partition(key: np.ndarray, col: np.ndarray, rows_per_shard: 
     return best
 
 
-def _partition(plan: EmbeddingPlan, stack: StackPlan, flats: dict[str, FlatIds], num_devices: int) -> _Partitioned:
-    S = stack.num_shards
-    key, col, row, val = _stack_entries(plan, stack, flats)
+def _partition_numpy(stack: StackPlan, flats: dict[str, FlatIds], num_devices: int) -> _Partitioned:
+    """`_partition` in numpy: a stable sort of the entries by partition key."""
+    D, S = num_devices, stack.num_shards
+    key, col, row, val = _stack_entries(stack, flats)
     # Small keys sort as uint16 (numpy's O(N) radix sort), ~6x faster than int64.
-    order = np.argsort(key.astype(np.uint16) if num_devices * S <= 2**16 else key, kind="stable")
+    order = np.argsort(key.astype(np.uint16) if D * S <= 2**16 else key, kind="stable")
     key, col, row, val = key[order], col[order], row[order], val[order]
-    counts = np.bincount(key, minlength=num_devices * S)
-    starts = np.cumsum(counts) - counts
-    rank = np.arange(key.size) - starts[key]
-    max_unique = _max_unique_per_partition(key, col, stack.rows_per_shard, S, num_devices)
-    needed = int(counts.max()) if counts.size else 0
-    return _Partitioned(key, col, row, val, rank, counts, needed, max_unique, num_devices)
+    counts = np.bincount(key, minlength=D * S)
+    rank = np.arange(key.size) - (np.cumsum(counts) - counts)[key]  # position inside its partition
+
+    def scatter(cap: int) -> _Buffers:
+        keep = rank < cap
+        slot = key[keep] * cap + rank[keep]  # position in the flat [D * S * cap] buffer
+        col_ids = np.full(D * S * cap, stack.rows_per_shard, np.int32)
+        row_ids = np.full(D * S * cap, stack.rows_per_device, np.int32)
+        values = np.zeros(D * S * cap, np.float32)
+        col_ids[slot], row_ids[slot], values[slot] = col[keep], row[keep], val[keep]
+        return col_ids, row_ids, values
+
+    return _Partitioned(counts, _max_unique_per_partition(key, col, stack.rows_per_shard, S, D), scatter)
 
 
-def _fill(stack: StackPlan, part: _Partitioned, cap: int):
-    """Drops entries past `cap` (the caller has checked the policy) and builds the COO arrays."""
-    D, S = part.num_devices, stack.num_shards
-    key, col, row, val, counts = part.key, part.col, part.row, part.val, part.counts
-    dropped = 0
-    if part.needed > cap:
-        keep = part.rank < cap
-        dropped = int((~keep).sum())
-        key, col, row, val, rank = key[keep], col[keep], row[keep], val[keep], part.rank[keep]
-        counts = np.minimum(counts, cap)
-    else:
-        rank = part.rank
+_COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}  # the C extension's codes
 
-    slot = key * cap + rank  # position in the flat [D * S * cap] buffer
-    col_ids = np.full(D * S * cap, stack.rows_per_shard, np.int32)
-    row_ids = np.full(D * S * cap, stack.rows_per_device, np.int32)
-    values = np.zeros(D * S * cap, np.float32)
-    col_ids[slot], row_ids[slot], values[slot] = col, row, val
+
+def _native_feature(lay: FeatureLayout, ids: CanonicalIds) -> tuple:
+    """One feature as `_native.count` / `_native.fill` read it (see `parse_features` in _native.c)."""
+    f = lay.feature
+    offsets = None if ids.dense else np.concatenate(([0], np.cumsum(ids.lengths)))
+    batch, width = ids.ids.shape if ids.dense else (ids.lengths.size, 0)
+    return (ids.ids, ids.weights, offsets, batch, width, f.table.vocabulary_size, lay.table_row_offset,
+            lay.row_offset, lay.samples_per_device, f.max_sequence_length, _COMBINERS[f.table.combiner])
+
+
+def _partition_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_devices: int) -> _Partitioned:
+    """`_partition` in C: one counting pass now, a counting sort into the outputs in `scatter`."""
+    native, D, S = _inputs._native, num_devices, stack.num_shards
+    feats = [_native_feature(lay, flats[lay.feature.name]) for lay in stack.features]
+    counts = np.empty(D * S, np.int64)
+    max_unique = native.count(feats, D, S, stack.total_rows, counts)
+
+    def scatter(cap: int) -> _Buffers:
+        out = np.empty(D * S * cap, np.int32), np.empty(D * S * cap, np.int32), np.empty(D * S * cap, np.float32)
+        native.fill(feats, D, S, stack.total_rows, cap, stack.rows_per_device, *out)
+        return out
+
+    return _Partitioned(counts, max_unique, scatter)
+
+
+def _partition(stack: StackPlan, flats: dict[str, FlatIds | CanonicalIds], num_devices: int) -> _Partitioned:
+    """Counts a stack's entries per partition: in numpy for `flatten`'s output, else in C."""
+    if isinstance(flats[stack.features[0].feature.name], FlatIds):
+        return _partition_numpy(stack, flats, num_devices)
+    return _partition_native(stack, flats, num_devices)
+
+
+def _dropped(part: _Partitioned, cap: int) -> int:
+    return int(np.maximum(part.counts - cap, 0).sum())
+
+
+def _fill(stack: StackPlan, part: _Partitioned, cap: int) -> ShardedCooMatrix:
+    """The stack's batch: at most `cap` entries per partition (the caller has checked the policy)."""
+    S = stack.num_shards
+    D = part.counts.size // S
+    col_ids, row_ids, values = part.scatter(cap)
     shard_starts = np.tile(np.arange(S, dtype=np.int32) * cap, (D, 1))
-    coo = ShardedCooMatrix(
+    return ShardedCooMatrix(
         shard_starts,
-        shard_starts + counts.reshape(D, S).astype(np.int32),
+        shard_starts + np.minimum(part.counts, cap).reshape(D, S).astype(np.int32),
         col_ids.reshape(D, S * cap),
         row_ids.reshape(D, S * cap),
         values.reshape(D, S * cap),
     )
-    return coo, dropped
 
 
-def _build_stack(plan: EmbeddingPlan, stack: StackPlan, flats: dict[str, FlatIds]):
-    part = _partition(plan, stack, flats, stack.num_shards)
+def _build_stack(plan: EmbeddingPlan, stack: StackPlan, flats: dict[str, FlatIds | CanonicalIds]):
+    part = _partition(stack, flats, stack.num_shards)
     cap = _capacity(plan, stack, max(part.needed, 1))
     if part.needed > cap and plan.on_overflow == "error":
         raise _overflow_error(stack, part.counts, cap)
-    coo, dropped = _fill(stack, part, cap)
-    return coo, part.needed, part.max_unique, dropped, int(part.key.size), cap
+    return _fill(stack, part, cap), part.needed, part.max_unique, _dropped(part, cap), part.num_ids, cap
 
 
 def _check_keys(plan: EmbeddingPlan, ids, weights) -> dict:
@@ -241,9 +284,14 @@ def _check_keys(plan: EmbeddingPlan, ids, weights) -> dict:
     return weights
 
 
-def _flatten_all(plan: EmbeddingPlan, ids, weights) -> dict[str, FlatIds]:
-    weights = _check_keys(plan, ids, weights)
-    return {name: flatten(f, ids[name], weights.get(name)) for name, f in plan.features.items()}
+def _flatten_one() -> Callable[..., FlatIds | CanonicalIds]:
+    """How to validate one feature's ids: in C if the extension is there (then `_partition` runs in C), else numpy."""
+    return flatten if _inputs._native is None else _inputs.checked
+
+
+def _flatten_all(plan: EmbeddingPlan, ids, weights) -> dict[str, FlatIds | CanonicalIds]:
+    weights, flat = _check_keys(plan, ids, weights), _flatten_one()
+    return {name: flat(f, ids[name], weights.get(name)) for name, f in plan.features.items()}
 
 
 def _num_samples(x: Any) -> int | None:
@@ -258,9 +306,9 @@ def _num_samples(x: Any) -> int | None:
         return None
 
 
-def _flatten_local(plan: EmbeddingPlan, ids, weights, num_local: int) -> dict[str, FlatIds]:
+def _flatten_local(plan: EmbeddingPlan, ids, weights, num_local: int) -> dict[str, FlatIds | CanonicalIds]:
     """`_flatten_all` for this process's rows: `num_local` of the plan's devices' share of each batch."""
-    weights = _check_keys(plan, ids, weights)
+    weights, flat = _check_keys(plan, ids, weights), _flatten_one()
     flats = {}
     for name, f in plan.features.items():
         local_batch = f.batch_size // plan.num_shards * num_local
@@ -273,7 +321,7 @@ def _flatten_local(plan: EmbeddingPlan, ids, weights, num_local: int) -> dict[st
                 f"samples for each of its {num_local} of the {plan.num_shards} devices (the global batch_size "
                 f"is {f.batch_size})."
             )
-        flats[name] = flatten(dataclasses.replace(f, batch_size=local_batch), ids[name], weights.get(name))
+        flats[name] = flat(dataclasses.replace(f, batch_size=local_batch), ids[name], weights.get(name))
     return flats
 
 
@@ -288,7 +336,7 @@ def _preprocess_processes(plan: EmbeddingPlan, ids, weights, device_put: bool):
     error, parts = None, {}
     try:
         flats = _flatten_local(plan, ids, weights, len(positions))
-        parts = {s.name: _partition(plan, s, flats, len(positions)) for s in plan.stacks}
+        parts = {s.name: _partition(s, flats, len(positions)) for s in plan.stacks}
     except Exception as e:  # noqa: BLE001 - every process must still take part in the exchange
         error = e
     mine = [int(error is not None)]
@@ -298,8 +346,8 @@ def _preprocess_processes(plan: EmbeddingPlan, ids, weights, device_put: bool):
             mine += [0] * _FIELDS
             continue
         # An explicit capacity is known up front, so each process can count its own drops.
-        dropped = int(np.maximum(p.counts - s.capacity, 0).sum()) if s.capacity is not None else 0
-        mine += [p.needed, p.max_unique, int(p.key.size), dropped]
+        dropped = _dropped(p, s.capacity) if s.capacity is not None else 0
+        mine += [p.needed, p.max_unique, p.num_ids, dropped]
     table = _dist.allgather_ints(processes, mine)
     if error is not None:
         raise error
@@ -326,7 +374,7 @@ def _preprocess_processes(plan: EmbeddingPlan, ids, weights, device_put: bool):
                     f"the capacity is {cap}. Raise capacity= in plan() (or use sparse_embed.grow_capacity(plan, "
                     f"stats)), or pass on_overflow='drop'."
                 )
-        coo, _ = _fill(s, part, cap)  # the drops were counted (by every process) before the exchange
+        coo = _fill(s, part, cap)  # the drops were counted (by every process) before the exchange
         if device_put:
             sharding = plan.batch_sharding()
             coo = ShardedCooMatrix(*(

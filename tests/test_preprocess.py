@@ -1,4 +1,7 @@
-"""preprocess: the COO layout, Stats, capacities and overflow policies, checked against numpy."""
+"""preprocess: the COO layout, Stats, capacities and overflow policies, checked against numpy.
+
+Every test runs on both paths: the C kernels (sparse_embed/_native.c) and numpy.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +12,19 @@ import numpy as np
 import pytest
 
 import sparse_embed as se
+from sparse_embed import inputs
 import reference as ref
 from conftest import make_mesh
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def path(request, monkeypatch) -> str:
+    """Runs the test with the C kernels, then with `inputs._native = None` (numpy, as without the extension)."""
+    if request.param == "native" and inputs._native is None:
+        pytest.skip("the C extension sparse_embed._native is not built (or SPARSE_EMBED_NATIVE=0)")
+    if request.param == "numpy":
+        monkeypatch.setattr(inputs, "_native", None)
+    return request.param
 
 
 def _plan(mesh, **kw):

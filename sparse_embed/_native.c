@@ -1,0 +1,534 @@
+/* Native kernels of sparse_embed.preprocess: ids -> partitioned, padded COO buffers.
+ *
+ * The same results as preprocess.py's numpy path, bit for bit, in a few O(N)
+ * passes: `validate` (range of every id, finite weights), `count` (entries and
+ * unique rows per (device, shard) partition) and `fill` (a stable counting sort
+ * straight into the padded [D, S * cap] outputs). `concat_rows` joins a list of
+ * ragged rows. Arrays arrive through the buffer protocol (no numpy headers at
+ * build time), C-contiguous. The hot loops run without the GIL, so a
+ * background prefetch thread overlaps with the training step.
+ *
+ * `count` and `fill` re-check every id against its vocabulary although
+ * `validate` has run: then no input (not even ids changed by another thread in
+ * between) can make them read or write out of bounds.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+/* ------------------------------------------------------------------ buffers */
+
+/* The single format character of a native-order buffer, or 0. */
+static char format_char(const Py_buffer *view)
+{
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@')
+        f++;
+    return f[0] && !f[1] ? f[0] : 0;
+}
+
+/* Gets a C-contiguous buffer of `obj` with items of `kind`: 'i' int32, 'l' int64,
+   'n' int32 or int64, 'f' float32. Sets a TypeError naming `what` otherwise. */
+static int get_buffer(PyObject *obj, Py_buffer *view, char kind, int writable, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    char c = format_char(view);
+    int is_int = c == 'i' || c == 'l' || c == 'q';
+    int ok = kind == 'f' ? c == 'f' && view->itemsize == 4
+           : is_int && ((kind != 'l' && view->itemsize == 4) || (kind != 'i' && view->itemsize == 8));
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "%s: unexpected buffer format '%s' (itemsize %zd)", what,
+                     view->format ? view->format : "B", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static inline i64 id_at(const Py_buffer *ids, i64 k)
+{
+    return ids->itemsize == 8 ? ((const int64_t *)ids->buf)[k] : ((const int32_t *)ids->buf)[k];
+}
+
+/* ------------------------------------------------------------------ features */
+
+/* One feature of a stack, in the form inputs.checked() gives (see preprocess.py). */
+typedef struct {
+    Py_buffer ids;      /* [n] int32/int64: dense [batch, width] (-1 = padding) or ragged values */
+    Py_buffer weights;  /* [n] float32; .buf NULL = all 1 */
+    Py_buffer offsets;  /* [batch + 1] int64 row starts of ragged ids; .buf NULL = dense */
+    i64 n, batch, width, vocab, table_row_offset, row_offset, samples_per_device, seq_len;
+    int combiner;       /* 0 sum, 1 mean, 2 sqrtn */
+} Feature;
+
+/* The output rows of one sample: one, or seq_len for a sequence feature. */
+static inline i64 rows_per_sample(const Feature *f) { return f->seq_len > 0 ? f->seq_len : 1; }
+
+/* Runs the statements after the arguments for every id of feature f in samples
+   [b0, b1), in input order, with b (sample), k (index into ids), pos (position in
+   the sample) and id. Skips dense -1 padding and positions past seq_len. The
+   feature's fields are copied to locals first, so they stay in registers. */
+#define FOR_EACH_ID(f, b0, b1, ...)                                                          \
+    do {                                                                                     \
+        const int64_t *off_ = (f)->offsets.buf;                                              \
+        const void *ids_ = (f)->ids.buf;                                                     \
+        const int wide_ = (f)->ids.itemsize == 8;                                            \
+        const i64 width_ = (f)->width, seq_ = (f)->seq_len;                                  \
+        for (i64 b = (b0); b < (b1); b++) {                                                  \
+            i64 lo_ = off_ ? off_[b] : b * width_, hi_ = off_ ? off_[b + 1] : lo_ + width_;  \
+            if (seq_ > 0 && hi_ - lo_ > seq_)                                                \
+                hi_ = lo_ + seq_;                                                            \
+            for (i64 k = lo_; k < hi_; k++) {                                                \
+                i64 id = wide_ ? ((const int64_t *)ids_)[k] : ((const int32_t *)ids_)[k];    \
+                i64 pos = k - lo_;                                                           \
+                (void)pos;                                                                   \
+                if (id == -1 && !off_)                                                       \
+                    continue;                                                                \
+                __VA_ARGS__                                                                  \
+            }                                                                                \
+        }                                                                                    \
+    } while (0)
+
+static void release_features(Feature *fs, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyBuffer_Release(&fs[i].ids);
+        PyBuffer_Release(&fs[i].weights);
+        PyBuffer_Release(&fs[i].offsets);
+    }
+    free(fs);
+}
+
+/* The shapes that make FOR_EACH_ID stay inside every buffer, or an error message. */
+static const char *check_feature(const Feature *f, i64 devices, i64 total_rows)
+{
+    if (f->batch < 0 || f->width < 0 || f->vocab < 0 || f->table_row_offset < 0 || f->row_offset < 0
+        || f->samples_per_device < 0 || f->seq_len < 0 || f->combiner < 0 || f->combiner > 2)
+        return "negative size or unknown combiner";
+    if (devices * f->samples_per_device > f->batch)
+        return "fewer samples than devices * samples_per_device";
+    if (f->vocab > total_rows - f->table_row_offset)
+        return "the table does not fit in the stack";
+    if (f->weights.buf && f->weights.len / 4 != f->n)
+        return "weights and ids differ in size";
+    if (!f->offsets.buf)
+        return (f->width ? f->n % f->width == 0 && f->n / f->width == f->batch : f->n == 0)
+                   ? NULL : "dense ids are not [batch, width]";
+    const int64_t *o = f->offsets.buf;
+    if (f->offsets.len / 8 != f->batch + 1 || o[0] != 0 || o[f->batch] != f->n)
+        return "offsets are not [batch + 1] from 0 to the number of ids";
+    for (i64 b = 0; b < f->batch; b++)
+        if (o[b + 1] < o[b])
+            return "offsets decrease";
+    return NULL;
+}
+
+/* Reads a sequence of feature tuples (ids, weights, offsets, batch, width, vocab,
+   table_row_offset, row_offset, samples_per_device, seq_len, combiner). */
+static Feature *parse_features(PyObject *seq, Py_ssize_t *count, i64 devices, i64 total_rows)
+{
+    PyObject *items = PySequence_Tuple(seq); /* a private copy: nothing can resize it under us */
+    if (!items)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    Feature *fs = calloc(n ? n : 1, sizeof(Feature));
+    if (!fs) {
+        Py_DECREF(items);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Feature *f = &fs[i];
+        PyObject *ids, *weights, *offsets;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(items, i), "OOOLLLLLLLi", &ids, &weights, &offsets,
+                              &f->batch, &f->width, &f->vocab, &f->table_row_offset, &f->row_offset,
+                              &f->samples_per_device, &f->seq_len, &f->combiner)
+            || get_buffer(ids, &f->ids, 'n', 0, "ids") < 0
+            || (weights != Py_None && get_buffer(weights, &f->weights, 'f', 0, "weights") < 0)
+            || (offsets != Py_None && get_buffer(offsets, &f->offsets, 'l', 0, "offsets") < 0))
+            goto fail;
+        f->n = f->ids.len / f->ids.itemsize;
+        const char *why = check_feature(f, devices, total_rows);
+        if (why) {
+            PyErr_Format(PyExc_ValueError, "feature %zd: %s", i, why);
+            goto fail;
+        }
+    }
+    Py_DECREF(items);
+    *count = n;
+    return fs;
+fail:
+    Py_DECREF(items);
+    release_features(fs, n);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ stack layout */
+
+typedef struct {
+    i64 devices, shards, total_rows;
+    int shift; /* log2(shards) when shards is a power of 2, else -1 (then divide) */
+} Layout;
+
+static int make_layout(Layout *lay, i64 devices, i64 shards, i64 total_rows)
+{
+    if (devices < 1 || shards < 1 || total_rows < 0 || total_rows % shards) {
+        PyErr_SetString(PyExc_ValueError, "bad stack layout");
+        return -1;
+    }
+    *lay = (Layout){devices, shards, total_rows, -1};
+    if ((shards & (shards - 1)) == 0)
+        for (lay->shift = 0; (1LL << lay->shift) < shards; lay->shift++) {}
+    return 0;
+}
+
+/* Stack row r lives on shard r % S at row r / S (MOD sharding). */
+static inline void split_row(const Layout *lay, u64 r, i64 *shard, i64 *col)
+{
+    if (lay->shift >= 0) {
+        *shard = (i64)(r & (u64)(lay->shards - 1));
+        *col = (i64)(r >> lay->shift);
+    } else {
+        *shard = (i64)(r % (u64)lay->shards);
+        *col = (i64)(r / (u64)lay->shards);
+    }
+}
+
+/* ------------------------------------------------------------------ kernels */
+
+/* Index of the first out-of-range id (-1 padding is fine in dense input), or -1;
+   index of the first non-finite weight of a non-padding id, or -1. Blocks are
+   first checked branch-free (vectorized): 0 <= id + padding < vocab + padding. */
+static void validate_ids(const Py_buffer *ids, const float *w, i64 n, i64 vocab, int padding, i64 *bad_id, i64 *bad_w)
+{
+    const u64 p = padding ? 1 : 0, limit = (u64)vocab + p;
+    *bad_id = *bad_w = -1;
+    for (i64 lo = 0; lo < n; lo += 4096) {
+        i64 hi = n - lo < 4096 ? n : lo + 4096;
+        int bad = 0;
+        if (ids->itemsize == 8)
+            for (i64 k = lo; k < hi; k++)
+                bad |= (u64)((const int64_t *)ids->buf)[k] + p >= limit;
+        else
+            for (i64 k = lo; k < hi; k++)
+                bad |= (u64)(i64)((const int32_t *)ids->buf)[k] + p >= limit;
+        if (w && *bad_w < 0)
+            for (i64 k = lo; k < hi; k++)
+                bad |= !(w[k] - w[k] == 0.0f); /* NaN or inf (maybe a padding id's: the scan below decides) */
+        for (i64 k = lo; bad && k < hi; k++) {
+            i64 id = id_at(ids, k);
+            if (padding && id == -1)
+                continue;
+            if ((u64)id >= (u64)vocab) {
+                *bad_id = k;
+                return;
+            }
+            if (w && *bad_w < 0 && !isfinite(w[k]))
+                *bad_w = k;
+        }
+    }
+}
+
+/* Entries (counts) and distinct stack rows (unique) per partition d * S + shard.
+   `seen` is a zeroed bitset over the stack's rows, cleared again after each
+   device through `touched` (its nonzero words). With one shard, the counts
+   stay in registers. Returns -1 on an out-of-range id. */
+static int count_ids(const Feature *fs, Py_ssize_t nf, const Layout *lay, u64 *seen, i64 *touched,
+                     int64_t *counts, i64 *unique)
+{
+    const i64 words = lay->total_rows / 64 + 1;
+    for (i64 d = 0; d < lay->devices; d++) {
+        i64 nt = 0, n_dev = 0, u_dev = 0;
+        for (Py_ssize_t i = 0; i < nf; i++) {
+            const Feature *f = &fs[i];
+            i64 spd = f->samples_per_device;
+            FOR_EACH_ID(f, d * spd, (d + 1) * spd,
+                if ((u64)id >= (u64)f->vocab)
+                    return -1;
+                u64 r = (u64)(id + f->table_row_offset), word = seen[r >> 6], bit = 1ULL << (r & 63);
+                i64 shard, col, first = !(word & bit); /* branch-free: these are unpredictable */
+                split_row(lay, r, &shard, &col);
+                seen[r >> 6] = word | bit;
+                touched[nt] = (i64)(r >> 6);
+                nt += !word;
+                n_dev++;
+                u_dev += first;
+                if (lay->shards > 1) {
+                    counts[d * lay->shards + shard]++;
+                    unique[d * lay->shards + shard] += first;
+                });
+        }
+        if (lay->shards == 1) {
+            counts[d] = n_dev;
+            unique[d] = u_dev;
+        }
+        if (nt * 16 > words) /* dense: a sequential clear beats random writes */
+            memset(seen, 0, (size_t)words * sizeof(u64));
+        else
+            while (nt)
+                seen[touched[--nt]] = 0;
+    }
+    return 0;
+}
+
+/* The combiner's denominator per output row of a mean/sqrtn feature, summed in
+   input order in float64 like numpy's bincount: sum w (mean), sqrt(sum w^2) (sqrtn). */
+static void denominators(const Feature *f, i64 devices, double *den)
+{
+    const float *w = f->weights.buf;
+    i64 per = rows_per_sample(f);
+    FOR_EACH_ID(f, 0, devices * f->samples_per_device,
+        double x = w ? (double)w[k] : 1.0;
+        den[b * per + (f->seq_len > 0 ? pos : 0)] += f->combiner == 2 ? x * x : x;);
+    if (f->combiner == 2)
+        for (i64 i = 0; i < f->batch * per; i++)
+            den[i] = sqrt(den[i]);
+}
+
+/* Scatters every id to the next free slot of its partition (a stable counting
+   sort; ids past `cap` are dropped), then pads each partition's tail. */
+static int fill_ids(const Feature *fs, Py_ssize_t nf, const Layout *lay, double *const *dens, i64 cap,
+                    i64 rows_per_device, i64 *cursor, int32_t *cols, int32_t *rows, float *vals)
+{
+    const Layout L = *lay;
+    for (i64 d = 0; d < L.devices; d++) {
+        i64 run = 0; /* cursor[d] when there is one shard, in a register */
+        for (Py_ssize_t i = 0; i < nf; i++) {
+            const Feature *f = &fs[i];
+            const float *w = f->weights.buf;
+            const double *den = dens[i];
+            const i64 spd = f->samples_per_device, per = rows_per_sample(f), seq = f->seq_len > 0;
+            const i64 vocab = f->vocab, offset = f->table_row_offset, row_base = f->row_offset - d * spd * per;
+            FOR_EACH_ID(f, d * spd, (d + 1) * spd,
+                if ((u64)id >= (u64)vocab)
+                    return -1;
+                i64 shard, col;
+                split_row(&L, (u64)(id + offset), &shard, &col);
+                i64 key = d * L.shards + shard, slot = L.shards > 1 ? cursor[key]++ : run++;
+                if (slot >= cap)
+                    continue;
+                slot += key * cap;
+                i64 row = b * per + (seq ? pos : 0); /* the feature's output row */
+                float x = w ? w[k] : 1.0f;
+                cols[slot] = (int32_t)col;
+                rows[slot] = (int32_t)(row_base + row);
+                vals[slot] = !den ? x : den[row] != 0 ? (float)((double)x / den[row]) : 0.0f;);
+        }
+        if (L.shards == 1)
+            cursor[d] = run;
+    }
+    i64 rows_per_shard = L.total_rows / L.shards;
+    for (i64 key = 0; key < L.devices * L.shards; key++)
+        for (i64 s = key * cap + (cursor[key] < cap ? cursor[key] : cap); s < (key + 1) * cap; s++) {
+            cols[s] = (int32_t)rows_per_shard;
+            rows[s] = (int32_t)rows_per_device;
+            vals[s] = 0.0f;
+        }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ Python API */
+
+static PyObject *ids_changed(void)
+{
+    PyErr_SetString(PyExc_RuntimeError, "an id went out of range after validation (ids changed during preprocess?)");
+    return NULL;
+}
+
+static PyObject *py_validate(PyObject *self, PyObject *args)
+{
+    PyObject *ids_obj, *w_obj;
+    i64 vocab, bad_id, bad_w;
+    int padding;
+    Py_buffer ids, w = {0};
+    if (!PyArg_ParseTuple(args, "OOLp", &ids_obj, &w_obj, &vocab, &padding)
+        || get_buffer(ids_obj, &ids, 'n', 0, "ids") < 0)
+        return NULL;
+    i64 n = ids.len / ids.itemsize;
+    if (w_obj != Py_None && (get_buffer(w_obj, &w, 'f', 0, "weights") < 0 || w.len / 4 != n)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "weights and ids differ in size");
+        PyBuffer_Release(&ids);
+        PyBuffer_Release(&w);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    validate_ids(&ids, w.buf, n, vocab, padding, &bad_id, &bad_w);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&w);
+    return Py_BuildValue("LL", bad_id, bad_w);
+}
+
+static PyObject *py_count(PyObject *self, PyObject *args)
+{
+    PyObject *feats, *counts_obj, *result = NULL;
+    i64 devices, shards, total_rows, max_unique = 0;
+    Layout lay;
+    Py_buffer counts = {0};
+    Py_ssize_t nf = 0;
+    if (!PyArg_ParseTuple(args, "OLLLO", &feats, &devices, &shards, &total_rows, &counts_obj)
+        || make_layout(&lay, devices, shards, total_rows) < 0)
+        return NULL;
+    Feature *fs = parse_features(feats, &nf, devices, total_rows);
+    if (!fs)
+        return NULL;
+    if (get_buffer(counts_obj, &counts, 'l', 1, "counts") < 0)
+        goto done;
+    if (counts.len / 8 != devices * shards) {
+        PyErr_SetString(PyExc_ValueError, "counts must be [devices * shards]");
+        goto done;
+    }
+    i64 n = 1;
+    for (Py_ssize_t i = 0; i < nf; i++)
+        n += fs[i].n;
+    u64 *seen = calloc((size_t)(total_rows / 64 + 1), sizeof(u64));
+    i64 *touched = malloc((size_t)n * sizeof(i64)), *unique = calloc((size_t)(devices * shards), sizeof(i64));
+    int status = 0;
+    if (seen && touched && unique) {
+        memset(counts.buf, 0, (size_t)counts.len);
+        Py_BEGIN_ALLOW_THREADS
+        status = count_ids(fs, nf, &lay, seen, touched, counts.buf, unique);
+        Py_END_ALLOW_THREADS
+        for (i64 key = 0; key < devices * shards; key++)
+            max_unique = unique[key] > max_unique ? unique[key] : max_unique;
+        result = status < 0 ? ids_changed() : PyLong_FromLongLong(max_unique);
+    } else {
+        PyErr_NoMemory();
+    }
+    free(seen);
+    free(touched);
+    free(unique);
+done:
+    PyBuffer_Release(&counts);
+    release_features(fs, nf);
+    return result;
+}
+
+static PyObject *py_fill(PyObject *self, PyObject *args)
+{
+    PyObject *feats, *out_obj[3], *result = NULL;
+    i64 devices, shards, total_rows, cap, rows_per_device;
+    Layout lay;
+    Py_buffer out[3] = {{0}};
+    Py_ssize_t nf = 0;
+    if (!PyArg_ParseTuple(args, "OLLLLLOOO", &feats, &devices, &shards, &total_rows, &cap, &rows_per_device,
+                          &out_obj[0], &out_obj[1], &out_obj[2])
+        || make_layout(&lay, devices, shards, total_rows) < 0)
+        return NULL;
+    Feature *fs = parse_features(feats, &nf, devices, total_rows);
+    if (!fs)
+        return NULL;
+    for (int j = 0; j < 3; j++)
+        if (get_buffer(out_obj[j], &out[j], j < 2 ? 'i' : 'f', 1, "outputs") < 0)
+            goto done;
+    if (cap < 0 || out[0].len / 4 != devices * shards * cap || out[1].len != out[0].len || out[2].len != out[0].len) {
+        PyErr_SetString(PyExc_ValueError, "outputs must be [devices * shards * cap]");
+        goto done;
+    }
+    i64 *cursor = calloc((size_t)(devices * shards), sizeof(i64));
+    double **dens = calloc((size_t)nf + 1, sizeof(double *));
+    int ok = cursor && dens, status = 0;
+    for (Py_ssize_t i = 0; ok && i < nf; i++)
+        if (fs[i].combiner != 0)
+            ok = (dens[i] = calloc((size_t)(fs[i].batch * rows_per_sample(&fs[i]) + 1), sizeof(double))) != NULL;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < nf; i++)
+            if (dens[i])
+                denominators(&fs[i], devices, dens[i]);
+        status = fill_ids(fs, nf, &lay, dens, cap, rows_per_device, cursor, out[0].buf, out[1].buf, out[2].buf);
+        Py_END_ALLOW_THREADS
+        result = status < 0 ? ids_changed() : Py_NewRef(Py_None);
+    } else {
+        PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; dens && i < nf; i++)
+        free(dens[i]);
+    free(dens);
+    free(cursor);
+done:
+    for (int j = 0; j < 3; j++)
+        PyBuffer_Release(&out[j]);
+    release_features(fs, nf);
+    return result;
+}
+
+/* concat_rows(rows: list, formats: str) -> (format, data: bytes, lengths: bytes of int64) | None.
+   None unless every row is a C-contiguous 1-D buffer of one format, from `formats`. */
+static PyObject *py_concat_rows(PyObject *self, PyObject *args)
+{
+    PyObject *list, *rows, *result = NULL, *data = NULL, *lengths = NULL;
+    const char *formats;
+    if (!PyArg_ParseTuple(args, "O!s", &PyList_Type, &list, &formats) || !(rows = PySequence_Tuple(list)))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(rows), got = 0, itemsize = 0, total = 0;
+    Py_buffer *views = calloc((size_t)n + 1, sizeof(Py_buffer));
+    char fmt = 0;
+    if (!views) {
+        Py_DECREF(rows);
+        return PyErr_NoMemory();
+    }
+    for (; got < n; got++) {
+        Py_buffer *v = &views[got];
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(rows, got), v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();
+            break;
+        }
+        char c = format_char(v);
+        if (v->ndim != 1 || !c || !strchr(formats, c) || (got && (c != fmt || v->itemsize != itemsize))) {
+            PyBuffer_Release(v);
+            break;
+        }
+        fmt = c;
+        itemsize = v->itemsize;
+        total += v->len;
+    }
+    if (got < n) {
+        result = Py_NewRef(Py_None);
+    } else if ((data = PyBytes_FromStringAndSize(NULL, total)) && (lengths = PyBytes_FromStringAndSize(NULL, n * 8))) {
+        char *dst = PyBytes_AS_STRING(data);
+        int64_t *len = (int64_t *)PyBytes_AS_STRING(lengths);
+        for (Py_ssize_t i = 0; i < n; dst += views[i].len, i++) {
+            memcpy(dst, views[i].buf, (size_t)views[i].len);
+            len[i] = views[i].shape[0];
+        }
+        result = Py_BuildValue("(COO)", fmt, data, lengths);
+    }
+    Py_XDECREF(data);
+    Py_XDECREF(lengths);
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    free(views);
+    Py_DECREF(rows);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"validate", py_validate, METH_VARARGS,
+     "validate(ids, weights|None, vocab, padding) -> (first bad id index, first non-finite weight index), -1 = none"},
+    {"count", py_count, METH_VARARGS,
+     "count(features, devices, shards, total_rows, counts_out int64 [D*S]) -> max unique rows in a partition"},
+    {"fill", py_fill, METH_VARARGS,
+     "fill(features, devices, shards, total_rows, cap, rows_per_device, cols, rows, vals): the padded COO buffers"},
+    {"concat_rows", py_concat_rows, METH_VARARGS,
+     "concat_rows(rows, formats) -> (format, data, int64 lengths) as bytes, or None if a row does not fit"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_native",
+    .m_doc = "C kernels of sparse_embed.preprocess (see _native.c).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
