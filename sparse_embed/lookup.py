@@ -31,6 +31,7 @@ from sparse_embed.tables import EmbeddingVariables, check_state
 
 
 CHUNK = 16384  # entries gathered/scattered at a time: temporaries of CHUNK x dim floats
+EXACT_F32_INDEX = 2**24  # entry indices below this are exact in float32 (see _representatives)
 
 
 class _Received(NamedTuple):
@@ -39,6 +40,7 @@ class _Received(NamedTuple):
     col_ids: jax.Array
     row_ids: jax.Array
     values: jax.Array
+    first: jax.Array | None = None  # element 0 of each entry's row, read by the forward
 
 
 def _exchange(stack: StackPlan, axis: str, coo: ShardedCooMatrix) -> _Received:
@@ -57,8 +59,16 @@ def _clip_scale(rows: jax.Array, max_norm: float) -> tuple[jax.Array, jax.Array]
     return jnp.where(norm > max_norm, max_norm / jnp.where(norm > 0, norm, 1.0), 1.0), norm
 
 
+def _chunks(n: int) -> tuple[int, int]:
+    """(number, size) of the chunks `_scan_chunks` cuts n entries into: number * size >= n."""
+    k = max(1, -(-n // CHUNK))
+    return k, -(-n // k)
+
+
 def _scan_chunks(body, carry, *entries: jax.Array, fills: tuple):
-    """Folds `body(carry, *chunk)` over flat `[N]` entries in chunks of at most CHUNK.
+    """Folds `body(carry, *chunk) -> (carry, y)` over `[N, ...]` entries in chunks of at most CHUNK along axis 0.
+
+    Returns the final carry and the ys (None, or `[N, ...]` per-entry outputs).
 
     Gathering and scattering a chunk at a time keeps temporaries at
     `CHUNK x dim` instead of `N x dim` (no large buffer to page in, and the
@@ -66,10 +76,11 @@ def _scan_chunks(body, carry, *entries: jax.Array, fills: tuple):
     with `fills` to a whole number of chunks.
     """
     n = entries[0].shape[0]
-    k = max(1, -(-n // CHUNK))
-    size = -(-n // k)
-    padded = [jnp.pad(x, (0, k * size - n), constant_values=f).reshape(k, size) for x, f in zip(entries, fills)]
-    return jax.lax.scan(lambda c, xs: (body(c, *xs), None), carry, padded)[0]
+    k, size = _chunks(n)
+    padded = [jnp.pad(x, [(0, k * size - n)] + [(0, 0)] * (x.ndim - 1), constant_values=f)
+              .reshape(k, size, *x.shape[1:]) for x, f in zip(entries, fills)]
+    carry, ys = jax.lax.scan(lambda c, xs: body(c, *xs), carry, padded)
+    return carry, jax.tree.map(lambda y: y.reshape(k * size, *y.shape[2:])[:n], ys)
 
 
 def _forward_stack(stack: StackPlan, axis: str, coo: ShardedCooMatrix, table: jax.Array):
@@ -81,17 +92,31 @@ def _forward_stack(stack: StackPlan, axis: str, coo: ShardedCooMatrix, table: ja
 
     def pool(acc, cols, out, values):
         rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
+        first = rows[:, 0]  # the backward's representatives overwrite it (see _representatives)
         if stack.max_norm is not None:
             rows = rows * _clip_scale(rows, stack.max_norm)[0]
-        return acc.at[out].add(rows * values[:, None], mode="drop")
+        return acc.at[out].add(rows * values[:, None], mode="drop"), first
 
     zeros = jax.lax.pcast(jnp.zeros((D * (rpd + 1), dim), jnp.float32), (axis,), to="varying")
-    partial = _scan_chunks(pool, zeros,
+    partial, first = _scan_chunks(pool, zeros,
                            rec.col_ids.reshape(-1), out, rec.values.reshape(-1),
                            fills=(stack.rows_per_shard, D * (rpd + 1), 0.0))
     partial = partial.reshape(D, rpd + 1, dim)[:, :rpd]
     pooled = jax.lax.all_to_all(partial, axis, 0, 0, tiled=True)  # [S, rpd, dim]
-    return pooled.sum(axis=0), rec
+    return pooled.sum(axis=0), rec._replace(first=first.reshape(rec.values.shape)), _after(table, partial)
+
+
+def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
+    """`x`, unchanged but data-dependent on `dep` (a value computed from x's reads).
+
+    Rewrites row 0 with itself at an index XLA cannot fold (min(bits, 0),
+    clamped to 0). The backward updates the table in place; without this
+    edge, a cotangent that does not depend on the activations leaves the
+    forward's reads and the backward's writes unordered, and XLA copies the
+    whole table to keep them apart.
+    """
+    i = jnp.minimum(jax.lax.bitcast_convert_type(dep.reshape(-1)[0], jnp.int32), 0)
+    return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, i, 1), i, axis=0)
 
 
 def _segments(cols: jax.Array):
@@ -151,16 +176,134 @@ def _check_trainable(stack: StackPlan, variables: EmbeddingVariables) -> None:
         )
 
 
-def _entry_grads(stack: StackPlan, axis: str, rec: _Received, g: jax.Array):
-    """Per received entry: its row (col) on this shard, its gradient `gain * dL/dactivation`, and
-    whether that activation gradient holds a NaN/inf (checked per activation row: cheaper than per entry)."""
+class _Entries(NamedTuple):
+    """The received entries of one shard, flat `[N]`, with the activation gradients they read.
+
+    An entry's gradient is `grads_all[src] * value`; it is computed chunk by
+    chunk where it is used, never as an `[N, dim]` array.
+    """
+
+    cols: jax.Array  # row on this shard; padding = rows_per_shard (out of range)
+    src: jax.Array  # row of grads_all; padding entries read a zero row
+    values: jax.Array
+    grads_all: jax.Array  # [D * (rows_per_device + 1), dim] activation gradients of every source
+    bad: jax.Array  # [N] bool: the entry's activation gradient holds a NaN/inf
+    first: jax.Array | None  # [N] element 0 of the entry's row before the update (from the forward)
+
+    def grads(self, src: jax.Array, values: jax.Array) -> jax.Array:
+        return self.grads_all[src] * values[:, None]
+
+
+def _entries(stack: StackPlan, axis: str, rec: _Received, g: jax.Array) -> _Entries:
     D, rpd, dim = stack.num_shards, stack.rows_per_device, stack.embedding_dim
     # Activation gradients of every source device, with a zero row rpd per source for padding entries.
     grads_all = jnp.pad(jax.lax.all_gather(g, axis, tiled=False), ((0, 0), (0, 1), (0, 0)))
     grads_all = grads_all.reshape(D * (rpd + 1), dim)
-    src_rows = (jnp.arange(D, dtype=jnp.int32)[:, None] * (rpd + 1) + rec.row_ids).reshape(-1)
-    cols, values = rec.col_ids.reshape(-1), rec.values.reshape(-1)
-    return cols, grads_all[src_rows] * values[:, None], _nonfinite(grads_all)[src_rows]
+    src = (jnp.arange(D, dtype=jnp.int32)[:, None] * (rpd + 1) + rec.row_ids).reshape(-1)
+    # NaN/inf checked per activation row (cheaper than per entry).
+    return _Entries(rec.col_ids.reshape(-1), src, rec.values.reshape(-1), grads_all, _nonfinite(grads_all)[src],
+                    None if rec.first is None else rec.first.reshape(-1))
+
+
+def _apply_linear(stack: StackPlan, e: _Entries, table: jax.Array, step, skip_nonfinite: bool) -> jax.Array:
+    """e.g. plain SGD: no need to combine duplicates; scatter-adds each occurrence's delta, chunk by chunk."""
+    opt = stack.optimizer
+    drop = _poisoned(e.cols, e.bad) if skip_nonfinite else jnp.zeros_like(e.bad)
+
+    def add(tbl, cols, src, values, drop):
+        delta = jnp.where(drop[:, None], 0.0, opt.linear_delta(e.grads(src, values), step))
+        return tbl.at[cols].add(delta, mode="drop"), None
+
+    return _scan_chunks(add, table, e.cols, e.src, e.values, drop,
+                        fills=(stack.rows_per_shard, stack.rows_per_device, 0.0, False))[0]
+
+
+def _representatives(table: jax.Array, cols: jax.Array, first: jax.Array, none: int):
+    """One representative entry per distinct col, without a sort (f32 tables, N < 2**24).
+
+    Every entry writes its index (exact as a float) into element 0 of its
+    row and reads it back; all entries of a row read the one write that
+    landed. `first [N]` holds the overwritten values (read by the forward,
+    which keeps this read out of the backward and orders it before the
+    writes). Returns the scribbled table and each entry's representative
+    `[N]` (`none` for padding). The caller must rewrite every touched row
+    (the representatives' rows), element 0 from `first`.
+    """
+    table = table.at[cols, 0].set(jnp.arange(cols.shape[0], dtype=table.dtype), mode="drop")
+    return table, table.at[cols, 0].get(mode="fill", fill_value=none).astype(jnp.int32)
+
+
+def _apply_deduped(stack: StackPlan, axis: str, e: _Entries, variables: EmbeddingVariables, step,
+                   skip_nonfinite: bool) -> EmbeddingVariables:
+    """Sums the gradients of each touched row, then applies the optimizer to it once, in chunks.
+
+    The sums go to the representative entry's position in `acc [N', dim]`
+    (N' = N rounded up to whole chunks, so the update loop reads it chunk by
+    chunk without padding it).
+    """
+    opt, n, dim, pad = stack.optimizer, e.cols.shape[0], stack.embedding_dim, stack.rows_per_shard
+    k, size = _chunks(n)
+    old0 = e.first
+    table, rep = _representatives(variables.table, e.cols, old0, none=k * size)
+    read = lambda tbl, cols, first: tbl.at[cols].get(mode="fill", fill_value=0).at[:, 0].set(first)
+
+    def accumulate(acc, cols, src, values, rep, first):
+        grads = e.grads(src, values)
+        if stack.max_norm is not None:
+            grads = _clipped_grads(read(table, cols, first), grads, stack.max_norm)
+        return acc.at[rep].add(grads, mode="drop"), None
+
+    zeros = jax.lax.pcast(jnp.zeros((k * size, dim), jnp.float32), (axis,), to="varying")
+    acc, _ = _scan_chunks(accumulate, zeros, e.cols, e.src, e.values, rep, old0,
+                       fills=(pad, stack.rows_per_device, 0.0, k * size, 0.0))
+    # Only the representatives write their (whole) rows back; the others are dropped.
+    own = jnp.where(rep == jnp.arange(n, dtype=jnp.int32), e.cols, pad)
+
+    def update(state, cols, first, grads):
+        tbl, slots = state
+        # Dropped entries read some real row (clamped: no per-element bounds check) and write nothing.
+        at = jnp.minimum(cols, pad - 1)
+        rows = tbl.at[at].get(mode="promise_in_bounds").at[:, 0].set(first).astype(jnp.float32)
+        old = {k: v.at[at].get(mode="promise_in_bounds") for k, v in slots.items()}
+        new_rows, new_slots = opt.update(rows, old, grads, step)
+        if skip_nonfinite:  # the summed gradient is non-finite if any of its terms is (or if it overflows)
+            skipped = _nonfinite(grads)[:, None]
+            new_rows = jnp.where(skipped, rows, new_rows)
+            new_slots = {k: jnp.where(skipped, old[k], v) for k, v in new_slots.items()}
+        put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
+        return (put(tbl, new_rows), {k: put(slots[k], new_slots[k]) for k in slots}), None
+
+    (table, slots), _ = _scan_chunks(update, (table, dict(variables.slots)), own, old0, acc[:n],
+                                fills=(pad, 0.0, 0.0))
+    return EmbeddingVariables(table, slots)
+
+
+def _clipped_grads(x: jax.Array, grads: jax.Array, max_norm: float) -> jax.Array:
+    """Gradients through the forward's `max_norm` clipping of rows x `[N, dim]`."""
+    scale, norm = _clip_scale(x, max_norm)
+    clipped = norm > max_norm
+    radial = jnp.sum(x * grads, axis=-1, keepdims=True) / jnp.where(clipped, norm * norm, 1.0)
+    return scale * (grads - jnp.where(clipped, radial * x, 0.0))
+
+
+def _apply_sorted(stack: StackPlan, e: _Entries, variables: EmbeddingVariables, step,
+                  skip_nonfinite: bool) -> EmbeddingVariables:
+    """The general path (tables that are not f32, or 2**24+ entries): sort-based dedup, unchunked."""
+    table, opt = variables.table, stack.optimizer
+    grads = e.grads(e.src, e.values)
+    if stack.max_norm is not None:
+        grads = _clipped_grads(table.at[e.cols].get(mode="fill", fill_value=0).astype(jnp.float32), grads,
+                               stack.max_norm)
+    cols, grads = _dedup(e.cols, grads, stack.rows_per_shard)
+    rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
+    slots = {k: v.at[cols].get(mode="fill", fill_value=0) for k, v in variables.slots.items()}
+    new_rows, new_slots = opt.update(rows, slots, grads, step)
+    if skip_nonfinite:  # the summed gradient is non-finite if any of its terms is (or if it overflows)
+        skipped = _nonfinite(grads)[:, None]
+        new_rows = jnp.where(skipped, rows, new_rows)
+        new_slots = {k: jnp.where(skipped, slots[k], v) for k, v in new_slots.items()}
+    put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
+    return EmbeddingVariables(put(table, new_rows), {k: put(variables.slots[k], new_slots[k]) for k in slots})
 
 
 def _backward_stack(
@@ -171,33 +314,14 @@ def _backward_stack(
 
     With `skip_nonfinite`, a row whose gradient is NaN/inf keeps its values and slots.
     """
-    table, opt = variables.table, stack.optimizer
     _check_trainable(stack, variables)
-    cols, grads, bad = _entry_grads(stack, axis, rec, g)
-    if opt.is_linear and stack.max_norm is None and table.dtype == jnp.float32:
-        # e.g. plain SGD: duplicates need no combining, scatter-add each occurrence's delta. (One
-        # scatter: a chunked scan would carry the table through a loop, which XLA:CPU copies.)
-        delta = opt.linear_delta(grads, step)
-        if skip_nonfinite:  # drop every occurrence of a row that has a non-finite one
-            delta = jnp.where(_poisoned(cols, bad)[:, None], 0.0, delta)
-        return EmbeddingVariables(table.at[cols].add(delta, mode="drop"), variables.slots)
-
-    if stack.max_norm is not None:
-        x = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
-        scale, norm = _clip_scale(x, stack.max_norm)
-        clipped = norm > stack.max_norm
-        radial = jnp.sum(x * grads, axis=-1, keepdims=True) / jnp.where(clipped, norm * norm, 1.0)
-        grads = scale * (grads - jnp.where(clipped, radial * x, 0.0))
-    cols, grads = _dedup(cols, grads, stack.rows_per_shard)
-    rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
-    slots = {k: v.at[cols].get(mode="fill", fill_value=0) for k, v in variables.slots.items()}
-    new_rows, new_slots = opt.update(rows, slots, grads, step)
-    if skip_nonfinite:  # the summed gradient is non-finite if any of its terms is (or if it overflows)
-        skipped = _nonfinite(grads)[:, None]
-        new_rows = jnp.where(skipped, rows, new_rows)
-        new_slots = {k: jnp.where(skipped, slots[k], v) for k, v in new_slots.items()}
-    put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
-    return EmbeddingVariables(put(table, new_rows), {k: put(variables.slots[k], new_slots[k]) for k in slots})
+    e = _entries(stack, axis, rec, g)
+    f32 = variables.table.dtype == jnp.float32
+    if stack.optimizer.is_linear and stack.max_norm is None and f32:
+        return EmbeddingVariables(_apply_linear(stack, e, variables.table, step, skip_nonfinite), variables.slots)
+    if f32 and e.cols.shape[0] <= EXACT_F32_INDEX:
+        return _apply_deduped(stack, axis, e, variables, step, skip_nonfinite)
+    return _apply_sorted(stack, e, variables, step, skip_nonfinite)
 
 
 def _specs(plan: EmbeddingPlan, tables):
@@ -212,26 +336,26 @@ def _forward(plan: EmbeddingPlan, batch, tables):
     axis = plan.axis_name
     batch_spec = {s.name: ShardedCooMatrix(*([P(axis)] * 5)) for s in plan.stacks}
     table_spec = {s.name: P(axis, None) for s in plan.stacks}
-    rec_spec = {s.name: _Received(*([P(axis)] * 3)) for s in plan.stacks}
+    rec_spec = {s.name: _Received(*([P(axis)] * 4)) for s in plan.stacks}
 
     def body(batch, tables):
-        acts, recs = {}, {}
+        acts, recs, after = {}, {}, {}
         for s in plan.stacks:
             coo = jax.tree.map(lambda x: x[0], batch[s.name])
-            acts[s.name], rec = _forward_stack(s, axis, coo, tables[s.name])
+            acts[s.name], rec, after[s.name] = _forward_stack(s, axis, coo, tables[s.name])
             recs[s.name] = jax.tree.map(lambda x: x[None], rec)
-        return acts, recs
+        return acts, recs, after
 
     fn = jax.shard_map(
         body, mesh=plan.mesh, in_specs=(batch_spec, table_spec),
-        out_specs=({s.name: P(axis) for s in plan.stacks}, rec_spec),
+        out_specs=({s.name: P(axis) for s in plan.stacks}, rec_spec, table_spec),
     )
     return fn(batch, {k: v.table for k, v in tables.items()})
 
 
 def _backward(plan: EmbeddingPlan, recs, tables, grads, step):
     axis = plan.axis_name
-    rec_spec = {s.name: _Received(*([P(axis)] * 3)) for s in plan.stacks}
+    rec_spec = {s.name: _Received(*([P(axis)] * 4)) for s in plan.stacks}
     state_spec = _specs(plan, tables)
     skip = plan.nonfinite_gradients == "skip"
 
@@ -256,7 +380,8 @@ def _lookup_stacks(plan, batch, tables, step):
 
 
 def _lookup_fwd(plan, batch, tables, step):
-    acts, recs = _forward(plan, batch, tables)
+    acts, recs, after = _forward(plan, batch, tables)
+    tables = {k: EmbeddingVariables(after[k], v.slots) for k, v in tables.items()}
     return acts, (recs, tables, step)
 
 
@@ -360,8 +485,8 @@ def _nonfinite_rows_jit(plan: EmbeddingPlan, batch, grads) -> dict[str, jax.Arra
         out = {}
         for s in plan.stacks:
             rec = _exchange(s, axis, jax.tree.map(lambda x: x[0], batch[s.name]))
-            cols, _, bad = _entry_grads(s, axis, rec, grads[s.name])
-            out[s.name] = jax.lax.psum(jnp.sum(_bad_groups(cols, bad)[0], dtype=jnp.int32), axis)
+            e = _entries(s, axis, rec, grads[s.name])
+            out[s.name] = jax.lax.psum(jnp.sum(_bad_groups(e.cols, e.bad)[0], dtype=jnp.int32), axis)
         return out
 
     fn = jax.shard_map(
