@@ -36,6 +36,7 @@ from sparse_embed.planning import (  # noqa: E402
     grow_capacity,
     plan,
 )
+from sparse_embed.prefetch import Prefetched, Prefetcher, prefetch  # noqa: E402
 from sparse_embed.preprocess import ShardedCooMatrix, Stats, preprocess  # noqa: E402
 from sparse_embed.serving import serving_lookup  # noqa: E402
 from sparse_embed.specs import FeatureSpec, TableSpec  # noqa: E402
@@ -89,6 +90,9 @@ __all__ = [
     "param_labels",
     "plan",
     "preprocess",
+    "Prefetched",
+    "Prefetcher",
+    "prefetch",
     "stack_tables",
     "unstack_state",
     "unstack_tables",
