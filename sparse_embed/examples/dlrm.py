@@ -19,7 +19,7 @@ Features (all read by a stacked, sharded table set):
 - ``tags``:    1..k weighted tags, ragged ``(values, row_lengths)`` (table ``tag``)
 
 Host data generation and ``sparse_embed.preprocess`` of the next batches run
-in a background thread while the device trains on the current one.
+in a background thread (``sparse_embed.prefetch``) while the device trains on the current one.
 
 Run::
 
@@ -35,12 +35,10 @@ import sparse_embed as se  # first: it sets XLA flags before JAX starts a backen
 
 import argparse
 import dataclasses
-import queue
-import threading
 import time
 from collections import deque
 from functools import partial
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 from sparse_embed.flax import linen as sel
@@ -294,10 +292,8 @@ class Shardings(NamedTuple):
 # Host pipeline: generate + preprocess in a background thread.
 
 
-def make_batch(teacher: Teacher, plan: se.EmbeddingPlan, batch_size: int, rng: np.random.Generator) -> Batch:
-    """Samples a batch and preprocesses it for the device (COO per stack, dense inputs sharded)."""
-    ex = teacher.sample(rng, batch_size)
-    sparse, stats = se.preprocess(plan, ex.ids, ex.weights)
+def to_batch(plan: se.EmbeddingPlan, ex: Any, sparse: dict, stats: se.Stats) -> Batch:
+    """A sampled example with its preprocessed ids: dense inputs sharded over the batch."""
     if any(stats.dropped_ids.values()):  # cannot happen with auto capacity; never drop silently
         raise RuntimeError(f"preprocess dropped ids: {stats.dropped_ids}")
     sharding = NamedSharding(plan.mesh, P(plan.axis_name))
@@ -305,54 +301,10 @@ def make_batch(teacher: Teacher, plan: se.EmbeddingPlan, batch_size: int, rng: n
     return Batch(sparse, inputs, ex.labels, ex.teacher_logits, stats)
 
 
-class Prefetcher:
-    """Runs `make(i)` for i in [0, count) on a background thread, `depth` items ahead.
-
-    The device step is dispatched asynchronously and runs outside the GIL
-    (as does much of numpy), so this host work overlaps it. An exception in `make` is re-raised
-    in the consumer.
-    """
-
-    def __init__(self, make: Callable[[int], Any], count: int, depth: int = 2):
-        self._make, self._count = make, count
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
-        self._thread.start()
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self) -> None:
-        try:
-            for i in range(self._count):
-                if not self._put(("ok", self._make(i))):
-                    return
-        except BaseException as e:  # noqa: BLE001  (handed to the consumer)
-            self._put(("error", e))
-
-    def __iter__(self) -> Iterator[Any]:
-        for _ in range(self._count):
-            kind, item = self._queue.get()
-            if kind == "error":
-                raise item
-            yield item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def __enter__(self) -> "Prefetcher":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+def make_batch(teacher: Teacher, plan: se.EmbeddingPlan, batch_size: int, rng: np.random.Generator) -> Batch:
+    """Samples a batch and preprocesses it for the device (COO per stack, dense inputs sharded)."""
+    ex = teacher.sample(rng, batch_size)
+    return to_batch(plan, ex, *se.preprocess(plan, ex.ids, ex.weights))
 
 
 # ---------------------------------------------------------------------------
@@ -442,12 +394,14 @@ def train(args: argparse.Namespace, plan: se.EmbeddingPlan, teacher: Teacher, mo
     shardings = Shardings(layout.shardings(params), opt_sharding, plan.batch_sharding(),
                           NamedSharding(plan.mesh, P()))
     train_step = make_train_step(model, tx, shardings)
-    make = lambda i: make_batch(teacher, plan, args.batch_size, np.random.default_rng([args.seed, 1, i]))
+    examples = (teacher.sample(np.random.default_rng([args.seed, 1, i]), args.batch_size) for i in range(args.steps))
     losses, pending, recent, stats = [], [], deque(maxlen=args.eval_batches), None
     bar = tqdm(total=args.steps, unit="step", disable=args.no_progress, dynamic_ncols=True)
     start = t_log = time.perf_counter()
-    with Prefetcher(make, args.steps) as batches:
-        for step, batch in enumerate(batches):
+    # Sampling and preprocessing of the next batches run on a background thread while the device steps.
+    with se.prefetch(plan, examples, inputs=lambda ex: (ex.ids, ex.weights)) as prefetched:
+        for step, (sparse, batch_stats, ex) in enumerate(prefetched):
+            batch = to_batch(plan, ex, sparse, batch_stats)
             params, opt_state, loss = train_step(params, opt_state, batch.sparse, batch.inputs,
                                                  jnp.asarray(step, jnp.int32))
             pending.append(loss)
