@@ -90,9 +90,13 @@ def _forward_stack(stack: StackPlan, axis: str, coo: ShardedCooMatrix, table: ja
     # Output row of each entry in the [D, rpd + 1] partials; row rpd of each source is the padding trash row.
     out = (jnp.arange(D, dtype=jnp.int32)[:, None] * (rpd + 1) + rec.row_ids).reshape(-1)
 
+    keep_first = _backward_path(stack, table.dtype, rec.col_ids.size) == "deduped"  # as in _forward
+
     def pool(acc, cols, out, values):
         rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
-        first = rows[:, 0]  # the backward's representatives overwrite it (see _representatives)
+        # Element 0 of each row, which the backward's representatives overwrite (see _representatives).
+        # A gather of its own: slicing `rows` would materialise them, which XLA:CPU does slowly.
+        first = table.at[cols, 0].get(mode="fill", fill_value=0) if keep_first else None
         if stack.max_norm is not None:
             rows = rows * _clip_scale(rows, stack.max_norm)[0]
         return acc.at[out].add(rows * values[:, None], mode="drop"), first
@@ -103,7 +107,9 @@ def _forward_stack(stack: StackPlan, axis: str, coo: ShardedCooMatrix, table: ja
                            fills=(stack.rows_per_shard, D * (rpd + 1), 0.0))
     partial = partial.reshape(D, rpd + 1, dim)[:, :rpd]
     pooled = jax.lax.all_to_all(partial, axis, 0, 0, tiled=True)  # [S, rpd, dim]
-    return pooled.sum(axis=0), rec._replace(first=first.reshape(rec.values.shape)), _after(table, partial)
+    if keep_first:
+        rec = rec._replace(first=first.reshape(rec.values.shape))
+    return pooled.sum(axis=0), rec, _after(table, partial)
 
 
 def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
@@ -245,7 +251,10 @@ def _apply_deduped(stack: StackPlan, axis: str, e: _Entries, variables: Embeddin
     k, size = _chunks(n)
     old0 = e.first
     table, rep = _representatives(variables.table, e.cols, old0, none=k * size)
-    read = lambda tbl, cols, first: tbl.at[cols].get(mode="fill", fill_value=0).at[:, 0].set(first)
+
+    def read(tbl, cols, first):  # rows [C, dim] with element 0 restored (a select: keeps the gather fused)
+        rows = tbl.at[cols].get(mode="fill", fill_value=0)
+        return jnp.where(jnp.arange(dim) == 0, first[:, None].astype(rows.dtype), rows)
 
     def accumulate(acc, cols, src, values, rep, first):
         grads = e.grads(src, values)
@@ -263,7 +272,8 @@ def _apply_deduped(stack: StackPlan, axis: str, e: _Entries, variables: Embeddin
         tbl, slots = state
         # Dropped entries read some real row (clamped: no per-element bounds check) and write nothing.
         at = jnp.minimum(cols, pad - 1)
-        rows = tbl.at[at].get(mode="promise_in_bounds").at[:, 0].set(first).astype(jnp.float32)
+        rows = tbl.at[at].get(mode="promise_in_bounds")
+        rows = jnp.where(jnp.arange(dim) == 0, first[:, None], rows).astype(jnp.float32)
         old = {k: v.at[at].get(mode="promise_in_bounds") for k, v in slots.items()}
         new_rows, new_slots = opt.update(rows, old, grads, step)
         if skip_nonfinite:  # the summed gradient is non-finite if any of its terms is (or if it overflows)
@@ -316,12 +326,21 @@ def _backward_stack(
     """
     _check_trainable(stack, variables)
     e = _entries(stack, axis, rec, g)
-    f32 = variables.table.dtype == jnp.float32
-    if stack.optimizer.is_linear and stack.max_norm is None and f32:
+    path = _backward_path(stack, variables.table.dtype, e.cols.size)
+    if path == "linear":
         return EmbeddingVariables(_apply_linear(stack, e, variables.table, step, skip_nonfinite), variables.slots)
-    if f32 and e.cols.shape[0] <= EXACT_F32_INDEX:
+    if path == "deduped":
         return _apply_deduped(stack, axis, e, variables, step, skip_nonfinite)
     return _apply_sorted(stack, e, variables, step, skip_nonfinite)
+
+
+def _backward_path(stack: StackPlan, dtype, num_entries: int) -> str:
+    """How the backward combines duplicate ids: not at all ("linear": SGD-like updates add per
+    occurrence), by representatives ("deduped": f32 tables, indices exact as floats) or by a sort."""
+    f32 = dtype == jnp.float32
+    if stack.optimizer.is_linear and stack.max_norm is None and f32:
+        return "linear"
+    return "deduped" if f32 and num_entries <= EXACT_F32_INDEX else "sorted"
 
 
 def _specs(plan: EmbeddingPlan, tables):
@@ -336,7 +355,10 @@ def _forward(plan: EmbeddingPlan, batch, tables):
     axis = plan.axis_name
     batch_spec = {s.name: ShardedCooMatrix(*([P(axis)] * 5)) for s in plan.stacks}
     table_spec = {s.name: P(axis, None) for s in plan.stacks}
-    rec_spec = {s.name: _Received(*([P(axis)] * 4)) for s in plan.stacks}
+    rec_spec = {}
+    for s in plan.stacks:  # `first` only where the backward uses it
+        keep = _backward_path(s, tables[s.name].table.dtype, batch[s.name].col_ids.shape[1]) == "deduped"
+        rec_spec[s.name] = _Received(P(axis), P(axis), P(axis), P(axis) if keep else None)
 
     def body(batch, tables):
         acts, recs, after = {}, {}, {}
@@ -355,7 +377,7 @@ def _forward(plan: EmbeddingPlan, batch, tables):
 
 def _backward(plan: EmbeddingPlan, recs, tables, grads, step):
     axis = plan.axis_name
-    rec_spec = {s.name: _Received(*([P(axis)] * 4)) for s in plan.stacks}
+    rec_spec = jax.tree.map(lambda _: P(axis), recs)
     state_spec = _specs(plan, tables)
     skip = plan.nonfinite_gradients == "skip"
 
