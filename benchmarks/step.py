@@ -35,15 +35,18 @@ on the tables after one SGD step.
 Reading the numbers on XLA:CPU: temp buffers above glibc's mmap threshold
 are mapped fresh on every execution, so a step page-faults its whole temp
 allocation (the `faults` column; the kernel's page zeroing is counted in
-the `cpu` column). Running with `MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
-MALLOC_TRIM_THRESHOLD_=100000000000` keeps freed memory for reuse (at the
-cost of RSS never shrinking); the MALLOC_* variables in effect are recorded.
+the `cpu` column), and tables live on 4 KiB pages (a TLB miss per random
+row). `--hugepages` restarts the script with
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`: glibc then backs large blocks with
+transparent huge pages, for every system in the run alike (tables, slots,
+XLA's and torch's buffers). The MALLOC_*/GLIBC_TUNABLES in effect are recorded.
 
     python benchmarks/step.py                       # W1: sparse_embed and every installed peer
     python benchmarks/step.py --json benchmarks/results_step_peers.json --plot benchmarks/step.png
     python benchmarks/step.py --quick               # smoke run, all installed peers, seconds
     python benchmarks/step.py --devices 1,8 --zipf 1.05 --peers fbgemm
     python benchmarks/step.py --optimizer all --peers none
+    python benchmarks/step.py --hugepages           # glibc malloc on transparent huge pages
 """
 
 from __future__ import annotations
@@ -156,6 +159,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parses flags; workload flags left unset take the W1 (or --quick) preset."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", "--small", action="store_true", help="tiny workload, a few steps: a smoke run")
+    p.add_argument("--hugepages", action="store_true",
+                   help="restart with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (huge pages for every system)")
     p.add_argument("--tables", type=int, help="number of tables (W1: 8)")
     p.add_argument("--rows", type=int, help="rows per table (W1: 1,000,000)")
     p.add_argument("--dim", type=int, help="embedding dim (W1: 64)")
@@ -916,6 +921,7 @@ def format_report(results: dict[str, Any]) -> str:
         f"jax {env['jax']}, {env['backend']}, {env['cpu_count']} cpus)",
         f"workload {w['name']}: {w['tables']} tables x {w['rows']:,} rows x {w['dim']}, batch {w['batch']}, "
         f"{w['ids_per_sample']} ids/sample/table ({zipf}), sum combiner; {results['ids_per_step']:,} ids/step",
+        f"allocator: {' '.join(f'{k}={v}' for k, v in env['malloc_env'].items()) or 'glibc defaults'}",
     ]
     for s in results["systems"].values():
         if s["devices"] is not None and s["steps"]:
@@ -996,5 +1002,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return results
 
 
+HUGETLB = "glibc.malloc.hugetlb=1"
+
+
+def restart_with_hugepages(argv: Sequence[str]) -> None:
+    """Re-executes this script with glibc's malloc on transparent huge pages (read only at start-up)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if HUGETLB not in tunables.split(":"):
+        env = dict(os.environ, GLIBC_TUNABLES=":".join(filter(None, (tunables, HUGETLB))))
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], env)
+
+
 if __name__ == "__main__":
+    if "--hugepages" in sys.argv[1:]:
+        restart_with_hugepages(sys.argv[1:])
     main()
