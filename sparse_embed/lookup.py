@@ -7,9 +7,11 @@ per-source-device partial activations and sends them back (`all_to_all`);
 each device sums the partials of its rows.
 
 Backward: the activation gradients are gathered onto every shard
-(`all_gather`), turned into per-entry row gradients, summed over duplicate
-ids (sort + segment sum: no work proportional to the vocabulary), and the
-table's optimizer updates exactly the touched rows and their slots. The
+(`all_gather`) and turned into per-entry row gradients, CHUNK entries at a
+time. SGD-like updates are scatter-added per occurrence; other optimizers
+first sum the gradients of duplicate ids (at a representative entry found
+without a sort, see `_representatives`), then update exactly the touched
+rows and their slots, once each. No work is proportional to the vocabulary. The
 cotangent returned for `tables` is the *updated* state, so
 `jax.grad(loss)(tables)` returns the new tables. Under the plan's default
 `nonfinite_gradients="skip"`, a row whose gradient is NaN/inf keeps its
@@ -19,6 +21,7 @@ values and slots; `nonfinite_rows` counts such rows.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Mapping, NamedTuple
 
 import jax
@@ -224,16 +227,16 @@ def _apply_linear(stack: StackPlan, e: _Entries, table: jax.Array, step, skip_no
                         fills=(stack.rows_per_shard, stack.rows_per_device, 0.0, False))[0]
 
 
-def _representatives(table: jax.Array, cols: jax.Array, first: jax.Array, none: int):
+def _representatives(table: jax.Array, cols: jax.Array, none: int):
     """One representative entry per distinct col, without a sort (f32 tables, N < 2**24).
 
     Every entry writes its index (exact as a float) into element 0 of its
     row and reads it back; all entries of a row read the one write that
-    landed. `first [N]` holds the overwritten values (read by the forward,
-    which keeps this read out of the backward and orders it before the
-    writes). Returns the scribbled table and each entry's representative
+    landed. Returns the scribbled table and each entry's representative
     `[N]` (`none` for padding). The caller must rewrite every touched row
-    (the representatives' rows), element 0 from `first`.
+    (the representatives' rows), element 0 from the values the forward read
+    (`_Entries.first`: reading them in the forward keeps that read ordered
+    before these writes).
     """
     table = table.at[cols, 0].set(jnp.arange(cols.shape[0], dtype=table.dtype), mode="drop")
     return table, table.at[cols, 0].get(mode="fill", fill_value=none).astype(jnp.int32)
@@ -248,13 +251,15 @@ def _apply_deduped(stack: StackPlan, axis: str, e: _Entries, variables: Embeddin
     chunk without padding it).
     """
     opt, n, dim, pad = stack.optimizer, e.cols.shape[0], stack.embedding_dim, stack.rows_per_shard
-    k, size = _chunks(n)
-    old0 = e.first
-    table, rep = _representatives(variables.table, e.cols, old0, none=k * size)
+    padded = math.prod(_chunks(n))
+    table, rep = _representatives(variables.table, e.cols, none=padded)
 
-    def read(tbl, cols, first):  # rows [C, dim] with element 0 restored (a select: keeps the gather fused)
-        rows = tbl.at[cols].get(mode="fill", fill_value=0)
-        return jnp.where(jnp.arange(dim) == 0, first[:, None].astype(rows.dtype), rows)
+    def read(tbl, cols, first):
+        """Rows `[C, dim]` with element 0 restored. Out-of-range cols read some real row, clamped (no
+        per-element bounds check); their entries write nothing. A select, not a slice update: XLA:CPU
+        keeps the gather fused into its consumers."""
+        rows = tbl.at[jnp.minimum(cols, pad - 1)].get(mode="promise_in_bounds").astype(jnp.float32)
+        return jnp.where(jnp.arange(dim) == 0, first[:, None], rows)
 
     def accumulate(acc, cols, src, values, rep, first):
         grads = e.grads(src, values)
@@ -262,18 +267,16 @@ def _apply_deduped(stack: StackPlan, axis: str, e: _Entries, variables: Embeddin
             grads = _clipped_grads(read(table, cols, first), grads, stack.max_norm)
         return acc.at[rep].add(grads, mode="drop"), None
 
-    zeros = jax.lax.pcast(jnp.zeros((k * size, dim), jnp.float32), (axis,), to="varying")
-    acc, _ = _scan_chunks(accumulate, zeros, e.cols, e.src, e.values, rep, old0,
-                       fills=(pad, stack.rows_per_device, 0.0, k * size, 0.0))
+    zeros = jax.lax.pcast(jnp.zeros((padded, dim), jnp.float32), (axis,), to="varying")
+    acc, _ = _scan_chunks(accumulate, zeros, e.cols, e.src, e.values, rep, e.first,
+                          fills=(pad, stack.rows_per_device, 0.0, padded, 0.0))
     # Only the representatives write their (whole) rows back; the others are dropped.
     own = jnp.where(rep == jnp.arange(n, dtype=jnp.int32), e.cols, pad)
 
     def update(state, cols, first, grads):
         tbl, slots = state
-        # Dropped entries read some real row (clamped: no per-element bounds check) and write nothing.
+        rows = read(tbl, cols, first)
         at = jnp.minimum(cols, pad - 1)
-        rows = tbl.at[at].get(mode="promise_in_bounds")
-        rows = jnp.where(jnp.arange(dim) == 0, first[:, None], rows).astype(jnp.float32)
         old = {k: v.at[at].get(mode="promise_in_bounds") for k, v in slots.items()}
         new_rows, new_slots = opt.update(rows, old, grads, step)
         if skip_nonfinite:  # the summed gradient is non-finite if any of its terms is (or if it overflows)
@@ -283,8 +286,8 @@ def _apply_deduped(stack: StackPlan, axis: str, e: _Entries, variables: Embeddin
         put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
         return (put(tbl, new_rows), {k: put(slots[k], new_slots[k]) for k in slots}), None
 
-    (table, slots), _ = _scan_chunks(update, (table, dict(variables.slots)), own, old0, acc[:n],
-                                fills=(pad, 0.0, 0.0))
+    (table, slots), _ = _scan_chunks(update, (table, dict(variables.slots)), own, e.first, acc[:n],
+                                     fills=(pad, 0.0, 0.0))
     return EmbeddingVariables(table, slots)
 
 
