@@ -274,21 +274,26 @@ def _apply_deduped(stack: StackPlan, axis: str, e: _Entries, variables: Embeddin
     own = jnp.where(rep == jnp.arange(n, dtype=jnp.int32), e.cols, pad)
 
     def update(state, cols, first, grads):
-        tbl, slots = state
-        rows = read(tbl, cols, first)
         at = jnp.minimum(cols, pad - 1)
-        old = {k: v.at[at].get(mode="promise_in_bounds") for k, v in slots.items()}
-        new_rows, new_slots = opt.update(rows, old, grads, step)
-        if skip_nonfinite:  # the summed gradient is non-finite if any of its terms is (or if it overflows)
-            skipped = _nonfinite(grads)[:, None]
-            new_rows = jnp.where(skipped, rows, new_rows)
-            new_slots = {k: jnp.where(skipped, old[k], v) for k, v in new_slots.items()}
-        put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
-        return (put(tbl, new_rows), {k: put(slots[k], new_slots[k]) for k in slots}), None
+        old = {k: v.at[at].get(mode="promise_in_bounds") for k, v in state.slots.items()}
+        return _update_rows(opt, state, cols, read(state.table, cols, first), old, grads, step, skip_nonfinite), None
 
-    (table, slots), _ = _scan_chunks(update, (table, dict(variables.slots)), own, e.first, acc[:n],
-                                     fills=(pad, 0.0, 0.0))
-    return EmbeddingVariables(table, slots)
+    return _scan_chunks(update, EmbeddingVariables(table, dict(variables.slots)), own, e.first, acc[:n],
+                        fills=(pad, 0.0, 0.0))[0]
+
+
+def _update_rows(opt, state: EmbeddingVariables, cols, rows, slots, grads, step,
+                 skip_nonfinite: bool) -> EmbeddingVariables:
+    """Applies the optimizer to `rows [C, dim]` and their `slots` at distinct `cols` and writes them
+    back (out-of-range cols write nothing). With `skip_nonfinite`, a row whose summed gradient is
+    non-finite (if any of its terms is, or if it overflows) keeps its values and slots."""
+    new_rows, new_slots = opt.update(rows, slots, grads, step)
+    if skip_nonfinite:
+        skipped = _nonfinite(grads)[:, None]
+        new_rows = jnp.where(skipped, rows, new_rows)
+        new_slots = {k: jnp.where(skipped, slots[k], v) for k, v in new_slots.items()}
+    put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
+    return EmbeddingVariables(put(state.table, new_rows), {k: put(state.slots[k], new_slots[k]) for k in slots})
 
 
 def _clipped_grads(x: jax.Array, grads: jax.Array, max_norm: float) -> jax.Array:
@@ -310,13 +315,7 @@ def _apply_sorted(stack: StackPlan, e: _Entries, variables: EmbeddingVariables, 
     cols, grads = _dedup(e.cols, grads, stack.rows_per_shard)
     rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
     slots = {k: v.at[cols].get(mode="fill", fill_value=0) for k, v in variables.slots.items()}
-    new_rows, new_slots = opt.update(rows, slots, grads, step)
-    if skip_nonfinite:  # the summed gradient is non-finite if any of its terms is (or if it overflows)
-        skipped = _nonfinite(grads)[:, None]
-        new_rows = jnp.where(skipped, rows, new_rows)
-        new_slots = {k: jnp.where(skipped, slots[k], v) for k, v in new_slots.items()}
-    put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
-    return EmbeddingVariables(put(table, new_rows), {k: put(variables.slots[k], new_slots[k]) for k in slots})
+    return _update_rows(opt, variables, cols, rows, slots, grads, step, skip_nonfinite)
 
 
 def _backward_stack(

@@ -221,13 +221,17 @@ def test_donated_tables_are_consumed(mesh8):
     assert new["t"].table.sharding == plan.table_sharding()
 
 
+def _patch_lookup(monkeypatch, name, value):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("sparse_embed.lookup"), name, value)
+    jax.clear_caches()
+
+
 @pytest.fixture
 def tiny_chunks(monkeypatch):
     """Gather/scatter in chunks of 5 entries (many chunks, with padding) instead of the default."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("sparse_embed.lookup"), "CHUNK", 5)
-    jax.clear_caches()
+    _patch_lookup(monkeypatch, "CHUNK", 5)
     yield
     jax.clear_caches()
 
@@ -242,10 +246,7 @@ def test_chunked_gather_scatter_matches_reference(tiny_chunks, name):
 @pytest.fixture
 def sorted_dedup(monkeypatch):
     """Combine duplicate ids by the general sort path (bf16 tables, 2**24+ entries) instead of scribbling."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("sparse_embed.lookup"), "EXACT_F32_INDEX", 0)
-    jax.clear_caches()
+    _patch_lookup(monkeypatch, "EXACT_F32_INDEX", 0)
     yield
     jax.clear_caches()
 
