@@ -87,13 +87,14 @@ def _scan_chunks(body, carry, *entries: jax.Array, fills: tuple):
 
 
 def _forward_stack(stack: StackPlan, axis: str, coo: ShardedCooMatrix, table: jax.Array):
-    """Per device: `[rows_per_device, dim]` activations, plus the received entries."""
+    """Per device: `[rows_per_device, dim]` activations, the received entries (with `first` where the
+    backward needs it) and the table for the backward (`_after` the forward's reads)."""
     rec = _exchange(stack, axis, coo)
     D, rpd, dim = stack.num_shards, stack.rows_per_device, stack.embedding_dim
     # Output row of each entry in the [D, rpd + 1] partials; row rpd of each source is the padding trash row.
     out = (jnp.arange(D, dtype=jnp.int32)[:, None] * (rpd + 1) + rec.row_ids).reshape(-1)
 
-    keep_first = _backward_path(stack, table.dtype, rec.col_ids.size) == "deduped"  # as in _forward
+    keep_first = _backward_path(stack, table.dtype, rec.col_ids.size) == "deduped"  # as _forward's specs
 
     def pool(acc, cols, out, values):
         rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
@@ -105,9 +106,8 @@ def _forward_stack(stack: StackPlan, axis: str, coo: ShardedCooMatrix, table: ja
         return acc.at[out].add(rows * values[:, None], mode="drop"), first
 
     zeros = jax.lax.pcast(jnp.zeros((D * (rpd + 1), dim), jnp.float32), (axis,), to="varying")
-    partial, first = _scan_chunks(pool, zeros,
-                           rec.col_ids.reshape(-1), out, rec.values.reshape(-1),
-                           fills=(stack.rows_per_shard, D * (rpd + 1), 0.0))
+    partial, first = _scan_chunks(pool, zeros, rec.col_ids.reshape(-1), out, rec.values.reshape(-1),
+                                  fills=(stack.rows_per_shard, D * (rpd + 1), 0.0))
     partial = partial.reshape(D, rpd + 1, dim)[:, :rpd]
     pooled = jax.lax.all_to_all(partial, axis, 0, 0, tiled=True)  # [S, rpd, dim]
     if keep_first:
