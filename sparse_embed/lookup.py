@@ -86,15 +86,13 @@ def _scan_chunks(body, carry, *entries: jax.Array, fills: tuple):
     return carry, jax.tree.map(lambda y: y.reshape(k * size, *y.shape[2:])[:n], ys)
 
 
-def _forward_stack(stack: StackPlan, axis: str, coo: ShardedCooMatrix, table: jax.Array):
+def _forward_stack(stack: StackPlan, axis: str, coo: ShardedCooMatrix, table: jax.Array, keep_first: bool):
     """Per device: `[rows_per_device, dim]` activations, the received entries (with `first` where the
     backward needs it) and the table for the backward (`_after` the forward's reads)."""
     rec = _exchange(stack, axis, coo)
     D, rpd, dim = stack.num_shards, stack.rows_per_device, stack.embedding_dim
     # Output row of each entry in the [D, rpd + 1] partials; row rpd of each source is the padding trash row.
     out = (jnp.arange(D, dtype=jnp.int32)[:, None] * (rpd + 1) + rec.row_ids).reshape(-1)
-
-    keep_first = _backward_path(stack, table.dtype, rec.col_ids.size) == "deduped"  # as _forward's specs
 
     def pool(acc, cols, out, values):
         rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
@@ -216,15 +214,14 @@ def _entries(stack: StackPlan, axis: str, rec: _Received, g: jax.Array) -> _Entr
 
 def _apply_linear(stack: StackPlan, e: _Entries, table: jax.Array, step, skip_nonfinite: bool) -> jax.Array:
     """e.g. plain SGD: no need to combine duplicates; scatter-adds each occurrence's delta, chunk by chunk."""
-    opt = stack.optimizer
-    drop = _poisoned(e.cols, e.bad) if skip_nonfinite else jnp.zeros_like(e.bad)
+    opt, pad = stack.optimizer, stack.rows_per_shard
+    # Under skip_nonfinite, every occurrence of a row with a non-finite gradient is dropped (sent out of range).
+    cols = jnp.where(_poisoned(e.cols, e.bad), pad, e.cols) if skip_nonfinite else e.cols
 
-    def add(tbl, cols, src, values, drop):
-        delta = jnp.where(drop[:, None], 0.0, opt.linear_delta(e.grads(src, values), step))
-        return tbl.at[cols].add(delta, mode="drop"), None
+    def add(tbl, cols, src, values):
+        return tbl.at[cols].add(opt.linear_delta(e.grads(src, values), step), mode="drop"), None
 
-    return _scan_chunks(add, table, e.cols, e.src, e.values, drop,
-                        fills=(stack.rows_per_shard, stack.rows_per_device, 0.0, False))[0]
+    return _scan_chunks(add, table, cols, e.src, e.values, fills=(pad, stack.rows_per_device, 0.0))[0]
 
 
 def _representatives(table: jax.Array, cols: jax.Array, none: int):
@@ -357,16 +354,16 @@ def _forward(plan: EmbeddingPlan, batch, tables):
     axis = plan.axis_name
     batch_spec = {s.name: ShardedCooMatrix(*([P(axis)] * 5)) for s in plan.stacks}
     table_spec = {s.name: P(axis, None) for s in plan.stacks}
-    rec_spec = {}
-    for s in plan.stacks:  # `first` only where the backward uses it
-        keep = _backward_path(s, tables[s.name].table.dtype, batch[s.name].col_ids.shape[1]) == "deduped"
-        rec_spec[s.name] = _Received(P(axis), P(axis), P(axis), P(axis) if keep else None)
+    # `first` only where the backward uses it (entries per shard = the batch's S * capacity)
+    keep = {s.name: _backward_path(s, tables[s.name].table.dtype, batch[s.name].col_ids.shape[1]) == "deduped"
+            for s in plan.stacks}
+    rec_spec = {k: _Received(P(axis), P(axis), P(axis), P(axis) if v else None) for k, v in keep.items()}
 
     def body(batch, tables):
         acts, recs, after = {}, {}, {}
         for s in plan.stacks:
             coo = jax.tree.map(lambda x: x[0], batch[s.name])
-            acts[s.name], rec, after[s.name] = _forward_stack(s, axis, coo, tables[s.name])
+            acts[s.name], rec, after[s.name] = _forward_stack(s, axis, coo, tables[s.name], keep[s.name])
             recs[s.name] = jax.tree.map(lambda x: x[None], rec)
         return acts, recs, after
 

@@ -24,7 +24,7 @@ WORKER = "sparse_embed.prefetch"
 
 
 def _plan(mesh):
-    """Two auto-capacity stacks (pooled and sequence features), as in test_preprocess."""
+    """Two auto-capacity stacks (pooled and sequence features), as test_preprocess's, with mean gains."""
     a = se.TableSpec("a", 50, 4, combiner="mean")
     b = se.TableSpec("b", 13, 4, combiner="sum")
     feats = {
