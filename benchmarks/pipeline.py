@@ -213,7 +213,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the benchmark; prints a table, optionally writes JSON, returns the results dict."""
     cfg, json_path = parse_args(argv)
     step_bench.configure_devices(cfg.workload.devices)
-    import sparse_embed  # noqa: F401  (sets its XLA flags before the backend starts)
+    import sparse_embed
+
+    sparse_embed.configure_xla_cpu()  # before the backend starts: no whole-table copies in the generic kernel
 
     pipeline = Pipeline.create(cfg.workload, step_bench.make_mesh(cfg.workload.devices), cfg.seed)
     load_before = os.getloadavg()[0]

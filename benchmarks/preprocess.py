@@ -99,15 +99,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if "jax" not in sys.modules:  # simulate 8 CPU devices for the 8-device plan (before JAX starts)
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    from sparse_embed import inputs as se_inputs  # after XLA_FLAGS: importing sparse_embed starts JAX
+    from sparse_embed.host import native
 
-    saved = se_inputs._native
+    saved = os.environ.get(native.ENV)
     if args.numpy:
-        se_inputs._native = None
+        os.environ[native.ENV] = "0"
     try:
-        return _run(args, "numpy" if se_inputs._native is None else "native")
+        return _run(args, "numpy" if native.extension() is None else "native")
     finally:
-        se_inputs._native = saved
+        if saved is None:
+            os.environ.pop(native.ENV, None)
+        else:
+            os.environ[native.ENV] = saved
 
 
 def _run(args: argparse.Namespace, path: str) -> dict[str, Any]:

@@ -6,14 +6,29 @@ spec -> plan -> tables -> preprocess -> lookup:
     batch, stats = sparse_embed.preprocess(plan, ids)
     activations = sparse_embed.lookup(plan, batch, tables, step)
     # jax.grad(loss) w.r.t. tables returns the *updated* tables.
+
+The implementation lives in layers, each importing only those below it:
+`core` (pure JAX), `host` (preprocessing), `io` (checkpoints, serving) and
+`integrations` (optax, Flax, LayoutMap, jax-tpu-embedding). This module
+re-exports the public API (`__all__`; a few more names are importable for
+type annotations); importing it has no side effects.
 """
 
-from sparse_embed import _xla_flags
-
-_xla_flags.ensure_cpu_flags()
-
-from sparse_embed import distributed, optimizers  # noqa: E402
-from sparse_embed.checkpoint import (  # noqa: E402
+from sparse_embed import distributed, optimizers
+from sparse_embed.core.batch import ShardedCooMatrix, Stats
+from sparse_embed.core.kernels.generic import configure_xla_cpu
+from sparse_embed.core.planning import EmbeddingPlan, FeatureLayout, StackPlan, TablePlacement, grow_capacity, plan
+from sparse_embed.core.sharded_lookup import lookup, nonfinite_rows
+from sparse_embed.core.specs import FeatureSpec, TableSpec
+from sparse_embed.core.state import EmbeddingVariables
+from sparse_embed.core.tables import init_tables, stack_tables, unstack_state, unstack_tables
+from sparse_embed.host.ids import FlatIds, flatten
+from sparse_embed.host.prefetching import Prefetched, Prefetcher, prefetch
+from sparse_embed.host.preprocessing import preprocess
+from sparse_embed.integrations.jte import JteTableLayout, from_jte, jte_layout, jte_layout_from_specs, to_jte
+from sparse_embed.integrations.layout_map import LayoutMap
+from sparse_embed.integrations.optax_utils import apply_updates, optax_tx, param_labels
+from sparse_embed.io.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     CheckpointManager,
@@ -22,78 +37,53 @@ from sparse_embed.checkpoint import (  # noqa: E402
     read_info,
     restore_embeddings,
 )
-from sparse_embed.convert import convert_checkpoint, export_serving, load_serving  # noqa: E402
-from sparse_embed.inputs import FlatIds, flatten  # noqa: E402
-from sparse_embed.jte import JteTableLayout, from_jte, jte_layout, jte_layout_from_specs, to_jte  # noqa: E402
-from sparse_embed.layout import LayoutMap  # noqa: E402
-from sparse_embed.lookup import lookup, nonfinite_rows  # noqa: E402
-from sparse_embed.optax_utils import apply_updates, optax_tx, param_labels  # noqa: E402
-from sparse_embed.planning import (  # noqa: E402
-    EmbeddingPlan,
-    FeatureLayout,
-    StackPlan,
-    TablePlacement,
-    grow_capacity,
-    plan,
-)
-from sparse_embed.prefetch import Prefetched, Prefetcher, prefetch  # noqa: E402
-from sparse_embed.preprocess import ShardedCooMatrix, Stats, preprocess  # noqa: E402
-from sparse_embed.serving import serving_lookup  # noqa: E402
-from sparse_embed.specs import FeatureSpec, TableSpec  # noqa: E402
-from sparse_embed.tables import (  # noqa: E402
-    EmbeddingVariables,
-    init_tables,
-    stack_tables,
-    unstack_state,
-    unstack_tables,
-)
+from sparse_embed.io.convert import convert_checkpoint, export_serving, load_serving
+from sparse_embed.io.serving import serving_lookup
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # specs and the plan
+    "EmbeddingPlan",
+    "FeatureSpec",
+    "TableSpec",
+    "grow_capacity",
+    "optimizers",
+    "plan",
+    # table state
+    "EmbeddingVariables",
+    "init_tables",
+    "stack_tables",
+    "unstack_state",
+    "unstack_tables",
+    # host: batches
+    "Prefetched",
+    "Prefetcher",
+    "ShardedCooMatrix",
+    "Stats",
+    "distributed",
+    "prefetch",
+    "preprocess",
+    # the lookup
+    "configure_xla_cpu",
+    "lookup",
+    "nonfinite_rows",
+    # training with optax and flax (flax modules: sparse_embed.flax.linen / .nnx)
+    "LayoutMap",
+    "apply_updates",
+    "optax_tx",
+    # checkpoints and serving
     "CheckpointError",
-    "CheckpointInfo",
     "CheckpointManager",
-    "JteTableLayout",
-    "Restored",
-    "TableRecord",
     "convert_checkpoint",
     "export_serving",
-    "from_jte",
-    "jte_layout",
-    "jte_layout_from_specs",
     "load_serving",
     "read_info",
     "restore_embeddings",
     "serving_lookup",
+    # jax-tpu-embedding's layout
+    "from_jte",
+    "jte_layout",
+    "jte_layout_from_specs",
     "to_jte",
-    "EmbeddingPlan",
-    "EmbeddingVariables",
-    "FeatureLayout",
-    "FeatureSpec",
-    "FlatIds",
-    "LayoutMap",
-    "ShardedCooMatrix",
-    "StackPlan",
-    "Stats",
-    "TablePlacement",
-    "TableSpec",
-    "apply_updates",
-    "flatten",
-    "grow_capacity",
-    "init_tables",
-    "lookup",
-    "nonfinite_rows",
-    "optax_tx",
-    "optimizers",
-    "distributed",
-    "param_labels",
-    "plan",
-    "preprocess",
-    "Prefetched",
-    "Prefetcher",
-    "prefetch",
-    "stack_tables",
-    "unstack_state",
-    "unstack_tables",
 ]

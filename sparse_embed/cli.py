@@ -23,7 +23,7 @@ def _human(n: float) -> str:
 
 
 def _inspect(args) -> None:
-    from sparse_embed.checkpoint import read_info, resolve
+    from sparse_embed.io.checkpoint import read_info, resolve
 
     step_dir = resolve(args.ckpt, args.step)
     info = read_info(step_dir)
@@ -42,7 +42,7 @@ def _inspect(args) -> None:
 def _convert(args) -> None:
     from tqdm import tqdm
 
-    from sparse_embed.convert import convert_checkpoint
+    from sparse_embed.io.convert import convert_checkpoint
 
     out = convert_checkpoint(args.src, args.dst, devices=args.devices, serving=args.serving, dtype=args.dtype,
                              step=args.step, progress=lambda it, **kw: tqdm(it, desc="converting", **kw))

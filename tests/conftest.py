@@ -2,8 +2,11 @@
 
 import os
 
+# 8 simulated devices; region-analysis copy insertion keeps the generic kernel's train steps copy-free
+# (sparse_embed.configure_xla_cpu() adds the same flag).
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_cpu_copy_insertion_use_region_analysis=true"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -12,7 +15,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-import sparse_embed  # noqa: E402,F401  (adds its XLA flags before the backend starts)
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sparse_embed as se
 from sparse_embed.flax import linen as sel
 from sparse_embed.flax import nnx as sen
+from sparse_embed.integrations.layout_map import path_string
 from train_fixtures import B, features_vector, make_batch, make_plan
 
 SDS = jax.ShapeDtypeStruct
@@ -72,7 +73,7 @@ def test_embedding_state_gets_the_plan_sharding_whatever_the_rules(mesh8, kind):
         tree = params if kind == "linen_params" else jax.eval_shape(se.optax_tx(optax.adam(0.1)).init, params)
     got = layout.shardings(tree)
     assert jax.tree.structure(got) == jax.tree.structure(tree)
-    specs = {se.layout.path_string(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(got)}
+    specs = {path_string(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(got)}
     embedding = [spec for path, spec in specs.items() if "tables" in path]
     assert embedding == ([] if kind == "optax_tx_state" else [plan.table_sharding().spec] * 5)  # optax_tx: no table state
     for path, spec in specs.items():

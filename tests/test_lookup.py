@@ -10,6 +10,8 @@ import pytest
 
 import sparse_embed as se
 from sparse_embed import optimizers as opt
+from sparse_embed.core.kernels import GenericKernel
+from sparse_embed.core.relayout import from_shard_major
 import reference as ref
 
 B = 16  # global batch: divides 1, 2 and 8 devices
@@ -123,7 +125,7 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("stacking", ["auto", None])
-def test_multi_step_training_matches_reference(mesh, name, stacking):
+def test_multi_step_training_matches_reference(mesh, name, stacking, kernel="auto"):
     make_opt, update = OPTIMIZERS[name]
     rng = np.random.default_rng(3)
     o = make_opt()
@@ -136,7 +138,7 @@ def test_multi_step_training_matches_reference(mesh, name, stacking):
         "b_seq": se.FeatureSpec("b_seq", b, B, max_sequence_length=2),
         "c1": se.FeatureSpec("c1", c, B),
     }
-    plan = se.plan(feats, mesh, stacking=stacking)
+    plan = se.plan(feats, mesh, stacking=stacking, kernel=kernel)
     tables = se.init_tables(plan, jax.random.key(4))
     state = {n: {k: v.astype(np.float64) for k, v in s.items()} for n, s in se.unstack_state(plan, tables).items()}
     cts = {n: rng.normal(size=f.output_shape).astype(np.float32) for n, f in feats.items()}
@@ -191,7 +193,7 @@ def test_untouched_rows_and_padding_rows_never_change(mesh8):
     tables = _loss_and_train(plan, {"f": np.ones((8, 4), np.float32)})(tables, batch, 0)
     after = np.asarray(tables["t"].table)
     stack = plan.stack("t")
-    rows = se.tables.from_shard_major(stack, after) != se.tables.from_shard_major(stack, before)
+    rows = from_shard_major(stack, after) != from_shard_major(stack, before)
     assert set(np.nonzero(rows.any(1))[0]) == {20}
 
 
@@ -221,38 +223,17 @@ def test_donated_tables_are_consumed(mesh8):
     assert new["t"].table.sharding == plan.table_sharding()
 
 
-def _patch_lookup(monkeypatch, name, value):
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("sparse_embed.lookup"), name, value)
-    jax.clear_caches()
-
-
-@pytest.fixture
-def tiny_chunks(monkeypatch):
-    """Gather/scatter in chunks of 5 entries (many chunks, with padding) instead of the default."""
-    _patch_lookup(monkeypatch, "CHUNK", 5)
-    yield
-    jax.clear_caches()
-
-
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_chunked_gather_scatter_matches_reference(tiny_chunks, name):
+def test_chunked_gather_scatter_matches_reference(name):
+    """The generic kernel in chunks of 5 entries (many chunks, with padding) instead of the default."""
     from conftest import make_mesh
 
-    test_multi_step_training_matches_reference(make_mesh(2), name, "auto")
+    test_multi_step_training_matches_reference(make_mesh(2), name, "auto", kernel=GenericKernel(chunk=5))
 
 
-@pytest.fixture
-def sorted_dedup(monkeypatch):
-    """Combine duplicate ids by the general sort path (bf16 tables, 2**24+ entries) instead of scribbling."""
-    _patch_lookup(monkeypatch, "EXACT_F32_INDEX", 0)
-    yield
-    jax.clear_caches()
-
-
-def test_sorted_dedup_path_matches_reference(sorted_dedup, mesh8):
-    test_multi_step_training_matches_reference(mesh8, "adagrad", "auto")
+def test_sorted_dedup_path_matches_reference(mesh8):
+    """The generic kernel combining duplicates by its sort path (as for bf16 tables, 2**24+ entries)."""
+    test_multi_step_training_matches_reference(mesh8, "adagrad", "auto", kernel=GenericKernel(exact_index_limit=0))
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

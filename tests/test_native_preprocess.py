@@ -1,4 +1,4 @@
-"""preprocess's C kernels (sparse_embed/_native.c) against its numpy path, bit for bit.
+"""preprocess's C kernels (sparse_embed/host/_native.c) against its numpy path, bit for bit.
 
 Both paths get the same inputs: random plans (stacking, combiners, sequence
 features, 1 to 8 devices, also non-power-of-2 meshes), every id format and
@@ -19,20 +19,20 @@ import numpy as np
 import pytest
 
 import sparse_embed as se
-from sparse_embed import inputs
+from sparse_embed.host import native
 import reference as ref
 from conftest import make_mesh
 
-NATIVE = inputs._native
+NATIVE = native.extension()
 pytestmark = pytest.mark.skipif(
-    NATIVE is None, reason="the C extension sparse_embed._native is not built (or SPARSE_EMBED_NATIVE=0)")
+    NATIVE is None, reason="the C extension sparse_embed.host._native is not built (or SPARSE_EMBED_NATIVE=0)")
 
 
 def _both(monkeypatch, fn):
     """`fn()` on the native path, then on the numpy path; a ValueError/TypeError becomes its message."""
     out = []
-    for module in (NATIVE, None):
-        monkeypatch.setattr(inputs, "_native", module)
+    for switch in ("1", "0"):
+        monkeypatch.setenv(native.ENV, switch)
         try:
             out.append(fn())
         except (ValueError, TypeError) as e:
@@ -236,7 +236,7 @@ def test_concat_rows():
 
 
 def test_env_var_forces_the_numpy_path():
-    code = "from sparse_embed import inputs; print(inputs._native)"
+    code = "from sparse_embed.host import native; print(native.extension())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPARSE_EMBED_NATIVE": "0"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None"

@@ -164,7 +164,7 @@ def test_plan_repr_is_a_short_summary(mesh8):
 
 @pytest.mark.parametrize("needed", [1, 14, 100, 5_000, 655_360])
 def test_auto_capacity_headroom(needed):
-    from sparse_embed.planning import auto_capacity_for
+    from sparse_embed.host.plan_state import auto_capacity_for
 
     cap = auto_capacity_for(needed)
     assert cap % 8 == 0 and cap >= needed + max(0.1 * needed, 3 * needed**0.5)

@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 
 import sparse_embed as se
-from sparse_embed import inputs
+from sparse_embed.host import native, plan_state
 import reference as ref
 from conftest import make_mesh
 
 
 @pytest.fixture(autouse=True, params=["native", "numpy"])
 def path(request, monkeypatch) -> str:
-    """Runs the test with the C kernels, then with `inputs._native = None` (numpy, as without the extension)."""
-    if request.param == "native" and inputs._native is None:
-        pytest.skip("the C extension sparse_embed._native is not built (or SPARSE_EMBED_NATIVE=0)")
+    """Runs the test with the C kernels, then with SPARSE_EMBED_NATIVE=0 (numpy, as without the extension)."""
+    if request.param == "native" and native.extension() is None:
+        pytest.skip("the C extension sparse_embed.host._native is not built (or SPARSE_EMBED_NATIVE=0)")
     if request.param == "numpy":
-        monkeypatch.setattr(inputs, "_native", None)
+        monkeypatch.setenv(native.ENV, "0")
     return request.param
 
 
@@ -152,13 +152,15 @@ def test_auto_capacity_sizes_from_first_batch_and_only_grows(mesh8):
     small = {n: np.full((f.batch_size, 1), 1) for n, f in plan.features.items()}
     b1, s1 = se.preprocess(plan, small)
     c1 = b1["a"].capacity
-    assert c1 >= s1.max_ids_per_partition["a"] and plan.capacity("a") == c1
+    assert c1 >= s1.max_ids_per_partition["a"] and plan_state.of(plan).marks()["a"] == c1 == s1.capacity["a"]
     b2, s2 = se.preprocess(plan, _hot_ids(plan, 40))  # needs 80 per partition: grows, nothing dropped
     assert b2["a"].capacity >= 80 and s2.dropped_ids["a"] == 0
     b3, _ = se.preprocess(plan, small)  # never shrinks: no recompile
     assert b3["a"].capacity == b2["a"].capacity
-    # copies of the plan (jit static args) share the high-water mark, hashing ignores it
+    # the high-water mark is host state, not part of the plan; another plan object keeps its own
+    assert plan.capacity("a") is None
     assert hash(plan) == hash(_plan(mesh8, stacking=None)) and plan == _plan(mesh8, stacking=None)
+    assert plan_state.of(_plan(mesh8, stacking=None)).marks() == {}
 
 
 def test_stats_merge():

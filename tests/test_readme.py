@@ -25,7 +25,7 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 
 def test_readme_optimizer_table_is_the_docstring_table():
-    import sparse_embed.optimizers as opt
+    import sparse_embed.core.optimizers as opt
 
     table = [line for line in opt.__doc__.splitlines() if line.startswith("|")]
     readme = (ROOT / "README.md").read_text()

@@ -9,6 +9,7 @@ import pytest
 
 import sparse_embed as se
 from sparse_embed import optimizers as opt
+from sparse_embed.core.relayout import from_shard_major
 from conftest import make_mesh
 
 STACKINGS = ["auto", None, [["a", "c"]]]
@@ -34,7 +35,7 @@ def test_init_layout_sharding_and_padding(mesh, stacking):
         np.testing.assert_array_equal(np.asarray(v.slots["accumulator"]), 0.25)
         assert v.slots["accumulator"].sharding.is_equivalent_to(plan.table_sharding(), 2)
         # padding rows (past each table's vocabulary) are zero, real rows are not
-        rows = se.tables.from_shard_major(s, np.asarray(v.table))
+        rows = from_shard_major(s, np.asarray(v.table))
         for p in s.tables:
             block = rows[p.row_offset : p.row_offset + p.padded_rows]
             assert (np.abs(block[: p.table.vocabulary_size]).sum(1) > 0).all()

@@ -31,8 +31,6 @@ Run::
 
 from __future__ import annotations
 
-import sparse_embed as se  # first: it sets XLA flags before JAX starts a backend
-
 import argparse
 import dataclasses
 import time
@@ -41,13 +39,15 @@ from functools import partial
 from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
-from sparse_embed.flax import linen as sel
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
+
+import sparse_embed as se
+from sparse_embed.flax import linen as sel
 
 AXIS = "device"
 
@@ -480,4 +480,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    se.configure_xla_cpu()  # before the first JAX computation: no whole-table copies on CPU
     main()

@@ -2,7 +2,7 @@
 
 A checkpoint step directory holds three orbax items:
 
-- `embeddings`: per table, its natural block arrays (see `natural`):
+- `embeddings`: per table, its natural block arrays (see `core.relayout`):
   `{table: {"table": [stored_rows, dim], slot: [stored_rows, width]}}`, id
   order, so their meaning does not depend on the mesh or the stacking;
 - `user` (optional): any pytree (dense params, optax state, ...);
@@ -38,10 +38,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from sparse_embed.natural import TABLE_KEY, from_natural, stored_rows, to_natural
-from sparse_embed.planning import EmbeddingPlan
-from sparse_embed.specs import TableSpec
-from sparse_embed.tables import EmbeddingVariables, check_state
+from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.core.relayout import TABLE_KEY, from_natural, stored_rows, to_natural
+from sparse_embed.core.specs import TableSpec
+from sparse_embed.core.state import EmbeddingVariables, check_state
+from sparse_embed.core.tables import natural_table
 
 FORMAT = "sparse_embed/1"
 EMBEDDINGS, USER, META = "embeddings", "user", "meta"
@@ -152,7 +153,8 @@ def _first_line(e: Exception, limit: int = 160) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-def _checkpointer() -> ocp.Checkpointer:
+def checkpointer() -> ocp.Checkpointer:
+    """An orbax checkpointer of the composite items a step directory holds."""
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
@@ -160,7 +162,7 @@ def read_info(path: str | os.PathLike, step: int | None = None) -> CheckpointInf
     """The `CheckpointInfo` of a checkpoint (a step directory, or a manager directory: latest step)."""
     step_dir = resolve(path, step)
     try:
-        d = _checkpointer().restore(step_dir, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        d = checkpointer().restore(step_dir, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
         raise CheckpointError(f"{step_dir}: cannot read its metadata ({type(e).__name__}: {_first_line(e)}).") from None
     return CheckpointInfo.from_json(d, step_dir)
@@ -174,7 +176,7 @@ def read_embeddings(step_dir: str, targets: Mapping[str, Mapping[str, jax.ShapeD
     )
     restore = ocp.args.PyTreeRestore(item=dict(targets), restore_args=args, partial_restore=True)
     try:
-        return _checkpointer().restore(step_dir, args=ocp.args.Composite(**{EMBEDDINGS: restore}))[EMBEDDINGS]
+        return checkpointer().restore(step_dir, args=ocp.args.Composite(**{EMBEDDINGS: restore}))[EMBEDDINGS]
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(
             f"{step_dir} is corrupt or incomplete: its '{EMBEDDINGS}' arrays cannot be read "
@@ -252,7 +254,8 @@ def restore_embeddings(
         targets[name] = {k: jax.ShapeDtypeStruct((rows, w), dt, sharding=sharding) for k, (w, dt) in keys.items()}
     natural = read_embeddings(step_dir, targets)
     valid = {name: info.table(name).vocabulary_size for name in plan.tables}
-    return from_natural(plan, natural, valid, rng)
+    fresh = None if rng is None else (lambda s, i: natural_table(plan, s, rng, i))
+    return from_natural(plan, natural, valid, fresh)
 
 
 # ----------------------------------------------------------------- the manager
@@ -348,7 +351,7 @@ class CheckpointManager:
                 raise CheckpointError(f"{step_dir} has no user pytree; call restore without user=.")
             args = ocp.args.PyTreeRestore(item=user, restore_args=ocp.checkpoint_utils.construct_restore_args(user))
             try:
-                restored_user = _checkpointer().restore(step_dir, args=ocp.args.Composite(**{USER: args}))[USER]
+                restored_user = checkpointer().restore(step_dir, args=ocp.args.Composite(**{USER: args}))[USER]
             except Exception as e:  # noqa: BLE001
                 raise CheckpointError(f"{step_dir}: its user pytree does not match the target given "
                                       f"({type(e).__name__}: {_first_line(e)}).") from None

@@ -45,8 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_embed.inputs import PADDING_ID
-from sparse_embed.specs import FeatureSpec
+from sparse_embed.core import pooling
+from sparse_embed.core.specs import FeatureSpec
+from sparse_embed.host.ids import PADDING_ID, canonical, error
 
 OOV_POLICIES = ("error", "zero")
 
@@ -62,59 +63,36 @@ class Entries(NamedTuple):
     batch: int  # static
 
 
-def _err(feature: FeatureSpec, msg: str) -> ValueError:
-    return ValueError(f"Feature {feature.name!r} (table {feature.table.name!r}): {msg}")
-
-
-def _weights_values(feature: FeatureSpec, weights: Any, kind: str, n_shape) -> jax.Array:
-    if weights is None:
-        return jnp.ones(n_shape, jnp.float32)
-    if kind == "coo":
-        weights = weights[1] if isinstance(weights, tuple) else weights
-    elif kind == "pair":
-        weights = weights[0] if isinstance(weights, tuple) else weights
-    elif kind == "list":
-        weights = jnp.concatenate([jnp.asarray(w, jnp.float32).reshape(-1) for w in weights])
-    w = jnp.asarray(weights, jnp.float32)
-    if w.shape != tuple(n_shape):
-        raise _err(feature, f"weights have shape {w.shape}, but the ids have shape {tuple(n_shape)}.")
-    return w
+def _coo_entries(feature: FeatureSpec, ids: tuple, weights: Any) -> Entries:
+    """SparseTensor-style `(indices [N, 2], values [N], dense_shape)`; the weights' `values` are used."""
+    indices, values, dense_shape = ids
+    indices, values = jnp.asarray(indices), jnp.asarray(values)
+    if indices.ndim != 2 or indices.shape[1] != 2 or values.shape != indices.shape[:1]:
+        raise error(feature, f"COO ids need indices [N, 2] and values [N], got {indices.shape} and {values.shape}.")
+    traced = any(isinstance(d, jax.core.Tracer) for d in jax.tree.leaves(dense_shape))
+    batch = feature.batch_size if traced else int(np.asarray(dense_shape)[0])
+    w = jnp.ones(values.shape, jnp.float32)
+    if weights is not None:
+        w = jnp.asarray(weights[1] if isinstance(weights, tuple) else weights, jnp.float32)
+        if w.shape != values.shape:
+            raise error(feature, f"weights have shape {w.shape}, but the ids have shape {values.shape}.")
+    return Entries(values, w, indices[:, 0], indices[:, 1], jnp.ones(values.shape, bool), batch)
 
 
 def entries(feature: FeatureSpec, ids: Any, weights: Any = None) -> Entries:
     """Any supported id format -> `Entries` (jit-compatible except that shapes must be static)."""
-    if isinstance(ids, tuple) and len(ids) == 3:  # COO
-        indices, values, dense_shape = ids
-        indices, values = jnp.asarray(indices), jnp.asarray(values)
-        if indices.ndim != 2 or indices.shape[1] != 2 or values.shape != indices.shape[:1]:
-            raise _err(feature, f"COO ids need indices [N, 2] and values [N], got {indices.shape} and {values.shape}.")
-        traced = any(isinstance(d, jax.core.Tracer) for d in jax.tree.leaves(dense_shape))
-        batch = feature.batch_size if traced else int(np.asarray(dense_shape)[0])
-        w = _weights_values(feature, weights, "coo", values.shape)
-        return Entries(values, w, indices[:, 0], indices[:, 1], jnp.ones(values.shape, bool), batch)
-    if isinstance(ids, tuple):
-        if len(ids) != 2:
-            raise _err(feature, f"a ragged tuple must be (values, row_lengths), got a tuple of {len(ids)}.")
-        values, lengths = jnp.asarray(ids[0]), jnp.asarray(ids[1])
-        n = values.shape[0]
-        samples = jnp.repeat(jnp.arange(lengths.shape[0]), lengths, total_repeat_length=n)
-        starts = jnp.cumsum(lengths) - lengths
-        positions = jnp.arange(n) - starts[samples]
-        w = _weights_values(feature, weights, "pair", values.shape)
-        return Entries(values, w, samples, positions, jnp.ones((n,), bool), lengths.shape[0])
-    if isinstance(ids, list):
-        lengths = np.array([np.shape(r)[0] for r in ids], np.int32)
-        values = jnp.concatenate([jnp.asarray(r).reshape(-1) for r in ids]) if ids else jnp.zeros((0,), jnp.int32)
-        e = entries(feature, (values, lengths), None)
-        return e._replace(weights=_weights_values(feature, weights, "list", values.shape))
-    a = jnp.asarray(ids)
-    if a.ndim not in (1, 2) or not jnp.issubdtype(a.dtype, jnp.integer):
-        raise _err(feature, f"dense ids must be an int [B] or [B, L] array, got {a.dtype} {a.shape}.")
-    w = _weights_values(feature, weights, "dense", a.shape).reshape(-1)
-    a2 = a.reshape(a.shape[0], -1)
-    B, L = a2.shape
-    return Entries(a2.reshape(-1), w, jnp.repeat(jnp.arange(B), L), jnp.tile(jnp.arange(L), B),
-                   a2.reshape(-1) != PADDING_ID, B)
+    if isinstance(ids, tuple) and len(ids) == 3:
+        return _coo_entries(feature, ids, weights)
+    c = canonical(feature, ids, weights, xp=jnp, check_batch=False)
+    w = jnp.ones(c.ids.shape, jnp.float32) if c.weights is None else c.weights
+    if c.dense:
+        B, L = c.ids.shape
+        return Entries(c.ids.reshape(-1), w.reshape(-1), jnp.repeat(jnp.arange(B), L), jnp.tile(jnp.arange(L), B),
+                       c.ids.reshape(-1) != PADDING_ID, B)
+    n, lengths = c.ids.shape[0], jnp.asarray(c.lengths)
+    samples = jnp.repeat(jnp.arange(lengths.shape[0]), lengths, total_repeat_length=n)
+    positions = jnp.arange(n) - (jnp.cumsum(lengths) - lengths)[samples]
+    return Entries(c.ids, w, samples, positions, jnp.ones((n,), bool), lengths.shape[0])
 
 
 def _check_oov_eagerly(feature: FeatureSpec, e: Entries) -> None:
@@ -124,7 +102,7 @@ def _check_oov_eagerly(feature: FeatureSpec, e: Entries) -> None:
     bad = valid & ((ids < 0) | (ids >= feature.table.vocabulary_size))
     if bad.any():
         i = int(np.argmax(bad))
-        raise _err(feature, f"id {int(ids[i])} in sample {int(np.asarray(e.samples)[i])} is out of vocabulary "
+        raise error(feature, f"id {int(ids[i])} in sample {int(np.asarray(e.samples)[i])} is out of vocabulary "
                             f"[0, {feature.table.vocabulary_size}); pass oov='zero' or a default vector to serve it.")
 
 
@@ -139,19 +117,8 @@ def _rows(table: jax.Array, ids: jax.Array, oov: Any, max_norm: float | None) ->
         default = jnp.asarray(oov, jnp.float32)
     rows = jnp.where(in_vocab[:, None], rows, default[None, :])
     if max_norm is not None:
-        norm = jnp.sqrt(jnp.sum(rows * rows, axis=-1, keepdims=True))
-        rows = rows * jnp.where(norm > max_norm, max_norm / jnp.where(norm > 0, norm, 1.0), 1.0)
+        rows = rows * pooling.max_norm_scale(rows, max_norm, jnp)[0]
     return rows
-
-
-def _gains(combiner: str, w: jax.Array, out_row: jax.Array, n_rows: int) -> jax.Array:
-    if combiner == "sum":
-        return w
-    if combiner == "mean":
-        denom = jax.ops.segment_sum(w, out_row, n_rows + 1)[out_row]
-    else:
-        denom = jnp.sqrt(jax.ops.segment_sum(w * w, out_row, n_rows + 1))[out_row]
-    return jnp.where(denom != 0, w / jnp.where(denom != 0, denom, 1.0), 0.0)
 
 
 def _resolve_oov(oov: Any, table: str, dim: int) -> Any:
@@ -170,7 +137,7 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
     """One feature's activations: `[B, dim]` pooled, or `[B, max_sequence_length, dim]` (float32)."""
     t = feature.table
     if tuple(table.shape) != (t.vocabulary_size, t.embedding_dim):
-        raise _err(feature, f"the table array has shape {tuple(table.shape)}, expected "
+        raise error(feature, f"the table array has shape {tuple(table.shape)}, expected "
                             f"{(t.vocabulary_size, t.embedding_dim)}.")
     oov = _resolve_oov(oov, t.name, t.embedding_dim)
     e = entries(feature, ids, weights)
@@ -182,7 +149,8 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
     out_row = jnp.where(valid, e.samples * L + e.positions if L else e.samples, n_rows)  # n_rows: dropped
     w = jnp.where(valid, e.weights, 0.0)
     rows = _rows(table, e.ids, oov, t.max_norm)
-    contrib = rows * _gains(t.combiner, w, out_row, n_rows)[:, None]
+    gains = pooling.gains(t.combiner, w, out_row, n_rows + 1, jax.ops.segment_sum, jnp)  # row n_rows: dropped
+    contrib = rows * gains[:, None]
     contrib = jnp.where(valid[:, None], contrib, 0.0)  # padding never contributes (even NaN rows)
     out = jax.ops.segment_sum(contrib, out_row, n_rows + 1)[:n_rows]
     return out.reshape((e.batch, L, t.embedding_dim) if L else (e.batch, t.embedding_dim))
@@ -217,6 +185,6 @@ def serving_lookup(
     out = {}
     for name, f in feats.items():
         if f.table.name not in tables:
-            raise _err(f, f"no array for the table in tables (it has {sorted(tables)}).")
+            raise error(f, f"no array for the table in tables (it has {sorted(tables)}).")
         out[name] = lookup_feature(f, jnp.asarray(tables[f.table.name]), ids[name], weights.get(name), oov=oov)
     return out

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import optax
 
-from sparse_embed.tables import EmbeddingVariables
+from sparse_embed.core.state import EmbeddingVariables
 
 EMBEDDING = "embedding"
 DENSE = "dense"

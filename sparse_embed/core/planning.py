@@ -3,9 +3,9 @@
 The plan decides which tables share one stacked array, where each table's
 rows live inside it, how rows are assigned to shards and how the samples of
 the features that read a stack are laid out on each device. It is a static
-argument of `jit`; nothing in it depends on data except the auto capacity
-high-water mark, which is excluded from hashing (the capacity a batch was
-built with travels in the batch's array shapes instead).
+argument of `jit` and an immutable value: nothing in it depends on data. (An
+auto capacity's high-water mark is host state, kept by `preprocess`; the
+capacity a batch was built with travels in the batch's array shapes.)
 
 Row layout (MOD sharding): with S shards, stack row `r` lives on shard
 `r % S` at local row `r // S`. Every table's padded size is a multiple of S,
@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sparse_embed.specs import FeatureSpec, TableSpec
+from sparse_embed.core.specs import FeatureSpec, TableSpec
 
 OVERFLOW_POLICIES = ("error", "drop")
+KERNELS = ("auto", "generic")  # implementations of the lookup's per-shard work (`core.kernels`)
+KERNEL_ENV = "SPARSE_EMBED_KERNEL"  # overrides kernel="auto" when a plan is made
 NONFINITE_POLICIES = ("skip", "apply")
 CAPACITY_ALIGNMENT = 8
 
@@ -107,9 +110,7 @@ class EmbeddingPlan:
     stacks: tuple[StackPlan, ...]
     on_overflow: str
     nonfinite_gradients: str = "skip"
-    # Auto-capacity high-water marks {stack: capacity}; shared by the copies
-    # of this plan, never part of its identity.
-    auto_capacity: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    kernel: Any = "auto"  # the per-shard implementation of the lookup: a name or a kernel (`core.kernels`)
 
     @property
     def num_shards(self) -> int:
@@ -123,6 +124,8 @@ class EmbeddingPlan:
         policies = f"on_overflow={self.on_overflow!r}"
         if self.nonfinite_gradients != "skip":
             policies += f", nonfinite_gradients={self.nonfinite_gradients!r}"
+        if self.kernel != "auto":
+            policies += f", kernel={self.kernel!r}"
         lines = [f"EmbeddingPlan({self.num_shards} shards on mesh axis {self.axis_name!r}, {policies})"]
         for s in self.stacks:
             tables = ", ".join(f"{p.table.name}[{p.table.vocabulary_size}]" for p in s.tables)
@@ -130,7 +133,7 @@ class EmbeddingPlan:
                 f.feature.name + (f"[seq {f.feature.max_sequence_length}]" if f.feature.is_sequence else "")
                 for f in s.features)
             lines.append(f"  stack {s.name!r}: [{s.total_rows}, {s.embedding_dim}] {type(s.optimizer).__name__}, "
-                         f"tables {tables}; features {feats}; capacity {self.capacity(s.name) or 'auto'}")
+                         f"tables {tables}; features {feats}; capacity {s.capacity or 'auto'}")
         return "\n".join(lines)
 
     def stack(self, name: str) -> StackPlan:
@@ -167,25 +170,13 @@ class EmbeddingPlan:
         return NamedSharding(self.mesh, P(self.axis_name))
 
     def capacity(self, stack: str) -> int | None:
-        """The explicit capacity of a stack, else its auto high-water mark (None before any batch)."""
-        s = self.stack(stack)
-        return s.capacity if s.capacity is not None else self.auto_capacity.get(stack)
+        """The explicit capacity of a stack; None = auto (sized by `preprocess` from the data)."""
+        return self.stack(stack).capacity
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
+    """The smallest multiple of m that is >= x."""
     return -(-x // m) * m
-
-
-def auto_capacity_for(needed: int) -> int:
-    """Capacity for `needed` entries with headroom, on a coarse grid.
-
-    Headroom: 10%, or 3 sqrt(needed) if larger (the batch-to-batch spread of
-    small counts); the grid (8 steps per power of two) keeps growth, and so
-    recompiles, rare.
-    """
-    target = max(CAPACITY_ALIGNMENT, math.ceil(needed + max(0.1 * needed, 3 * math.sqrt(needed))))
-    granule = max(CAPACITY_ALIGNMENT, 1 << max(0, target.bit_length() - 4))
-    return _round_up(target, granule)
 
 
 def _stack_key(t: TableSpec) -> tuple:
@@ -278,10 +269,25 @@ def _resolve_axis(mesh: Mesh, axis_name: str | None) -> str:
     return axis_name
 
 
+def _check_kernel(kernel: Any) -> Any:
+    """A kernel name of KERNELS ("auto" overridden by $SPARSE_EMBED_KERNEL), or a kernel instance."""
+    if not isinstance(kernel, str):
+        if not all(callable(getattr(kernel, m, None)) for m in ("forward", "backward", "unsupported")):
+            raise TypeError(f"kernel must be one of {KERNELS} or a kernel (see sparse_embed.core.kernels), "
+                            f"got {kernel!r}.")
+        return kernel
+    source = ""
+    if kernel == "auto" and os.environ.get(KERNEL_ENV):
+        kernel, source = os.environ[KERNEL_ENV], f" (from ${KERNEL_ENV})"
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}{source}.")
+    return kernel
+
+
 def _check_capacity(what: str, c: Any) -> int:
     if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c <= 0:
         raise ValueError(f"{what}: capacity must be a positive int, got {c!r}.")
-    return _round_up(int(c), CAPACITY_ALIGNMENT)
+    return round_up(int(c), CAPACITY_ALIGNMENT)
 
 
 def plan(
@@ -293,6 +299,7 @@ def plan(
     capacity: int | Mapping[str, int] | None = None,
     on_overflow: str = "error",
     nonfinite_gradients: str = "skip",
+    kernel: Any = "auto",
 ) -> EmbeddingPlan:
     """Plans the stacked, sharded layout of the tables that `features` read.
 
@@ -314,6 +321,12 @@ def plan(
       nonfinite_gradients: what the backward does with a row whose gradient
         is NaN or inf: "skip" (the row and its slots keep their old values;
         `nonfinite_rows` counts such rows) or "apply" (update it anyway).
+      kernel: which implementation does the per-shard work of `lookup`:
+        "auto" (the fastest one for the mesh's platform and each stack's
+        optimizer) or "generic" (jnp code: the reference, and what runs on GPU
+        and TPU), or a kernel instance from `sparse_embed.core.kernels`.
+        The environment variable `SPARSE_EMBED_KERNEL` overrides "auto" when
+        the plan is made.
 
     Returns:
       The `EmbeddingPlan`. Stacks are named by their tables' names joined
@@ -331,6 +344,7 @@ def plan(
         raise ValueError(f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}.")
     if nonfinite_gradients not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite_gradients must be one of {NONFINITE_POLICIES}, got {nonfinite_gradients!r}.")
+    kernel = _check_kernel(kernel)
     for f in feats.values():
         if f.batch_size % num_shards:
             raise ValueError(
@@ -357,7 +371,7 @@ def plan(
     for name, group in zip(names, groups):
         placements, offset = {}, 0
         for n in group:
-            padded = _round_up(tables[n].vocabulary_size, num_shards)
+            padded = round_up(tables[n].vocabulary_size, num_shards)
             placements[n] = TablePlacement(tables[n], offset, padded)
             offset += padded
         layouts, row = [], 0
@@ -368,13 +382,14 @@ def plan(
                 layouts.append(lay)
                 row += lay.rows_per_device
         stacks.append(StackPlan(name, tuple(placements.values()), tuple(layouts), num_shards, caps[name]))
-    return EmbeddingPlan(mesh, axis, tuple(stacks), on_overflow, nonfinite_gradients)
+    return EmbeddingPlan(mesh, axis, tuple(stacks), on_overflow, nonfinite_gradients, kernel)
 
 
 def grow_capacity(plan: EmbeddingPlan, stats, *, headroom: float = 1.0) -> EmbeddingPlan:
     """A new plan whose explicit capacities fit what `stats` observed.
 
-    Each stack's capacity becomes the larger of its current one and
+    Each stack's capacity becomes the larger of its current one (explicit,
+    or the one `stats` saw it built with) and
     `headroom * stats.max_ids_per_partition[stack]` (rounded up to a multiple
     of 8). Stacks not in `stats` keep their capacity.
     """
@@ -383,10 +398,10 @@ def grow_capacity(plan: EmbeddingPlan, stats, *, headroom: float = 1.0) -> Embed
     stacks = []
     for s in plan.stacks:
         seen = stats.max_ids_per_partition.get(s.name)
-        current = plan.capacity(s.name)
+        current = s.capacity if s.capacity is not None else stats.capacity.get(s.name)
         if seen is None:
             stacks.append(s)
             continue
-        want = _round_up(max(1, math.ceil(seen * headroom)), CAPACITY_ALIGNMENT)
+        want = round_up(max(1, math.ceil(seen * headroom)), CAPACITY_ALIGNMENT)
         stacks.append(dataclasses.replace(s, capacity=max(want, current or 0)))
-    return dataclasses.replace(plan, stacks=tuple(stacks), auto_capacity={})
+    return dataclasses.replace(plan, stacks=tuple(stacks))

@@ -14,27 +14,14 @@ needs the GIL: the consumer spends the step waiting on the device, with the
 GIL released, and `preprocess` spends most of its time in C and numpy loops
 that release it.
 
-Thread-safety assumptions:
-
-- The worker is the only caller of `preprocess` for its items, one at a
-  time, in input order. So the auto-capacity high-water mark
-  (`plan.auto_capacity`, which `preprocess` updates) grows exactly as in a
-  serial loop, and every batch equals `preprocess` of the same inputs in a
-  serial loop. The mark is excluded from the plan's hash and equality, and
-  each batch carries its capacity in its shapes, so jitted steps that take
-  the plan as a static argument in the main thread are unaffected (a batch
-  with a grown capacity recompiles once, as in a serial loop).
-- Do not call `preprocess` for the same plan from another thread (a second
-  prefetcher, or eval batches in the main thread) while a prefetcher runs.
-  Concurrent calls are outside `preprocess`'s contract (its update of the
-  auto capacity is not atomic), and on a mesh that spans several processes
-  they break the rule that every process calls `preprocess` in the same
-  order.
-- The input iterator is advanced in the worker thread, so a generator's own
-  work (reading, decoding, `jax.device_put` of labels) overlaps the step
-  too. It must not be advanced by any other thread. One consumer.
-- JAX settings that are local to a thread (context managers such as
-  `jax.default_device` or `jax.transfer_guard`) do not apply in the worker.
+Thread-safety: the worker is the only caller of `preprocess` for its items,
+one at a time, in input order, so every batch equals `preprocess` of the
+same inputs in a serial loop (`preprocess` is thread-safe; an auto
+capacity's high-water mark is shared by every thread that preprocesses for
+the plan). The input iterator is advanced in the worker thread, so a
+generator's own work (reading, decoding) overlaps the step too; it must not
+be advanced by any other thread. JAX settings that are local to a thread
+(`jax.default_device`, `jax.transfer_guard`) do not apply in the worker.
 
 Several processes (`jax.distributed`): each process's worker calls
 `preprocess` in input order, as the processes must. Consume every
@@ -51,14 +38,14 @@ import collections
 import functools
 import itertools
 import threading
-import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import jax
 import numpy as np
 
-from sparse_embed.planning import EmbeddingPlan
-from sparse_embed.preprocess import ShardedCooMatrix, Stats, preprocess
+from sparse_embed.core.batch import ShardedCooMatrix, Stats
+from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.host.preprocessing import preprocess
 
 _EXIT_JOIN_TIMEOUT_S = 10.0  # at interpreter exit, how long to wait for each worker's current item
 
@@ -157,7 +144,10 @@ def _produce(slots: _Slots, source: Iterator[Any], prepare: Callable[[Any], Any]
             close()
 
 
-_LIVE: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
+def _stop(slots: _Slots, thread: threading.Thread) -> None:
+    """At interpreter exit: stops a worker and waits (a while) for its current item."""
+    slots.close()
+    thread.join(_EXIT_JOIN_TIMEOUT_S)
 
 
 class Prefetcher(Iterator[Prefetched]):
@@ -168,13 +158,19 @@ class Prefetcher(Iterator[Prefetched]):
     dropped and the input iterator is closed.
     """
 
+    _unregister = staticmethod(atexit.unregister)  # bound here: module globals may be gone when __del__ runs at exit
+
     def __init__(self, prepare: Callable[[Any], Prefetched], source: Iterator[Any], buffer_size: int) -> None:
         self._slots = _Slots(buffer_size)
         self._done = False
         self._thread = threading.Thread(target=_produce, args=(self._slots, source, prepare),
                                         name="sparse_embed.prefetch", daemon=True)
         self._thread.start()
-        _LIVE.add(self)
+        # Stop the worker at interpreter exit, before JAX's exit handlers (registered earlier, so run later)
+        # tear down the backend. The hook holds the worker, not this Prefetcher, so an abandoned one is
+        # still garbage-collected (which stops the worker too).
+        self._exit_hook = functools.partial(_stop, self._slots, self._thread)
+        atexit.register(self._exit_hook)
 
     def __iter__(self) -> "Prefetcher":
         return self
@@ -213,6 +209,7 @@ class Prefetcher(Iterator[Prefetched]):
         """
         self._done = True
         self._slots.close()
+        atexit.unregister(self._exit_hook)
         if self._thread is not threading.current_thread():
             self._thread.join()
 
@@ -224,20 +221,11 @@ class Prefetcher(Iterator[Prefetched]):
 
     def __del__(self) -> None:
         # Garbage collection can run in any thread, so this only signals (no join).
-        slots = getattr(self, "_slots", None)
+        slots, hook = getattr(self, "_slots", None), getattr(self, "_exit_hook", None)
         if slots is not None:
             slots.close()
-
-
-@atexit.register
-def _close_all_at_exit() -> None:
-    """Stops the workers before JAX's own exit handlers (registered earlier, so run later) tear down the backend."""
-    live = list(_LIVE)
-    for p in live:
-        p._done = True
-        p._slots.close()
-    for p in live:
-        p._thread.join(_EXIT_JOIN_TIMEOUT_S)
+        if hook is not None:
+            self._unregister(hook)
 
 
 def _split(item: Any, inputs: Callable[[Any], Any] | None) -> tuple[Mapping[str, Any], Mapping[str, Any] | None]:

@@ -22,11 +22,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from sparse_embed.specs import TableSpec
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+from sparse_embed.core.planning import round_up
+from sparse_embed.core.specs import TableSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +48,9 @@ def jte_layout_from_specs(table_specs: Iterable[Any], num_shards: int) -> tuple[
         # jax-tpu-embedding's `stacked_table_spec` property asserts on unstacked tables: read the field.
         st, sis = getattr(t, "_stacked_table_spec", None), t.setting_in_stack
         if st is None:  # an unstacked table: jax-tpu-embedding's default placement
-            padded = _round_up(t.vocabulary_size, 8 * num_shards)
+            padded = round_up(t.vocabulary_size, 8 * num_shards)
             out.append(JteTableLayout(t.name, t.vocabulary_size, t.embedding_dim, t.name, padded, padded,
-                                      _round_up(t.embedding_dim, 8), 0, 0))
+                                      round_up(t.embedding_dim, 8), 0, 0))
             continue
         out.append(JteTableLayout(t.name, t.vocabulary_size, t.embedding_dim, st.stack_name,
                                   sis.padded_vocab_size, st.stack_vocab_size, st.stack_embedding_dim,
@@ -82,8 +79,8 @@ def jte_layout(tables: Mapping[str, TableSpec] | Sequence[TableSpec], num_shards
         if len(name) > 50:
             raise ValueError(f"Stack {name[:50]}...: names over 50 characters are hashed by jax-tpu-embedding; "
                              "use jte_layout_from_specs with its prepared TableSpecs.")
-        padded = {n: _round_up(specs[n].vocabulary_size, 8 * num_shards) for n in g}
-        dim = max(_round_up(specs[n].embedding_dim, 8) for n in g)
+        padded = {n: round_up(specs[n].vocabulary_size, 8 * num_shards) for n in g}
+        dim = max(round_up(specs[n].embedding_dim, 8) for n in g)
         offset, rot = 0, 0
         for n in g:
             out.append(JteTableLayout(n, specs[n].vocabulary_size, specs[n].embedding_dim, name, padded[n],

@@ -14,11 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_embed import optimizers as _opt
+from sparse_embed.core import optimizers as _opt
+from sparse_embed.core.pooling import COMBINERS
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
-
-COMBINERS = ("sum", "mean", "sqrtn")
 
 
 def default_initializer(embedding_dim: int) -> Initializer:

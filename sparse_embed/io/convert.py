@@ -24,14 +24,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
-from sparse_embed.checkpoint import (
-    EMBEDDINGS, META, USER, CheckpointError, CheckpointInfo, TableRecord, _checkpointer, read_embeddings,
+from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.core.relayout import TABLE_KEY, stored_rows, to_natural
+from sparse_embed.core.specs import TableSpec
+from sparse_embed.core.state import EmbeddingVariables, check_state
+from sparse_embed.io.checkpoint import (
+    EMBEDDINGS, META, USER, CheckpointError, CheckpointInfo, TableRecord, checkpointer, read_embeddings,
     read_info, resolve, training_info,
 )
-from sparse_embed.natural import TABLE_KEY, stored_rows, to_natural
-from sparse_embed.planning import EmbeddingPlan
-from sparse_embed.specs import TableSpec
-from sparse_embed.tables import EmbeddingVariables, check_state
 
 DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
           "float16": jnp.float16, "f16": jnp.float16}
@@ -51,7 +51,7 @@ def _save(dst: str, arrays: dict, info: CheckpointInfo) -> None:
     if os.path.exists(dst):
         raise CheckpointError(f"{dst} already exists; choose a new destination.")
     items = {EMBEDDINGS: ocp.args.PyTreeSave(arrays), META: ocp.args.JsonSave(info.to_json())}
-    _checkpointer().save(dst, args=ocp.args.Composite(**items))
+    checkpointer().save(dst, args=ocp.args.Composite(**items))
 
 
 def _serving_info(records: Iterable[TableRecord], dtype, stacking, num_shards, step) -> CheckpointInfo:

@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from typing import Any, Iterable
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sparse_embed.optax_utils import is_embedding
-from sparse_embed.planning import EmbeddingPlan
+from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.integrations.flax_nnx import EmbeddingTable
+from sparse_embed.integrations.optax_utils import is_embedding
 
 Rule = tuple[str, "P | None"]
-
-
-def _nnx_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """`(nnx.Variable,), (EmbeddingTable,)`, each `()` until imported (no tree can hold them before)."""
-    nnx, ours = sys.modules.get("flax.nnx"), sys.modules.get("sparse_embed.flax.nnx")
-    return (nnx.Variable,) if nnx else (), (ours.EmbeddingTable,) if ours else ()
 
 
 def _key_name(key: Any) -> str | None:
@@ -150,17 +145,15 @@ class LayoutMap:
         `nnx.get_named_sharding` returns), so the result fits jit's
         `in_shardings`/`out_shardings` and `jax.device_put`.
         """
-        variable, table_var = _nnx_types()
-
         def one(path, node):
             p = path_string(path)
             if is_embedding(node):
                 return jax.tree.map(lambda _: self._table_sharding(p), node)
-            if isinstance(node, table_var):
+            if isinstance(node, EmbeddingTable):
                 return node.replace(self._table_sharding(p))
-            if isinstance(node, variable):
+            if isinstance(node, nnx.Variable):
                 return node.replace(self._dense_sharding(p, node.get_value()))
             return self._dense_sharding(p, node)
 
-        is_leaf = lambda x: is_embedding(x) or isinstance(x, variable)
+        is_leaf = lambda x: is_embedding(x) or isinstance(x, nnx.Variable)
         return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_leaf)

@@ -1,0 +1,61 @@
+"""The batch contract between host preprocessing and the lookup: `ShardedCooMatrix` and `Stats`.
+
+For every device d and destination shard s a stack's batch holds a
+fixed-capacity segment of COO entries `(col_id, row_id, value)`: `col_id` is
+the row inside shard s, `row_id` the output row on device d, `value` the
+gain with the combiner folded in (see `pooling`). Entries are ordered by
+`row_id` inside a segment. Padding entries have `col_id = rows_per_shard`
+and `row_id = rows_per_device` (both out of range, so they never touch a
+real row) and value 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+
+class ShardedCooMatrix(NamedTuple):
+    """One stack's batch. Leading axis = device (sharded over the plan's axis).
+
+    shard_starts, shard_ends: `[D, S]` int32, entry range of each destination shard's segment.
+    col_ids, row_ids: `[D, S * capacity]` int32. values: `[D, S * capacity]` float32.
+    """
+
+    shard_starts: Any
+    shard_ends: Any
+    col_ids: Any
+    row_ids: Any
+    values: Any
+
+    @property
+    def capacity(self) -> int:
+        return self.col_ids.shape[1] // self.shard_starts.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """What preprocessing saw, per stack (so capacities can be sized from real data).
+
+    When the plan's mesh spans several processes, the stats are already
+    combined over all of them (maxima of maxima, sums of counts) and equal on
+    every process; `merge` combines the stats of several batches.
+    """
+
+    max_ids_per_partition: dict[str, int]
+    max_unique_ids_per_partition: dict[str, int]
+    dropped_ids: dict[str, int]
+    num_ids: dict[str, int]
+    capacity: dict[str, int]
+
+    def merge(self, other: "Stats") -> "Stats":
+        """Combines the stats of two batches (max of maxima, sum of counts)."""
+        mx = lambda a, b: {k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()}
+        sm = lambda a, b: {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+        return Stats(
+            mx(self.max_ids_per_partition, other.max_ids_per_partition),
+            mx(self.max_unique_ids_per_partition, other.max_unique_ids_per_partition),
+            sm(self.dropped_ids, other.dropped_ids),
+            sm(self.num_ids, other.num_ids),
+            mx(self.capacity, other.capacity),
+        )

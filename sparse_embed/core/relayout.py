@@ -1,0 +1,145 @@
+"""Every conversion between a table's layouts: one home for MOD, block and natural order.
+
+- **Stacked (MOD)**: a stack's `[S * rows_per_shard, w]` array, sharded
+  `P(axis)`; shard `s` holds global rows `[s*rps, (s+1)*rps)`, and its local
+  row `j` is stack row `j*S + s`.
+- **Natural blocks**: one table's `[stored_rows, w]` array in id order (row
+  `i` is id `i`, rows `>= vocabulary_size` zero), `stored_rows` the
+  vocabulary rounded up to a multiple of `S * S`, sharded `P(axis)` over
+  the S devices: device `d` holds ids `[d * stored_rows / S, (d + 1) *
+  stored_rows / S)`. Checkpoints store this (one array per table and slot),
+  so a checkpoint means the same on any mesh.
+
+Between the two is one `all_to_all` per array under `shard_map`: every
+device only ever holds its own block and its own shard, never a whole table.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sparse_embed.core.planning import EmbeddingPlan, StackPlan, round_up
+from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
+
+TABLE_KEY = "table"  # the table's own entry among {"table": ..., slot_name: ...}
+
+
+def stored_rows(vocabulary_size: int, num_shards: int) -> int:
+    """Rows of the natural block array of a table on `num_shards` devices."""
+    return round_up(vocabulary_size, num_shards * num_shards)
+
+
+def from_shard_major(stack: StackPlan, array: np.ndarray) -> np.ndarray:
+    """A stacked global array (host) -> `[total_rows, w]` in stack-row order."""
+    s, w = stack.num_shards, array.shape[-1]
+    return array.reshape(s, stack.rows_per_shard, w).transpose(1, 0, 2).reshape(-1, w)
+
+
+def stack_rows(stack: StackPlan, global_rows: np.ndarray) -> np.ndarray:
+    """The stack row held at each global row of a stacked array (host; inverse of `from_shard_major`)."""
+    rps = stack.rows_per_shard
+    return (global_rows % rps) * stack.num_shards + global_rows // rps
+
+
+def blocks_to_mod(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.Array:
+    """Inside shard_map: each table's contiguous row block `[n*S, w]` -> this shard's MOD rows, stacked.
+
+    Shard d holds rows `[d*n*S, (d+1)*n*S)` of a table; row r must go to shard
+    `r % S`, local row `r // S`: one all_to_all of `[S, n, w]`. Rows past a
+    table's vocabulary come through as the blocks have them.
+    """
+    S = stack.num_shards
+    out = []
+    for p, block in zip(stack.tables, blocks):
+        n = block.shape[0] // S
+        x = block.reshape(n, S, -1).transpose(1, 0, 2)
+        out.append(jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(S * n, -1)[: p.padded_rows // S])
+    return jnp.concatenate(out, axis=0)
+
+
+def mod_to_blocks(stack: StackPlan, local: jax.Array, axis: str) -> list[jax.Array]:
+    """Inside shard_map: this shard's MOD rows `[rps, w]` -> each table's natural block `[n*S, w]`."""
+    S = stack.num_shards
+    out = []
+    for p in stack.tables:
+        n = stored_rows(p.table.vocabulary_size, S) // (S * S)
+        x = local[p.row_offset // S : (p.row_offset + p.padded_rows) // S]
+        x = jnp.pad(x, ((0, S * n - x.shape[0]), (0, 0)))
+        x = jax.lax.all_to_all(x.reshape(S, n, -1), axis, 0, 0, tiled=True)  # [S(b), n(a), w]
+        x = x.reshape(S, n, -1).transpose(1, 0, 2).reshape(n * S, -1)  # id d*n*S + a*S + b
+        block = jax.lax.axis_index(axis) * n * S + jnp.arange(n * S)
+        out.append(jnp.where((block < p.table.vocabulary_size)[:, None], x, jnp.zeros((), x.dtype)))
+    return out
+
+
+def _per_shard(plan: EmbeddingPlan, fn: Callable) -> Callable:
+    """`fn` under shard_map over the plan's axis, every input and output row-sharded."""
+    return jax.shard_map(fn, mesh=plan.mesh, in_specs=P(plan.axis_name), out_specs=P(plan.axis_name))
+
+
+def to_natural(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, dict[str, jax.Array]]:
+    """Stacked state -> `{table: {"table": [stored_rows, dim], slot: [stored_rows, width]}}`, sharded.
+
+    One jit; the results are new arrays (the caller may donate `tables` after).
+    """
+    def convert(state):
+        out = {}
+        for s in plan.stacks:
+            arrays = {TABLE_KEY: state[s.name].table, **state[s.name].slots}
+            for key, a in arrays.items():
+                blocks = _per_shard(plan, lambda x, s=s: tuple(mod_to_blocks(s, x, plan.axis_name)))(a)
+                for p, block in zip(s.tables, blocks):
+                    out.setdefault(p.table.name, {})[key] = block
+        return out
+
+    return jax.jit(convert, out_shardings=plan.table_sharding())(dict(tables))
+
+
+# (stack, index of the table in the stack) -> its initial values as natural blocks `[stored_rows, dim]`
+FreshTable = Callable[[StackPlan, int], jax.Array]
+
+
+def from_natural(
+    plan: EmbeddingPlan,
+    natural: Mapping[str, Mapping[str, jax.Array]],
+    valid_rows: Mapping[str, int],
+    fresh_table: FreshTable | None = None,
+) -> dict[str, EmbeddingVariables]:
+    """Natural blocks (sharded as `plan.table_sharding()`, `[stored_rows(vocab, S), w]`) -> stacked state.
+
+    Rows of table `t` with id `>= valid_rows[t]` (rows a smaller, older
+    vocabulary did not have) get `fresh_table`'s values and the slots'
+    initial values.
+    """
+    grows = any(valid_rows[t] < spec.vocabulary_size for t, spec in plan.tables.items())
+    if grows and fresh_table is None:
+        raise ValueError("Restoring a larger vocabulary needs the initial values of the new rows (rng=).")
+
+    def fill(s: StackPlan, i: int, key: str, x: jax.Array) -> jax.Array:
+        """Rows `< valid`: restored; `[valid, vocab)`: initial values; past the vocabulary: padding."""
+        t, valid = s.tables[i].table, valid_rows[s.tables[i].table.name]
+        ids = jnp.arange(x.shape[0])[:, None]
+        if key == TABLE_KEY:  # the initializer pads past the vocabulary with zeros
+            init = fresh_table(s, i).astype(x.dtype) if valid < t.vocabulary_size else jnp.zeros((), x.dtype)
+        else:  # slot padding holds the initial value, as in init_tables
+            x, init = x.astype(SLOT_DTYPE), jnp.asarray(s.optimizer.slots(s.embedding_dim)[key].init, SLOT_DTYPE)
+        return jnp.where(ids < valid, x, init)
+
+    def convert(natural):
+        out = {}
+        for s in plan.stacks:
+            keys = [k for k in (TABLE_KEY, *s.optimizer.slots(s.embedding_dim)) if k in natural[s.tables[0].table.name]]
+            arrays = {}
+            for key in keys:
+                blocks = [fill(s, i, key, natural[p.table.name][key]) for i, p in enumerate(s.tables)]
+                arrays[key] = _per_shard(plan, lambda *b, s=s: blocks_to_mod(s, list(b), plan.axis_name))(*blocks)
+            slots = {k: v.astype(SLOT_DTYPE) for k, v in arrays.items() if k != TABLE_KEY}
+            out[s.name] = EmbeddingVariables(arrays[TABLE_KEY].astype(s.dtype), slots)
+        return out
+
+    return jax.jit(convert, out_shardings=plan.table_sharding())(dict(natural))

@@ -1,0 +1,160 @@
+"""Stacked, sharded table state: create it, and convert it to and from per-table arrays.
+
+A stack's table is `[num_shards * rows_per_shard, dim]`, sharded `P(axis)`
+in the MOD layout (see `relayout`); its slots have the same rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_embed.core.planning import EmbeddingPlan, StackPlan
+from sparse_embed.core.relayout import blocks_to_mod, from_shard_major, stack_rows, stored_rows
+from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state
+
+
+def table_key(rng: jax.Array, table_name: str) -> jax.Array:
+    """The init key of one table: independent of stacking, mesh and other tables."""
+    return jax.random.fold_in(rng, zlib.crc32(table_name.encode()) & 0x7FFFFFFF)
+
+
+def natural_table(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array, i: int) -> jax.Array:
+    """Table i of the stack, initialised, as natural blocks `[stored_rows, dim]` (see `relayout`)."""
+    t, S = stack.tables[i].table, stack.num_shards
+    w = t.resolved_initializer(table_key(rng, t.name), (t.vocabulary_size, t.embedding_dim), t.dtype)
+    if w.shape != (t.vocabulary_size, t.embedding_dim):
+        raise ValueError(
+            f"Table {t.name!r}: initializer returned shape {w.shape}, expected {(t.vocabulary_size, t.embedding_dim)}."
+        )
+    w = jnp.pad(w.astype(t.dtype), ((0, stored_rows(t.vocabulary_size, S) - t.vocabulary_size), (0, 0)))
+    return jax.lax.with_sharding_constraint(w, plan.table_sharding())
+
+
+def _slot_arrays(stack: StackPlan) -> dict[str, jax.Array]:
+    return {
+        name: jnp.full((stack.total_rows, spec.width), spec.init, SLOT_DTYPE)
+        for name, spec in stack.optimizer.slots(stack.embedding_dim).items()
+    }
+
+
+def init_tables(plan: EmbeddingPlan, rng: jax.Array, *, with_slots: bool = True) -> dict[str, EmbeddingVariables]:
+    """Initialises every stack, sharded: `{stack: EmbeddingVariables}`.
+
+    Runs as one jit: each device generates a contiguous block of each
+    table's rows and one all_to_all moves them to their MOD shard, so no
+    device ever holds more than a few shards' worth of a table. A table's
+    values depend only on `rng` and its name (not on stacking or mesh size);
+    padding rows are zero; slots hold the optimizer's initial values.
+    `with_slots=False` creates no optimizer slots (inference/eval memory);
+    such tables can be looked up but not trained.
+    """
+    return _init_jit(plan, with_slots, rng)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_jit(plan: EmbeddingPlan, with_slots: bool, rng: jax.Array) -> dict[str, EmbeddingVariables]:
+    """One compiled init per (plan, with_slots); outputs carry the table sharding."""
+    axis = plan.axis_name
+    out = {}
+    for s in plan.stacks:
+        blocks = [natural_table(plan, s, rng, i) for i in range(len(s.tables))]
+        relayout = jax.shard_map(lambda *b, s=s: blocks_to_mod(s, list(b), axis), mesh=plan.mesh,
+                                 in_specs=jax.P(axis), out_specs=jax.P(axis))
+        out[s.name] = EmbeddingVariables(relayout(*blocks), _slot_arrays(s) if with_slots else {})
+    return jax.lax.with_sharding_constraint(out, plan.table_sharding())
+
+
+def _check_arrays(plan: EmbeddingPlan, arrays: Mapping[str, np.ndarray], what: str) -> None:
+    missing = sorted(set(plan.tables) - set(arrays))
+    unknown = sorted(set(arrays) - set(plan.tables))
+    if missing or unknown:
+        raise ValueError(f"{what}: tables missing {missing}, unknown {unknown}; the plan has {sorted(plan.tables)}.")
+
+
+def _stacked_global(plan: EmbeddingPlan, stack: StackPlan, per_table: dict[str, np.ndarray], width: int, fill, dtype):
+    """Builds a sharded global array from per-table `[vocab, width]` host arrays, shard by shard."""
+    def shard(index):
+        rows = stack_rows(stack, np.arange(stack.total_rows)[index[0]])
+        out = np.full((rows.size, width), fill, dtype)
+        for p in stack.tables:
+            ids = rows - p.row_offset
+            hit = (ids >= 0) & (ids < p.table.vocabulary_size)
+            out[hit] = per_table[p.table.name][ids[hit]]
+        return out[:, index[1]]
+
+    return jax.make_array_from_callback((stack.total_rows, width), plan.table_sharding(), shard, dtype=dtype)
+
+
+def _host_array(name: str, what: str, a, shape: tuple[int, int]) -> np.ndarray:
+    a = np.asarray(a)
+    if a.shape != shape:
+        raise ValueError(f"Table {name!r}: {what} has shape {a.shape}, expected {shape}.")
+    if not np.issubdtype(a.dtype, np.number):
+        raise ValueError(f"Table {name!r}: {what} dtype {a.dtype} is not numeric.")
+    return a
+
+
+def stack_tables(
+    plan: EmbeddingPlan,
+    arrays: Mapping[str, np.ndarray],
+    slots: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+    *,
+    with_slots: bool = True,
+) -> dict[str, EmbeddingVariables]:
+    """Per-table `{name: [vocabulary_size, dim]}` arrays -> the plan's stacked, sharded state.
+
+    Slots are fresh (the optimizer's initial values) unless `slots`
+    (`{table: {slot_name: [vocabulary_size, width]}}`) gives them;
+    `with_slots=False` creates none (inference). Inverse of `unstack_state`.
+    """
+    _check_arrays(plan, arrays, "stack_tables")
+    if slots and not with_slots:
+        raise ValueError("stack_tables: slots were given but with_slots=False.")
+    host = {n: _host_array(n, "array", a, (plan.tables[n].vocabulary_size, plan.tables[n].embedding_dim))
+            for n, a in arrays.items()}
+    out = {}
+    for s in plan.stacks:
+        slot_arrays = {}
+        for slot_name, spec in (s.optimizer.slots(s.embedding_dim) if with_slots else {}).items():
+            given = {}
+            for p in s.tables:
+                v = (slots or {}).get(p.table.name, {}).get(slot_name)
+                shape = (p.table.vocabulary_size, spec.width)
+                given[p.table.name] = (np.full(shape, spec.init, SLOT_DTYPE) if v is None
+                                       else _host_array(p.table.name, f"slot {slot_name!r}", v, shape))
+            slot_arrays[slot_name] = _stacked_global(plan, s, given, spec.width, spec.init, SLOT_DTYPE)
+        out[s.name] = EmbeddingVariables(_stacked_global(plan, s, host, s.embedding_dim, 0, s.dtype), slot_arrays)
+    return out
+
+
+def _to_host(a: jax.Array) -> np.ndarray:
+    """The whole global array on this host (gathered from the other processes if it spans several)."""
+    if getattr(a, "is_fully_addressable", True):
+        return np.asarray(a)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def unstack_tables(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, np.ndarray]:
+    """The stacked state -> `{table_name: np.ndarray [vocabulary_size, dim]}` (mesh-independent)."""
+    return {name: arrays["table"] for name, arrays in unstack_state(plan, tables).items()}
+
+
+def unstack_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, dict[str, np.ndarray]]:
+    """`{table_name: {"table": [vocab, dim], slot_name: [vocab, width], ...}}` on the host."""
+    check_state(plan, tables)
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for s in plan.stacks:
+        v = tables[s.name]
+        rows = {k: from_shard_major(s, _to_host(a)) for k, a in {"table": v.table, **v.slots}.items()}
+        for p in s.tables:
+            sl = slice(p.row_offset, p.row_offset + p.table.vocabulary_size)
+            out[p.table.name] = {k: r[sl] for k, r in rows.items()}
+    return out

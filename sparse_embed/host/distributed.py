@@ -1,0 +1,137 @@
+"""Multi-process (multi-host) support: which rows a process feeds, and agreeing on numbers.
+
+Under `jax.distributed` every process runs the same training script.
+`preprocess` then works per process: a process passes only the rows of its
+own devices (see `local_positions` / `process_rows`) and the batch arrays are
+assembled into global arrays. Everything that decides a *shape* (the auto
+capacity) or whether a step runs at all (overflow errors, bad input) must be
+decided identically on every process, or the collectives of the train step
+would deadlock; `allgather_ints` is how the processes agree.
+
+`allgather_ints` goes through the key-value store of the `jax.distributed`
+coordination service, not through a device program: it never interleaves
+with the train step's collectives (so `preprocess` may run in a background
+thread), needs no compilation, and times out with an error instead of
+hanging when a process has died. Exchanges are matched by a name and a
+count that the caller keeps (`plan_state`): every process must call
+`preprocess` for a plan the same number of times, in the same order (as a
+training loop does).
+
+The coordination service's client is reached through `jax._src`: jax
+(0.10) has no public key-value API, and a device collective could interleave
+with the train step's collectives when `preprocess` runs on a prefetch
+thread.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+EXCHANGE_TIMEOUT_S = 600  # how long a process waits for the others' numbers
+
+
+def mesh_processes(mesh) -> tuple[int, ...]:
+    """The sorted process indices that own devices of `mesh`."""
+    return tuple(sorted({int(d.process_index) for d in np.asarray(mesh.devices).flat}))
+
+
+def spans_processes(plan) -> bool:
+    """True if the plan's mesh has devices of more than one process."""
+    return len(mesh_processes(plan.mesh)) > 1
+
+
+def local_positions(plan) -> list[int]:
+    """Positions along the plan's axis (= device indices of the batch) that hold this process's devices.
+
+    The process feeds the rows of these positions, in this order: for a
+    feature with global batch B over D positions, position d owns rows
+    `[d * B // D, (d + 1) * B // D)`.
+    """
+    devices = np.asarray(plan.mesh.devices)
+    axis = plan.mesh.axis_names.index(plan.axis_name)
+    me = jax.process_index()
+    moved = np.moveaxis(devices, axis, 0).reshape(devices.shape[axis], -1)
+    return [d for d in range(moved.shape[0]) if any(dev.process_index == me for dev in moved[d])]
+
+
+def process_rows(plan, feature: str) -> slice:
+    """The slice of `feature`'s global batch rows this process passes to `preprocess`.
+
+    Only valid when the process's positions are contiguous (as they are for
+    a mesh built from `jax.devices()` in order); raises otherwise.
+    """
+    pos = local_positions(plan)
+    if pos != list(range(pos[0], pos[0] + len(pos))):
+        raise ValueError(f"This process's devices sit at non-contiguous mesh positions {pos}; "
+                         "feed the rows of each position in that order.")
+    spd = plan.features[feature].batch_size // plan.num_shards
+    return slice(pos[0] * spd, (pos[-1] + 1) * spd)
+
+
+def process_slice(plan, ids: dict[str, Any]) -> dict[str, Any]:
+    """Cuts a *global* batch `{feature: ids}` down to this process's rows (dense, list or (values, lengths)).
+
+    A convenience for tests and for input pipelines that read the whole
+    batch; a real multi-host pipeline should read only its own rows.
+    """
+    out = {}
+    for name, x in ids.items():
+        rows = process_rows(plan, name)
+        if isinstance(x, tuple):
+            values, lengths = np.asarray(x[0]), np.asarray(x[1])
+            starts = np.concatenate([[0], np.cumsum(lengths)])
+            out[name] = (values[starts[rows.start]:starts[rows.stop]], lengths[rows])
+        else:
+            out[name] = x[rows]
+    return out
+
+
+def _client():
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("The plan's mesh spans several processes but jax.distributed is not initialised; "
+                           "call jax.distributed.initialize() first.")
+    return client
+
+
+def allgather_ints(processes: Sequence[int], values: Sequence[int], *, name: str, n: int,
+                   timeout_s: float | None = None) -> np.ndarray:
+    """`[len(processes), len(values)]` int64: every listed process's `values`, in process order.
+
+    Exchange `n` (0, 1, ...) of the series `name`: every process in
+    `processes` must make the same exchanges, in the same order, with
+    equally long `values`. Raises RuntimeError if another process does not
+    answer within `timeout_s` (default `EXCHANGE_TIMEOUT_S`).
+    """
+    processes = tuple(int(p) for p in processes)
+    me = jax.process_index()
+    if me not in processes:
+        raise ValueError(f"Process {me} is not one of {processes}.")
+    client = _client()
+    group = f"{zlib.crc32(','.join(map(str, processes)).encode()):08x}"
+    prefix = f"sparse_embed/allgather/{group}/{name}/"
+    client.key_value_set(f"{prefix}{n}/{me}", ",".join(str(int(v)) for v in values))
+    timeout_ms = int(1000 * (EXCHANGE_TIMEOUT_S if timeout_s is None else timeout_s))
+    rows = []
+    for p in processes:
+        try:
+            text = client.blocking_key_value_get(f"{prefix}{n}/{p}", timeout_ms)
+        except Exception as e:  # noqa: BLE001 - the runtime's error types are not public
+            raise RuntimeError(
+                f"Process {me}: process {p} did not send its preprocess numbers (exchange #{n}) within "
+                f"{timeout_ms / 1000:g} s ({type(e).__name__}: {e}). Every process must call preprocess for "
+                "the plan the same number of times, in the same order; did another process fail?"
+            ) from None
+        rows.append([int(v) for v in text.split(",")] if text else [])
+    if len({len(r) for r in rows}) != 1:
+        raise RuntimeError(f"Processes {processes} exchanged numbers of different lengths {[len(r) for r in rows]}: "
+                           "they called preprocess with different plans or in a different order.")
+    if n > 0:  # every process has read exchange n-1 (it wrote exchange n after that): drop ours
+        client.key_value_delete(f"{prefix}{n - 1}/{me}")
+    return np.asarray(rows, np.int64).reshape(len(processes), -1)

@@ -1,0 +1,266 @@
+"""Every id input format -> one canonical form per feature, checked with errors that name the feature.
+
+Accepted per feature (`weights` has the same structure, floats):
+
+- 1-D int array `[B]`: one id per sample (-1 = the sample has no id), so a
+  flat `[B * L]` array is B * L samples (a batch-size error), never reshaped;
+- 2-D int array `[B, L]` (L may be 0): -1 is padding (the column index is the
+  sequence position, so a -1 in the middle leaves a zero position);
+- ragged: a *list* of B 1-D int arrays, or a *tuple* `(values, row_lengths)`.
+  Ragged input has no padding value: every id must be valid.
+
+(`serving_lookup` also takes SparseTensor-style COO; see `io.serving`.)
+
+Two stages. `canonical` checks the structure (types, shapes, batch size)
+and turns every format into dense `[B, L]` or ragged `(values, lengths)`
+arrays; it works on numpy arrays (host preprocessing) and on jax arrays,
+traced ones included (the serving lookup under jit), where only what is
+static can be checked. Then `checked` (the C extension) or `flatten`
+(numpy) checks every id against the vocabulary and every weight for
+NaN/inf, with the same errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from sparse_embed.core.specs import FeatureSpec
+from sparse_embed.host import native
+
+PADDING_ID = -1
+
+
+class FlatIds(NamedTuple):
+    """A feature's valid ids, flattened in sample-major order. All `[N]`."""
+
+    ids: np.ndarray  # int64, in [0, vocabulary_size)
+    weights: np.ndarray  # float32, finite
+    samples: np.ndarray  # int64 sample index in [0, batch)
+    positions: np.ndarray  # int64 position within the sample (sequence features)
+
+
+class CanonicalIds(NamedTuple):
+    """A feature's ids after the structure checks: dense `[B, L]` (-1 = padding) or ragged `[N]`.
+
+    Host arrays are C-contiguous, so the C extension reads them in place.
+    """
+
+    ids: Any  # int32 or int64 [B, L] or [N]
+    weights: Any | None  # float32, the shape of ids; None = all 1
+    lengths: Any | None  # int [B] ids per sample (ragged); None = dense
+
+    @property
+    def dense(self) -> bool:
+        return self.lengths is None
+
+    @property
+    def batch(self) -> int:
+        return self.ids.shape[0] if self.dense else self.lengths.shape[0]
+
+    def sample_of(self, i: int) -> int:
+        """The sample of the i-th id (flat index into `ids`)."""
+        if self.dense:
+            return i // self.ids.shape[1]
+        return int(np.searchsorted(np.cumsum(self.lengths), i, side="right"))
+
+
+def error(feature: FeatureSpec, msg: str) -> ValueError:
+    """A ValueError that names the feature and its table."""
+    return ValueError(f"Feature {feature.name!r} (table {feature.table.name!r}): {msg}")
+
+
+def _bad_id(feature: FeatureSpec, value: int, sample: int, padding_ok: bool) -> ValueError:
+    why = "negative ids are not allowed" + (" (only -1 is padding, in dense input)" if padding_ok else " in ragged input")
+    if value >= 0:
+        why = f"ids must be < vocabulary_size {feature.table.vocabulary_size}"
+    return error(feature, f"id {value} in sample {sample} is out of range: {why}.")
+
+
+def _bad_weight(feature: FeatureSpec, weight: np.float32, sample: int) -> ValueError:
+    return error(feature, f"weight {weight} for sample {sample} is not finite.")
+
+
+def _concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _int_array(feature: FeatureSpec, x: Any, what: str, xp) -> Any:
+    """x as int32 or int64 (other integer dtypes become int64; jax arrays keep their int dtype)."""
+    a = xp.asarray(x) if _concrete(x) else x
+    if a.dtype == object:
+        raise error(feature, f"{what} could not be read as an integer array (ragged rows must be a list of arrays).")
+    if a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
+        if a.size == 0 and a.dtype in (np.float64, np.float32):  # np.asarray([]) is float64
+            return a.astype(np.int32 if xp is not np else np.int64)
+        raise error(feature, f"{what} must be integers, got dtype {a.dtype}.")
+    return a if xp is not np or a.dtype in (np.int32, np.int64) else a.astype(np.int64)
+
+
+def _float_array(feature: FeatureSpec, x: Any, shape: tuple[int, ...], what: str, xp) -> Any:
+    a = xp.asarray(x) if _concrete(x) else x
+    if a.dtype == object or a.dtype == bool or not (np.issubdtype(a.dtype, np.floating)
+                                                    or np.issubdtype(a.dtype, np.integer)):
+        raise error(feature, f"{what} must be numbers, got dtype {a.dtype}.")
+    if tuple(a.shape) != tuple(shape):
+        raise error(feature, f"{what} have shape {tuple(a.shape)}, but the ids have shape {tuple(shape)}.")
+    return a if a.dtype == np.float32 else a.astype(np.float32)
+
+
+def _is_ragged_list(x: Any) -> bool:
+    return isinstance(x, list) and len(x) > 0 and all(np.ndim(r) == 1 for r in x)
+
+
+def structure(x: Any) -> str:
+    """Which input format `x` is: "pair" (a tuple), "list" (ragged rows) or "dense"."""
+    if isinstance(x, tuple):
+        return "pair"
+    if _is_ragged_list(x):
+        return "list"
+    return "dense"
+
+
+def _check_lengths(feature: FeatureSpec, values: Any, lengths: Any) -> None:
+    if lengths.ndim != 1 or values.ndim != 1:
+        raise error(feature, "ragged (values, row_lengths) must both be 1-D.")
+    if _concrete(lengths):
+        if (np.asarray(lengths) < 0).any():
+            raise error(feature, "row_lengths must be >= 0.")
+        if int(np.asarray(lengths).sum()) != values.shape[0]:
+            raise error(feature, f"row_lengths sum to {int(np.asarray(lengths).sum())} but there are "
+                                 f"{values.shape[0]} values.")
+
+
+def _batch_size_message(feature: FeatureSpec, batch: int, one_d: bool) -> str:
+    msg = f"got {batch} samples, but the FeatureSpec's batch_size is {feature.batch_size}."
+    if one_d and batch > feature.batch_size and batch % feature.batch_size == 0:
+        msg += (" A 1-D array is one id per sample: reshape flat ids to [batch, L] (-1 padded), "
+                "or pass them ragged as (values, row_lengths).")
+    return msg
+
+
+def _native_rows(ids: list, weights: Any) -> tuple | None:
+    """A list of contiguous 1-D int32/int64 rows (float32/64 weight rows of the same lengths), joined in C.
+
+    Returns `(values, lengths, weights)`, or None for anything else (the numpy
+    code then decides, and names what is wrong). Saves a Python loop over rows.
+    """
+    ext = native.extension()
+    if ext is None or not ids or not (weights is None or isinstance(weights, list)):
+        return None
+    got = ext.concat_rows(ids, "ilq")
+    if got is None:
+        return None
+    w = None
+    if weights is not None:
+        got_w = ext.concat_rows(weights, "fd") if len(weights) == len(ids) else None
+        if got_w is None or got_w[2] != got[2]:
+            return None
+        w = np.frombuffer(got_w[1], got_w[0]).astype(np.float32, copy=False)
+    return np.frombuffer(got[1], got[0]), np.frombuffer(got[2], np.int64), w
+
+
+def _pair(feature: FeatureSpec, ids: tuple, weights: Any, xp) -> tuple:
+    """(values, lengths, weights) of ragged `(values, row_lengths)` input."""
+    if len(ids) != 2:
+        raise error(feature, f"a ragged tuple must be (values, row_lengths), got a tuple of {len(ids)}.")
+    values = _int_array(feature, ids[0], "ids", xp)
+    lengths = _int_array(feature, ids[1], "row_lengths", xp)
+    if xp is np:
+        lengths = lengths.astype(np.int64, copy=False)
+    _check_lengths(feature, values, lengths)
+    if weights is None:
+        return values, lengths, None
+    if not isinstance(weights, tuple) or len(weights) != 2:
+        raise error(feature, "weights must be (values, row_lengths) like the ids.")
+    if _concrete(weights[1]) and _concrete(lengths) and not np.array_equal(np.asarray(weights[1]),
+                                                                            np.asarray(lengths)):
+        raise error(feature, "weights' row_lengths differ from the ids' row_lengths.")
+    return values, lengths, _float_array(feature, weights[0], values.shape, "weights", xp)
+
+
+def _list(feature: FeatureSpec, ids: list, weights: Any, xp) -> tuple:
+    """(values, lengths, weights) of a ragged list of rows."""
+    rows = [_int_array(feature, r, f"ids of sample {i}", xp) for i, r in enumerate(ids)]
+    lengths = np.array([r.shape[0] for r in rows], np.int64)
+    values = xp.concatenate(rows) if rows else xp.zeros((0,), np.int32)
+    if weights is None:
+        return values, lengths, None
+    if len(weights) != len(rows):
+        raise error(feature, f"weights have {len(weights)} rows but ids have {len(rows)}.")
+    w = [_float_array(feature, wr, r.shape, f"weights of sample {i}", xp) for i, (wr, r) in enumerate(zip(weights, rows))]
+    return values, lengths, xp.concatenate(w)
+
+
+def _dense(feature: FeatureSpec, ids: Any, weights: Any, xp) -> tuple:
+    """(values [B] or [B, L], None, weights) of dense input."""
+    a = _int_array(feature, ids, "ids", xp)
+    if a.ndim not in (1, 2):
+        raise error(feature, f"dense ids must be 1-D [batch] or 2-D [batch, L], got shape {tuple(a.shape)}.")
+    return a, None, None if weights is None else _float_array(feature, weights, a.shape, "weights", xp)
+
+
+def canonical(feature: FeatureSpec, ids: Any, weights: Any = None, *, xp=np, check_batch: bool = True) -> CanonicalIds:
+    """Checks the structure, dtypes and shapes; every id format -> dense `[B, L]` or ragged arrays.
+
+    `xp` is numpy (host) or jax.numpy (the ids may then be traced);
+    `check_batch` requires `B == feature.batch_size`. A dense `[B]` becomes
+    `[B, 1]`.
+    """
+    fast = _native_rows(ids, weights) if xp is np and isinstance(ids, list) else None  # skips a loop over rows
+    if fast is not None:
+        values, lengths, w = fast
+    else:
+        kind = structure(ids)
+        if weights is not None and structure(weights) != kind:
+            raise error(feature, f"weights are {structure(weights)} but ids are {kind}; give them the same structure.")
+        values, lengths, w = {"pair": _pair, "list": _list, "dense": _dense}[kind](feature, ids, weights, xp)
+    one_d = lengths is None and values.ndim == 1
+    batch = values.shape[0] if lengths is None else lengths.shape[0]
+    if check_batch and batch != feature.batch_size:
+        raise error(feature, _batch_size_message(feature, batch, one_d))
+    if one_d:  # [B] = [B, 1]
+        values, w = values[:, None], None if w is None else w[:, None]
+    if xp is np:
+        values, w = np.ascontiguousarray(values), None if w is None else np.ascontiguousarray(w)
+    return CanonicalIds(values, w, lengths)
+
+
+def checked(feature: FeatureSpec, ids: Any, weights: Any = None) -> CanonicalIds:
+    """`flatten`'s checks, with the same errors, in C and without flattening: preprocessing's native input.
+
+    Needs the C extension (`native.extension()` is not None).
+    """
+    c = canonical(feature, ids, weights)
+    bad_id, bad_weight = native.extension().validate(c.ids, c.weights, feature.table.vocabulary_size, c.dense)
+    if bad_id >= 0:
+        raise _bad_id(feature, int(c.ids.flat[bad_id]), c.sample_of(bad_id), c.dense)
+    if bad_weight >= 0:
+        raise _bad_weight(feature, c.weights.flat[bad_weight], c.sample_of(bad_weight))
+    return c
+
+
+def flatten(feature: FeatureSpec, ids: Any, weights: Any = None) -> FlatIds:
+    """Validates one feature's ids (and weights) and flattens them. Batch = `FeatureSpec.batch_size`."""
+    c = canonical(feature, ids, weights)
+    if c.dense:
+        keep = c.ids != PADDING_ID
+        samples, positions = np.nonzero(keep)
+        values, w = c.ids[keep], None if c.weights is None else c.weights[keep]
+    else:
+        values, w = c.ids, c.weights
+        samples = np.repeat(np.arange(c.lengths.size, dtype=np.int64), c.lengths)
+        positions = np.arange(values.size, dtype=np.int64) - np.repeat(np.cumsum(c.lengths) - c.lengths, c.lengths)
+    bad = (values < 0) | (values >= feature.table.vocabulary_size)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise _bad_id(feature, int(values[i]), int(samples[i]), c.dense)
+    if w is None:
+        w = np.ones(values.shape, np.float32)
+    elif not np.isfinite(w).all():
+        i = int(np.argmax(~np.isfinite(w)))
+        raise _bad_weight(feature, w[i], int(samples[i]))
+    return FlatIds(values.astype(np.int64, copy=False), w, samples.astype(np.int64, copy=False),
+                   positions.astype(np.int64, copy=False))

@@ -1,0 +1,104 @@
+"""Preprocessing's host state for each plan: auto-capacity high-water marks and the exchange count.
+
+A plan is an immutable value, so what preprocessing must remember between
+batches lives here, on the host: one `PlanState` per plan object (two plans
+made by two `plan()` calls keep separate marks, even if they are equal),
+dropped when the plan is garbage-collected:
+
+- With `capacity=None`, each stack's capacity is sized from the first batch
+  (with headroom, on a coarse grid) and grows, never shrinks, when a later
+  batch needs more. The batch carries the capacity it was built with in its
+  shapes, so a jitted step recompiles once per growth.
+- Under `jax.distributed`, the processes' preprocess exchanges are matched
+  by their count.
+
+Every access takes the state's lock, so `preprocess` may run on any thread
+(as `prefetch` does).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+import zlib
+
+from sparse_embed.core.planning import CAPACITY_ALIGNMENT, EmbeddingPlan, StackPlan, round_up
+
+
+def auto_capacity_for(needed: int) -> int:
+    """Capacity for `needed` entries with headroom, on a coarse grid.
+
+    Headroom: 10%, or 3 sqrt(needed) if larger (the batch-to-batch spread of
+    small counts); the grid (8 steps per power of two) keeps growth, and so
+    recompiles, rare.
+    """
+    target = max(CAPACITY_ALIGNMENT, math.ceil(needed + max(0.1 * needed, 3 * math.sqrt(needed))))
+    granule = max(CAPACITY_ALIGNMENT, 1 << max(0, target.bit_length() - 4))
+    return round_up(target, granule)
+
+
+class PlanState:
+    """What preprocessing remembers about one plan (see the module docstring)."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag  # names this plan's exchanges between processes (the same on every process)
+        self._lock = threading.Lock()
+        self._marks: dict[str, int] = {}
+        self._exchanges = 0
+
+    def capacity(self, stack: StackPlan, needed: int) -> int:
+        """The capacity of `stack`'s next batch: the explicit one, or the high-water mark grown to `needed`."""
+        if stack.capacity is not None:
+            return stack.capacity
+        with self._lock:
+            current = self._marks.get(stack.name, 0)
+            if needed > current:
+                current = self._marks[stack.name] = auto_capacity_for(needed)
+            return current
+
+    def marks(self) -> dict[str, int]:
+        """The auto capacities so far, `{stack: capacity}`."""
+        with self._lock:
+            return dict(self._marks)
+
+    def next_exchange(self) -> int:
+        """The number of this plan's next exchange between processes (0, 1, ...)."""
+        with self._lock:
+            self._exchanges += 1
+            return self._exchanges - 1
+
+
+def _layout_key(plan: EmbeddingPlan) -> tuple:
+    """What decides a plan's batches, and nothing that differs between processes (such as function ids)."""
+    stacks = tuple(
+        (s.name, s.num_shards, s.capacity,
+         tuple((t.table.name, t.table.vocabulary_size, t.row_offset) for t in s.tables),
+         tuple((f.feature.name, f.feature.batch_size, f.feature.max_sequence_length, f.feature.table.combiner,
+                f.row_offset) for f in s.features))
+        for s in plan.stacks)
+    devices = tuple(int(d.id) for d in plan.mesh.devices.flat)
+    return devices, tuple(plan.mesh.axis_names), plan.axis_name, plan.on_overflow, stacks
+
+
+_STATES: dict[int, PlanState] = {}  # id(plan) -> its state, while the plan lives
+_SERIES: dict[str, int] = {}  # layout digest -> how many plans with that layout got a state (exchange names)
+_LOCK = threading.Lock()
+
+
+def of(plan: EmbeddingPlan) -> PlanState:
+    """The host state of `plan` (created on its first use).
+
+    Its exchange name is the plan's layout digest and how many plans of that
+    layout got a state before it: the same on every process, since every
+    process makes the same `preprocess` calls in the same order.
+    """
+    key = id(plan)
+    with _LOCK:
+        state = _STATES.get(key)
+        if state is None:
+            digest = f"{zlib.crc32(repr(_layout_key(plan)).encode()):08x}"
+            _SERIES[digest] = _SERIES.get(digest, 0) + 1
+            state = _STATES[key] = PlanState(f"{digest}.{_SERIES[digest]}")
+            weakref.finalize(plan, _STATES.pop, key, None)
+        return state

@@ -1,0 +1,205 @@
+"""Host preprocessing: ids -> static-shape `ShardedCooMatrix` batches, one per stack, and `Stats`.
+
+One path for one process and for several (under `jax.distributed`): each
+process canonicalises and checks its own rows (`ids`), counts each stack's
+entries per (device, shard) partition (`partition`), agrees with the other
+processes on the numbers that decide shapes and errors, picks each stack's
+capacity (`plan_state`), and fills the padded buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import numpy as np
+
+from sparse_embed.core.batch import ShardedCooMatrix, Stats
+from sparse_embed.core.planning import EmbeddingPlan, StackPlan
+from sparse_embed.host import distributed, native, plan_state
+from sparse_embed.host.ids import CanonicalIds, FlatIds, checked, error, flatten
+from sparse_embed.host.partition import Partitioned, partition
+
+
+def _check_keys(plan: EmbeddingPlan, ids, weights) -> dict:
+    features = plan.features
+    if not isinstance(ids, Mapping):
+        raise TypeError(f"ids must be a mapping feature name -> ids, got {type(ids).__name__}.")
+    weights = {} if weights is None else weights
+    for what, given in (("ids", ids), ("weights", weights)):
+        unknown = sorted(set(given) - set(features))
+        if unknown:
+            raise ValueError(f"{what} has unknown features {unknown}; the plan's features are {sorted(features)}.")
+    missing = sorted(set(features) - set(ids))
+    if missing:
+        raise ValueError(f"ids is missing features {missing}; every feature of the plan needs ids.")
+    return weights
+
+
+def _num_samples(x: Any) -> int | None:
+    """Samples in one feature's ids (any accepted format), or None if that cannot be told."""
+    try:
+        if isinstance(x, tuple):
+            return len(x[1]) if len(x) == 2 else None
+        if isinstance(x, list):
+            return len(x)
+        return int(np.shape(x)[0])
+    except Exception:  # noqa: BLE001 - malformed input: canonical() reports it
+        return None
+
+
+def _check_local_batch(plan: EmbeddingPlan, name: str, x: Any, local_batch: int, num_local: int) -> None:
+    """Under several processes, each passes only its devices' rows: say so when the count is wrong."""
+    f, n = plan.features[name], _num_samples(x)
+    if n is not None and n != local_batch:
+        raise error(f, f"got {n} samples, but this process (process {jax.process_index()} of "
+                       f"{jax.process_count()}) must pass {local_batch}: the plan's mesh spans several processes, "
+                       f"so each process passes only its own rows, {f.batch_size // plan.num_shards} samples for "
+                       f"each of its {num_local} of the {plan.num_shards} devices (the global batch_size is "
+                       f"{f.batch_size}).")
+
+
+def _checked_features(plan: EmbeddingPlan, ids, weights, num_local: int) -> dict[str, FlatIds | CanonicalIds]:
+    """Every feature's ids, checked: in C if the extension is there (then `partition` runs in C), else numpy."""
+    weights, check = _check_keys(plan, ids, weights), (flatten if native.extension() is None else checked)
+    out = {}
+    for name, f in plan.features.items():
+        if num_local != plan.num_shards:  # this process's rows only
+            local_batch = f.batch_size // plan.num_shards * num_local
+            _check_local_batch(plan, name, ids[name], local_batch, num_local)
+            f = dataclasses.replace(f, batch_size=local_batch)
+        out[name] = check(f, ids[name], weights.get(name))
+    return out
+
+
+class _Numbers(NamedTuple):
+    """One stack's numbers, agreed by every process."""
+
+    needed: int  # most entries in a partition
+    max_unique: int  # most unique rows in a partition
+    num_ids: int
+    dropped: int  # with an explicit capacity: entries past it
+    worst: int  # the process with the fullest partition
+
+
+_FIELDS = 4  # numbers per stack exchanged between processes: needed, max_unique, num_ids, dropped
+
+
+def _agree(plan: EmbeddingPlan, parts: dict[str, Partitioned], failed: bool) -> dict[str, _Numbers]:
+    """Every stack's numbers over all processes (one process: its own); raises on every process if one failed."""
+    mine = [int(failed)]
+    for s in plan.stacks:
+        p = parts.get(s.name)
+        # An explicit capacity is known up front, so each process can count its own drops.
+        mine += [0] * _FIELDS if p is None else [
+            p.needed, p.max_unique, p.num_ids, p.dropped(s.capacity) if s.capacity is not None else 0]
+    processes = distributed.mesh_processes(plan.mesh)
+    if len(processes) == 1:
+        table = np.asarray([mine], np.int64)
+    else:
+        state = plan_state.of(plan)
+        table = distributed.allgather_ints(processes, mine, name=state.tag, n=state.next_exchange())
+    if failed:
+        return {}
+    bad = [processes[i] for i in np.flatnonzero(table[:, 0])]
+    if bad:
+        raise ValueError(f"preprocess failed on process(es) {bad} (see their error); this process "
+                         f"({jax.process_index()}) raises too, so that no process runs a step the others skip.")
+    out = {}
+    for i, s in enumerate(plan.stacks):
+        col = table[:, 1 + _FIELDS * i: 1 + _FIELDS * (i + 1)]
+        out[s.name] = _Numbers(int(col[:, 0].max()), int(col[:, 1].max()), int(col[:, 2].sum()),
+                               int(col[:, 3].sum()), processes[int(np.argmax(col[:, 0]))])
+    return out
+
+
+def _overflow_error(stack: StackPlan, part: Partitioned, numbers: _Numbers, cap: int, positions: list[int]):
+    feats = [lay.feature.name for lay in stack.features]
+    fix = ("Raise capacity= in plan() (or use sparse_embed.grow_capacity(plan, stats)), or pass "
+           "on_overflow='drop'.")
+    if part.needed < numbers.needed:  # the fullest partition is another process's
+        return ValueError(f"Stack {stack.name!r} (features {feats}): a partition on process {numbers.worst} has "
+                          f"{numbers.needed} ids but the capacity is {cap}. {fix}")
+    S, p = stack.num_shards, int(np.argmax(part.counts))
+    return ValueError(f"Stack {stack.name!r} (features {feats}): partition (device {positions[p // S]}, shard "
+                      f"{p % S}) has {int(part.counts[p])} ids but the capacity is {cap}. {fix}")
+
+
+def _place(plan: EmbeddingPlan, coo: ShardedCooMatrix, several: bool) -> ShardedCooMatrix:
+    """The batch on the plan's mesh, sharded over its axis (a global array built from every process's rows)."""
+    sharding = plan.batch_sharding()
+    if not several:
+        return jax.device_put(coo, sharding)
+    return ShardedCooMatrix(*(jax.make_array_from_process_local_data(sharding, x, (plan.num_shards, *x.shape[1:]))
+                              for x in coo))
+
+
+def preprocess(
+    plan: EmbeddingPlan,
+    ids: Mapping[str, Any],
+    weights: Mapping[str, Any] | None = None,
+    *,
+    device_put: bool = True,
+) -> tuple[dict[str, ShardedCooMatrix], Stats]:
+    """Builds the per-stack `ShardedCooMatrix` batch for one global batch of ids.
+
+    Args:
+      plan: the `EmbeddingPlan`.
+      ids: feature name -> ids in any format of `sparse_embed.host.ids` (1-D,
+        dense 2-D with -1 padding, ragged list, or `(values, row_lengths)`).
+        Every feature of the plan must be present. The global batch of each
+        feature is split evenly over the mesh devices in order.
+      weights: feature name -> weights of the same structure (default 1).
+      device_put: place the arrays on the plan's mesh (sharded over the
+        device axis); False returns numpy arrays.
+
+    Returns:
+      `({stack: ShardedCooMatrix}, Stats)`.
+
+    With `capacity=None`, a stack's capacity is the high-water mark of the
+    batches preprocessed so far for this plan (host state, see
+    `sparse_embed.host.plan_state`); it grows, never shrinks. Thread-safe.
+
+    Multi-process (the plan's mesh has devices of several processes, under
+    `jax.distributed`): every process calls `preprocess` with only its own
+    rows of each feature: the samples of its devices' positions along the
+    plan's axis, in mesh order (`sparse_embed.distributed.process_rows`), so
+    `batch_size * local_devices / num_devices` samples per feature. It gets
+    global arrays (`jax.make_array_from_process_local_data`) ready for the
+    jitted step, or with `device_put=False` numpy arrays for its local
+    devices only. The processes agree on every decision (auto capacity
+    growth, overflow errors, bad input on any process raises on all of
+    them), and the returned `Stats` are global (maxima and sums over all
+    processes). Every process must call it the same number of times, in the
+    same order.
+
+    Raises:
+      ValueError naming the feature for bad ids/weights/structure/batch size,
+      or the stack for a capacity overflow under `on_overflow="error"`.
+    """
+    several = distributed.spans_processes(plan)
+    positions = distributed.local_positions(plan) if several else list(range(plan.num_shards))
+    parts, failure = {}, None
+    try:
+        flats = _checked_features(plan, ids, weights, len(positions))
+        parts = {s.name: partition(s, flats, len(positions)) for s in plan.stacks}
+    except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
+        if not several:
+            raise
+        failure = e
+    agreed = _agree(plan, parts, failure is not None)
+    if failure is not None:
+        raise failure
+
+    state, batch, fields = plan_state.of(plan), {}, {k: {} for k in Stats.__dataclass_fields__}
+    for s in plan.stacks:
+        part, numbers = parts[s.name], agreed[s.name]
+        cap = state.capacity(s, max(numbers.needed, 1))  # the same on every process: the same numbers
+        if numbers.needed > cap and plan.on_overflow == "error":
+            raise _overflow_error(s, part, numbers, cap, positions)
+        coo = part.fill(s, cap)
+        batch[s.name] = _place(plan, coo, several) if device_put else coo
+        for k, v in zip(fields, (numbers.needed, numbers.max_unique, numbers.dropped, numbers.num_ids, cap)):
+            fields[k][s.name] = v
+    return batch, Stats(**fields)

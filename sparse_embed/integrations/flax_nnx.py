@@ -1,0 +1,109 @@
+"""`Embed`, an nnx module over `init_tables` + `lookup`, and the `Optimizer` that trains it.
+
+The tables live in `EmbeddingTable` variables (slots in `EmbeddingSlot`, a
+subclass), at `tables/{stack}/table` and `tables/{stack}/slots/{name}`,
+sharded `P(axis, None)` (their `out_sharding`/`mesh` metadata says so, for
+`nnx.get_named_sharding`). `EmbeddingTable` is an `nnx.Param`, so
+`nnx.grad(loss)(model)` (wrt `nnx.Param` by default) runs the lookup's
+backward and returns the *updated* tables as their "gradient". Filter them
+with `EmbeddingTable`, and dense params with `DENSE`.
+
+Train step:
+
+    optimizer = sparse_embed.flax.nnx.Optimizer(model, optax.adam(1e-3))
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def train_step(model, optimizer, batch, labels, step):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch, labels, step)
+        optimizer.update(model, grads)   # adam on DENSE; embedding state replaced
+        return loss
+
+Do not use a plain `nnx.Optimizer(model, tx, wrt=nnx.Param)`: it would feed
+the new tables to `tx` as gradients and keep optimizer state of table size.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import flax.nnx as nnx
+import jax
+import optax
+
+from sparse_embed.core.batch import ShardedCooMatrix
+from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.core.sharded_lookup import lookup
+from sparse_embed.core.state import EmbeddingVariables
+from sparse_embed.core.tables import init_tables
+
+
+class EmbeddingTable(nnx.Param):
+    """A stacked table `[rows, dim]`; trained by the lookup's backward, never by optax."""
+
+
+class EmbeddingSlot(EmbeddingTable):
+    """An optimizer slot of a stacked table, `[rows, width]`."""
+
+
+DENSE = nnx.All(nnx.Param, nnx.Not(EmbeddingTable))
+"""Filter: the params an optax transformation should see (all but embedding state)."""
+
+
+class Embed(nnx.Module):
+    """Looks up every feature of `plan`; owns the plan's stacked tables.
+
+    `Embed(plan, rngs=rngs)` draws the init key from `rngs.params()`;
+    `with_slots=False` creates no optimizer slots (eval/serving).
+    """
+
+    def __init__(self, plan: EmbeddingPlan, *, rngs: nnx.Rngs, with_slots: bool = True):
+        self.plan = plan
+        meta = dict(out_sharding=(plan.axis_name,), mesh=plan.mesh)
+        # Plain dicts (nnx.data), not nnx.Dict: stack and slot names would shadow nnx.Dict's methods.
+        self.tables = nnx.data({
+            name: {"table": EmbeddingTable(v.table, **meta),
+                   "slots": {k: EmbeddingSlot(a, **meta) for k, a in v.slots.items()}}
+            for name, v in init_tables(plan, rngs.params(), with_slots=with_slots).items()
+        })
+
+    def embedding_variables(self) -> dict[str, EmbeddingVariables]:
+        """The current values, `{stack: EmbeddingVariables}`, as `lookup` and `unstack_state` take them."""
+        return {
+            name: EmbeddingVariables(d["table"].get_value(), {k: s.get_value() for k, s in d["slots"].items()})
+            for name, d in self.tables.items()
+        }
+
+    def __call__(
+        self, batch: Mapping[str, ShardedCooMatrix], step: jax.Array | int | None = None
+    ) -> dict[str, jax.Array]:
+        """`batch` from `preprocess(plan, ...)`; `step`, the global step (int32 scalar) that
+        schedules and bias-corrected optimizers need, passed as is to `lookup`.
+
+        Returns `{feature: [batch_size, dim]}` (pooled) or `[batch_size, max_sequence_length, dim]`.
+        """
+        return lookup(self.plan, batch, self.embedding_variables(), step)
+
+
+class Optimizer(nnx.Optimizer):
+    """`nnx.Optimizer` for models with `Embed`: `tx` on the dense params, embedding state replaced.
+
+    `wrt` (default `nnx.Param`) is the filter given to `nnx.grad`; `tx`
+    and its state cover `wrt` minus `EmbeddingTable`. `update(model, grads)`
+    sets every `EmbeddingTable` to its "gradient" (the updated state, bit for
+    bit, no pass over the tables) and applies `tx` to the rest.
+    """
+
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt=nnx.Param):
+        super().__init__(model, tx, wrt=nnx.All(wrt, nnx.Not(EmbeddingTable)))
+
+    def update(self, model: nnx.Module, grads: nnx.State, /, **kwargs) -> optax.Updates:
+        want = nnx.state(model, EmbeddingTable).flat_state().paths
+        new = nnx.state(grads, EmbeddingTable)
+        if new.flat_state().paths != want:
+            raise ValueError(
+                f"Optimizer.update: grads hold embedding state {list(new.flat_state().paths)} but the model has "
+                f"{list(want)}; take nnx.grad with respect to nnx.Param (the default), which includes "
+                "EmbeddingTable, so the lookup's backward returns the updated tables."
+            )
+        nnx.update(model, new)
+        return super().update(model, grads, **kwargs)
