@@ -258,6 +258,8 @@ def _group_tables(tables: dict[str, TableSpec], stacking: Any) -> list[list[str]
 
 
 def _resolve_axis(mesh: Mesh, axis_name: str | None) -> str:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if axis_name is None:
         if len(mesh.axis_names) != 1:
             raise ValueError(
@@ -267,6 +269,13 @@ def _resolve_axis(mesh: Mesh, axis_name: str | None) -> str:
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
     return axis_name
+
+
+def _check_policies(on_overflow: str, nonfinite_gradients: str) -> None:
+    if on_overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}.")
+    if nonfinite_gradients not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite_gradients must be one of {NONFINITE_POLICIES}, got {nonfinite_gradients!r}.")
 
 
 def _check_kernel(kernel: Any) -> Any:
@@ -321,12 +330,10 @@ def plan(
       nonfinite_gradients: what the backward does with a row whose gradient
         is NaN or inf: "skip" (the row and its slots keep their old values;
         `nonfinite_rows` counts such rows) or "apply" (update it anyway).
-      kernel: which implementation does the per-shard work of `lookup`:
-        "auto" (the fastest one for the mesh's platform and each stack's
-        optimizer) or "generic" (jnp code: the reference, and what runs on GPU
-        and TPU), or a kernel instance from `sparse_embed.core.kernels`.
-        The environment variable `SPARSE_EMBED_KERNEL` overrides "auto" when
-        the plan is made.
+      kernel: the implementation of `lookup`'s per-shard work: "auto" (the
+        fastest for the platform and optimizer; `$SPARSE_EMBED_KERNEL`
+        overrides it), "generic" (jnp, the reference; GPU and TPU) or a
+        kernel from `sparse_embed.core.kernels`.
 
     Returns:
       The `EmbeddingPlan`. Stacks are named by their tables' names joined
@@ -334,55 +341,52 @@ def plan(
     """
     feats = _normalise_features(features)
     tables = _collect_tables(feats)
-    if mesh is None:
-        mesh = Mesh(np.array(jax.devices()), ("device",))
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    mesh = Mesh(np.array(jax.devices()), ("device",)) if mesh is None else mesh
     axis = _resolve_axis(mesh, axis_name)
     num_shards = mesh.shape[axis]
-    if on_overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}.")
-    if nonfinite_gradients not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite_gradients must be one of {NONFINITE_POLICIES}, got {nonfinite_gradients!r}.")
+    _check_policies(on_overflow, nonfinite_gradients)
     kernel = _check_kernel(kernel)
     for f in feats.values():
         if f.batch_size % num_shards:
-            raise ValueError(
-                f"Feature {f.name!r}: batch_size {f.batch_size} does not divide evenly over the "
-                f"{num_shards} devices of mesh axis {axis!r}; use a multiple of {num_shards}."
-            )
-
+            raise ValueError(f"Feature {f.name!r}: batch_size {f.batch_size} does not divide evenly over the "
+                             f"{num_shards} devices of mesh axis {axis!r}; use a multiple of {num_shards}.")
     groups = _group_tables(tables, stacking)
     names = ["_".join(g) for g in groups]
     if len(set(names)) != len(names):
         raise ValueError(f"Stack names collide: {names}; rename tables or pass stacking explicitly.")
+    caps = _capacities(names, capacity)
+    stacks = tuple(_stack_plan(name, [tables[n] for n in group], feats, num_shards, caps[name])
+                   for name, group in zip(names, groups))
+    return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, kernel)
+
+
+def _capacities(names: list[str], capacity: int | Mapping[str, int] | None) -> dict[str, int | None]:
+    """Each stack's explicit capacity (None = auto)."""
     if isinstance(capacity, Mapping):
         unknown = set(capacity) - set(names)
         if unknown:
             raise ValueError(f"capacity names unknown stacks {sorted(unknown)}; stacks are {names}.")
-        caps = {n: _check_capacity(f"Stack {n!r}", capacity[n]) if n in capacity else None for n in names}
-    elif capacity is None:
-        caps = dict.fromkeys(names)
-    else:
-        c = _check_capacity("plan()", capacity)
-        caps = dict.fromkeys(names, c)
+        return {n: _check_capacity(f"Stack {n!r}", capacity[n]) if n in capacity else None for n in names}
+    if capacity is None:
+        return dict.fromkeys(names)
+    return dict.fromkeys(names, _check_capacity("plan()", capacity))
 
-    stacks = []
-    for name, group in zip(names, groups):
-        placements, offset = {}, 0
-        for n in group:
-            padded = round_up(tables[n].vocabulary_size, num_shards)
-            placements[n] = TablePlacement(tables[n], offset, padded)
-            offset += padded
-        layouts, row = [], 0
-        for fname in sorted(feats):
-            f = feats[fname]
-            if f.table.name in placements:
-                lay = FeatureLayout(f, placements[f.table.name].row_offset, row, f.batch_size // num_shards)
-                layouts.append(lay)
-                row += lay.rows_per_device
-        stacks.append(StackPlan(name, tuple(placements.values()), tuple(layouts), num_shards, caps[name]))
-    return EmbeddingPlan(mesh, axis, tuple(stacks), on_overflow, nonfinite_gradients, kernel)
+
+def _stack_plan(name: str, tables: list[TableSpec], feats: dict[str, FeatureSpec], num_shards: int,
+                capacity: int | None) -> StackPlan:
+    """Tables one after the other (each padded to a multiple of S rows); the features that read them, by name."""
+    placements, offset = {}, 0
+    for t in tables:
+        placements[t.name] = TablePlacement(t, offset, round_up(t.vocabulary_size, num_shards))
+        offset += placements[t.name].padded_rows
+    layouts, row = [], 0
+    for fname in sorted(feats):
+        f = feats[fname]
+        if f.table.name in placements:
+            lay = FeatureLayout(f, placements[f.table.name].row_offset, row, f.batch_size // num_shards)
+            layouts.append(lay)
+            row += lay.rows_per_device
+    return StackPlan(name, tuple(placements.values()), tuple(layouts), num_shards, capacity)
 
 
 def grow_capacity(plan: EmbeddingPlan, stats, *, headroom: float = 1.0) -> EmbeddingPlan:

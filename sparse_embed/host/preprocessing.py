@@ -114,6 +114,22 @@ def _agree(plan: EmbeddingPlan, parts: dict[str, Partitioned], failed: bool) -> 
     return out
 
 
+def _partitions(plan: EmbeddingPlan, ids, weights, positions: list[int], several: bool):
+    """Each stack's `Partitioned` entries of this process's rows, and the numbers all processes agree on."""
+    parts, failure = {}, None
+    try:
+        flats = _checked_features(plan, ids, weights, len(positions))
+        parts = {s.name: partition(s, flats, len(positions)) for s in plan.stacks}
+    except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
+        if not several:
+            raise
+        failure = e
+    agreed = _agree(plan, parts, failure is not None)
+    if failure is not None:
+        raise failure
+    return parts, agreed
+
+
 def _overflow_error(stack: StackPlan, part: Partitioned, numbers: _Numbers, cap: int, positions: list[int]):
     feats = [lay.feature.name for lay in stack.features]
     fix = ("Raise capacity= in plan() (or use sparse_embed.grow_capacity(plan, stats)), or pass "
@@ -158,21 +174,15 @@ def preprocess(
       `({stack: ShardedCooMatrix}, Stats)`.
 
     With `capacity=None`, a stack's capacity is the high-water mark of the
-    batches preprocessed so far for this plan (host state, see
-    `sparse_embed.host.plan_state`); it grows, never shrinks. Thread-safe.
+    batches preprocessed so far for this plan (host state, see `plan_state`);
+    it grows, never shrinks. Thread-safe.
 
-    Multi-process (the plan's mesh has devices of several processes, under
-    `jax.distributed`): every process calls `preprocess` with only its own
-    rows of each feature: the samples of its devices' positions along the
-    plan's axis, in mesh order (`sparse_embed.distributed.process_rows`), so
-    `batch_size * local_devices / num_devices` samples per feature. It gets
-    global arrays (`jax.make_array_from_process_local_data`) ready for the
-    jitted step, or with `device_put=False` numpy arrays for its local
-    devices only. The processes agree on every decision (auto capacity
-    growth, overflow errors, bad input on any process raises on all of
-    them), and the returned `Stats` are global (maxima and sums over all
-    processes). Every process must call it the same number of times, in the
-    same order.
+    Under `jax.distributed` (a mesh with devices of several processes), each
+    process passes only its own rows (`sparse_embed.distributed.process_rows`)
+    and gets global arrays (numpy arrays of its devices with
+    `device_put=False`); the processes agree on every decision and the
+    `Stats` are global. Every process must call it the same number of times,
+    in the same order (docs/distributed.md).
 
     Raises:
       ValueError naming the feature for bad ids/weights/structure/batch size,
@@ -180,18 +190,7 @@ def preprocess(
     """
     several = distributed.spans_processes(plan)
     positions = distributed.local_positions(plan) if several else list(range(plan.num_shards))
-    parts, failure = {}, None
-    try:
-        flats = _checked_features(plan, ids, weights, len(positions))
-        parts = {s.name: partition(s, flats, len(positions)) for s in plan.stacks}
-    except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
-        if not several:
-            raise
-        failure = e
-    agreed = _agree(plan, parts, failure is not None)
-    if failure is not None:
-        raise failure
-
+    parts, agreed = _partitions(plan, ids, weights, positions, several)
     state, batch, fields = plan_state.of(plan), {}, {k: {} for k in Stats.__dataclass_fields__}
     for s in plan.stacks:
         part, numbers = parts[s.name], agreed[s.name]

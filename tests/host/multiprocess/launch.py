@@ -2,7 +2,7 @@
 
 Each worker runs `python <script> <args...>` with the environment variables
 SE_COORDINATOR (127.0.0.1:<free port>), SE_NUM_PROCESSES and SE_PROCESS_ID,
-`JAX_PLATFORMS=cpu` and `XLA_FLAGS=--xla_force_host_platform_device_count=<devices_per_process>`;
+`JAX_PLATFORMS=cpu` and `XLA_FLAGS` with `--xla_force_host_platform_device_count=<devices_per_process>`;
 it calls `worker_init()` (below) first.
 """
 
@@ -33,12 +33,13 @@ def run_workers(script: str, num_processes: int, args: list[str], *, devices_per
     """Runs the workers; returns their outputs. Raises WorkersFailed (with every output) on failure or timeout."""
     port = free_port()
     logs, procs = [], []
-    src = os.path.dirname(os.path.dirname(HERE))
+    src = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository: tests/host/multiprocess/..
     for i in range(num_processes):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SE_"))}
         env.update(
             JAX_PLATFORMS="cpu",
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process} "
+                      "--xla_cpu_copy_insertion_use_region_analysis=true",
             SE_COORDINATOR=f"127.0.0.1:{port}",
             SE_NUM_PROCESSES=str(num_processes),
             SE_PROCESS_ID=str(i),

@@ -1,6 +1,6 @@
 """Multi-process training under jax.distributed: N local processes × 8/N CPU devices each.
 
-The same run (tests/multiprocess/scenario.py) in N worker processes and in
+The same run (tests/host/multiprocess/scenario.py) in N worker processes and in
 this process (8 devices) must give the same tables, losses and Stats;
 checkpoints cross between process counts; errors are raised on every process.
 """
