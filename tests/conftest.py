@@ -19,6 +19,23 @@ from jax.sharding import Mesh  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+from sparse_embed.core.kernels import native_cpu  # noqa: E402
+
+LOOKUP_KERNELS = ["generic", "native"]
+
+
+@pytest.fixture(params=LOOKUP_KERNELS)
+def each_kernel(request, monkeypatch) -> str:
+    """Runs a test once per implementation of the lookup's per-shard work.
+
+    Plans made with the default `kernel="auto"` take it from `$SPARSE_EMBED_KERNEL`.
+    """
+    if request.param == "native" and not native_cpu.available():
+        pytest.skip("the native CPU kernel (sparse_embed.core.kernels._native_cpu) is not built")
+    monkeypatch.setenv("SPARSE_EMBED_KERNEL", request.param)
+    return request.param
+
+
 def make_mesh(n: int, axis: str = "x") -> Mesh:
     devices = jax.devices()
     if len(devices) < n:

@@ -235,10 +235,14 @@ class Adam(Optimizer):
     def slots(self, dim):
         return {"momentum": SlotSpec(dim, 0.0), "velocity": SlotSpec(dim, 0.0)}
 
-    def rule(self, rows, slots, grads, step, lr):
+    def bias_corrected(self, step, lr) -> tuple[jax.Array, jax.Array]:
+        """`(alpha_t, eps_t)`: the step size and epsilon with the bias correction of step t folded in."""
         t1 = _require_step("Adam", step) + 1.0
         c2 = jnp.sqrt(1.0 - self.b2**t1)
-        alpha, eps_hat = lr * c2 / (1.0 - self.b1**t1), self.eps * c2
+        return lr * c2 / (1.0 - self.b1**t1), self.eps * c2
+
+    def rule(self, rows, slots, grads, step, lr):
+        alpha, eps_hat = self.bias_corrected(step, lr)
         m = slots["momentum"] + (1.0 - self.b1) * (grads - slots["momentum"])
         v = slots["velocity"] + (1.0 - self.b2) * (grads * grads - slots["velocity"])
         return rows - alpha * m / (jnp.sqrt(v) + eps_hat), {"momentum": m, "velocity": v}
@@ -339,9 +343,13 @@ class LaProp(Optimizer):
     def slots(self, dim):
         return {"mu": SlotSpec(dim, 0.0), "nu": SlotSpec(dim, 0.0)}
 
-    def rule(self, rows, slots, grads, step, lr):
+    def nu_decay(self, step) -> jax.Array:
+        """`d`, the decay of `nu` at step t that keeps it a bias-corrected average."""
         t = _require_step("LaProp", step)
-        d = self.b2 * (1.0 - self.b2**t) / (1.0 - self.b2 ** (t + 1.0))
+        return self.b2 * (1.0 - self.b2**t) / (1.0 - self.b2 ** (t + 1.0))
+
+    def rule(self, rows, slots, grads, step, lr):
+        d = self.nu_decay(step)
         nu = d * slots["nu"] + (1.0 - d) * (grads * grads + self.eps)
         mu = self.b1 * slots["mu"] + jnp.sqrt(1.0 - self.b1**2) * grads * jax.lax.rsqrt(nu)
         return rows - lr * mu, {"mu": mu, "nu": nu}

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from sparse_embed.core.specs import FeatureSpec, TableSpec
 
 OVERFLOW_POLICIES = ("error", "drop")
-KERNELS = ("auto", "generic")  # implementations of the lookup's per-shard work (`core.kernels`)
+KERNELS = ("auto", "generic", "native")  # implementations of the lookup's per-shard work (`core.kernels`)
 KERNEL_ENV = "SPARSE_EMBED_KERNEL"  # overrides kernel="auto" when a plan is made
 NONFINITE_POLICIES = ("skip", "apply")
 CAPACITY_ALIGNMENT = 8
@@ -332,8 +332,8 @@ def plan(
         `nonfinite_rows` counts such rows) or "apply" (update it anyway).
       kernel: the implementation of `lookup`'s per-shard work: "auto" (the
         fastest for the platform and optimizer; `$SPARSE_EMBED_KERNEL`
-        overrides it), "generic" (jnp, the reference; GPU and TPU) or a
-        kernel from `sparse_embed.core.kernels`.
+        overrides it), "generic" (jnp, the reference; GPU and TPU), "native"
+        (C++, CPU) or a kernel from `sparse_embed.core.kernels`.
 
     Returns:
       The `EmbeddingPlan`. Stacks are named by their tables' names joined

@@ -111,7 +111,8 @@ def _lookup_fwd(plan, batch, tables, step):
 
 def _lookup_bwd(plan, residuals, grads):
     recs, saved, tables, step = residuals
-    warn_if_slow_on_cpu(plan, [s.name for s in plan.stacks if kernels.for_stack(plan, s) is kernels.GENERIC])
+    warn_if_slow_on_cpu(plan, [s.name for s in plan.stacks if isinstance(kernels.for_stack(plan, s),
+                                                                           kernels.GenericKernel)])
     grads = {k: g.astype(jnp.float32) for k, g in grads.items()}
     return None, _backward(plan, recs, saved, tables, grads, step), None
 

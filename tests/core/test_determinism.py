@@ -12,6 +12,8 @@ from sparse_embed import optimizers as opt
 import reference as ref
 from train_fixtures import assert_trees_equal
 
+pytestmark = pytest.mark.usefixtures("each_kernel")  # every test on the generic and the native kernel
+
 OPTIMIZERS = {"sgd": opt.SGD(0.1), "adagrad": opt.Adagrad(0.1), "adam": opt.Adam(0.01)}
 
 

@@ -10,9 +10,10 @@ import pytest
 
 import sparse_embed as se
 from sparse_embed import optimizers as opt
-from sparse_embed.core.kernels import GenericKernel
 from sparse_embed.core.relayout import from_shard_major
 import reference as ref
+
+pytestmark = pytest.mark.usefixtures("each_kernel")  # every test on the generic and the native kernel
 
 B = 16  # global batch: divides 1, 2 and 8 devices
 
@@ -221,19 +222,6 @@ def test_donated_tables_are_consumed(mesh8):
     new = _loss_and_train(plan, {"f": np.ones((8, 4), np.float32)})(tables, batch, 0)
     assert old.is_deleted()
     assert new["t"].table.sharding == plan.table_sharding()
-
-
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_chunked_gather_scatter_matches_reference(name):
-    """The generic kernel in chunks of 5 entries (many chunks, with padding) instead of the default."""
-    from conftest import make_mesh
-
-    test_multi_step_training_matches_reference(make_mesh(2), name, "auto", kernel=GenericKernel(chunk=5))
-
-
-def test_sorted_dedup_path_matches_reference(mesh8):
-    """The generic kernel combining duplicates by its sort path (as for bf16 tables, 2**24+ entries)."""
-    test_multi_step_training_matches_reference(mesh8, "adagrad", "auto", kernel=GenericKernel(exact_index_limit=0))
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -10,12 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 import sparse_embed as se
 from sparse_embed import optimizers as opt
 import reference as ref
 from conftest import make_mesh
+
+pytestmark = pytest.mark.usefixtures("each_kernel")  # every test on the generic and the native kernel
 
 OPTIMIZERS = {"sgd": (lambda: opt.SGD(0.2), ref.sgd), "adagrad": (lambda: opt.Adagrad(0.3), ref.adagrad)}
 

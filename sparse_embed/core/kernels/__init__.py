@@ -2,30 +2,41 @@
 
 - `GenericKernel` ("generic"): jnp/lax code; the reference, used on every
   platform without a faster implementation and for `Custom` optimizers.
+- `NativeCpuKernel` ("native"): C++ through XLA's typed FFI, on CPU.
 
 `for_stack` picks the implementation a plan asks for: `plan.kernel` is a
-name ("auto" picks the fastest that supports the stack on the mesh's
-platform) or a kernel instance (e.g. `GenericKernel(chunk=5)` in tests).
+name ("auto": native on CPU where it supports the stack, else generic) or
+a kernel instance (e.g. `GenericKernel(chunk=5)`, `NativeCpuKernel(threads=1)`).
 """
 
 from __future__ import annotations
 
 from sparse_embed.core.kernels.generic import GenericKernel
 from sparse_embed.core.kernels.interface import Forward, Kernel, Received
+from sparse_embed.core.kernels.native_cpu import NativeCpuKernel
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 
 GENERIC = GenericKernel()
+NATIVE = NativeCpuKernel()
+
+
+def _platform(plan: EmbeddingPlan) -> str:
+    return plan.mesh.devices.flat[0].platform
 
 
 def for_stack(plan: EmbeddingPlan, stack: StackPlan) -> Kernel:
     """The kernel that runs `stack`'s per-shard work under `plan`."""
-    kernel = plan.kernel
-    if not isinstance(kernel, str):
-        why = kernel.unsupported(stack)
-        if why:
-            raise ValueError(f"Stack {stack.name!r}: kernel {kernel.name!r} cannot run it: {why}.")
-        return kernel
-    return GENERIC
+    kernel = {"generic": GENERIC, "native": NATIVE}.get(plan.kernel, plan.kernel)
+    if kernel == "auto":
+        native = _platform(plan) == "cpu" and NATIVE.unsupported(stack) is None
+        return NATIVE if native else GENERIC
+    why = kernel.unsupported(stack)
+    if why is None and kernel.name == "native" and _platform(plan) != "cpu":
+        why = f"it runs on CPU only, and the plan's mesh is on {_platform(plan)}"
+    if why:
+        raise ValueError(f"Stack {stack.name!r}: the {kernel.name} kernel cannot run it: {why}. "
+                         f"Use plan(..., kernel='auto') (or 'generic').")
+    return kernel
 
 
-__all__ = ["GENERIC", "Forward", "GenericKernel", "Kernel", "Received", "for_stack"]
+__all__ = ["GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "NativeCpuKernel", "Received", "for_stack"]

@@ -1,0 +1,723 @@
+// The native CPU kernel of the lookup's per-shard work, called through XLA's typed FFI (see native_cpu.py).
+//
+// forward:  partials[d, row] = sum over the entries (col, row, value) that source d sent this shard of
+//           value * clip(table[col]), in entry order (each output row's entries are contiguous: preprocess
+//           writes segments sorted by row).
+// backward: the entries, as self-contained records (col, output row, value), sorted by col with a stable
+//           radix sort: the table is then updated in address order (page walks and DRAM reward it here:
+//           2-3x over entry order), each distinct row once, from its run of records in entry order: its
+//           gradient summed, the optimizer applied to the row and its slots, written back in place (the
+//           table and slots are aliased to the outputs).
+//
+// Work is cut into chunks whose boundaries depend only on the inputs; each chunk writes rows no other chunk
+// writes, and runs on whichever thread takes it. So results do not depend on the thread count. The CPython
+// module only hands the handlers to Python as capsules (`handlers()`).
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include <sys/mman.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Buffer types without a comma, so that they can appear in the handler-binding macros below.
+using I32Matrix = ffi::Buffer<ffi::S32, 2>;
+using F32Vector = ffi::Buffer<ffi::F32, 1>;
+using F32Matrix = ffi::Buffer<ffi::F32, 2>;
+using F32Cube = ffi::Buffer<ffi::F32, 3>;
+
+template <typename A, typename B>
+bool same_dims(const A& a, const B& b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+// ------------------------------------------------------------------ element types
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA's convert
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays a (quiet) NaN
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) { return bf16_to_f32(*p); }
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) { *p = f32_to_bf16(x); }
+
+// Prefetches a row of `bytes` bytes (for writing if `write`).
+inline void prefetch_row(const void* p, int64_t bytes, bool write) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) {
+    if (write)
+      __builtin_prefetch(c + o, 1, 1);
+    else
+      __builtin_prefetch(c + o, 0, 1);
+  }
+}
+
+// ------------------------------------------------------------------ threads
+
+// Runs fn(i) for i in [0, n): on the calling thread and on up to threads - 1 threads of XLA's pool, each taking
+// the next index from a shared counter. The caller only waits for helpers that took an index, so a busy pool
+// (other devices' programs) never blocks it; a helper that starts late finds nothing left and touches nothing.
+struct Shared {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+  std::mutex mu;
+  std::condition_variable done;
+  int64_t n = 0;
+  const std::function<void(int64_t)>* fn = nullptr;
+};
+
+void drain(Shared& s) {
+  for (int64_t i; (i = s.next.fetch_add(1)) < s.n;) (*s.fn)(i);
+}
+
+void parallel_for(ffi::ThreadPool& pool, int64_t threads, int64_t n, const std::function<void(int64_t)>& fn) {
+  if (n <= 0) return;
+  int64_t helpers = std::min<int64_t>(threads - 1, n - 1);
+  if (helpers <= 0) {
+    for (int64_t i = 0; i < n; i++) fn(i);
+    return;
+  }
+  auto shared = std::make_shared<Shared>();
+  shared->n = n;
+  shared->fn = &fn;
+  for (int64_t h = 0; h < helpers; h++) {
+    pool.Schedule([shared] {
+      shared->active.fetch_add(1);
+      drain(*shared);
+      if (shared->active.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> lock(shared->mu);
+        shared->done.notify_all();
+      }
+    });
+  }
+  drain(*shared);
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->done.wait(lock, [&] { return shared->active.load() == 0; });
+}
+
+int64_t thread_count(ffi::ThreadPool& pool, int64_t requested) {
+  int64_t available = std::max<int64_t>(pool.num_threads(), 1);  // as many as XLA's pool: one per core
+  return requested > 0 ? std::min(requested, available) : available;
+}
+
+// ------------------------------------------------------------------ huge pages
+
+// Tables and slots are large arrays read and written at random rows: on 4 KiB pages nearly every row costs a
+// TLB miss and a page walk (here, in a VM, a two-level one). Backed by 2 MiB pages they run up to 2x faster.
+// XLA allocates the buffers, so the kernel asks Linux to back them with huge pages itself: the third time it
+// sees a buffer (a donated table is the same buffer every step), it marks it MADV_HUGEPAGE and collapses it
+// (MADV_COLLAPSE, Linux >= 6.1), in 2 MiB pieces over the thread pool; once per buffer, a few seconds per GiB.
+// Advice only: it changes no value, and a kernel without THP or MADV_COLLAPSE just refuses it.
+namespace hugepages {
+
+constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+constexpr size_t kMinBytes = size_t(64) << 20;  // smaller arrays are not worth the collapse
+constexpr int kSightings = 3;
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+
+std::mutex mu;
+std::unordered_map<uintptr_t, int> seen;  // buffer start -> how many calls saw it (kSightings: collapsed)
+bool unsupported = false;
+
+void advise(ffi::ThreadPool& pool, int64_t threads, const void* data, size_t bytes) {
+  const uintptr_t lo = (uintptr_t(data) + kHuge - 1) & ~(kHuge - 1), hi = (uintptr_t(data) + bytes) & ~(kHuge - 1);
+  if (bytes < kMinBytes || hi <= lo) return;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (unsupported || seen.size() > 4096 || ++seen[uintptr_t(data)] != kSightings) return;
+  }
+  if (madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE) != 0) return;
+  std::atomic<bool> failed{false};
+  parallel_for(pool, threads, int64_t((hi - lo) / kHuge), [&](int64_t i) {
+    if (!failed && madvise(reinterpret_cast<void*>(lo + uintptr_t(i) * kHuge), kHuge, MADV_COLLAPSE) != 0 &&
+        errno == EINVAL)
+      failed = true;  // no MADV_COLLAPSE here (other errors, e.g. no free huge page, just skip a piece)
+  });
+  if (failed) {
+    std::lock_guard<std::mutex> lock(mu);
+    unsupported = true;
+  }
+}
+
+}  // namespace hugepages
+
+// ------------------------------------------------------------------ max_norm
+
+// The factor that brings a row's L2 norm to at most max_norm (1 when max_norm <= 0: no clipping), and the norm.
+template <typename T>
+inline float clip_scale(const T* row, int64_t dim, float max_norm, float* norm_out) {
+  if (max_norm <= 0.0f) return 1.0f;
+  float s = 0.0f;
+  for (int64_t j = 0; j < dim; j++) {
+    float x = load(row + j);
+    s += x * x;
+  }
+  float norm = std::sqrt(s);
+  *norm_out = norm;
+  return norm > max_norm ? max_norm / (norm > 0.0f ? norm : 1.0f) : 1.0f;
+}
+// ------------------------------------------------------------------ forward
+
+constexpr int64_t kForwardChunk = 4096;  // entries per work chunk
+constexpr int64_t kPrefetch = 16;         // entries ahead to prefetch
+
+struct Range {
+  int64_t d, begin, end;
+};
+
+// Chunks of each source's segment, cut at changes of row_id (entries of one output row stay in one chunk), or
+// one chunk per segment when its row_ids are not sorted.
+std::vector<Range> forward_chunks(const int32_t* rows, int64_t D, int64_t C) {
+  std::vector<Range> out;
+  for (int64_t d = 0; d < D; d++) {
+    const int32_t* r = rows + d * C;
+    bool sorted = true;
+    for (int64_t k = 1; k < C && sorted; k++) sorted = r[k - 1] <= r[k];
+    int64_t begin = 0;
+    while (begin < C) {
+      int64_t end = sorted ? std::min(C, begin + kForwardChunk) : C;
+      while (end < C && r[end] == r[end - 1]) end++;
+      out.push_back({d, begin, end});
+      begin = end;
+    }
+  }
+  return out;
+}
+
+// Pools the entries [r.begin, r.end) of source r.d's segment (cols, rows, vals point at the segment's start).
+template <typename T>
+void pool_range(const T* table, int64_t num_rows, int64_t dim, const int32_t* cols, const int32_t* rows,
+                const float* vals, int64_t rpd, float max_norm, float* out, Range r) {
+  for (int64_t k = r.begin; k < r.end; k++) {
+    if (k + kPrefetch < r.end) {
+      uint32_t c = uint32_t(cols[k + kPrefetch]);
+      if (c < uint64_t(num_rows)) prefetch_row(table + int64_t(c) * dim, dim * int64_t(sizeof(T)), false);
+    }
+    uint32_t c = uint32_t(cols[k]), row = uint32_t(rows[k]);
+    if (c >= uint64_t(num_rows) || row >= uint64_t(rpd)) continue;  // padding
+    const T* src = table + int64_t(c) * dim;
+    float* dst = out + (r.d * rpd + row) * dim;
+    float v = vals[k], norm = 0.0f;
+    float scale = clip_scale(src, dim, max_norm, &norm);
+    if (scale == 1.0f) {
+      for (int64_t j = 0; j < dim; j++) dst[j] += load(src + j) * v;
+    } else {
+      for (int64_t j = 0; j < dim; j++) dst[j] += (load(src + j) * scale) * v;
+    }
+  }
+}
+
+template <typename T>
+void forward_impl(ffi::ThreadPool& pool, int64_t threads, const T* table, int64_t num_rows, int64_t dim,
+                  const int32_t* cols, const int32_t* rows, const float* vals, int64_t D, int64_t C, int64_t rpd,
+                  float max_norm, float* out) {
+  const int64_t total = D * rpd * dim, zero_chunk = 1 << 16;
+  parallel_for(pool, threads, (total + zero_chunk - 1) / zero_chunk, [&](int64_t i) {
+    int64_t lo = i * zero_chunk, hi = std::min(total, lo + zero_chunk);
+    std::memset(out + lo, 0, size_t(hi - lo) * sizeof(float));
+  });
+  std::vector<Range> chunks = forward_chunks(rows, D, C);
+  parallel_for(pool, threads, int64_t(chunks.size()), [&](int64_t i) {
+    Range r = chunks[i];
+    int64_t off = r.d * C;  // entries of source d start at d * C
+    pool_range(table, num_rows, dim, cols + off, rows + off, vals + off, rpd, max_norm, out, r);
+  });
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer table, I32Matrix cols, I32Matrix rows, F32Matrix vals,
+                   ffi::Result<F32Cube> out, ffi::Result<F32Vector> token, float max_norm, int64_t threads,
+                   int64_t huge_pages) {
+  auto td = table.dimensions();
+  auto cd = cols.dimensions();
+  auto od = out->dimensions();
+  if (td.size() != 2 || od[0] != cd[0] || od[2] != td[1] || !same_dims(rows.dimensions(), cd) ||
+      !same_dims(vals.dimensions(), cd))
+    return ffi::Error::InvalidArgument("sparse_embed forward: inconsistent shapes");
+  int64_t D = cd[0], C = cd[1], rpd = od[1], dim = td[1], R = td[0];
+  int64_t n = thread_count(pool, threads);
+  if (huge_pages) hugepages::advise(pool, n, table.untyped_data(), table.size_bytes());
+  if (table.element_type() == ffi::F32) {
+    forward_impl(pool, n, table.typed_data<float>(), R, dim, cols.typed_data(), rows.typed_data(), vals.typed_data(),
+                 D, C, rpd, max_norm, out->typed_data());
+  } else if (table.element_type() == ffi::BF16) {
+    forward_impl(pool, n, reinterpret_cast<const uint16_t*>(table.untyped_data()), R, dim, cols.typed_data(),
+                 rows.typed_data(), vals.typed_data(), D, C, rpd, max_norm, out->typed_data());
+  } else {
+    return ffi::Error::InvalidArgument("sparse_embed forward: tables must be float32 or bfloat16");
+  }
+  token->typed_data()[0] = 0.0f;  // the backward's input: orders its in-place writes after these reads
+  return ffi::Error::Success();
+}
+
+// ------------------------------------------------------------------ optimizers
+
+enum Optimizer : int64_t { kSGD = 0, kAdagrad, kRowwiseAdagrad, kAdam, kAdagradMomentum, kFTRL, kLaProp };
+
+struct Options {
+  int64_t optimizer;
+  float max_norm;         // <= 0: none
+  bool skip_nonfinite;
+  bool clip_gradient;
+  float clip_g_lo, clip_g_hi;
+  float weight_decay;
+  bool clip_weight;
+  float clip_w_lo, clip_w_hi;
+  bool linear;            // apply each occurrence on its own (SGD with no options on an f32 table)
+  const float* hyper;     // the optimizer's constants (see native_cpu.py)
+  const float* scalars;   // per step: learning rate first, then the optimizer's step-dependent factors
+};
+
+inline float clipf(float x, float lo, float hi) { return std::min(std::max(x, lo), hi); }
+
+// One row's update, in the order of the generic kernel: clip_gradient, the rule, weight decay, clip_weight.
+// `w` holds the old row (f32), `g` its summed gradient; slot pointers point into the (f32) slot arrays.
+void update_row(const Options& o, int64_t dim, float* w, float* g, float* s0, float* s1) {
+  const float lr = o.scalars[0];
+  const float* h = o.hyper;
+  if (o.clip_gradient)
+    for (int64_t j = 0; j < dim; j++) g[j] = clipf(g[j], o.clip_g_lo, o.clip_g_hi);
+  const float decay = lr * o.weight_decay;
+  switch (o.optimizer) {
+    case kSGD:
+      for (int64_t j = 0; j < dim; j++) {
+        float old = w[j];
+        w[j] = old - lr * g[j];
+        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
+      }
+      break;
+    case kAdagrad:
+      for (int64_t j = 0; j < dim; j++) {
+        float old = w[j], acc = s0[j] + g[j] * g[j];
+        s0[j] = acc;
+        w[j] = old - (lr * g[j]) * (1.0f / std::sqrt(acc));
+        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
+      }
+      break;
+    case kRowwiseAdagrad: {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < dim; j++) sum += g[j] * g[j];
+      float acc = s0[0] + sum / float(dim);
+      s0[0] = acc;
+      float denom = std::sqrt(acc) + h[0];
+      for (int64_t j = 0; j < dim; j++) {
+        float old = w[j];
+        w[j] = old - (lr * g[j]) / denom;
+        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
+      }
+      break;
+    }
+    case kAdam: {  // h: 1-b1, 1-b2; scalars: lr, alpha_t, eps_t
+      const float alpha = o.scalars[1], eps = o.scalars[2];
+      for (int64_t j = 0; j < dim; j++) {
+        float old = w[j];
+        float m = s0[j] + h[0] * (g[j] - s0[j]);
+        float v = s1[j] + h[1] * (g[j] * g[j] - s1[j]);
+        s0[j] = m;
+        s1[j] = v;
+        w[j] = old - (alpha * m) / (std::sqrt(v) + eps);
+        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
+      }
+      break;
+    }
+    case kAdagradMomentum: {  // h: momentum, beta2, 1-beta2, epsilon, -1/exponent, nesterov
+      for (int64_t j = 0; j < dim; j++) {
+        float old = w[j], g2 = g[j] * g[j];
+        float acc = h[1] == 1.0f ? s0[j] + g2 : h[1] * s0[j] + h[2] * g2;
+        float p = std::pow(acc + h[3], h[4]);
+        float m = h[0] * s1[j] + p * g[j];
+        float dir = h[5] != 0.0f ? h[0] * m + p * g[j] : m;
+        s0[j] = acc;
+        s1[j] = m;
+        w[j] = old - lr * dir;
+        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
+      }
+      break;
+    }
+    case kFTRL: {  // h: k = -learning_rate_power, l1, l2, beta, multiply_linear_by_learning_rate
+      const float k = h[0], l1 = h[1], l2 = h[2], beta = h[3];
+      const bool mult = h[4] != 0.0f;
+      for (int64_t j = 0; j < dim; j++) {
+        float old = w[j], acc = s0[j], acc_new = acc + g[j] * g[j];
+        float p_new = std::pow(acc_new, k), delta_p = p_new - std::pow(acc, k);
+        float linear, l1s, denom;
+        if (mult) {
+          linear = (s1[j] + lr * g[j]) - delta_p * old;
+          l1s = lr * l1;
+          denom = (p_new + beta) + (2.0f * lr) * l2;
+        } else {
+          linear = (s1[j] + g[j]) - (delta_p / lr) * old;
+          l1s = l1;
+          denom = (p_new + beta) / lr + 2.0f * l2;
+        }
+        float numer = l1 == 0.0f ? -linear : clipf(linear, -l1s, l1s) - linear;
+        s0[j] = acc_new;
+        s1[j] = linear;
+        w[j] = numer / denom;
+        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
+      }
+      break;
+    }
+    case kLaProp: {  // h: b1, sqrt(1-b1^2), eps; scalars: lr, d, 1-d
+      const float d = o.scalars[1], one_minus_d = o.scalars[2];
+      for (int64_t j = 0; j < dim; j++) {
+        float old = w[j];
+        float nu = d * s1[j] + one_minus_d * (g[j] * g[j] + h[2]);
+        float mu = h[0] * s0[j] + (h[1] * g[j]) * (1.0f / std::sqrt(nu));
+        s0[j] = mu;
+        s1[j] = nu;
+        w[j] = old - lr * mu;
+        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
+      }
+      break;
+    }
+  }
+  if (o.clip_weight)
+    for (int64_t j = 0; j < dim; j++) w[j] = clipf(w[j], o.clip_w_lo, o.clip_w_hi);
+}
+
+inline bool all_finite(const float* x, int64_t dim) {
+  bool ok = true;
+  for (int64_t j = 0; j < dim; j++) ok &= std::isfinite(x[j]);
+  return ok;
+}
+
+// Adds to acc [dim] the gradient of one entry through the forward's max_norm clipping of row x: with
+// gv = g * v (the entry's activation gradient times its gain), scale * (gv - (x.gv / norm^2) x) if the row was
+// clipped, else gv. Entry by entry, as the generic kernel sums them.
+void add_clipped_grad(const float* x, float scale, float norm, float max_norm, const float* g, float v, float* acc,
+                      int64_t dim) {
+  if (!(norm > max_norm)) {
+    for (int64_t j = 0; j < dim; j++) acc[j] += scale * (g[j] * v);
+    return;
+  }
+  float dot = 0.0f;
+  for (int64_t j = 0; j < dim; j++) dot += x[j] * (g[j] * v);
+  const float radial = dot / (norm * norm);
+  for (int64_t j = 0; j < dim; j++) acc[j] += scale * ((g[j] * v) - radial * x[j]);
+}
+// ------------------------------------------------------------------ backward
+
+// One received entry as the backward needs it, self-contained so that the update loop reads records in order
+// and never looks anything up by entry index.
+struct Record {
+  uint32_t col;      // row of this shard's table
+  uint32_t out_row;  // row of the [D * rpd] activation gradients: d * rpd + row_id
+  float value;       // the gain
+  uint32_t unused;
+};
+
+// The valid entries (col < num_rows, row_id < rpd) as records sorted by col, stable (entry order within a col).
+// A most-significant-digit pass splits 64-bit keys `col << 32 | entry` into up to 256 buckets by the top bits
+// of col (in parallel over fixed blocks of entries), then each bucket is sorted by the remaining bits with
+// least-significant-digit passes of at most 11 bits (buckets are small: they stay in cache) and gathered into
+// records. Returns the number of records; `buckets` gets the records' bucket boundaries (whole cols).
+struct Sorter {
+  std::vector<uint64_t> keys, tmp;
+  std::vector<Record> records;
+  std::vector<int64_t> buckets;
+};
+
+constexpr int64_t kSortBlock = 1 << 16;  // entries a thread counts and places at a time in the first pass
+
+int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, const int32_t* rows,
+                     const float* vals, int64_t D, int64_t C, int64_t rpd, int64_t num_rows, Sorter& s) {
+  const int64_t n = D * C, blocks = (n + kSortBlock - 1) / kSortBlock;
+  int bits = 0;
+  while (bits < 32 && (uint64_t(num_rows - 1) >> bits) != 0) bits++;
+  const int top = std::min(bits, 8), low = bits - top;  // bucket = col >> low
+  const int64_t nb = int64_t(1) << top;
+  auto valid = [&](int64_t k) { return uint32_t(cols[k]) < uint64_t(num_rows) && uint32_t(rows[k]) < uint64_t(rpd); };
+  std::vector<int64_t> count(size_t(blocks * nb), 0);  // [block, bucket]
+  parallel_for(pool, threads, blocks, [&](int64_t b) {
+    int64_t* c = count.data() + b * nb;
+    for (int64_t k = b * kSortBlock; k < std::min(n, (b + 1) * kSortBlock); k++)
+      if (valid(k)) c[uint32_t(cols[k]) >> low]++;
+  });
+  s.buckets.assign(size_t(nb + 1), 0);  // bucket starts; then each (block, bucket)'s first slot, in place
+  for (int64_t bucket = 0, at = 0; bucket < nb; bucket++) {
+    s.buckets[bucket] = at;
+    for (int64_t b = 0; b < blocks; b++) std::swap(at, count[b * nb + bucket]), at += count[b * nb + bucket];
+    s.buckets[bucket + 1] = at;
+  }
+  const int64_t m = s.buckets[nb];
+  s.keys.resize(size_t(m) + 1);
+  s.tmp.resize(size_t(m) + 1);
+  s.records.resize(size_t(m) + 1);
+  uint64_t *keys = s.keys.data(), *tmp = s.tmp.data();
+  Record* out = s.records.data();
+  parallel_for(pool, threads, blocks, [&](int64_t b) {
+    int64_t* at = count.data() + b * nb;
+    for (int64_t k = b * kSortBlock; k < std::min(n, (b + 1) * kSortBlock); k++)
+      if (valid(k)) keys[at[uint32_t(cols[k]) >> low]++] = (uint64_t(uint32_t(cols[k])) << 32) | uint64_t(k);
+  });
+  const int passes = (low + 10) / 11, digit = passes ? (low + passes - 1) / passes : 0;
+  parallel_for(pool, threads, nb, [&](int64_t bucket) {
+    const int64_t lo = s.buckets[bucket], hi = s.buckets[bucket + 1];
+    uint64_t *a = keys + lo, *t = tmp + lo;
+    std::vector<int64_t> c((size_t(1) << digit) + 1);
+    for (int shift = 32; shift < 32 + low; shift += digit) {
+      const uint64_t mask = (uint64_t(1) << digit) - 1;
+      std::fill(c.begin(), c.end(), 0);
+      for (int64_t i = 0; i < hi - lo; i++) c[((a[i] >> shift) & mask) + 1]++;
+      for (size_t i = 1; i < c.size(); i++) c[i] += c[i - 1];
+      for (int64_t i = 0; i < hi - lo; i++) t[c[(a[i] >> shift) & mask]++] = a[i];
+      std::swap(a, t);
+    }
+    for (int64_t i = 0; i < hi - lo; i++) {
+      const int64_t k = int64_t(a[i] & 0xffffffffu);
+      out[lo + i] = Record{uint32_t(a[i] >> 32), uint32_t((k / C) * rpd + rows[k]), vals[k], 0};
+    }
+  });
+  return m;
+}
+
+struct State {  // the table and up to two slot arrays, updated in place
+  void* table;
+  float* slot[2];
+  int64_t width[2];
+};
+
+struct Grads {
+  const float* data;   // [D * rpd, dim] activation gradients
+  const uint8_t* bad;  // [D * rpd]: the row holds a NaN/inf (SGD with skip_nonfinite), or null
+  int64_t dim;
+  const float* row(const Record& r) const { return data + int64_t(r.out_row) * dim; }
+};
+
+// Applies the update to one table row from its run of records (in entry order). `w`, `g`: [dim] scratch.
+template <typename T>
+void update_group(const Options& o, const Grads& gr, const Record* group, int64_t size, const State& st, float* w,
+                  float* g) {
+  const int64_t dim = gr.dim, col = group[0].col;
+  T* row = static_cast<T*>(st.table) + col * dim;
+  for (int64_t j = 0; j < dim; j++) w[j] = load(row + j);
+  if (o.linear) {  // SGD, each occurrence on its own in entry order: row += -lr * (g_k * v_k)
+    for (int64_t i = 0; i < size && gr.bad; i++)
+      if (gr.bad[group[i].out_row]) return;  // a NaN/inf reaches the row: it keeps its values
+    const float neg_lr = -o.scalars[0];
+    for (int64_t i = 0; i < size; i++) {
+      const float *gk = gr.row(group[i]), v = group[i].value;
+      for (int64_t j = 0; j < dim; j++) w[j] = w[j] + neg_lr * (gk[j] * v);
+    }
+  } else {
+    for (int64_t j = 0; j < dim; j++) g[j] = 0.0f;
+    float norm = 0.0f;
+    const float scale = clip_scale(w, dim, o.max_norm, &norm);
+    for (int64_t i = 0; i < size; i++) {  // the row's gradient, summed in entry order
+      const float *gk = gr.row(group[i]), v = group[i].value;
+      if (o.max_norm > 0.0f)
+        add_clipped_grad(w, scale, norm, o.max_norm, gk, v, g, dim);
+      else
+        for (int64_t j = 0; j < dim; j++) g[j] += gk[j] * v;
+    }
+    if (o.skip_nonfinite && !all_finite(g, dim)) return;  // the row and its slots keep their values
+    float* s0 = st.slot[0] ? st.slot[0] + col * st.width[0] : nullptr;
+    float* s1 = st.slot[1] ? st.slot[1] + col * st.width[1] : nullptr;
+    update_row(o, dim, w, g, s0, s1);
+  }
+  for (int64_t j = 0; j < dim; j++) store(row + j, w[j]);
+}
+
+constexpr int64_t kBackwardChunk = 2048;  // records per work chunk (cut where the col changes)
+constexpr int64_t kAhead = 16;            // records ahead whose rows are prefetched
+
+template <typename T>
+void prefetch_state(const Grads& gr, const State& st, const Record& r) {
+  prefetch_row(static_cast<T*>(st.table) + int64_t(r.col) * gr.dim, gr.dim * int64_t(sizeof(T)), true);
+  for (int s = 0; s < 2; s++)
+    if (st.slot[s]) prefetch_row(st.slot[s] + int64_t(r.col) * st.width[s], st.width[s] * 4, true);
+  prefetch_row(gr.row(r), gr.dim * 4, false);
+}
+
+// Updates every row the sorted records touch, in chunks of about kBackwardChunk records cut where the col
+// changes: each row on one thread, in a fixed order, whatever the thread count.
+template <typename T>
+void backward_impl(ffi::ThreadPool& pool, int64_t threads, const Options& o, const Grads& gr, const Record* recs,
+                   int64_t m, const State& st) {
+  std::vector<int64_t> bounds{0};
+  while (bounds.back() < m) {
+    int64_t end = std::min(m, bounds.back() + kBackwardChunk);
+    while (end < m && recs[end].col == recs[end - 1].col) end++;
+    bounds.push_back(end);
+  }
+  parallel_for(pool, threads, int64_t(bounds.size()) - 1, [&](int64_t c) {
+    std::vector<float> scratch(2 * size_t(gr.dim));
+    const int64_t lo = bounds[c], hi = bounds[c + 1];
+    for (int64_t b = lo; b < hi;) {
+      int64_t end = b + 1;
+      while (end < hi && recs[end].col == recs[b].col) end++;
+      for (int64_t a = b + kAhead; a < std::min(end + kAhead, hi); a++) prefetch_state<T>(gr, st, recs[a]);
+      update_group<T>(o, gr, recs + b, end - b, st, scratch.data(), scratch.data() + gr.dim);
+      b = end;
+    }
+  });
+}
+
+enum Flags : int64_t { kSkipNonfinite = 1, kClipGradient = 2, kClipWeight = 4, kLinear = 8 };
+
+// The table and its slots (the remaining arguments), aliased to the results: the state to update in place.
+ffi::Error decode_state(ffi::RemainingArgs& in, ffi::RemainingRets& out, State& st, int64_t& num_rows, int64_t& dim,
+                        ffi::DataType& dtype) {
+  if (in.size() != out.size() || in.size() < 1 || in.size() > 3)
+    return ffi::Error::InvalidArgument("sparse_embed backward: expected a table and up to two slots");
+  for (size_t i = 0; i < in.size(); i++) {
+    auto a = in.get<ffi::AnyBuffer>(i);
+    auto r = out.get<ffi::AnyBuffer>(i);
+    if (!a.has_value() || !r.has_value()) return ffi::Error::InvalidArgument("sparse_embed backward: bad state");
+    if ((*r)->untyped_data() != a->untyped_data())  // aliased as a rule; copy if XLA gave a separate buffer
+      std::memcpy((*r)->untyped_data(), a->untyped_data(), a->size_bytes());
+    auto d = a->dimensions();
+    if (d.size() != 2 || (i > 0 && (d[0] != num_rows || a->element_type() != ffi::F32)))
+      return ffi::Error::InvalidArgument("sparse_embed backward: slots must be float32 [rows, width]");
+    if (i == 0) {
+      num_rows = d[0], dim = d[1], dtype = a->element_type(), st.table = (*r)->untyped_data();
+    } else {
+      st.slot[i - 1] = static_cast<float*>((*r)->untyped_data()), st.width[i - 1] = d[1];
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Matrix vals, F32Cube grads,
+                    F32Vector scalars, ffi::AnyBuffer /*token: orders this call after the forward's reads*/,
+                    ffi::RemainingArgs state_in, ffi::RemainingRets state_out, int64_t optimizer, int64_t flags,
+                    float max_norm, ffi::Span<const float> options, ffi::Span<const float> hyper, int64_t threads,
+                    int64_t huge_pages) {
+  auto cd = cols.dimensions();
+  auto gd = grads.dimensions();
+  State st{};
+  int64_t num_rows = 0, dim = 0;
+  ffi::DataType dtype = ffi::F32;
+  if (ffi::Error err = decode_state(state_in, state_out, st, num_rows, dim, dtype); err.failure()) return err;
+  if (!same_dims(rows.dimensions(), cd) || !same_dims(vals.dimensions(), cd) || gd[0] != cd[0] || gd[2] != dim ||
+      options.size() != 5)
+    return ffi::Error::InvalidArgument("sparse_embed backward: inconsistent shapes");
+  if (cd[0] * cd[1] >= (int64_t(1) << 32) || cd[0] * gd[1] >= (int64_t(1) << 32))
+    return ffi::Error::InvalidArgument("sparse_embed backward: 2**32 or more entries or output rows");
+  Options o{optimizer, max_norm, (flags & kSkipNonfinite) != 0, (flags & kClipGradient) != 0, options[0], options[1],
+            options[2], (flags & kClipWeight) != 0, options[3], options[4], (flags & kLinear) != 0, hyper.begin(),
+            scalars.typed_data()};
+  const int64_t nt = thread_count(pool, threads);
+  if (huge_pages) {
+    hugepages::advise(pool, nt, st.table, size_t(num_rows * dim) * (dtype == ffi::F32 ? 4 : 2));
+    for (int i = 0; i < 2; i++)
+      if (st.slot[i]) hugepages::advise(pool, nt, st.slot[i], size_t(num_rows * st.width[i]) * 4);
+  }
+  thread_local Sorter sorter;  // kept between steps: no fresh pages each step
+  thread_local std::vector<uint8_t> bad;
+  const int64_t m = sort_records(pool, nt, cols.typed_data(), rows.typed_data(), vals.typed_data(), cd[0], cd[1],
+                                 gd[1], num_rows, sorter);
+  Grads gr{grads.typed_data(), nullptr, dim};
+  if (o.linear && o.skip_nonfinite) {  // checked per output row, once, rather than per entry
+    bad.resize(size_t(cd[0] * gd[1]) + 1);
+    uint8_t* b = bad.data();  // this thread's buffer (thread_locals differ on the pool's threads)
+    parallel_for(pool, nt, cd[0], [&](int64_t d) {
+      for (int64_t r = d * gd[1]; r < (d + 1) * gd[1]; r++) b[r] = !all_finite(gr.data + r * dim, dim);
+    });
+    gr.bad = b;
+  }
+  if (dtype == ffi::F32)
+    backward_impl<float>(pool, nt, o, gr, sorter.records.data(), m, st);
+  else if (dtype == ffi::BF16)
+    backward_impl<uint16_t>(pool, nt, o, gr, sorter.records.data(), m, st);
+  else
+    return ffi::Error::InvalidArgument("sparse_embed backward: tables must be float32 or bfloat16");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<I32Matrix>()
+                                  .Arg<I32Matrix>()
+                                  .Arg<F32Matrix>()
+                                  .Ret<F32Cube>()
+                                  .Ret<F32Vector>()
+                                  .Attr<float>("max_norm")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("huge_pages"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<I32Matrix>()
+                                  .Arg<I32Matrix>()
+                                  .Arg<F32Matrix>()
+                                  .Arg<F32Cube>()
+                                  .Arg<F32Vector>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("optimizer")
+                                  .Attr<int64_t>("flags")
+                                  .Attr<float>("max_norm")
+                                  .Attr<ffi::Span<const float>>("options")
+                                  .Attr<ffi::Span<const float>>("hyper")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("huge_pages"));
+
+// ------------------------------------------------------------------ Python module
+
+static PyObject* handlers(PyObject*, PyObject*) {
+  PyObject* d = PyDict_New();
+  if (!d) return nullptr;
+  const struct {
+    const char* name;
+    void* fn;
+  } targets[] = {{"forward", reinterpret_cast<void*>(SparseEmbedForward)},
+                 {"backward", reinterpret_cast<void*>(SparseEmbedBackward)}};
+  for (const auto& t : targets) {
+    PyObject* capsule = PyCapsule_New(t.fn, nullptr, nullptr);
+    if (!capsule || PyDict_SetItemString(d, t.name, capsule) < 0) {
+      Py_XDECREF(capsule);
+      Py_DECREF(d);
+      return nullptr;
+    }
+    Py_DECREF(capsule);
+  }
+  return d;
+}
+
+static PyMethodDef methods[] = {
+    {"handlers", handlers, METH_NOARGS, "handlers() -> {name: PyCapsule of an XLA FFI handler}"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native_cpu", "The native CPU kernel's XLA FFI handlers (see _native_cpu.cc).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__native_cpu(void) { return PyModule_Create(&module); }

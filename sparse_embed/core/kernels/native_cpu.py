@@ -1,0 +1,171 @@
+"""The native CPU kernel: the lookup's per-shard work in C++ (`_native_cpu.cc`), through XLA's typed FFI.
+
+Forward: one pass over the received entries, in their order (each sample's
+entries together), which gathers each row (prefetched ahead), clips it to
+`max_norm`, scales it by its gain and adds it to its output row; the work is
+split over XLA's CPU thread pool at output-row boundaries.
+
+Backward: the entries are sorted by table row (a radix sort, no scratch
+array the size of the table), so the table is updated in address order,
+which page walks and DRAM reward (2-3x over entry order here); each
+distinct row is read, updated with its slots and written once, in place on
+the donated table and slots (`input_output_aliases`). SGD applies each occurrence on its own, as the
+generic kernel does; every other optimizer sums the row's gradient first.
+Each row's arithmetic runs in a fixed order on one thread, so results do
+not depend on the number of threads; they agree with the generic kernel to
+about 1e-6 (bit for bit where the order of operations is the same, e.g. the
+forward and an SGD update).
+
+The backward takes a token that the forward outputs after its reads, so
+XLA orders the in-place writes after them without copying a table, with or
+without `configure_xla_cpu()`. `Custom` optimizers run on the generic
+kernel. The extension is built by `pip install` when a C++ compiler and
+jaxlib's FFI headers are there; without it, "auto" picks the generic kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+from types import ModuleType
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_embed.core import optimizers as opt
+from sparse_embed.core.kernels.interface import Forward, Received
+from sparse_embed.core.planning import StackPlan
+from sparse_embed.core.state import EmbeddingVariables
+
+# The optimizers the C++ code implements, with its code for each and the order of their slots.
+_OPTIMIZERS: dict[type, tuple[int, tuple[str, ...]]] = {
+    opt.SGD: (0, ()),
+    opt.Adagrad: (1, ("accumulator",)),
+    opt.RowwiseAdagrad: (2, ("accumulator",)),
+    opt.Adam: (3, ("momentum", "velocity")),
+    opt.AdagradMomentum: (4, ("accumulator", "momentum")),
+    opt.FTRL: (5, ("accumulator", "linear")),
+    opt.LaProp: (6, ("mu", "nu")),
+}
+_SKIP_NONFINITE, _CLIP_GRADIENT, _CLIP_WEIGHT, _LINEAR = 1, 2, 4, 8  # the C++ code's flags
+_TARGET = "sparse_embed_{}"
+HUGE_PAGES_ENV = "SPARSE_EMBED_HUGE_PAGES"  # "0": leave the tables on the pages XLA gave them
+
+
+@functools.cache
+def _extension() -> ModuleType | None:
+    try:
+        return importlib.import_module("sparse_embed.core.kernels._native_cpu")
+    except ImportError:
+        return None
+
+
+@functools.cache
+def _register() -> None:
+    """Registers the FFI targets with XLA, once, on first use."""
+    for name, capsule in _extension().handlers().items():
+        jax.ffi.register_ffi_target(_TARGET.format(name), capsule, platform="cpu")
+
+
+def available() -> bool:
+    """Whether the C++ extension was built."""
+    return _extension() is not None
+
+
+def _hyper(o: opt.Optimizer) -> np.ndarray:
+    """The optimizer's constants, f32, as the C++ code reads them (see `update_row` in _native_cpu.cc)."""
+    f32 = np.float32
+    if isinstance(o, opt.RowwiseAdagrad):
+        values = [o.epsilon]
+    elif isinstance(o, opt.Adam):
+        values = [1.0 - o.b1, 1.0 - o.b2]
+    elif isinstance(o, opt.AdagradMomentum):
+        values = [o.momentum, o.beta2, 1.0 - o.beta2, o.epsilon, -1.0 / o.exponent, float(o.use_nesterov)]
+    elif isinstance(o, opt.FTRL):
+        values = [-o.learning_rate_power, o.l1, o.l2, o.beta, float(o.multiply_linear_by_learning_rate)]
+    elif isinstance(o, opt.LaProp):
+        values = [o.b1, np.sqrt(f32(1.0 - o.b1**2)), o.eps]
+    else:
+        values = [0.0]  # SGD, Adagrad: none (an empty array attribute is not allowed)
+    return np.asarray(values, f32)
+
+
+def _scalars(o: opt.Optimizer, step) -> jax.Array:
+    """The step's learning rate, then the optimizer's step-dependent factors: f32 `[k]`."""
+    lr = o.learning_rate_at(step)
+    if isinstance(o, opt.Adam):
+        return jnp.stack([lr, *o.bias_corrected(step, lr)])
+    if isinstance(o, opt.LaProp):
+        d = o.nu_decay(step)
+        return jnp.stack([lr, d, 1.0 - d]).astype(jnp.float32)
+    return lr[None]
+
+
+def _options(stack: StackPlan, skip_nonfinite: bool, linear: bool) -> dict:
+    o = stack.optimizer
+    lo_g, hi_g = o.clip_gradient or (0.0, 0.0)
+    lo_w, hi_w = o.clip_weight or (0.0, 0.0)
+    flags = ((_SKIP_NONFINITE if skip_nonfinite else 0) | (_CLIP_GRADIENT if o.clip_gradient else 0)
+             | (_CLIP_WEIGHT if o.clip_weight else 0) | (_LINEAR if linear else 0))
+    return dict(optimizer=np.int64(_OPTIMIZERS[type(o)][0]), flags=np.int64(flags),
+                max_norm=np.float32(stack.max_norm or 0.0), hyper=_hyper(o),
+                options=np.asarray([lo_g, hi_g, o.weight_decay, lo_w, hi_w], np.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeCpuKernel:
+    """The C++ implementation on CPU (see the module docstring).
+
+    Attributes:
+      threads: how many threads a call uses at most, counting the calling
+        one; 0 = as many as XLA's CPU thread pool has (one per core).
+        Results are the same for every value.
+      huge_pages: back the tables and slots with 2 MiB pages (Linux
+        `madvise`), once per buffer, when a call sees the same buffer a third
+        time (a donated table); up to 2x faster lookups and updates on large
+        tables. `$SPARSE_EMBED_HUGE_PAGES=0` turns it off for "auto" plans.
+    """
+
+    threads: int = 0
+    huge_pages: bool = True
+    name: ClassVar[str] = "native"
+
+    def _attrs(self) -> dict:
+        huge = self.huge_pages and os.environ.get(HUGE_PAGES_ENV) != "0"
+        return dict(threads=np.int64(self.threads), huge_pages=np.int64(huge))
+
+    def unsupported(self, stack: StackPlan) -> str | None:
+        if not available():
+            return ("its C++ extension is not built (pip install builds it when a C++ compiler and jaxlib's "
+                    "headers are there)")
+        if type(stack.optimizer) not in _OPTIMIZERS:
+            return f"{type(stack.optimizer).__name__} optimizers run on the generic kernel"
+        if stack.dtype not in (jnp.float32, jnp.bfloat16):
+            return f"its tables are {stack.dtype}, not float32 or bfloat16"
+        return None
+
+    def forward(self, stack: StackPlan, rec: Received, table: jax.Array) -> Forward:
+        _register()
+        D, rpd, dim = stack.num_shards, stack.rows_per_device, stack.embedding_dim
+        out = (jax.ShapeDtypeStruct((D, rpd, dim), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32))
+        partials, token = jax.ffi.ffi_call(_TARGET.format("forward"), out)(
+            table, rec.col_ids, rec.row_ids, rec.values,
+            max_norm=np.float32(stack.max_norm or 0.0), **self._attrs())
+        return Forward(partials, table, token)  # the token orders the backward's writes after these reads
+
+    def backward(self, stack: StackPlan, rec: Received, saved, variables: EmbeddingVariables, grads: jax.Array,
+                 step, skip_nonfinite: bool) -> EmbeddingVariables:
+        _register()
+        o, names = stack.optimizer, _OPTIMIZERS[type(stack.optimizer)][1]
+        linear = o.is_linear and stack.max_norm is None and variables.table.dtype == jnp.float32
+        state = [variables.table, *(variables.slots[k] for k in names)]
+        fixed = (rec.col_ids, rec.row_ids, rec.values, grads, _scalars(o, step), saved)
+        out = jax.ffi.ffi_call(
+            _TARGET.format("backward"), [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state],
+            input_output_aliases={len(fixed) + i: i for i in range(len(state))},
+        )(*fixed, *state, **self._attrs(), **_options(stack, skip_nonfinite, linear))
+        return EmbeddingVariables(out[0], dict(zip(names, out[1:])))

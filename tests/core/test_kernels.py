@@ -1,0 +1,222 @@
+"""The kernel seam: which implementation runs, the generic kernel's own paths, and native against generic."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparse_embed as se
+import test_lookup
+from conftest import make_mesh
+from sparse_embed import optimizers as opt
+from sparse_embed.core import kernels
+from sparse_embed.core.kernels import GenericKernel, NativeCpuKernel, native_cpu
+from train_fixtures import assert_trees_equal
+
+needs_native = pytest.mark.skipif(not native_cpu.available(), reason="the native CPU kernel is not built")
+
+
+def _custom(rows, slots, grads, step):
+    return rows - 0.1 * grads, slots
+
+
+def _plan(mesh, **kw):
+    sgd = se.TableSpec("sgd", 40, 8, optimizer=opt.SGD(0.1))
+    custom = se.TableSpec("custom", 30, 8, optimizer=opt.Custom(_custom))
+    feats = {"a": se.FeatureSpec("a", sgd, 16), "b": se.FeatureSpec("b", custom, 16)}
+    return se.plan(feats, mesh, **kw)
+
+
+# ---------------------------------------------------------------- selection
+@needs_native
+def test_auto_runs_native_on_cpu_and_generic_for_custom_optimizers(mesh8):
+    plan = _plan(mesh8)
+    assert isinstance(kernels.for_stack(plan, plan.stack("sgd")), NativeCpuKernel)
+    assert isinstance(kernels.for_stack(plan, plan.stack("custom")), GenericKernel)
+
+
+def test_generic_forced_by_plan_and_by_environment(mesh8, monkeypatch):
+    plan = _plan(mesh8, kernel="generic")
+    assert all(isinstance(kernels.for_stack(plan, s), GenericKernel) for s in plan.stacks)
+    monkeypatch.setenv("SPARSE_EMBED_KERNEL", "generic")
+    assert _plan(mesh8).kernel == "generic"
+    assert _plan(mesh8, kernel=GenericKernel(chunk=7)).kernel == GenericKernel(chunk=7)  # explicit beats env
+
+
+def test_bad_kernel_choices_are_clear_errors(mesh8, monkeypatch):
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        _plan(mesh8, kernel="fast")
+    with pytest.raises(TypeError, match="kernel must be one of"):
+        _plan(mesh8, kernel=42)
+    monkeypatch.setenv("SPARSE_EMBED_KERNEL", "fast")
+    with pytest.raises(ValueError, match=r"from \$SPARSE_EMBED_KERNEL"):
+        _plan(mesh8)
+
+
+def test_forcing_native_on_a_custom_optimizer_names_the_stack(mesh8):
+    plan = _plan(mesh8, kernel="native")
+    with pytest.raises(ValueError, match="Stack 'custom': the native kernel cannot run it: Custom optimizers"):
+        kernels.for_stack(plan, plan.stack("custom"))
+
+
+def test_without_the_extension_auto_is_generic_and_native_says_why():
+    """As after an install without a C++ compiler: the import of the extension fails."""
+    code = """
+import sys; sys.modules["sparse_embed.core.kernels._native_cpu"] = None
+import jax, numpy as np, sparse_embed as se
+from sparse_embed.core import kernels
+mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+feats = {"a": se.FeatureSpec("a", se.TableSpec("t", 10, 4), 4)}
+plan = se.plan(feats, mesh)
+print(type(kernels.for_stack(plan, plan.stacks[0])).__name__)
+try:
+    kernels.for_stack(se.plan(feats, mesh, kernel="native"), plan.stacks[0])
+except ValueError as e:
+    print(e)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "SPARSE_EMBED_KERNEL"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    first, second = out.stdout.strip().splitlines()
+    assert first == "GenericKernel" and "extension is not built" in second
+
+
+# ---------------------------------------------------------------- the generic kernel's paths
+@pytest.mark.parametrize("name", list(test_lookup.OPTIMIZERS))
+def test_generic_in_tiny_chunks_matches_reference(name):
+    """Chunks of 5 entries (many chunks, with padding) instead of the default."""
+    test_lookup.test_multi_step_training_matches_reference(make_mesh(2), name, "auto", kernel=GenericKernel(chunk=5))
+
+
+def test_generic_sorted_dedup_path_matches_reference(mesh8):
+    """Duplicates combined by the sort path (as for bf16 tables and 2**24+ entries) instead of representatives."""
+    test_lookup.test_multi_step_training_matches_reference(mesh8, "adagrad", "auto",
+                                                           kernel=GenericKernel(exact_index_limit=0))
+
+
+# ---------------------------------------------------------------- native against generic
+CASES = {
+    "sgd": opt.SGD(0.1),
+    "sgd_options": opt.SGD(0.1, clip_gradient=(-0.05, 0.05), weight_decay=0.3, clip_weight=(-0.3, 0.3)),
+    "adagrad": opt.Adagrad(0.2),
+    "rowwise_adagrad": opt.RowwiseAdagrad(0.2, epsilon=1e-3),
+    "adam": opt.Adam(0.05, b1=0.8, b2=0.9),
+    "adagrad_momentum": opt.AdagradMomentum(0.1, momentum=0.7, beta2=0.9, exponent=3.0, use_nesterov=True),
+    "ftrl": opt.FTRL(0.5, learning_rate_power=-0.7, l1=0.02, l2=0.1, beta=0.3),
+    "ftrl_multiply_linear": opt.FTRL(0.5, l1=0.02, multiply_linear_by_learning_rate=True),
+    "laprop_schedule": opt.LaProp(lambda step: 0.05 / (1.0 + step), b1=0.8, b2=0.9),
+    "adam_options": opt.Adam(0.05, clip_gradient=(-0.1, 0.2), clip_weight=(-0.2, 0.25), weight_decay=0.1),
+}
+
+
+def _train(kernel, optimizer, mesh, *, max_norm=None, dtype=jnp.float32, steps=3, bad_step=None):
+    """3 steps on a stack of two tables (a sequence feature, a shared table, many duplicates); acts and state."""
+    a = se.TableSpec("a", 61, 8, combiner="sum", optimizer=optimizer, max_norm=max_norm, dtype=dtype)
+    b = se.TableSpec("b", 26, 8, combiner="sum", optimizer=optimizer, max_norm=max_norm, dtype=dtype)
+    feats = {"a1": se.FeatureSpec("a1", a, 16), "a2": se.FeatureSpec("a2", a, 16),
+             "b_seq": se.FeatureSpec("b_seq", b, 16, max_sequence_length=3)}
+    plan = se.plan(feats, mesh, kernel=kernel)
+    rng = np.random.default_rng(0)
+    cts = {n: rng.normal(size=f.output_shape).astype(np.float32) for n, f in feats.items()}
+
+    def loss(tables, batch, step, poison):
+        acts = se.lookup(plan, batch, tables, step)
+        return sum(jnp.sum(acts[k] * cts[k]) for k in cts) * poison, acts
+
+    train = jax.jit(jax.grad(loss, has_aux=True), donate_argnums=0)
+    tables, outs = se.init_tables(plan, jax.random.key(1)), []
+    for step in range(steps):
+        pool = 3 if step == 1 else None  # step 1: ids from a pool of 3, within and across features
+        ids = {n: rng.integers(0, pool or f.table.vocabulary_size, (16, 5)) for n, f in feats.items()}
+        batch, _ = se.preprocess(plan, ids)
+        tables, acts = train(tables, batch, jnp.int32(step), jnp.float32(np.nan if step == bad_step else 1.0))
+        outs.append(acts)
+    return jax.tree.map(np.asarray, (outs, se.unstack_state(plan, tables)))
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("max_norm", [None, 0.4], ids=["plain", "max_norm"])
+def test_native_agrees_with_generic(name, max_norm):
+    mesh = make_mesh(2)
+    want = _train("generic", CASES[name], mesh, max_norm=max_norm)
+    got = _train("native", CASES[name], mesh, max_norm=max_norm)
+    # Activations: the native forward sums a sample's rows in table-row order, the generic one in input order.
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got[0], want[0])
+    if name == "sgd" and max_norm is None:  # the same update operations in the same order: bit for bit
+        assert_trees_equal(got[1], want[1])
+    else:  # a row's L2 norm (max_norm) is a reduction whose order XLA chooses: a few ulps more, after 3 steps
+        tol = 1e-6 if max_norm is None else 1e-5
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=tol, atol=1e-6), got[1], want[1])
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_native_bf16_tables_agree_with_generic(name):
+    want = _train("generic", CASES[name], make_mesh(8), dtype=jnp.bfloat16)
+    got = _train("native", CASES[name], make_mesh(8), dtype=jnp.bfloat16)
+    assert got[1]["a"]["table"].dtype == jnp.bfloat16
+    # bf16 rows: a 1-ulp difference in f32 may round to the neighbouring bf16 value
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.float32(x), np.float32(y), rtol=1e-2, atol=1e-2), got, want)
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_native_skips_nonfinite_rows_like_generic(name):
+    """A NaN cotangent on step 1: every touched row keeps its values on both kernels."""
+    want = _train("generic", CASES[name], make_mesh(2), bad_step=1)
+    got = _train("native", CASES[name], make_mesh(2), bad_step=1)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got[1], want[1])
+    assert all(np.isfinite(v).all() for t in got[1].values() for v in t.values())
+
+
+# ---------------------------------------------------------------- native determinism
+def _big_batch_train(threads: int, optimizer):
+    """Enough entries per shard (16384) for many forward and backward work chunks, with hot rows."""
+    t = se.TableSpec("t", 5000, 16, combiner="mean", optimizer=optimizer)
+    feats = {"f": se.FeatureSpec("f", t, 1024), "s": se.FeatureSpec("s", t, 1024, max_sequence_length=4)}
+    plan = se.plan(feats, make_mesh(1), kernel=NativeCpuKernel(threads=threads))
+    rng = np.random.default_rng(3)
+    ids = {n: (rng.zipf(1.3, (1024, 8)) % 5000) for n in feats}
+    batch, _ = se.preprocess(plan, ids)
+    cts = {n: rng.normal(size=f.output_shape).astype(np.float32) for n, f in feats.items()}
+
+    def loss(tables):
+        acts = se.lookup(plan, batch, tables, 0)
+        return sum(jnp.sum(acts[k] * cts[k]) for k in cts), acts
+
+    tables, acts = jax.jit(jax.grad(loss, has_aux=True))(se.init_tables(plan, jax.random.key(0)))
+    return jax.tree.map(np.asarray, (acts, se.unstack_state(plan, tables)))
+
+
+@needs_native
+@pytest.mark.parametrize("optimizer", [opt.SGD(0.1), opt.Adagrad(0.1)], ids=["sgd", "adagrad"])
+def test_native_results_do_not_depend_on_the_thread_count(optimizer):
+    one = _big_batch_train(1, optimizer)
+    assert_trees_equal(_big_batch_train(2, optimizer), one)
+    assert_trees_equal(_big_batch_train(3, optimizer), one)
+
+
+@needs_native
+def test_native_huge_pages_change_no_value():
+    """A table over the kernel's 64 MiB threshold, seen 3+ times: Linux may back it with huge pages; no value moves."""
+    t = se.TableSpec("big", 1 << 20, 24, combiner="sum", optimizer=opt.Adagrad(0.1))
+    feats = {"f": se.FeatureSpec("f", t, 64)}
+    rng = np.random.default_rng(0)
+    batches = [se.preprocess(se.plan(feats, make_mesh(1)), {"f": rng.integers(0, 1 << 20, (64, 6))})[0]
+               for _ in range(4)]
+    results = []
+    for huge in (False, True):
+        plan = se.plan(feats, make_mesh(1), kernel=NativeCpuKernel(huge_pages=huge))
+        train = jax.jit(jax.grad(lambda tb, b: jnp.sum(se.lookup(plan, b, tb, 0)["f"] ** 2)), donate_argnums=0)
+        tables = se.init_tables(plan, jax.random.key(0))
+        for b in batches:
+            tables = train(tables, b)
+        acts = se.lookup(plan, batches[0], tables)["f"]
+        results.append(jax.tree.map(np.asarray, (acts, tables)))
+    assert_trees_equal(results[1], results[0])
