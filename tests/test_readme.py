@@ -22,11 +22,3 @@ def test_quick_start_has_two_commands():
 def test_ci_runs_the_readme_test_command_verbatim():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert _quick_start_commands()[1] in ci
-
-
-def test_readme_optimizer_table_is_the_docstring_table():
-    import sparse_embed.core.optimizers as opt
-
-    table = [line for line in opt.__doc__.splitlines() if line.startswith("|")]
-    readme = (ROOT / "README.md").read_text()
-    assert len(table) >= 10 and "\n".join(table) in readme

@@ -10,6 +10,7 @@ import sparse_embed as se
 import reference as ref
 
 
+
 @pytest.fixture
 def setup(mesh8):
     t = se.TableSpec("tbl", 20, 4, combiner="mean")
@@ -107,6 +108,7 @@ def test_failed_preprocess_leaves_tables_untouched(setup):
     np.testing.assert_array_equal(after["tbl"], before["tbl"])
 
 
+@pytest.mark.usefixtures("each_kernel")  # on the generic and the native kernel
 def test_lookup_rejects_foreign_batch_and_tables(setup, mesh8):
     plan, good = setup
     tables = se.init_tables(plan, jax.random.key(0))
@@ -182,6 +184,7 @@ EMPTY = {
 }
 
 
+@pytest.mark.usefixtures("each_kernel")  # on the generic and the native kernel
 @pytest.mark.parametrize("form", list(EMPTY))
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 def test_empty_feature_gives_zero_activations_and_no_table_change(mesh8, form, weighted):
@@ -244,6 +247,7 @@ def _reference_grads(feats, samples, cts, state, max_norm):
     return grads
 
 
+@pytest.mark.usefixtures("each_kernel")  # on the generic and the native kernel
 @pytest.mark.parametrize("name", list(NONFINITE_OPTIMIZERS))
 def test_nonfinite_gradient_rows_are_skipped(mesh8, name):
     plan, batch, cts, o, update, state, grads, bad, got = _nonfinite_case(mesh8, name, "skip")
@@ -262,22 +266,24 @@ def test_nonfinite_gradient_rows_are_skipped(mesh8, name):
         se.nonfinite_rows(plan, batch, {k: v for k, v in cts.items() if k != "fb"})
 
 
+@pytest.mark.usefixtures("each_kernel")  # on the generic and the native kernel
 def test_nonfinite_gradients_apply_poisons_exactly_those_rows(mesh8):
     *_, grads, bad, got = _nonfinite_case(mesh8, "adagrad", "apply")
     for t in ("a", "b"):
         assert {int(r) for r in np.nonzero(~np.isfinite(got[t]["table"]).all(1))[0]} == bad[t]
 
 
-def test_readme_bad_input_table_names_existing_tests():
+def test_bad_input_table_names_existing_tests():
+    """Every row of docs/bad_input.md names the test (path under tests/) that checks it."""
     import pathlib
     import re
 
-    tests = pathlib.Path(__file__).parent
-    section = (tests.parent / "README.md").read_text().split("### Bad input", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| input")]
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    table = (tests.parent / "docs" / "bad_input.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| input")]
     assert len(rows) >= 15
     for row in rows:
-        named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", row.rsplit("|", 2)[1])
+        named = re.findall(r"`([\w/]+\.py)::(test_\w+)`", row.rsplit("|", 2)[1])
         assert named, f"row names no test: {row}"
         for file, name in named:
             assert re.search(rf"^def {name}\(", (tests / file).read_text(), re.M), f"{file}::{name} not found"
