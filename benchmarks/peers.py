@@ -7,8 +7,8 @@
   (`WARNING`), and the optimizer fused into the backward (EXACT_SGD,
   EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD). Package `fbgemm-gpu-cpu`.
 - `torch`: one `torch.nn.EmbeddingBag(mode="sum", sparse=True)` per table and
-  `torch.optim.SGD` / `torch.optim.Adagrad`, which take sparse gradients
-  (torch has no row-wise Adagrad).
+  `torch.optim.SGD` / `Adagrad` / `SparseAdam`, which take sparse gradients
+  (torch has no row-wise Adagrad; FBGEMM has no Adam on CPU).
 - `flax`: the naive Flax model, "what a Flax user writes today": one
   `flax.linen.Embed` per table, a sum over each sample's ids, and
   `optax.sgd` / `optax.adagrad` on *dense* gradients, jitted with the params
@@ -48,7 +48,7 @@ from typing import Any, Callable
 import numpy as np
 
 FORWARD = "forward"
-TRAIN_SGD, TRAIN_ADAGRAD, TRAIN_ROWWISE = "train_sgd", "train_adagrad", "train_rowwise_adagrad"
+TRAIN_SGD, TRAIN_ADAGRAD, TRAIN_ROWWISE, TRAIN_ADAM = "train_sgd", "train_adagrad", "train_rowwise_adagrad", "train_adam"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +187,8 @@ def _torch_bags(measurement: str, p: Problem, threads: int) -> Stepper:
         return Stepper(forward, (bags, None), batches, _torch_bytes(params), tables)
     if measurement == TRAIN_SGD:
         opt = torch.optim.SGD(params, lr=p.learning_rate)
+    elif measurement == TRAIN_ADAM:  # lazy Adam, as sparse_embed's (its slots appear at the first step)
+        opt = torch.optim.SparseAdam(params, lr=p.learning_rate)
     else:
         opt = torch.optim.Adagrad(params, lr=p.learning_rate, initial_accumulator_value=0.1)
 
@@ -269,7 +271,7 @@ def _flax_naive(measurement: str, p: Problem, threads: int) -> Stepper:
 PEERS: dict[str, Peer] = {
     "fbgemm": Peer("FBGEMM TBE (CPU)", ("torch", "fbgemm_gpu"),
                    (FORWARD, TRAIN_SGD, TRAIN_ADAGRAD, TRAIN_ROWWISE), _fbgemm),
-    "torch": Peer("torch EmbeddingBag", ("torch",), (FORWARD, TRAIN_SGD, TRAIN_ADAGRAD), _torch_bags),
+    "torch": Peer("torch EmbeddingBag", ("torch",), (FORWARD, TRAIN_SGD, TRAIN_ADAGRAD, TRAIN_ADAM), _torch_bags),
     "flax": Peer("naive Flax (dense grads)", ("flax", "optax"),
                  (FORWARD, TRAIN_SGD, TRAIN_ADAGRAD), _flax_naive, slow_train=True),
 }

@@ -21,7 +21,7 @@ drift in background load; ms/step = total wall time / steps, over rounds.
 
     python benchmarks/pipeline.py                    # W1
     python benchmarks/pipeline.py --quick            # smoke run, a few seconds
-    python benchmarks/pipeline.py --json benchmarks/results_pipeline.json
+    python benchmarks/pipeline.py --json benchmarks/results/results_pipeline.json
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import step as step_bench  # noqa: E402
+from benchmarks import environment, measuring, ours, workload  # noqa: E402
 
 LOOPS = {
     "preprocess": "(a) preprocess alone",
@@ -58,7 +58,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 class Config:
     """What to run: the workload, timed steps per loop (split over `rounds`), and the prefetch depth."""
 
-    workload: step_bench.Workload
+    workload: workload.Workload
     steps: int
     warmup: int  # untimed steps before each loop's timed steps, in every round
     rounds: int
@@ -85,7 +85,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, str | None]:
     if min(values["steps"], values["rounds"]) < 1 or values["warmup"] < 0 or args.buffer_size < 1:
         p.error("--steps, --rounds and --buffer-size must be >= 1, --warmup >= 0")
     is_preset = args.devices == 1 and all(values[k] == PRESETS[preset][k] for k in SHAPE)
-    w = step_bench.Workload(preset if is_preset else "custom", *(values[k] for k in SHAPE), args.devices, zipf=None)
+    w = workload.Workload(preset if is_preset else "custom", *(values[k] for k in SHAPE), args.devices, zipf=None)
     cfg = Config(w, values["steps"], values["warmup"], values["rounds"], args.buffer_size, args.seed)
     return cfg, args.json
 
@@ -99,21 +99,21 @@ class Pipeline:
 
     plan: Any
     raw: list[dict[str, np.ndarray]]  # a few batches of {feature: [batch, ids_per_sample] int32}, cycled
-    train: step_bench.Runner  # the train step; its state is the (donated) tables
+    train: measuring.Runner  # the train step; its state is the (donated) tables
 
     @classmethod
-    def create(cls, w: step_bench.Workload, mesh, seed: int) -> "Pipeline":
+    def create(cls, w: workload.Workload, mesh, seed: int) -> "Pipeline":
         import jax
         import sparse_embed as se
 
-        problem = step_bench.make_problem(w, seed)
-        plan = step_bench.build_plan(w, "sgd", mesh)
-        batches, _ = step_bench.make_batches(plan, problem)  # also settles the plan's auto capacity
+        problem = workload.make_problem(w, seed)
+        plan = ours.build_plan(w, "sgd", mesh)
+        batches, _ = ours.make_batches(plan, problem)  # also settles the plan's auto capacity
         tables = jax.block_until_ready(se.init_tables(plan, jax.random.key(seed)))
-        cotangents = step_bench.make_cotangents(plan, problem)
-        compiled = step_bench.compile_train(plan, tables, batches[0], cotangents)
-        raw = [step_bench.feature_ids(ids) for ids in problem.ids]
-        return cls(plan, raw, step_bench.train_runner(compiled, tables, batches, cotangents))
+        cotangents = ours.make_cotangents(plan, problem)
+        compiled = ours.compile_train(plan, tables, batches[0], cotangents)
+        raw = [workload.feature_ids(ids) for ids in problem.ids]
+        return cls(plan, raw, ours.train_runner(compiled, tables, batches, cotangents))
 
     def preprocess(self, i: int):
         """Batch i (of the cycled raw batches), preprocessed and on the devices."""
@@ -212,17 +212,16 @@ def format_report(results: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the benchmark; prints a table, optionally writes JSON, returns the results dict."""
     cfg, json_path = parse_args(argv)
-    step_bench.configure_devices(cfg.workload.devices)
+    environment.configure_devices(cfg.workload.devices)
     import sparse_embed
 
     sparse_embed.configure_xla_cpu()  # before the backend starts: no whole-table copies in the generic kernel
 
-    pipeline = Pipeline.create(cfg.workload, step_bench.make_mesh(cfg.workload.devices), cfg.seed)
+    pipeline = Pipeline.create(cfg.workload, environment.make_mesh(cfg.workload.devices), cfg.seed)
     load_before = os.getloadavg()[0]
     loops = measure(pipeline, cfg)
-    cores = step_bench.cpu_threads()
-    env = step_bench.environment(argv, cores)
-    env["command"] = env["command"].replace("benchmarks/step.py", "benchmarks/pipeline.py")  # step.py's own name
+    cores = environment.cpu_threads()
+    env = environment.environment(argv, cores, script="benchmarks/pipeline.py")
     env["load_average_1min"] = [load_before, os.getloadavg()[0]]  # other work on the machine, before and after
     results = {"env": env, "workload": dataclasses.asdict(cfg.workload),
                "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "workload"},

@@ -1,33 +1,58 @@
 """The benchmarks run (a smoke run at tiny size): they cannot rot."""
 
-from benchmarks import peers, step
+import pytest
+
+from benchmarks import peers, report, step, systems, workload
 
 
 def test_step_benchmark_smoke(capsys):
-    """--quick with every optimizer and every installed peer; peers that are not installed get a status row."""
+    """--quick with every optimizer, both kernels and every installed peer; missing peers get a status row."""
     out = step.main(["--quick", "--optimizer", "all", "--steps", "2", "--vocab-rounds", "1"])
-    systems = out["systems"]
-    ours = systems["sparse_embed"]["steps"]
-    assert set(ours) == {"forward"} | {f"train_{o}" for o in step.OPTIMIZERS}
-    for r in ours.values():
-        assert r["median_ms"] > 0 and r["hlo_table_copies"] == 0
+    measured = {"forward"} | {f"train_{o}" for o in workload.OPTIMIZERS}
+    for kernel in systems.KERNELS:
+        ours = out["systems"][systems.sparse_embed_key(kernel)]
+        assert ours["kernel"] == kernel and set(ours["steps"]) == measured
+        for r in ours["steps"].values():
+            assert r["median_ms"] > 0 and r["hlo_table_copies"] == 0
+    assert out["target_system"] == "sparse_embed_native"
+    assert out["agreement"]["sparse_embed_generic"] <= systems.AGREEMENT_TOLERANCE  # the kernels agree
     assert not peers.PEERS["flax"].missing()  # flax and optax are sparse_embed dependencies: always compared
     for key, peer in peers.PEERS.items():
         if not peer.missing():
-            assert set(systems[key]["steps"]) == set(peer.measurements), key
-            assert all(r["median_ms"] > 0 and r["state_bytes"] > 0 for r in systems[key]["steps"].values())
-            assert out["agreement"][key] <= step.AGREEMENT_TOLERANCE  # same forward and SGD update
+            assert set(out["systems"][key]["steps"]) == set(peer.measurements), key
+            assert all(r["median_ms"] > 0 and r["state_bytes"] > 0 for r in out["systems"][key]["steps"].values())
+            assert out["agreement"][key] <= systems.AGREEMENT_TOLERANCE  # same forward and SGD update
         else:
-            assert systems[key]["status"].startswith("not installed") and not systems[key]["steps"]
+            assert out["systems"][key]["status"].startswith("not installed") and not out["systems"][key]["steps"]
     bound = out["lower_bound"]
     assert all(ms > 0 for source in bound["ms"].values() for ms in source.values())
-    rows = {(r["measurement"], r["system"]) for r in out["comparison"]}
-    assert ("train_sgd", "flax") in rows and ("forward", "sparse_embed") in rows
-    assert len(out["targets"]) == len(step.TARGETS) + 1 and not any(t["applicable"] for t in out["targets"])
+    rows = {(r["measurement"], r["system"]): r for r in out["comparison"]}
+    assert ("train_sgd", "flax") in rows and ("forward", "sparse_embed_native") in rows
+    adam = rows[("train_adam", "sparse_embed_native")]
+    assert adam["vs_sgd"] == pytest.approx(adam["median_ms"] / rows[("train_sgd", "sparse_embed_native")]["median_ms"])
+    w1 = [g for g in report.TARGETS if g.workload == "W1"]
+    assert len(out["targets"]) == len(w1) + 1 and not any(t["applicable"] for t in out["targets"])
     for key in ("same_batch", "full_range"):
-        assert out["vocab"][key]["ratio"] > 0
+        assert out["vocab"][key]["ratio"] > 0 and out["vocab"][key]["kernel"] == "native"
     printed = capsys.readouterr().out
-    assert "side by side" in printed and "vocabulary independence" in printed
+    assert "side by side" in printed and "vocabulary independence" in printed and "sparse_embed generic" in printed
+
+
+def test_targets_are_judged_on_the_workload_they_belong_to():
+    """A run of the small preset is judged on the small model's goals: every step <= 2x the SGD step."""
+    rows = [{"measurement": m, "system": "sparse_embed_native", "vs_sgd": ratio}
+            for m, ratio in (("train_sgd", 1.0), ("train_adagrad", 1.5), ("train_adam", 2.5))]
+    got = {t["what"]: t["pass"] for t in report.targets(rows, None, "sparse_embed_native", "small")}
+    assert got["train_adagrad / our SGD step"] is True and got["train_adam / our SGD step"] is False
+    assert got["train_ftrl / our SGD step"] is None  # not measured: no verdict
+    zipf = report.targets([], None, "sparse_embed_native", "W1 zipf 1.05")
+    assert all(t["goal"] == 0.7 for t in zipf[:-1]) and all(t["applicable"] for t in zipf)
+
+
+def test_bad_flags_are_refused():
+    for argv in (["--kernels", "fast"], ["--preset", "huge"], ["--zipf", "0.5"], ["--optimizer", "lamb"]):
+        with pytest.raises(SystemExit):
+            step.parse_args(argv)
 
 
 def test_preprocess_benchmark_smoke(capsys):

@@ -1,0 +1,127 @@
+"""Timing and memory of any system's step (jax or torch): runners, samples, peak RSS."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import resource
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+
+class RssTracker:
+    """Peak RSS per window (Linux: resettable via /proc/self/clear_refs) and of the whole process."""
+
+    def __init__(self) -> None:
+        self.process_peak = self.peak()
+
+    @staticmethod
+    def peak() -> int:
+        """Peak RSS in bytes since the last reset (or process start)."""
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    @staticmethod
+    def current() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def reset(self) -> None:
+        """Starts a new peak window (the process peak keeps the maximum)."""
+        self.process_peak = max(self.process_peak, self.peak())
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass  # not resettable: peaks are then process-wide
+
+    def final_process_peak(self) -> int:
+        self.process_peak = max(self.process_peak, self.peak())
+        return self.process_peak
+
+
+RSS = RssTracker()
+
+
+def state_bytes(tree: Any) -> int:
+    """Bytes of all arrays in a pytree (tables + slots)."""
+    import jax
+
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass
+class Samples:
+    """Per-step wall and process CPU seconds, and the minor page faults of those steps."""
+
+    wall: list[float] = dataclasses.field(default_factory=list)
+    cpu: list[float] = dataclasses.field(default_factory=list)
+    minor_faults: int = 0
+
+
+@dataclasses.dataclass
+class Runner:
+    """A step, the state it threads through, and the batches it cycles (any system: jax or torch)."""
+
+    call: Callable[[Any, Any], tuple[Any, Any]]  # (state, batch) -> (state, output)
+    state: Any
+    batches: list[Any]
+    index: int = 0
+
+    def run(self, n: int, into: Samples | None = None) -> Samples:
+        """Runs n steps, blocking on each, and appends their timings to `into`."""
+        import jax
+
+        samples = Samples() if into is None else into
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(n):
+            batch = self.batches[self.index % len(self.batches)]
+            self.index += 1
+            wall, cpu = time.perf_counter(), time.process_time()
+            self.state, out = self.call(self.state, batch)
+            jax.block_until_ready(out)  # torch outputs pass through: torch on CPU is synchronous
+            samples.wall.append(time.perf_counter() - wall)
+            samples.cpu.append(time.process_time() - cpu)
+        samples.minor_faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        return samples
+
+
+def timing_summary(samples: Samples, ids_per_step: int) -> dict[str, float]:
+    """Median / p10 / p90 wall ms, median CPU ms, page faults per step and lookups/s."""
+    wall, n = np.asarray(samples.wall), len(samples.wall)
+    median = float(np.median(wall))
+    return {
+        "median_ms": 1e3 * median,
+        "p10_ms": 1e3 * float(np.percentile(wall, 10)),
+        "p90_ms": 1e3 * float(np.percentile(wall, 90)),
+        "mean_ms": 1e3 * float(wall.mean()),
+        "cpu_median_ms": 1e3 * float(np.median(samples.cpu)),
+        "minor_faults_per_step": samples.minor_faults / n,
+        "steps": n,
+        "lookups_per_s": ids_per_step / median,
+    }
+
+
+def free_memory() -> None:
+    """Collects what the last system left in reference cycles (its tables with them), then freezes the survivors.
+
+    With torch and jax loaded a full collection takes ~0.2 s; frozen objects
+    are not scanned again, so each later call only looks at new objects.
+    `main` unfreezes them at the end.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def measure(prepare: Callable[[], tuple[Runner, dict[str, Any]]], steps: int, warmup: int,
+            ids_per_step: int) -> dict[str, Any]:
+    """Builds a runner, warms up, then times `steps` steps; the runner (and its tables) is dropped on return."""
+    base = RSS.current()
+    runner, info = prepare()
+    runner.run(warmup)
+    RSS.reset()
+    samples = runner.run(steps)
+    return {**info, **timing_summary(samples, ids_per_step), "rss_base_bytes": base,
+            "rss_peak_steps_bytes": RSS.peak(), "rss_now_bytes": RSS.current(), "loadavg_1min": os.getloadavg()[0]}
