@@ -32,12 +32,14 @@ from sparse_embed.io.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     CheckpointManager,
+    CorruptCheckpointError,
     Restored,
     TableRecord,
     read_info,
     restore_embeddings,
 )
 from sparse_embed.io.convert import convert_checkpoint, export_serving, load_serving
+from sparse_embed.io.verify import Verification, verify_checkpoint
 from sparse_embed.io.serving import serving_lookup
 
 __version__ = "0.1.0"
@@ -75,12 +77,14 @@ __all__ = [
     # checkpoints and serving
     "CheckpointError",
     "CheckpointManager",
+    "CorruptCheckpointError",
     "convert_checkpoint",
     "export_serving",
     "load_serving",
     "read_info",
     "restore_embeddings",
     "serving_lookup",
+    "verify_checkpoint",
     # jax-tpu-embedding's layout
     "from_jte",
     "jte_layout",

@@ -1,10 +1,12 @@
-"""`sparse-embed`: inspect and convert checkpoints from the command line.
+"""`sparse-embed`: inspect, verify and convert checkpoints from the command line.
 
     sparse-embed inspect CKPT
+    sparse-embed verify CKPT [--step N]
     sparse-embed convert SRC DST [--devices N] [--serving] [--dtype bf16]
 
 CKPT / SRC is a checkpoint manager directory (its latest complete step is
-used) or one step directory. Errors print one line to stderr and exit 1.
+used) or one step directory. Errors print one line to stderr and exit 1;
+`verify` exits 1 when any array is corrupt.
 """
 
 from __future__ import annotations
@@ -39,6 +41,24 @@ def _inspect(args) -> None:
     print(f"total {_human(sum(t.nbytes for t in info.tables))} in {len(info.tables)} table(s)")
 
 
+def _verify(args) -> int:
+    from tqdm import tqdm
+
+    from sparse_embed.io.verify import verify_checkpoint
+
+    v = verify_checkpoint(args.ckpt, step=args.step, progress=lambda it, **kw: tqdm(it, desc="verifying", **kw))
+    for problem in v.problems:
+        print(f"CORRUPT: {' '.join(problem.split())}")
+    if not v.verified:
+        print(f"{v.step_dir}: written without checksums (an older sparse_embed): {v.checked} arrays read, "
+              "their values cannot be checked")
+    elif v.ok:
+        print(f"{v.step_dir}: all {v.checked} arrays match their checksums")
+    else:
+        print(f"{v.step_dir}: {len(v.problems)} of {v.checked} arrays are corrupt", file=sys.stderr)
+    return 0 if v.ok else 1
+
+
 def _convert(args) -> None:
     from tqdm import tqdm
 
@@ -50,12 +70,16 @@ def _convert(args) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparse-embed", description="Inspect and convert sparse_embed checkpoints.")
+    p = argparse.ArgumentParser(prog="sparse-embed", description="Inspect, verify and convert sparse_embed checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("inspect", help="tables, shapes, dtypes, stacking and memory of a checkpoint")
     i.add_argument("ckpt")
     i.add_argument("--step", type=int, default=None, help="step to read (default: the latest complete one)")
     i.set_defaults(fn=_inspect)
+    v = sub.add_parser("verify", help="read every array of a step and check it against its checksum")
+    v.add_argument("ckpt")
+    v.add_argument("--step", type=int, default=None, help="step to check (default: the latest complete one)")
+    v.set_defaults(fn=_verify)
     c = sub.add_parser("convert", help="re-lay out a training checkpoint for N devices, or export a serving one")
     c.add_argument("src")
     c.add_argument("dst")
@@ -74,12 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         print("sparse-embed: error: --dtype applies to --serving exports only", file=sys.stderr)
         return 2
     try:
-        args.fn(args)
+        return args.fn(args) or 0
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         msg = " ".join(str(e).split())
         print(f"sparse-embed: error: {msg}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -511,6 +511,47 @@ static PyObject *py_concat_rows(PyObject *self, PyObject *args)
     return result;
 }
 
+/* The checksum of sparse_embed.io.integrity: two uint32 sums over words w_i at positions i = start, start+1, ...
+   of w_i * (i*K1 | 1) and (w_i ^ w_i >> 15) * ((i ^ K3)*K2 | 1), all mod 2^32. */
+#define CHECKSUM_LOOP(type)                                                                          \
+    do {                                                                                             \
+        const type *w = (const type *)buf;                                                           \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                         \
+            uint32_t x = (uint32_t)w[i], p = (uint32_t)start + (uint32_t)i;                          \
+            a += x * (p * 0x9E3779B9u | 1u);                                                         \
+            b += (x ^ (x >> 15)) * ((p ^ 0x165667B1u) * 0x85EBCA77u | 1u);                           \
+        }                                                                                            \
+    } while (0)
+
+/* checksum(buffer, itemsize, start) -> (a, b): the checksum's two sums over a C-contiguous buffer of values of
+   `itemsize` bytes (1- and 2-byte values widened to a word, 8-byte ones split into two), its first word at
+   position `start`. Runs without the GIL. */
+static PyObject *py_checksum(PyObject *self, PyObject *args)
+{
+    Py_buffer v;
+    int itemsize;
+    unsigned long long start;
+    if (!PyArg_ParseTuple(args, "y*iK", &v, &itemsize, &start))
+        return NULL;
+    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
+        PyBuffer_Release(&v);
+        return PyErr_Format(PyExc_ValueError, "checksum: itemsize must be 1, 2, 4 or 8, got %d", itemsize);
+    }
+    uint32_t a = 0, b = 0;
+    const void *buf = v.buf;
+    Py_ssize_t n = v.len / (itemsize == 8 ? 4 : itemsize);
+    Py_BEGIN_ALLOW_THREADS
+    if (itemsize == 1)
+        CHECKSUM_LOOP(uint8_t);
+    else if (itemsize == 2)
+        CHECKSUM_LOOP(uint16_t);
+    else
+        CHECKSUM_LOOP(uint32_t);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&v);
+    return Py_BuildValue("(kk)", (unsigned long)a, (unsigned long)b);
+}
+
 static PyMethodDef methods[] = {
     {"validate", py_validate, METH_VARARGS,
      "validate(ids, weights|None, vocab, padding) -> (first bad id index, first non-finite weight index), -1 = none"},
@@ -520,13 +561,15 @@ static PyMethodDef methods[] = {
      "fill(features, devices, shards, total_rows, cap, rows_per_device, cols, rows, vals): the padded COO buffers"},
     {"concat_rows", py_concat_rows, METH_VARARGS,
      "concat_rows(rows, formats) -> (format, data, int64 lengths) as bytes, or None if a row does not fit"},
+    {"checksum", py_checksum, METH_VARARGS,
+     "checksum(buffer, itemsize, start) -> (a, b): sparse_embed.io.integrity's two sums, first word at start"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_native",
-    .m_doc = "C kernels of sparse_embed.preprocess (see _native.c).",
+    .m_doc = "C kernels of sparse_embed.preprocess and of checkpoint checksums (see _native.c).",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -8,7 +8,16 @@ A checkpoint step directory holds three orbax items:
 - `user` (optional): any pytree (dense params, optax state, ...);
 - `meta`: JSON `CheckpointInfo`: every table's spec (vocabulary, dim,
   dtype, combiner, max_norm, optimizer and its slot widths), the stacking and
-  the mesh size it was saved from, and the step.
+  the mesh size it was saved from, the step, a checksum of every stored
+  array (`io.integrity`) and a digest of the metadata itself.
+
+Integrity: every read (restore, convert, `load_serving`, `sparse-embed
+verify`) recomputes each array's checksum from the values it read and raises
+`CorruptCheckpointError` naming the step and the array on a mismatch;
+`CheckpointManager.restore()` without a step then falls back to the newest
+step that verifies, with a warning. Checkpoints written before checksums
+(format "sparse_embed/1") still restore, with a warning that they are not
+verified.
 
 Restoring checks the plan's tables against `meta` (a clear `ValueError`
 naming the table otherwise), reads every table's natural blocks straight into
@@ -31,7 +40,10 @@ temporary directories are removed when a manager is opened).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
+import warnings
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -43,13 +55,22 @@ from sparse_embed.core.relayout import TABLE_KEY, from_natural, stored_rows, to_
 from sparse_embed.core.specs import TableSpec
 from sparse_embed.core.state import EmbeddingVariables, check_state
 from sparse_embed.core.tables import natural_table
+from sparse_embed.io.integrity import ALGORITHM, checksum
 
-FORMAT = "sparse_embed/1"
+FORMAT, UNVERIFIED_FORMAT = "sparse_embed/2", "sparse_embed/1"  # 1: written before checksums
 EMBEDDINGS, USER, META = "embeddings", "user", "meta"
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or not one sparse_embed can read."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A step's stored values or metadata are damaged: a checksum does not match, or they cannot be read."""
+
+
+_WHAT_TO_DO = ("restore another step (CheckpointManager.restore() without step= falls back to the newest good one), "
+               "or copy the checkpoint again from a good source; `sparse-embed verify DIR` checks every array")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +116,9 @@ class CheckpointInfo:
     num_shards: int  # the mesh size it was saved from
     step: int | None
     has_user: bool
+    # "table/key" -> checksum of the array's first vocabulary_size rows; None: written before checksums
+    checksums: Mapping[str, str] | None = None
+    user_checksums: Mapping[str, str] | None = None  # user leaf path (`leaf_key`) -> checksum
 
     def table(self, name: str) -> TableRecord:
         for t in self.tables:
@@ -106,34 +130,122 @@ class CheckpointInfo:
     def table_names(self) -> list[str]:
         return [t.name for t in self.tables]
 
+    @property
+    def verified(self) -> bool:
+        """Whether the checkpoint carries checksums (false for checkpoints written before them)."""
+        return self.checksums is not None
+
     def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["format"] = FORMAT
-        return d
+        d = {**dataclasses.asdict(self), "format": FORMAT, "algorithm": ALGORITHM}
+        return {**d, "digest": _digest(d)}
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> "CheckpointInfo":
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            found = d.get("format") if isinstance(d, dict) else type(d).__name__
+        fmt = d.get("format") if isinstance(d, dict) else None
+        if fmt not in (FORMAT, UNVERIFIED_FORMAT):
+            if isinstance(d, dict) and ("digest" in d or str(fmt).startswith("sparse_embed/")):
+                raise CorruptCheckpointError(f"{where}: its metadata is corrupt (format {fmt!r}); {_WHAT_TO_DO}.")
+            found = fmt if isinstance(d, dict) else type(d).__name__
             raise CheckpointError(f"{where} is not a sparse_embed checkpoint (format {found!r}, expected {FORMAT!r}).")
+        if fmt == FORMAT and d.get("digest") != _digest({k: v for k, v in d.items() if k != "digest"}):
+            raise CorruptCheckpointError(f"{where}: its metadata is corrupt (its digest does not match); {_WHAT_TO_DO}.")
         try:
             tables = tuple(TableRecord(**{**t, "slots": tuple(tuple(s) for s in t["slots"])}) for t in d["tables"])
             return cls(d["kind"], tables, tuple(tuple(g) for g in d["stacking"]), int(d["num_shards"]),
-                       d["step"], bool(d["has_user"]))
+                       d["step"], bool(d["has_user"]), d.get("checksums"), d.get("user_checksums"))
         except (KeyError, TypeError) as e:
-            raise CheckpointError(f"{where}: its metadata is corrupt ({type(e).__name__}: {e}).") from None
+            raise CorruptCheckpointError(f"{where}: its metadata is corrupt ({type(e).__name__}: {e}).") from None
 
 
-def training_info(plan: EmbeddingPlan, step: int | None, has_user: bool) -> CheckpointInfo:
+def _digest(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def leaf_key(path: tuple) -> str:
+    """A user leaf's path as a container-independent string ("opt/0/mu/dense/kernel"), as orbax names it."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def user_checksums(user: Any) -> dict[str, str]:
+    """`{leaf_key: "checksum dtype shape"}` of a user pytree's array leaves (others, e.g. strings, are skipped)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(user):
+        a = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+        if a.dtype.kind in "biufc" and a.dtype.itemsize in (1, 2, 4, 8):
+            out[leaf_key(path)] = f"{checksum(a)} {a.dtype} {tuple(a.shape)}"
+    return out
+
+
+def embedding_checksums(tables: Mapping[str, Any], natural: Mapping[str, Mapping[str, Any]]) -> dict:
+    """`{"table/key": checksum}` of natural arrays, over the vocabulary_size rows of `tables[table]` (spec or record)."""
+    return {f"{name}/{key}": checksum(a, tables[name].vocabulary_size)
+            for name, arrays in natural.items() for key, a in arrays.items()}
+
+
+def _array_name(table: str, key: str) -> str:
+    return f"table {table!r}" if key == TABLE_KEY else f"slot {key!r} of table {table!r}"
+
+
+def verify_embeddings(step_dir: str, info: CheckpointInfo, arrays: Mapping[str, Mapping[str, Any]]) -> None:
+    """Raises CorruptCheckpointError naming every array whose values do not match its saved checksum."""
+    if not info.verified:
+        return
+    bad = [_array_name(name, key) for name, keys in arrays.items() for key, a in keys.items()
+           if info.checksums.get(f"{name}/{key}") != checksum(a, info.table(name).vocabulary_size)]
+    if bad:
+        raise CorruptCheckpointError(f"{step_dir} (step {info.step}) is corrupt: the values of {', '.join(bad)} do not "
+                                     f"match the checksum saved with them; {_WHAT_TO_DO}.")
+
+
+def verify_user(step_dir: str, info: CheckpointInfo, user: Any) -> int:
+    """Checks a restored user pytree's leaves against their checksums; returns how many could not be checked.
+
+    A leaf restored with another dtype or shape than it was saved with (the
+    target asked for a cast) cannot be checked, nor one saved without a checksum.
+    """
+    if not info.verified or info.user_checksums is None:
+        return 0
+    bad, unchecked = [], 0
+    for key, got in user_checksums(user).items():
+        want = info.user_checksums.get(key, "")
+        if want.split(" ", 1)[1:] != got.split(" ", 1)[1:]:
+            unchecked += 1
+        elif want != got:
+            bad.append(key)
+    if bad:
+        raise CorruptCheckpointError(f"{step_dir} (step {info.step}) is corrupt: the user pytree's leaves {bad} do not "
+                                     f"match the checksums saved with them; {_WHAT_TO_DO}.")
+    return unchecked
+
+
+def warn_unverified(step_dir: str, info: CheckpointInfo) -> None:
+    if not info.verified:
+        warnings.warn(f"{step_dir} was written by an older sparse_embed, without checksums: its values are restored "
+                      "unverified. Save it again to add them.", stacklevel=3)
+
+
+def training_info(plan: EmbeddingPlan, step: int | None, has_user: bool, checksums: Mapping[str, str] | None = None,
+                  user_sums: Mapping[str, str] | None = None) -> CheckpointInfo:
     tables = tuple(TableRecord.from_spec(plan.tables[n], plan.num_shards) for n in sorted(plan.tables))
     stacking = tuple(tuple(p.table.name for p in s.tables) for s in plan.stacks)
-    return CheckpointInfo("training", tables, stacking, plan.num_shards, step, has_user)
+    return CheckpointInfo("training", tables, stacking, plan.num_shards, step, has_user, checksums, user_sums)
 
 
 # ----------------------------------------------------------------- reading a step directory
 def resolve(path: str | os.PathLike, step: int | None = None) -> str:
     """The step directory of `path`: `path` itself if it is one, else its latest (or given) complete step."""
     path = os.fspath(path)
+    if os.path.isfile(path):
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory: pass the directory given to "
+                              "CheckpointManager (or one of its step directories).")
     if not os.path.isdir(path):
         raise CheckpointError(f"No checkpoint at {path}: the directory does not exist.")
     if os.path.isdir(os.path.join(path, META)):
@@ -164,24 +276,45 @@ def read_info(path: str | os.PathLike, step: int | None = None) -> CheckpointInf
     try:
         d = checkpointer().restore(step_dir, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
-        raise CheckpointError(f"{step_dir}: cannot read its metadata ({type(e).__name__}: {_first_line(e)}).") from None
+        raise CorruptCheckpointError(f"{step_dir}: cannot read its metadata ({type(e).__name__}: {_first_line(e)}); "
+                                     f"{_WHAT_TO_DO}.") from None
     return CheckpointInfo.from_json(d, step_dir)
 
 
-def read_embeddings(step_dir: str, targets: Mapping[str, Mapping[str, jax.ShapeDtypeStruct]]) -> dict:
-    """Restores `{table: {key: array}}` natural arrays into `targets` (shape, dtype, sharding); pads/truncates rows."""
+def read_embeddings(step_dir: str, targets: Mapping[str, Mapping[str, jax.ShapeDtypeStruct]],
+                    info: CheckpointInfo) -> dict:
+    """Restores `{table: {key: array}}` natural arrays into `targets` (shape, dtype, sharding); pads/truncates rows.
+
+    Verifies every array against its checksum in `info` (CorruptCheckpointError otherwise).
+    """
     args = jax.tree.map(
         lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype, strict=False),
         dict(targets),
     )
     restore = ocp.args.PyTreeRestore(item=dict(targets), restore_args=args, partial_restore=True)
     try:
-        return checkpointer().restore(step_dir, args=ocp.args.Composite(**{EMBEDDINGS: restore}))[EMBEDDINGS]
+        arrays = checkpointer().restore(step_dir, args=ocp.args.Composite(**{EMBEDDINGS: restore}))[EMBEDDINGS]
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(
-            f"{step_dir} is corrupt or incomplete: its '{EMBEDDINGS}' arrays cannot be read "
-            f"({type(e).__name__}: {_first_line(e)})."
+        raise CorruptCheckpointError(
+            f"{step_dir} (step {info.step}) is corrupt or incomplete: {_unreadable(step_dir, targets, info)} cannot be "
+            f"read ({type(e).__name__}: {_first_line(e)}); {_WHAT_TO_DO}."
         ) from None
+    verify_embeddings(step_dir, info, arrays)
+    return arrays
+
+
+def _unreadable(step_dir: str, targets: Mapping[str, Mapping[str, jax.ShapeDtypeStruct]], info: CheckpointInfo) -> str:
+    """Names the arrays of `targets` that cannot be read on their own (after a failed read of them all)."""
+    if sum(len(keys) for keys in targets.values()) == 1:
+        return ", ".join(_array_name(t, k) for t, keys in targets.items() for k in keys)
+    bad = []
+    for name, keys in targets.items():
+        for key, target in keys.items():
+            try:
+                read_embeddings(step_dir, {name: {key: target}}, dataclasses.replace(info, checksums=None))
+            except CorruptCheckpointError:
+                bad.append(_array_name(name, key))
+    return ", ".join(bad) or f"its '{EMBEDDINGS}' arrays"
 
 
 # ----------------------------------------------------------------- checking a plan against a checkpoint
@@ -236,10 +369,12 @@ def restore_embeddings(
 
     Works for any mesh size and stacking. New rows of a grown vocabulary get
     the table's initializer from `rng` (as `init_tables(plan, rng)`) and
-    fresh slots.
+    fresh slots. Every array is verified against its checksum
+    (`CorruptCheckpointError` naming the array otherwise).
     """
     step_dir = resolve(path, step)
     info = read_info(step_dir)
+    warn_unverified(step_dir, info)
     check_compatible(plan, info, step_dir, allow_vocab_growth=allow_vocab_growth)
     if with_slots and info.kind != "training":
         raise ValueError(f"{step_dir} is a {info.kind} checkpoint without optimizer slots; "
@@ -252,10 +387,51 @@ def restore_embeddings(
         if with_slots:
             keys.update({k: (w, np.float32) for k, w in info.table(name).slots})
         targets[name] = {k: jax.ShapeDtypeStruct((rows, w), dt, sharding=sharding) for k, (w, dt) in keys.items()}
-    natural = read_embeddings(step_dir, targets)
+    natural = read_embeddings(step_dir, targets, info)
     valid = {name: info.table(name).vocabulary_size for name in plan.tables}
     fresh = None if rng is None else (lambda s, i: natural_table(plan, s, rng, i))
     return from_natural(plan, natural, valid, fresh)
+
+
+def read_user(step_dir: str, info: CheckpointInfo, target: Any) -> Any:
+    """The user pytree of a step, restored into `target`'s structure and shardings, verified."""
+    if not info.has_user:
+        raise CheckpointError(f"{step_dir} has no user pytree; call restore without user=.")
+    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+    try:
+        user = checkpointer().restore(step_dir, args=ocp.args.Composite(**{USER: args}))[USER]
+    except Exception as e:  # noqa: BLE001
+        saved = {k: v.split(" ", 1)[1] for k, v in (info.user_checksums or {}).items()}
+        wanted = {leaf_key(p): f"{np.dtype(x.dtype)} {tuple(x.shape)}"
+                  for p, x in jax.tree_util.tree_leaves_with_path(target) if hasattr(x, "dtype")}
+        if saved and saved == wanted:  # the target fits what was saved: the stored data is damaged
+            raise CorruptCheckpointError(f"{step_dir}: its user pytree cannot be read ({type(e).__name__}: "
+                                         f"{_first_line(e)}); {_WHAT_TO_DO}.") from None
+        raise CheckpointError(f"{step_dir}: its user pytree does not match the target given "
+                              f"({type(e).__name__}: {_first_line(e)}).") from None
+    unchecked = verify_user(step_dir, info, user)
+    if unchecked and info.verified:
+        warnings.warn(f"{step_dir}: {unchecked} leaves of the user pytree were restored with another dtype or shape "
+                      "than saved, so their checksums could not be checked.", stacklevel=3)
+    return user
+
+
+def read_user_host(step_dir: str, info: CheckpointInfo) -> Any:
+    """The user pytree as saved, as numpy arrays on the host (no target needed), verified."""
+    handler = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    path = os.path.join(step_dir, USER)
+    try:
+        tree = handler.metadata(path).item_metadata.tree
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        user = handler.restore(path, args=ocp.args.PyTreeRestore(item=tree, restore_args=args))
+    except Exception as e:  # noqa: BLE001
+        raise CorruptCheckpointError(f"{step_dir}: its user pytree cannot be read ({type(e).__name__}: "
+                                     f"{_first_line(e)}); {_WHAT_TO_DO}.") from None
+    verify_user(step_dir, info, user)
+    missing = sorted(set(info.user_checksums or ()) - set(user_checksums(user)))
+    if missing:
+        raise CorruptCheckpointError(f"{step_dir}: the user pytree's leaves {missing} are missing; {_WHAT_TO_DO}.")
+    return user
 
 
 # ----------------------------------------------------------------- the manager
@@ -304,8 +480,10 @@ class CheckpointManager:
         if not force and not self._manager.should_save(step):
             return False
         check_state(plan, tables)
-        info = training_info(plan, step, user is not None)
-        items = {EMBEDDINGS: ocp.args.PyTreeSave(to_natural(plan, tables)), META: ocp.args.JsonSave(info.to_json())}
+        natural = to_natural(plan, tables)
+        info = training_info(plan, step, user is not None, embedding_checksums(plan.tables, natural),
+                             None if user is None else user_checksums(user))
+        items = {EMBEDDINGS: ocp.args.PyTreeSave(natural), META: ocp.args.JsonSave(info.to_json())}
         if user is not None:
             items[USER] = ocp.args.PyTreeSave(user)
         return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
@@ -334,28 +512,41 @@ class CheckpointManager:
                 allow_vocab_growth: bool = False, rng: jax.Array | None = None) -> Restored:
         """Restores the latest (or given) step onto `plan`'s mesh and stacking.
 
+        Every array is verified against its checksum. Without `step`, a
+        corrupt latest step is skipped with a warning naming it, and the
+        newest step that verifies is restored.
+
         Args:
           plan: the plan to restore into (any mesh size, any stacking).
-          step: default, the latest complete step.
+          step: default, the latest complete step that verifies.
           user: a target for the user pytree (arrays or `jax.ShapeDtypeStruct`s
             with the shardings to restore into); None skips it.
           allow_vocab_growth: allow tables with a larger vocabulary than saved;
             new rows get the initializer (from `rng`) and fresh slots.
         """
-        step_dir = self._step_dir(step)
+        kwargs = dict(user=user, allow_vocab_growth=allow_vocab_growth, rng=rng)
+        if step is not None:
+            return self._restore(plan, self._step_dir(step), **kwargs)
+        steps = sorted(self.all_steps(), reverse=True)
+        if not steps:
+            raise CheckpointError(f"No complete checkpoint in {self.directory}.")
+        first_error = None
+        for s in steps:
+            try:
+                restored = self._restore(plan, self._step_dir(s), **kwargs)
+            except CorruptCheckpointError as e:
+                first_error = first_error or e
+                warnings.warn(f"Step {s} of {self.directory} is corrupt, trying an older step: {e}", stacklevel=2)
+                continue
+            return restored
+        raise CorruptCheckpointError(f"Every step of {self.directory} ({steps}) is corrupt; the newest: "
+                                     f"{first_error}") from None
+
+    def _restore(self, plan: EmbeddingPlan, step_dir: str, *, user: Any, allow_vocab_growth: bool,
+                 rng: jax.Array | None) -> Restored:
         info = read_info(step_dir)
         tables = restore_embeddings(plan, step_dir, allow_vocab_growth=allow_vocab_growth, rng=rng)
-        restored_user = None
-        if user is not None:
-            if not info.has_user:
-                raise CheckpointError(f"{step_dir} has no user pytree; call restore without user=.")
-            args = ocp.args.PyTreeRestore(item=user, restore_args=ocp.checkpoint_utils.construct_restore_args(user))
-            try:
-                restored_user = checkpointer().restore(step_dir, args=ocp.args.Composite(**{USER: args}))[USER]
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"{step_dir}: its user pytree does not match the target given "
-                                      f"({type(e).__name__}: {_first_line(e)}).") from None
-        return Restored(tables, int(info.step), restored_user)
+        return Restored(tables, int(info.step), None if user is None else read_user(step_dir, info, user))
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""

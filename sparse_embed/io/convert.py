@@ -29,8 +29,8 @@ from sparse_embed.core.relayout import TABLE_KEY, stored_rows, to_natural
 from sparse_embed.core.specs import TableSpec
 from sparse_embed.core.state import EmbeddingVariables, check_state
 from sparse_embed.io.checkpoint import (
-    EMBEDDINGS, META, USER, CheckpointError, CheckpointInfo, TableRecord, checkpointer, read_embeddings,
-    read_info, resolve, training_info,
+    EMBEDDINGS, META, USER, CheckpointError, CheckpointInfo, TableRecord, checkpointer, embedding_checksums,
+    read_embeddings, read_info, read_user_host, resolve, training_info, warn_unverified,
 )
 
 DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
@@ -48,8 +48,11 @@ def _dtype(dtype) -> np.dtype | None:
 
 
 def _save(dst: str, arrays: dict, info: CheckpointInfo) -> None:
+    """Writes `arrays` ({table: {key: host array}}) and `info`, with the arrays' checksums, to a new directory."""
     if os.path.exists(dst):
         raise CheckpointError(f"{dst} already exists; choose a new destination.")
+    info = dataclasses.replace(info, checksums=embedding_checksums(
+        {r.name: r for r in info.tables}, arrays))
     items = {EMBEDDINGS: ocp.args.PyTreeSave(arrays), META: ocp.args.JsonSave(info.to_json())}
     checkpointer().save(dst, args=ocp.args.Composite(**items))
 
@@ -59,7 +62,7 @@ def _serving_info(records: Iterable[TableRecord], dtype, stacking, num_shards, s
         dataclasses.replace(r, slots=(), stored_rows=r.vocabulary_size, dtype=str(dtype or np.dtype(r.dtype)))
         for r in records
     )
-    return CheckpointInfo("serving", recs, stacking, num_shards, step, False)
+    return CheckpointInfo("serving", recs, stacking, num_shards, step, False, {}, None)
 
 
 def export_serving(path: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], *,
@@ -83,13 +86,14 @@ def load_serving(path: str | os.PathLike, *, device: jax.Device | None = None) -
     """
     step_dir = resolve(path)
     info = read_info(step_dir)
-    arrays = {name: array for name, (_, array) in _read_tables(step_dir, info, [TABLE_KEY], None, device)}
+    warn_unverified(step_dir, info)
+    arrays = {name: array for name, (_, array) in read_tables(step_dir, info, [TABLE_KEY], None, device)}
     return arrays, {t.name: t.to_spec() for t in info.tables}
 
 
-def _read_tables(step_dir: str, info: CheckpointInfo, keys: list[str], rows_for: Callable[[TableRecord], int] | None,
-                 device: jax.Device | None):
-    """Yields `(table, (key, array))` one array at a time, on one device, `rows_for(record)` rows."""
+def read_tables(step_dir: str, info: CheckpointInfo, keys: list[str],
+                rows_for: Callable[[TableRecord], int] | None = None, device: jax.Device | None = None):
+    """Yields `(table, (key, array))` one array at a time, on one device, `rows_for(record)` rows, verified."""
     sharding = SingleDeviceSharding(device or jax.devices()[0])
     for rec in info.tables:
         widths = {TABLE_KEY: (rec.embedding_dim, rec.dtype), **{k: (w, "float32") for k, w in rec.slots}}
@@ -97,7 +101,7 @@ def _read_tables(step_dir: str, info: CheckpointInfo, keys: list[str], rows_for:
             w, dt = widths[key]
             rows = rows_for(rec) if rows_for else rec.vocabulary_size
             target = {rec.name: {key: jax.ShapeDtypeStruct((rows, w), np.dtype(dt), sharding=sharding)}}
-            yield rec.name, (key, read_embeddings(step_dir, target)[rec.name][key])
+            yield rec.name, (key, read_embeddings(step_dir, target, info)[rec.name][key])
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, devices: int | None = None,
@@ -115,6 +119,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     """
     step_dir = resolve(src, step)
     info = read_info(step_dir)
+    warn_unverified(step_dir, info)
     dtype = _dtype(dtype)
     progress = progress or (lambda it, **_: it)
     if serving:
@@ -135,10 +140,11 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
         out_dir = os.path.join(os.fspath(dst), str(info.step if info.step is not None else 0))
     arrays: dict[str, dict[str, np.ndarray]] = {}
     total = sum(1 + (0 if serving else len(r.slots)) for r in info.tables)
-    for name, (key, a) in progress(_read_tables(step_dir, info, keys, rows_for, None), total=total, unit="array"):
+    for name, (key, a) in progress(read_tables(step_dir, info, keys, rows_for, None), total=total, unit="array"):
         arrays.setdefault(name, {})[key] = np.asarray(a).astype(dtype) if (serving and dtype) else np.asarray(a)
     _save(out_dir, arrays, new_info)
-    if not serving and info.has_user:  # the user pytree is mesh-independent: copy it as is
+    if not serving and info.has_user:  # the user pytree is mesh-independent: copy it as is, once verified
+        read_user_host(step_dir, info)
         shutil.copytree(os.path.join(step_dir, USER), os.path.join(out_dir, USER))
     return out_dir
 
