@@ -14,7 +14,7 @@ re-exports the public API (`__all__`; a few more names are importable for
 type annotations); importing it has no side effects.
 """
 
-from sparse_embed import distributed, optimizers
+from sparse_embed import distributed, initializers, optimizers
 from sparse_embed.core.batch import ShardedCooMatrix, Stats
 from sparse_embed.core.kernels.generic import configure_xla_cpu
 from sparse_embed.core.planning import EmbeddingPlan, FeatureLayout, StackPlan, TablePlacement, grow_capacity, plan
@@ -50,6 +50,7 @@ __all__ = [
     "FeatureSpec",
     "TableSpec",
     "grow_capacity",
+    "initializers",
     "optimizers",
     "plan",
     # table state

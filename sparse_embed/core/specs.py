@@ -15,14 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_embed.core import optimizers as _opt
+from sparse_embed.core.initializers import truncated_normal
 from sparse_embed.core.pooling import COMBINERS
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
 
 def default_initializer(embedding_dim: int) -> Initializer:
-    """Truncated normal with stddev 1/sqrt(embedding_dim) (the TPUEmbedding default)."""
-    return jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(embedding_dim))
+    """Truncated normal with stddev 1/sqrt(embedding_dim) (the TPUEmbedding default), positional (see initializers)."""
+    return truncated_normal(1.0 / math.sqrt(embedding_dim))
 
 
 def _check_name(kind: str, name: Any) -> None:

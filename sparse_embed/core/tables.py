@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_embed.core.initializers import TruncatedNormal, seeds, truncated_normal_rows
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.relayout import blocks_to_mod, from_shard_major, stack_rows, stored_rows
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state
@@ -46,9 +47,10 @@ def _slot_arrays(stack: StackPlan) -> dict[str, jax.Array]:
 def init_tables(plan: EmbeddingPlan, rng: jax.Array, *, with_slots: bool = True) -> dict[str, EmbeddingVariables]:
     """Initialises every stack, sharded: `{stack: EmbeddingVariables}`.
 
-    Runs as one jit: each device generates a contiguous block of each
-    table's rows and one all_to_all moves them to their MOD shard, so no
-    device ever holds more than a few shards' worth of a table. A table's
+    Runs as one jit. With the default (positional) initializer each device
+    generates its own rows in place, in one pass; with any other
+    initializer each device generates a contiguous block of each table's
+    rows and one all_to_all moves them to their MOD shard. A table's
     values depend only on `rng` and its name (not on stacking or mesh size);
     padding rows are zero; slots hold the optimizer's initial values.
     `with_slots=False` creates no optimizer slots (inference/eval memory);
@@ -60,14 +62,38 @@ def init_tables(plan: EmbeddingPlan, rng: jax.Array, *, with_slots: bool = True)
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _init_jit(plan: EmbeddingPlan, with_slots: bool, rng: jax.Array) -> dict[str, EmbeddingVariables]:
     """One compiled init per (plan, with_slots); outputs carry the table sharding."""
-    axis = plan.axis_name
     out = {}
     for s in plan.stacks:
-        blocks = [natural_table(plan, s, rng, i) for i in range(len(s.tables))]
-        relayout = jax.shard_map(lambda *b, s=s: blocks_to_mod(s, list(b), axis), mesh=plan.mesh,
-                                 in_specs=jax.P(axis), out_specs=jax.P(axis))
-        out[s.name] = EmbeddingVariables(relayout(*blocks), _slot_arrays(s) if with_slots else {})
+        table = _positional_stack(plan, s, rng) if _is_positional(s) else _relaid_stack(plan, s, rng)
+        out[s.name] = EmbeddingVariables(table, _slot_arrays(s) if with_slots else {})
     return jax.lax.with_sharding_constraint(out, plan.table_sharding())
+
+
+def _is_positional(stack: StackPlan) -> bool:
+    return all(isinstance(p.table.resolved_initializer, TruncatedNormal) for p in stack.tables)
+
+
+def _positional_stack(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array) -> jax.Array:
+    """The stacked table generated where its rows live: each element from (table key, id, column); padding zero."""
+    rps, S = stack.rows_per_shard, stack.num_shards
+    g = jax.lax.with_sharding_constraint(jnp.arange(stack.total_rows, dtype=jnp.uint32), plan.table_sharding())
+    srow = (g % rps) * S + g // rps  # the stack row each global row holds (MOD layout)
+    offsets = np.array([p.row_offset for p in stack.tables], np.uint32)
+    which = jnp.searchsorted(jnp.asarray(offsets), srow, side="right") - 1
+    ids = srow - jnp.asarray(offsets)[which]
+    vocab = jnp.asarray(np.array([p.table.vocabulary_size for p in stack.tables], np.uint32))[which]
+    keys = jnp.stack([seeds(table_key(rng, p.table.name)) for p in stack.tables])[which]
+    stddev = jnp.asarray(np.array([p.table.resolved_initializer.stddev for p in stack.tables], np.float32))[which]
+    values = truncated_normal_rows(keys, ids, stack.embedding_dim, stddev, stack.dtype)
+    return jnp.where((ids < vocab)[:, None], values, jnp.zeros((), stack.dtype))
+
+
+def _relaid_stack(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array) -> jax.Array:
+    """Any initializer: each table generated whole (natural blocks), then its rows moved to their MOD shards."""
+    blocks = [natural_table(plan, stack, rng, i) for i in range(len(stack.tables))]
+    relayout = jax.shard_map(lambda *b: blocks_to_mod(stack, list(b), plan.axis_name), mesh=plan.mesh,
+                             in_specs=jax.P(plan.axis_name), out_specs=jax.P(plan.axis_name))
+    return relayout(*blocks)
 
 
 def _check_arrays(plan: EmbeddingPlan, arrays: Mapping[str, np.ndarray], what: str) -> None:

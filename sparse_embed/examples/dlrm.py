@@ -184,7 +184,7 @@ class Teacher:
 def feature_specs(config: DataConfig, batch_size: int, dim: int, optimizer: se.optimizers.Optimizer,
                   init_std: float):
     """Three tables (stacked into one by the planner), four features; `history` shares `item`."""
-    init = jax.nn.initializers.truncated_normal(init_std)
+    init = se.initializers.truncated_normal(init_std)
     table = lambda name, vocab: se.TableSpec(name, vocab, dim, init, optimizer, combiner="mean")
     user, item, tag = table("user", config.users), table("item", config.items), table("tag", config.tags)
     return {
