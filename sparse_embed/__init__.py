@@ -42,7 +42,7 @@ from sparse_embed.io.convert import convert_checkpoint, export_serving, load_ser
 from sparse_embed.io.verify import Verification, verify_checkpoint
 from sparse_embed.io.serving import serving_lookup
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # specs and the plan

@@ -63,3 +63,14 @@ def test_preprocess_benchmark_smoke(capsys):
         (i, d) for i in ("dense", "ragged") for d in (1, 8)}
     assert all(r["sparse_embed_s"] > 0 for r in out["rows"])
     assert "ratio" in capsys.readouterr().out
+
+
+def test_checkpoint_benchmark_smoke(capsys, tmp_path):
+    from benchmarks import checkpoint
+
+    out = checkpoint.main(["--quick", "--dir", str(tmp_path), "--json", str(tmp_path / "ck.json")])
+    (case,) = out["cases"]
+    assert case["state_bytes"] == 100_000 * 64 * 4 * 2  # table + Adagrad accumulator
+    assert all(case[k] > 0 for k in ("init_s", "save_s", "restore_s", "np_save_s", "np_load_s"))
+    assert len(checkpoint.goals(case)) == 6 and (tmp_path / "ck.json").exists()
+    assert "restore throughput / np.load" in capsys.readouterr().out

@@ -265,9 +265,17 @@ def _first_line(e: Exception, limit: int = 160) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
+def item_handlers() -> dict[str, ocp.CheckpointHandler]:
+    """The orbax handler of each item. Arrays are stored uncompressed: zstd made saving 1.5x and restoring
+    1.6x slower (2.5M x 64 with Adagrad slots, one CPU core) and shrank an initialised table by ~7% (only
+    untrained, constant slots shrink a lot)."""
+    arrays = lambda: ocp.PyTreeCheckpointHandler(use_compression=False)  # noqa: E731
+    return {EMBEDDINGS: arrays(), USER: arrays(), META: ocp.JsonCheckpointHandler()}
+
+
 def checkpointer() -> ocp.Checkpointer:
     """An orbax checkpointer of the composite items a step directory holds."""
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers()))
 
 
 def read_info(path: str | os.PathLike, step: int | None = None) -> CheckpointInfo:
@@ -468,7 +476,7 @@ class CheckpointManager:
             cleanup_tmp_directories=True,
             create=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=item_handlers())
 
     def save(self, step: int, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], *,
              user: Any = None, force: bool = False) -> bool:

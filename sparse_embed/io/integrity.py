@@ -23,6 +23,7 @@ in C at memory speed (`host/_native.c`), or in numpy without the extension.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from typing import Any, Iterable
 
 import jax
@@ -33,6 +34,7 @@ from sparse_embed.host.native import extension
 ALGORITHM = "oddmul32x2/1"
 _K1, _K2, _K3 = 0x9E3779B9, 0x85EBCA77, 0x165667B1
 _CHUNK_WORDS = 1 << 24  # numpy fallback: words per step (bounded temporaries)
+_PIECE_WORDS = 1 << 26  # words per piece handed to a thread (256 MiB of f32)
 
 
 def _words_per_value(dtype: np.dtype) -> int:
@@ -69,7 +71,7 @@ def _pieces(x: Any, rows: int) -> Iterable[tuple[np.ndarray, int]]:
     if not isinstance(x, jax.Array):
         a = np.asarray(x)
         a = a.reshape(1) if a.ndim == 0 else a
-        yield a[:rows], 0
+        yield from _split(a[:rows], 0, int(np.prod(a.shape[1:], dtype=np.int64)) * _words_per_value(a.dtype))
         return
     x = x.reshape(1) if x.ndim == 0 else x
     row_words = int(np.prod(x.shape[1:], dtype=np.int64)) * _words_per_value(x.dtype)
@@ -81,9 +83,14 @@ def _pieces(x: Any, rows: int) -> Iterable[tuple[np.ndarray, int]]:
             yield from _pieces(np.asarray(jax.device_get(x)) if x.is_fully_addressable else _gather(x), rows)
             return
         lo = index[0].start or 0
-        n = max(0, min(rows - lo, shard.data.shape[0]))
-        if n:
-            yield np.asarray(shard.data)[:n], lo * row_words
+        yield from _split(np.asarray(shard.data)[:max(0, rows - lo)], lo * row_words, row_words)
+
+
+def _split(a: np.ndarray, start: int, row_words: int) -> Iterable[tuple[np.ndarray, int]]:
+    """`a` in row blocks of about _PIECE_WORDS words, each with its first word's position (for threads)."""
+    step = max(1, _PIECE_WORDS // max(1, row_words))
+    for lo in range(0, len(a), step):
+        yield a[lo:lo + step], start + lo * row_words
 
 
 def _gather(x: jax.Array) -> np.ndarray:
@@ -116,9 +123,9 @@ def checksum(x: Any, rows: int | None = None) -> str:
     rows = (shape[0] if shape else 1) if rows is None else rows
     pieces = list(_pieces(x, rows))
     across = isinstance(x, jax.Array) and not x.is_fully_addressable and jax.process_count() > 1
-    if len(pieces) == 1:
-        return _combine([_sums(*pieces[0])], across)
-    with concurrent.futures.ThreadPoolExecutor(min(len(pieces), 8)) as pool:  # the C loop releases the GIL
+    if len(pieces) <= 1:
+        return _combine([_sums(*p) for p in pieces], across)
+    with concurrent.futures.ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1)) as pool:  # the C loop releases the GIL
         return _combine(pool.map(lambda p: _sums(*p), pieces), across)
 
 

@@ -66,7 +66,7 @@ def _reference_step(feats, samples, cts, state, update, lr, step):
     return acts
 
 
-@settings(max_examples=16, deadline=None, derandomize=True, database=None)
+@settings(max_examples=10, deadline=None, derandomize=True, database=None)
 @given(cases())
 def test_forward_and_training_match_reference(case):
     n, optimizer, stacking, feats, fmt, seed, pool = case
