@@ -1,52 +1,45 @@
 #!/usr/bin/env python
 """Benchmark of a sparse_embed training step, side by side with FBGEMM, torch and naive Flax.
 
-Default workload W1: 8 tables x 1,000,000 rows x 64 f32, global batch 4096,
-20 ids per sample per table (uniform random, or Zipf with `--zipf`), sum
-combiner. Measured per run, for sparse_embed on each `--devices` count
-(more than 1: simulated host devices) and, once, for each peer in
-`--peers` (single-process CPU; see `benchmarks/peers.py`), all on the very
-same ids and loss cotangents:
+Workloads (`--preset`): W1 (default), 8 tables x 1,000,000 rows x 64 f32,
+global batch 4096, 20 ids per sample per table; `small`, 2 x 10,000 rows,
+batch 256 (fixed per-step costs); `quick`, a smoke run. Ids are uniform, or
+Zipf with `--zipf`; sum combiner. Measured per run, for sparse_embed with
+each lookup kernel (`--kernels`, default generic and native) on each
+`--devices` count (more than 1: simulated host devices) and, once, for each
+peer in `--peers` (single-process CPU; see `peers.py`), all on the very same
+ids and loss cotangents:
 
 - the train step for each optimizer asked for (`--optimizer`, default SGD,
-  Adagrad and RowwiseAdagrad, the ones FBGEMM has on CPU). sparse_embed's is
+  Adagrad, RowwiseAdagrad and Adam). sparse_embed's is
   `jax.jit(jax.value_and_grad(loss), donate_argnums=0)` with a loss linear
   in the activations (a fixed random cotangent); the peers run forward +
   `out.backward(cotangent)` (+ `optimizer.step()` where it is not fused);
 - the forward-only (inference) lookup;
-- the memory-traffic lower bound of each measurement (`peers.lower_bound`),
-  from the issue's bandwidths and from bandwidths measured in this run;
-- vocabulary independence (sparse_embed): one 64-dim table of 10^7 vs 10^5
-  rows, SGD, in alternating blocks of steps: on the same batches (goal:
-  ratio <= 1.3), and with ids spread over each whole vocabulary.
+- the memory-traffic lower bound of each measurement (`peers.lower_bound`);
+- vocabulary independence: one 64-dim table of 10^7 vs 10^5 rows, SGD, in
+  alternating blocks of steps, on the same batches (goal: ratio <= 1.3),
+  and with ids spread over each whole vocabulary.
 
-The measurements run one after the other (forward, then each optimizer),
-all systems in turn within each, and each system's tables are freed before
-the next system builds its own. Preprocessing and input conversion are not
-timed: a few batches are prepared up front and cycled. Reported: median /
-p10 / p90 wall time per step, its ratio to FBGEMM's and to the lower bound,
-median process CPU time, lookups/s, table+slot bytes, peak RSS during the
-steps, and for sparse_embed the compiled temp bytes, minor page faults per
-step and table-shaped `copy` ops in the compiled HLO; then the issue's
-targets with pass/fail (judged on W1 with 1 device). `--quick` also checks
-that all systems agree, from the same tables, on the forward output and
-on the tables after one SGD step.
+Measurements run one after the other, all systems in turn within each; each
+system's tables are freed before the next builds its own. Preprocessing is
+not timed. Reported: median / p10 / p90 wall time per step, its ratio to
+FBGEMM's, to the same system's SGD step and to the lower bound, CPU time,
+lookups/s, state bytes, peak RSS, page faults and table-shaped `copy` ops in
+the compiled HLO; then the native-kernel issue's targets for the workload
+(`report.TARGETS`), judged on the native kernel, 1 device. `--quick` (or
+`--check`) first checks that both kernels and all peers agree on the
+forward output and the tables after one SGD step.
 
-Reading the numbers on XLA:CPU: temp buffers above glibc's mmap threshold
-are mapped fresh on every execution, so a step page-faults its whole temp
-allocation (the `faults` column; the kernel's page zeroing is counted in
-the `cpu` column), and tables live on 4 KiB pages (a TLB miss per random
-row). `--hugepages` restarts the script with
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`: glibc then backs large blocks with
-transparent huge pages, for every system in the run alike (tables, slots,
-XLA's and torch's buffers). The MALLOC_*/GLIBC_TUNABLES in effect are recorded.
+`--hugepages` restarts the script with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`:
+glibc then backs large blocks with transparent huge pages, for every system
+alike. The MALLOC_*/GLIBC_TUNABLES in effect are recorded.
 
-    python benchmarks/step.py                       # W1: sparse_embed and every installed peer
-    python benchmarks/step.py --json benchmarks/results/results_step_peers.json --plot benchmarks/results/step.png
-    python benchmarks/step.py --quick               # smoke run, both kernels, all installed peers, seconds
+    python benchmarks/step.py                       # W1: both kernels and every installed peer
+    python benchmarks/step.py --json benchmarks/results/results_step_w1.json --plot benchmarks/results/step.png
+    python benchmarks/step.py --quick               # smoke run, seconds
     python benchmarks/step.py --preset small --peers none   # the small model, every optimizer
     python benchmarks/step.py --devices 1,8 --zipf 1.05 --peers fbgemm
-    python benchmarks/step.py --optimizer all --peers none
     python benchmarks/step.py --hugepages           # glibc malloc on transparent huge pages
 """
 

@@ -192,7 +192,9 @@ def test_bad_checkpoints_give_clear_errors(saved8, tmp_path):
         se.restore_embeddings(plan, tmp_path / "empty")
     broken = tmp_path / "broken"
     shutil.copytree(path, broken)
-    shutil.rmtree(broken / "3" / "embeddings" / "d")  # the array data
+    for array in (broken / "3" / "embeddings").iterdir():  # the arrays' data
+        if array.is_dir() and array.name != "array_metadatas":
+            shutil.rmtree(array)
     with pytest.raises(se.CheckpointError, match="corrupt or incomplete"):
         se.restore_embeddings(plan, broken)
     gc.collect()  # surface orbax's leftover future here (see the mark above)
