@@ -1,7 +1,7 @@
 """Bar chart of `benchmarks/step.py` results: step time per measurement, per system, with the lower bound.
 
     python benchmarks/step.py --plot benchmarks/results/step.png
-    python benchmarks/plot.py benchmarks/results/results_step_peers.json benchmarks/results/step.png   # from saved JSON
+    python benchmarks/plot.py benchmarks/results/results_step_w1.json benchmarks/results/step.png   # from saved JSON
 """
 
 from __future__ import annotations

@@ -76,13 +76,9 @@ def _pieces(x: Any, rows: int) -> Iterable[tuple[np.ndarray, int]]:
     x = x.reshape(1) if x.ndim == 0 else x
     row_words = int(np.prod(x.shape[1:], dtype=np.int64)) * _words_per_value(x.dtype)
     for shard in x.addressable_shards:
-        index = shard.index
         if shard.replica_id != 0:
             continue
-        if any(s != slice(None) and (s.start, s.stop) != (0, n) for s, n in zip(index[1:], x.shape[1:])):
-            yield from _pieces(np.asarray(jax.device_get(x)) if x.is_fully_addressable else _gather(x), rows)
-            return
-        lo = index[0].start or 0
+        lo = shard.index[0].start or 0
         yield from _split(np.asarray(shard.data)[:max(0, rows - lo)], lo * row_words, row_words)
 
 
@@ -91,6 +87,12 @@ def _split(a: np.ndarray, start: int, row_words: int) -> Iterable[tuple[np.ndarr
     step = max(1, _PIECE_WORDS // max(1, row_words))
     for lo in range(0, len(a), step):
         yield a[lo:lo + step], start + lo * row_words
+
+
+def _row_sharded(x: jax.Array) -> bool:
+    """Whether every shard of `x` holds whole rows (then it is checksummed in place, shard by shard)."""
+    return all(s == slice(None) or (s.start, s.stop) == (0, n)
+               for shard in x.addressable_shards for s, n in zip(shard.index[1:], x.shape[1:]))
 
 
 def _gather(x: jax.Array) -> np.ndarray:
@@ -119,13 +121,15 @@ def checksum(x: Any, rows: int | None = None) -> str:
     Under `jax.distributed`, every process must call it for the same global array.
     """
     _words_per_value(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)  # a clear TypeError if unsupported
+    if isinstance(x, jax.Array) and x.ndim and not _row_sharded(x):  # e.g. columns sharded: on the host, whole
+        x = np.asarray(jax.device_get(x)) if x.is_fully_addressable else _gather(x)
     shape = np.shape(x)
     rows = (shape[0] if shape else 1) if rows is None else rows
     pieces = list(_pieces(x, rows))
     across = isinstance(x, jax.Array) and not x.is_fully_addressable and jax.process_count() > 1
     if len(pieces) <= 1:
         return _combine([_sums(*p) for p in pieces], across)
-    with concurrent.futures.ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1)) as pool:  # the C loop releases the GIL
+    with concurrent.futures.ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1)) as pool:  # C drops the GIL
         return _combine(pool.map(lambda p: _sums(*p), pieces), across)
 
 
