@@ -16,6 +16,8 @@ device only ever holds its own block and its own shard, never a whole table.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, Mapping
 
 import jax
@@ -65,6 +67,8 @@ def blocks_to_mod(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.A
 def mod_to_blocks(stack: StackPlan, local: jax.Array, axis: str) -> list[jax.Array]:
     """Inside shard_map: this shard's MOD rows `[rps, w]` -> each table's natural block `[n*S, w]`."""
     S = stack.num_shards
+    if S == 1:  # one shard holds every row in id order: a table's block is its first vocabulary_size rows
+        return [local[p.row_offset:p.row_offset + p.table.vocabulary_size] for p in stack.tables]
     out = []
     for p in stack.tables:
         n = stored_rows(p.table.vocabulary_size, S) // (S * S)
@@ -85,8 +89,13 @@ def _per_shard(plan: EmbeddingPlan, fn: Callable) -> Callable:
 def to_natural(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, dict[str, jax.Array]]:
     """Stacked state -> `{table: {"table": [stored_rows, dim], slot: [stored_rows, width]}}`, sharded.
 
-    One jit; the results are new arrays (the caller may donate `tables` after).
+    One jit, compiled once per plan; the results are new arrays (the caller may donate `tables` after).
     """
+    return _to_natural_jit(plan)(dict(tables))
+
+
+@functools.lru_cache(maxsize=32)
+def _to_natural_jit(plan: EmbeddingPlan) -> Callable:
     def convert(state):
         out = {}
         for s in plan.stacks:
@@ -97,7 +106,7 @@ def to_natural(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) ->
                     out.setdefault(p.table.name, {})[key] = block
         return out
 
-    return jax.jit(convert, out_shardings=plan.table_sharding())(dict(tables))
+    return jax.jit(convert, out_shardings=plan.table_sharding())
 
 
 # (stack, index of the table in the stack) -> its initial values as natural blocks `[stored_rows, dim]`

@@ -79,11 +79,12 @@ def test_restore_8_to_n_is_exact(saved8, devices, stacking):
         assert v.table.sharding == sharding and all(s.sharding == sharding for s in v.slots.values())
 
 
+@pytest.mark.parametrize("saved_on", [1, 2], ids=["1dev", "2dev"])
 @pytest.mark.parametrize("stacking", list(STACKINGS), ids=list(STACKINGS))
-def test_restore_2_to_8_is_exact(tmp_path, stacking):
+def test_restore_n_to_8_is_exact(tmp_path, stacking, saved_on):
     feats = _specs()
     tables, slots = _random_state(feats, seed=1)
-    plan2 = se.plan(feats, make_mesh(2), stacking=STACKINGS[stacking])
+    plan2 = se.plan(feats, make_mesh(saved_on), stacking=STACKINGS[stacking])
     with se.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(1, plan2, se.stack_tables(plan2, tables, slots))
         ckpt.wait()
