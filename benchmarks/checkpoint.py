@@ -4,7 +4,7 @@
 Default: one table of 10^7 x 64 f32 with Adagrad (table + accumulator,
 4.8 GiB of state), on one CPU device. Reported per operation: seconds,
 GiB/s of state, and peak RSS above the process's resident memory before it
-(`/proc/self/status` VmHWM, reset before each operation), as a multiple of
+(`measuring.RSS`, its window reset before each operation), as a multiple of
 the state; then the issue's goals: init >= 0.5 GiB/s; save >= 0.8x
 `np.save`'s throughput and restore >= 0.8x `np.load`'s (with checksums
 on); peak RSS <= 1.3x the state. `--demo` adds the DLRM demo's state.
@@ -32,26 +32,21 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.environment import cpu_threads, environment  # noqa: E402
+from benchmarks.measuring import RSS  # noqa: E402
 
 GIB = 2**30
 GOALS = {"init": ("GiB/s", 0.5), "save": ("vs np.save", 0.8), "restore": ("vs np.load", 0.8), "rss": ("x state", 1.3)}
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, int]:
     """Runs `fn`; returns (result, seconds, peak RSS bytes above the RSS before it)."""
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    base = _status_kib("VmRSS")
+    RSS.reset()
+    base = RSS.current()
     t0 = time.perf_counter()
     out = fn()
     seconds = time.perf_counter() - t0
-    return out, seconds, (_status_kib("VmHWM") - base) * 1024
+    return out, seconds, RSS.peak() - base
 
 
 def _sync_dir(path: str) -> None:
@@ -88,7 +83,7 @@ def run_case(name: str, plan, directory: str) -> dict[str, Any]:
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     path = os.path.join(directory, name)
 
-    def save():
+    def save(state=state):
         with se.CheckpointManager(path) as m:
             m.save(1, plan, state)
             m.wait()

@@ -17,7 +17,6 @@ device only ever holds its own block and its own shard, never a whole table.
 from __future__ import annotations
 
 import functools
-
 from typing import Callable, Mapping
 
 import jax
@@ -67,8 +66,6 @@ def blocks_to_mod(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.A
 def mod_to_blocks(stack: StackPlan, local: jax.Array, axis: str) -> list[jax.Array]:
     """Inside shard_map: this shard's MOD rows `[rps, w]` -> each table's natural block `[n*S, w]`."""
     S = stack.num_shards
-    if S == 1:  # one shard holds every row in id order: a table's block is its first vocabulary_size rows
-        return [local[p.row_offset:p.row_offset + p.table.vocabulary_size] for p in stack.tables]
     out = []
     for p in stack.tables:
         n = stored_rows(p.table.vocabulary_size, S) // (S * S)

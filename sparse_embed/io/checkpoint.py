@@ -432,7 +432,7 @@ def read_user(step_dir: str, info: CheckpointInfo, target: Any) -> Any:
 
 def read_user_host(step_dir: str, info: CheckpointInfo) -> Any:
     """The user pytree as saved, as numpy arrays on the host (no target needed), verified."""
-    handler = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    handler = ocp.Checkpointer(item_handlers()[USER])
     path = os.path.join(step_dir, USER)
     try:
         tree = handler.metadata(path).item_metadata.tree

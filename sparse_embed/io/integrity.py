@@ -132,7 +132,3 @@ def checksum(x: Any, rows: int | None = None) -> str:
     with concurrent.futures.ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1)) as pool:  # C drops the GIL
         return _combine(pool.map(lambda p: _sums(*p), pieces), across)
 
-
-def checksums(arrays: dict[str, Any], rows: dict[str, int] | None = None) -> dict[str, str]:
-    """`{name: checksum(array, rows[name])}`."""
-    return {k: checksum(v, None if rows is None else rows.get(k)) for k, v in arrays.items()}
