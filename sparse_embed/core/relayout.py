@@ -7,11 +7,14 @@
   `i` is id `i`, rows `>= vocabulary_size` zero), `stored_rows` the
   vocabulary rounded up to a multiple of `S * S`, sharded `P(axis)` over
   the S devices: device `d` holds ids `[d * stored_rows / S, (d + 1) *
-  stored_rows / S)`. Checkpoints store this (one array per table and slot),
-  so a checkpoint means the same on any mesh.
+  stored_rows / S)`. Custom initializers generate tables this way, and
+  checkpoints of sparse_embed <= 0.2 stored it.
+- **Natural chunks**: ids `[c0 * S, (c0 + m) * S)` of one table, device `d`
+  holding `m` consecutive ids of them: what the checkpoint store streams.
 
-Between the two is one `all_to_all` per array under `shard_map`: every
-device only ever holds its own block and its own shard, never a whole table.
+Between MOD and either is one `all_to_all` per array (or chunk) under
+`shard_map`: every device only ever holds its own block and its own shard,
+never a whole table.
 """
 
 from __future__ import annotations
@@ -63,47 +66,9 @@ def blocks_to_mod(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.A
     return jnp.concatenate(out, axis=0)
 
 
-def mod_to_blocks(stack: StackPlan, local: jax.Array, axis: str) -> list[jax.Array]:
-    """Inside shard_map: this shard's MOD rows `[rps, w]` -> each table's natural block `[n*S, w]`."""
-    S = stack.num_shards
-    out = []
-    for p in stack.tables:
-        n = stored_rows(p.table.vocabulary_size, S) // (S * S)
-        x = local[p.row_offset // S : (p.row_offset + p.padded_rows) // S]
-        x = jnp.pad(x, ((0, S * n - x.shape[0]), (0, 0)))
-        x = jax.lax.all_to_all(x.reshape(S, n, -1), axis, 0, 0, tiled=True)  # [S(b), n(a), w]
-        x = x.reshape(S, n, -1).transpose(1, 0, 2).reshape(n * S, -1)  # id d*n*S + a*S + b
-        block = jax.lax.axis_index(axis) * n * S + jnp.arange(n * S)
-        out.append(jnp.where((block < p.table.vocabulary_size)[:, None], x, jnp.zeros((), x.dtype)))
-    return out
-
-
 def _per_shard(plan: EmbeddingPlan, fn: Callable) -> Callable:
     """`fn` under shard_map over the plan's axis, every input and output row-sharded."""
     return jax.shard_map(fn, mesh=plan.mesh, in_specs=P(plan.axis_name), out_specs=P(plan.axis_name))
-
-
-def to_natural(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, dict[str, jax.Array]]:
-    """Stacked state -> `{table: {"table": [stored_rows, dim], slot: [stored_rows, width]}}`, sharded.
-
-    One jit, compiled once per plan; the results are new arrays (the caller may donate `tables` after).
-    """
-    return _to_natural_jit(plan)(dict(tables))
-
-
-@functools.lru_cache(maxsize=32)
-def _to_natural_jit(plan: EmbeddingPlan) -> Callable:
-    def convert(state):
-        out = {}
-        for s in plan.stacks:
-            arrays = {TABLE_KEY: state[s.name].table, **state[s.name].slots}
-            for key, a in arrays.items():
-                blocks = _per_shard(plan, lambda x, s=s: tuple(mod_to_blocks(s, x, plan.axis_name)))(a)
-                for p, block in zip(s.tables, blocks):
-                    out.setdefault(p.table.name, {})[key] = block
-        return out
-
-    return jax.jit(convert, out_shardings=plan.table_sharding())
 
 
 # (stack, index of the table in the stack) -> its initial values as natural blocks `[stored_rows, dim]`
@@ -149,3 +114,64 @@ def from_natural(
         return out
 
     return jax.jit(convert, out_shardings=plan.table_sharding())(dict(natural))
+
+
+# ----------------------------------------------------------------- natural rows in chunks (checkpoint streaming)
+def chunk_rows(stack: StackPlan, row_bytes: int, target_bytes: int) -> int:
+    """Rows `m` each device holds of a streamed chunk: a multiple of S, about `target_bytes`, at most the table.
+
+    A chunk covers ids `[c0 * S, (c0 + m) * S)` of one table, `c0` a multiple of `m`; device d holds its
+    natural rows `[c0 * S + d * m, c0 * S + (d + 1) * m)`, so every device's piece is one aligned range.
+    """
+    S = stack.num_shards
+    most = round_up(max(p.padded_rows for p in stack.tables) // S, S)
+    return max(S, min(most, target_bytes // max(1, row_bytes) // S * S))
+
+
+def _local_range(p, S: int) -> tuple[int, int]:
+    """A table's local rows on every shard of its stack: `[start, start + count)`."""
+    return p.row_offset // S, p.padded_rows // S
+
+
+def mod_to_natural_chunk(stack: StackPlan, i: int, local: jax.Array, c0: jax.Array, m: int, axis: str) -> jax.Array:
+    """Inside shard_map: local rows `[c0, c0 + m)` of table i on every shard -> this device's natural rows.
+
+    Local row j of shard s is id `j * S + s`; one all_to_all of `[S, m / S, w]` gives device d the ids
+    `[c0 * S + d * m, c0 * S + (d + 1) * m)`, in order. Local rows past the table read as zeros.
+    """
+    S, n = stack.num_shards, m // stack.num_shards
+    start, count = _local_range(stack.tables[i], S)
+    j = c0 + jnp.arange(m)
+    x = jnp.where((j < count)[:, None], local[jnp.minimum(start + j, local.shape[0] - 1)], jnp.zeros((), local.dtype))
+    x = jax.lax.all_to_all(x.reshape(S, n, -1), axis, 0, 0, tiled=True)  # [S (source s), n (a), w]: id (c0+d*n+a)*S+s
+    return x.transpose(1, 0, 2).reshape(m, -1)
+
+
+def natural_chunk_to_mod(stack: StackPlan, i: int, local: jax.Array, chunk: jax.Array, c0: jax.Array, valid: int,
+                         axis: str) -> jax.Array:
+    """Inside shard_map: the inverse of `mod_to_natural_chunk`, written into `local` (rows of ids >= `valid` kept)."""
+    S, m = stack.num_shards, chunk.shape[0]
+    n = m // S
+    start, count = _local_range(stack.tables[i], S)
+    x = chunk.reshape(n, S, -1).transpose(1, 0, 2)  # [S (target s), n (a), w]
+    x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(m, -1)  # from source d: local row c0 + d*n + a
+    j = c0 + jnp.arange(m)
+    keep = (j < count) & (j * S + jax.lax.axis_index(axis) < valid)
+    return local.at[jnp.where(keep, start + j, local.shape[0])].set(x.astype(local.dtype), mode="drop")
+
+
+@functools.lru_cache(maxsize=256)
+def natural_chunk_fn(plan: EmbeddingPlan, stack: StackPlan, i: int, m: int) -> Callable:
+    """`(stacked array, c0) -> [S * m, w]`: natural rows `[c0 * S, (c0 + m) * S)` of table i, row-sharded."""
+    fn = jax.shard_map(lambda x, c0: mod_to_natural_chunk(stack, i, x, c0, m, plan.axis_name), mesh=plan.mesh,
+                       in_specs=(P(plan.axis_name), P()), out_specs=P(plan.axis_name))
+    return jax.jit(fn, out_shardings=plan.table_sharding())
+
+
+@functools.lru_cache(maxsize=256)
+def write_chunk_fn(plan: EmbeddingPlan, stack: StackPlan, i: int, valid: int) -> Callable:
+    """`(stacked array (donated), chunk [S * m, w] row-sharded, c0) -> stacked array` with the chunk written in."""
+    fn = jax.shard_map(lambda x, chunk, c0: natural_chunk_to_mod(stack, i, x, chunk, c0, valid, plan.axis_name),
+                       mesh=plan.mesh, in_specs=(P(plan.axis_name), P(plan.axis_name), P()),
+                       out_specs=P(plan.axis_name))
+    return jax.jit(fn, donate_argnums=0, out_shardings=plan.table_sharding())

@@ -184,3 +184,15 @@ def unstack_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables])
             sl = slice(p.row_offset, p.row_offset + p.table.vocabulary_size)
             out[p.table.name] = {k: r[sl] for k, r in rows.items()}
     return out
+
+
+def empty_tables(plan: EmbeddingPlan, *, with_slots: bool = True) -> dict[str, EmbeddingVariables]:
+    """Zero tables and slots at their initial values, sharded: the state a restore writes into."""
+    return _empty_jit(plan, with_slots)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _empty_jit(plan: EmbeddingPlan, with_slots: bool) -> dict[str, EmbeddingVariables]:
+    out = {s.name: EmbeddingVariables(jnp.zeros((s.total_rows, s.embedding_dim), s.dtype),
+                                      _slot_arrays(s) if with_slots else {}) for s in plan.stacks}
+    return jax.lax.with_sharding_constraint(out, plan.table_sharding())

@@ -2,34 +2,32 @@
 
 A checkpoint step directory holds three orbax items:
 
-- `embeddings`: per table, its natural block arrays (see `core.relayout`):
-  `{table: {"table": [stored_rows, dim], slot: [stored_rows, width]}}`, id
-  order, so their meaning does not depend on the mesh or the stacking;
+- `embeddings`: the table store (`io.store`): per table and slot one zarr3
+  array `[vocabulary_size, width]` in id order, with a CRC32C per chunk, so
+  their meaning does not depend on the mesh or the stacking;
 - `user` (optional): any pytree (dense params, optax state, ...);
 - `meta`: JSON `CheckpointInfo`: every table's spec (vocabulary, dim,
   dtype, combiner, max_norm, optimizer and its slot widths), the stacking and
   the mesh size it was saved from, the step, a checksum of every stored
   array (`io.integrity`) and a digest of the metadata itself.
 
-Integrity: every read (restore, convert, `load_serving`, `sparse-embed
+Integrity: tensorstore checks every chunk's CRC32C as it reads it, and every read (restore, convert, `load_serving`, `sparse-embed
 verify`) recomputes each array's checksum from the values it read and raises
 `CorruptCheckpointError` naming the step and the array on a mismatch;
 `CheckpointManager.restore()` without a step then falls back to the newest
 step that verifies, with a warning. Checkpoints written before checksums
 (format "sparse_embed/1") still restore, with a warning that they are not
-verified.
+verified; those written by orbax's PyTree handler (formats 1 and 2, with
+natural blocks padded for their mesh) still read.
 
 Restoring checks the plan's tables against `meta` (a clear `ValueError`
-naming the table otherwise), reads every table's natural blocks straight into
-the new mesh's row-block sharding (orbax pads or truncates the padding rows),
-and relays them into the plan's stacks with one `all_to_all` per array.
+naming the table otherwise), then streams each stored array, chunk by
+chunk, into the plan's stacks (one `all_to_all` per chunk).
 
-Memory: saving holds one extra copy of each device's shards (the natural
-blocks) until orbax has copied them to the host, and the host holds one copy
-of this process's shards while the background write runs. Restoring holds,
-per device, its block of every table plus the stacked result (~2x the state,
-per device). No device ever holds a whole table (unless the mesh has one
-device), and neither does the host.
+Memory: saving and restoring stream the tables in chunks of ~16 MiB per
+device, so they need the state plus a few chunks; `save` returns once the
+tables are on disk (they may then be donated or updated), and the user
+pytree and the metadata are written in the background.
 
 Crash safety comes from orbax: a step is written into a temporary directory
 and renamed when complete, so a killed save never touches the last complete
@@ -43,21 +41,25 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import warnings
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from sparse_embed.core.planning import EmbeddingPlan
-from sparse_embed.core.relayout import TABLE_KEY, from_natural, stored_rows, to_natural
+from sparse_embed.core.relayout import TABLE_KEY, from_natural, stored_rows
 from sparse_embed.core.specs import TableSpec
 from sparse_embed.core.state import EmbeddingVariables, check_state
-from sparse_embed.core.tables import natural_table
+from sparse_embed.core.tables import empty_tables, init_tables, natural_table
+from sparse_embed.io import store
 from sparse_embed.io.integrity import ALGORITHM, checksum
 
-FORMAT, UNVERIFIED_FORMAT = "sparse_embed/2", "sparse_embed/1"  # 1: written before checksums
+FORMAT = "sparse_embed/3"  # the table store (io.store)
+PYTREE_FORMAT, UNVERIFIED_FORMAT = "sparse_embed/2", "sparse_embed/1"  # orbax PyTree arrays; 1: before checksums
+STAGING = ".sparse_embed-staging"  # tables written before orbax commits the step; moved into it
 EMBEDDINGS, USER, META = "embeddings", "user", "meta"
 
 
@@ -85,14 +87,14 @@ class TableRecord:
     max_norm: float | None
     optimizer: str  # the optimizer's class name, for messages
     slots: tuple[tuple[str, int], ...]  # (slot name, width), sorted; empty in a serving checkpoint
-    stored_rows: int  # rows of the stored natural arrays (>= vocabulary_size; the rest is padding)
+    stored_rows: int  # rows of the stored arrays (format 3: vocabulary_size; before: padded for the mesh)
 
     @classmethod
-    def from_spec(cls, t: TableSpec, num_shards: int, *, with_slots: bool = True) -> "TableRecord":
+    def from_spec(cls, t: TableSpec, *, with_slots: bool = True) -> "TableRecord":
         opt = t.resolved_optimizer
         slots = tuple(sorted((k, v.width) for k, v in opt.slots(t.embedding_dim).items())) if with_slots else ()
         return cls(t.name, t.vocabulary_size, t.embedding_dim, str(t.dtype), t.combiner, t.max_norm,
-                   type(opt).__name__, slots, stored_rows(t.vocabulary_size, num_shards))
+                   type(opt).__name__, slots, t.vocabulary_size)
 
     def to_spec(self) -> TableSpec:
         """A `TableSpec` with this record's shape, dtype, combiner and max_norm (for serving)."""
@@ -119,6 +121,7 @@ class CheckpointInfo:
     # "table/key" -> checksum of the array's first vocabulary_size rows; None: written before checksums
     checksums: Mapping[str, str] | None = None
     user_checksums: Mapping[str, str] | None = None  # user leaf path (`leaf_key`) -> checksum
+    format: str = FORMAT  # how `embeddings` is stored: FORMAT (the table store) or an orbax PyTree before it
 
     def table(self, name: str) -> TableRecord:
         for t in self.tables:
@@ -136,23 +139,23 @@ class CheckpointInfo:
         return self.checksums is not None
 
     def to_json(self) -> dict:
-        d = {**dataclasses.asdict(self), "format": FORMAT, "algorithm": ALGORITHM}
+        d = {**dataclasses.asdict(self), "algorithm": ALGORITHM}
         return {**d, "digest": _digest(d)}
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> "CheckpointInfo":
         fmt = d.get("format") if isinstance(d, dict) else None
-        if fmt not in (FORMAT, UNVERIFIED_FORMAT):
+        if fmt not in (FORMAT, PYTREE_FORMAT, UNVERIFIED_FORMAT):
             if isinstance(d, dict) and ("digest" in d or str(fmt).startswith("sparse_embed/")):
                 raise CorruptCheckpointError(f"{where}: its metadata is corrupt (format {fmt!r}); {_WHAT_TO_DO}.")
             found = fmt if isinstance(d, dict) else type(d).__name__
             raise CheckpointError(f"{where} is not a sparse_embed checkpoint (format {found!r}, expected {FORMAT!r}).")
-        if fmt == FORMAT and d.get("digest") != _digest({k: v for k, v in d.items() if k != "digest"}):
+        if fmt != UNVERIFIED_FORMAT and d.get("digest") != _digest({k: v for k, v in d.items() if k != "digest"}):
             raise CorruptCheckpointError(f"{where}: its metadata is corrupt (its digest does not match); {_WHAT_TO_DO}.")
         try:
             tables = tuple(TableRecord(**{**t, "slots": tuple(tuple(s) for s in t["slots"])}) for t in d["tables"])
             return cls(d["kind"], tables, tuple(tuple(g) for g in d["stacking"]), int(d["num_shards"]),
-                       d["step"], bool(d["has_user"]), d.get("checksums"), d.get("user_checksums"))
+                       d["step"], bool(d["has_user"]), d.get("checksums"), d.get("user_checksums"), fmt)
         except (KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"{where}: its metadata is corrupt ({type(e).__name__}: {e}).") from None
 
@@ -182,12 +185,6 @@ def user_checksums(user: Any) -> dict[str, str]:
         if a.dtype.kind in "biufc" and a.dtype.itemsize in (1, 2, 4, 8):
             out[leaf_key(path)] = f"{checksum(a)} {a.dtype} {tuple(a.shape)}"
     return out
-
-
-def embedding_checksums(tables: Mapping[str, Any], natural: Mapping[str, Mapping[str, Any]]) -> dict:
-    """`{"table/key": checksum}` of natural arrays, over the vocabulary_size rows of `tables[table]` (spec or record)."""
-    return {f"{name}/{key}": checksum(a, tables[name].vocabulary_size)
-            for name, arrays in natural.items() for key, a in arrays.items()}
 
 
 def _array_name(table: str, key: str) -> str:
@@ -234,7 +231,7 @@ def warn_unverified(step_dir: str, info: CheckpointInfo) -> None:
 
 def training_info(plan: EmbeddingPlan, step: int | None, has_user: bool, checksums: Mapping[str, str] | None = None,
                   user_sums: Mapping[str, str] | None = None) -> CheckpointInfo:
-    tables = tuple(TableRecord.from_spec(plan.tables[n], plan.num_shards) for n in sorted(plan.tables))
+    tables = tuple(TableRecord.from_spec(plan.tables[n]) for n in sorted(plan.tables))
     stacking = tuple(tuple(p.table.name for p in s.tables) for s in plan.stacks)
     return CheckpointInfo("training", tables, stacking, plan.num_shards, step, has_user, checksums, user_sums)
 
@@ -265,8 +262,33 @@ def _first_line(e: Exception, limit: int = 160) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-def item_handlers() -> dict[str, ocp.CheckpointHandler]:
-    """The orbax handler of each item, with storage options chosen by measurement (2.5M x 64 f32 with
+class _MoveInHandler(ocp.CheckpointHandler):
+    """Saves the `embeddings` item, already written by the table store into a staging directory, by moving it in.
+
+    So the tables reach disk before orbax starts (streamed, in bounded
+    memory), and the step still appears only when orbax commits it whole.
+    """
+
+    def save(self, directory, args: "StagedSave") -> None:
+        if jax.process_index() == 0:
+            for name in os.listdir(args.staging):
+                os.rename(os.path.join(args.staging, name), os.path.join(os.fspath(directory), name))
+            os.rmdir(args.staging)
+
+    def restore(self, directory, args=None):
+        raise NotImplementedError("the table store is read by sparse_embed.io.store")
+
+
+@ocp.args.register_with_handler(_MoveInHandler, for_save=True, for_restore=True)
+@dataclasses.dataclass
+class StagedSave(ocp.args.CheckpointArgs):
+    staging: str  # a directory written by `io.store`, moved into the step's `embeddings` item
+
+
+def item_handlers(*, write: bool = False) -> dict[str, ocp.CheckpointHandler]:
+    """The orbax handler of each item: `embeddings` moved in from staging (write) or an older PyTree (read).
+
+    The user pytree's options were chosen by measurement (2.5M x 64 f32 with
     Adagrad slots, one CPU core, benchmarks/checkpoint.py):
 
     - no zstd: it made saving 1.5x and restoring 1.6x slower and shrank an initialised table by ~7% (only
@@ -276,12 +298,31 @@ def item_handlers() -> dict[str, ocp.CheckpointHandler]:
       Checkpoints written with OCDBT still restore.
     """
     arrays = lambda: ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False)  # noqa: E731
-    return {EMBEDDINGS: arrays(), USER: arrays(), META: ocp.JsonCheckpointHandler()}
+    return {EMBEDDINGS: _MoveInHandler() if write else arrays(), USER: arrays(), META: ocp.JsonCheckpointHandler()}
 
 
-def checkpointer() -> ocp.Checkpointer:
+def checkpointer(*, write: bool = False) -> ocp.Checkpointer:
     """An orbax checkpointer of the composite items a step directory holds."""
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers()))
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers(write=write)))
+
+
+def write_step(save: Callable[[dict], Any], staging: str, write_tables: Callable[[str], dict[str, str]],
+               info: CheckpointInfo, user: Any = None) -> Any:
+    """Writes the tables into `staging` (`write_tables(dir) -> checksums`), then `save(items)` with orbax.
+
+    The staging directory is removed if anything fails.
+    """
+    try:
+        if jax.process_index() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        info = dataclasses.replace(info, checksums=write_tables(staging))
+        items = {EMBEDDINGS: StagedSave(staging), META: ocp.args.JsonSave(info.to_json())}
+        if user is not None:
+            items[USER] = ocp.args.PyTreeSave(user)
+        return save(items)
+    finally:
+        if jax.process_index() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def read_info(path: str | os.PathLike, step: int | None = None) -> CheckpointInfo:
@@ -301,6 +342,14 @@ def read_embeddings(step_dir: str, targets: Mapping[str, Mapping[str, jax.ShapeD
 
     Verifies every array against its checksum in `info` (CorruptCheckpointError otherwise).
     """
+    if info.format == FORMAT:
+        try:
+            arrays = {name: {key: store.read_array(os.path.join(step_dir, EMBEDDINGS), name, key, t)
+                             for key, t in keys.items()} for name, keys in targets.items()}
+        except store.StoreReadError as e:
+            raise _unreadable_error(step_dir, info, [_array_name(*e.array)], e) from None
+        verify_embeddings(step_dir, info, arrays)
+        return arrays
     args = jax.tree.map(
         lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype, strict=False),
         dict(targets),
@@ -309,12 +358,14 @@ def read_embeddings(step_dir: str, targets: Mapping[str, Mapping[str, jax.ShapeD
     try:
         arrays = checkpointer().restore(step_dir, args=ocp.args.Composite(**{EMBEDDINGS: restore}))[EMBEDDINGS]
     except Exception as e:  # noqa: BLE001
-        raise CorruptCheckpointError(
-            f"{step_dir} (step {info.step}) is corrupt or incomplete: {_unreadable(step_dir, targets, info)} cannot be "
-            f"read ({type(e).__name__}: {_first_line(e)}); {_WHAT_TO_DO}."
-        ) from None
+        raise _unreadable_error(step_dir, info, [_unreadable(step_dir, targets, info)], e) from None
     verify_embeddings(step_dir, info, arrays)
     return arrays
+
+
+def _unreadable_error(step_dir: str, info: CheckpointInfo, names: list[str], e: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{step_dir} (step {info.step}) is corrupt or incomplete: {', '.join(names)} cannot "
+                                  f"be read ({type(e).__name__}: {_first_line(e)}); {_WHAT_TO_DO}.")
 
 
 def _unreadable(step_dir: str, targets: Mapping[str, Mapping[str, jax.ShapeDtypeStruct]], info: CheckpointInfo) -> str:
@@ -347,7 +398,7 @@ def check_compatible(plan: EmbeddingPlan, info: CheckpointInfo, where: str, *, a
             "add a feature that reads it, so that no trained table is silently dropped."
         )
     for name, t in plan.tables.items():
-        rec, want = info.table(name), TableRecord.from_spec(t, plan.num_shards)
+        rec, want = info.table(name), TableRecord.from_spec(t)
         if rec.embedding_dim != t.embedding_dim:
             raise ValueError(f"Table {name!r}: embedding_dim is {rec.embedding_dim} in the checkpoint {where} "
                              f"but {t.embedding_dim} in the plan.")
@@ -393,6 +444,8 @@ def restore_embeddings(
     if with_slots and info.kind != "training":
         raise ValueError(f"{step_dir} is a {info.kind} checkpoint without optimizer slots; "
                          "restore it with with_slots=False, or restore a training checkpoint.")
+    if info.format == FORMAT:
+        return _stream_in(plan, step_dir, info, allow_vocab_growth=allow_vocab_growth, rng=rng, with_slots=with_slots)
     sharding, S = plan.table_sharding(), plan.num_shards
     targets = {}
     for name, t in plan.tables.items():
@@ -405,6 +458,27 @@ def restore_embeddings(
     valid = {name: info.table(name).vocabulary_size for name in plan.tables}
     fresh = None if rng is None else (lambda s, i: natural_table(plan, s, rng, i))
     return from_natural(plan, natural, valid, fresh)
+
+
+def _stream_in(plan: EmbeddingPlan, step_dir: str, info: CheckpointInfo, *, allow_vocab_growth: bool,
+               rng: jax.Array | None, with_slots: bool) -> dict[str, EmbeddingVariables]:
+    """Restores the table store into a new state, chunk by chunk (the state plus a few chunks in memory)."""
+    valid = {name: info.table(name).vocabulary_size for name in plan.tables}
+    if any(valid[n] < t.vocabulary_size for n, t in plan.tables.items()):
+        if rng is None:
+            raise ValueError("Restoring a larger vocabulary needs the initial values of the new rows (rng=).")
+        state = init_tables(plan, rng, with_slots=with_slots)  # the new rows keep these values
+    else:
+        state = empty_tables(plan, with_slots=with_slots)
+    try:
+        state, sums = store.read_into_state(os.path.join(step_dir, EMBEDDINGS), plan, state, valid)
+    except store.StoreReadError as e:
+        raise _unreadable_error(step_dir, info, [_array_name(*e.array)], e) from None
+    bad = [_array_name(*k.split("/", 1)) for k, v in sums.items() if info.checksums.get(k) != v]
+    if bad:
+        raise CorruptCheckpointError(f"{step_dir} (step {info.step}) is corrupt: the values of {', '.join(bad)} do not "
+                                     f"match the checksum saved with them; {_WHAT_TO_DO}.")
+    return state
 
 
 def read_user(step_dir: str, info: CheckpointInfo, target: Any) -> Any:
@@ -482,25 +556,28 @@ class CheckpointManager:
             cleanup_tmp_directories=True,
             create=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=item_handlers())
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=item_handlers(write=True))
+        if jax.process_index() == 0:  # tables staged by a save that was killed
+            for name in os.listdir(self.directory):
+                if name.startswith(STAGING):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def save(self, step: int, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], *,
              user: Any = None, force: bool = False) -> bool:
-        """Starts saving `step` (skipped, returning False, if `save_interval_steps` says so and not `force`).
+        """Saves `step` (skipped, returning False, if `save_interval_steps` says so and not `force`).
 
-        `tables` may be donated or updated as soon as this returns.
+        The tables are streamed to disk before this returns (so `tables` may
+        be donated or updated right after); the user pytree and the metadata
+        are written in the background (`wait()`).
         """
         step = int(step)
         if not force and not self._manager.should_save(step):
             return False
         check_state(plan, tables)
-        natural = to_natural(plan, tables)
-        info = training_info(plan, step, user is not None, embedding_checksums(plan.tables, natural),
-                             None if user is None else user_checksums(user))
-        items = {EMBEDDINGS: ocp.args.PyTreeSave(natural), META: ocp.args.JsonSave(info.to_json())}
-        if user is not None:
-            items[USER] = ocp.args.PyTreeSave(user)
-        return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+        info = training_info(plan, step, user is not None, None, None if user is None else user_checksums(user))
+        return write_step(lambda items: self._manager.save(step, args=ocp.args.Composite(**items), force=force),
+                          os.path.join(self.directory, f"{STAGING}-{step}"),
+                          lambda d: store.write_state(d, plan, tables), info, user)
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""

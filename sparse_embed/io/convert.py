@@ -7,8 +7,8 @@ A serving checkpoint is one directory with the `embeddings` item
 
 Memory: exporting from live tables gathers each table to the host (a serving
 model needs whole tables on its one device anyway). Converting a checkpoint
-on disk reads one array at a time onto one device, so peak memory is the
-largest single table (or slot), not the whole model.
+on disk reads and writes one array at a time, so peak memory is the largest
+single table (or slot), not the whole model.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
 from sparse_embed.core.planning import EmbeddingPlan
-from sparse_embed.core.relayout import TABLE_KEY, stored_rows, to_natural
+from sparse_embed.core.relayout import TABLE_KEY
 from sparse_embed.core.specs import TableSpec
 from sparse_embed.core.state import EmbeddingVariables, check_state
+from sparse_embed.core.tables import unstack_tables
+from sparse_embed.io import store
 from sparse_embed.io.checkpoint import (
-    EMBEDDINGS, META, USER, CheckpointError, CheckpointInfo, TableRecord, checkpointer, embedding_checksums,
-    read_embeddings, read_info, read_user_host, resolve, training_info, warn_unverified,
+    FORMAT, STAGING, USER, CheckpointError, CheckpointInfo, TableRecord, checkpointer, read_embeddings, read_info,
+    read_user_host, resolve, training_info, warn_unverified, write_step,
 )
 
 DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
@@ -47,14 +49,19 @@ def _dtype(dtype) -> np.dtype | None:
     return np.dtype(dtype)
 
 
-def _save(dst: str, arrays: dict, info: CheckpointInfo) -> None:
-    """Writes `arrays` ({table: {key: host array}}) and `info`, with the arrays' checksums, to a new directory."""
+def _save(dst: str, arrays: Iterable[tuple[str, str, np.ndarray]], info: CheckpointInfo) -> None:
+    """Writes `(table, key, host array)`s, one at a time, and `info` (with their checksums) to a new directory."""
     if os.path.exists(dst):
         raise CheckpointError(f"{dst} already exists; choose a new destination.")
-    info = dataclasses.replace(info, checksums=embedding_checksums(
-        {r.name: r for r in info.tables}, arrays))
-    items = {EMBEDDINGS: ocp.args.PyTreeSave(arrays), META: ocp.args.JsonSave(info.to_json())}
-    checkpointer().save(dst, args=ocp.args.Composite(**items))
+
+    def write(staging: str) -> dict[str, str]:
+        sums = {}
+        for name, key, a in arrays:
+            sums.update(store.write_host(staging, {name: {key: a}}))
+        return sums
+
+    save = lambda items: checkpointer(write=True).save(dst, args=ocp.args.Composite(**items))  # noqa: E731
+    write_step(save, dst.rstrip(os.sep) + STAGING, write, info)
 
 
 def _serving_info(records: Iterable[TableRecord], dtype, stacking, num_shards, step) -> CheckpointInfo:
@@ -69,11 +76,8 @@ def export_serving(path: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping
                    dtype=None, step: int | None = None) -> None:
     """Writes a serving checkpoint of the live `tables`: `[vocab, dim]` per table, no slots, optional dtype."""
     check_state(plan, tables)
-    dtype, natural = _dtype(dtype), to_natural(plan, tables)
-    arrays = {}
-    for name, t in plan.tables.items():
-        a = np.asarray(natural[name][TABLE_KEY])[: t.vocabulary_size]
-        arrays[name] = {TABLE_KEY: a.astype(dtype or a.dtype)}
+    dtype = _dtype(dtype)
+    arrays = ((name, TABLE_KEY, a.astype(dtype or a.dtype)) for name, a in unstack_tables(plan, tables).items())
     info = training_info(plan, step, False)
     _save(os.fspath(path), arrays, _serving_info(info.tables, dtype, info.stacking, info.num_shards, step))
 
@@ -87,20 +91,18 @@ def load_serving(path: str | os.PathLike, *, device: jax.Device | None = None) -
     step_dir = resolve(path)
     info = read_info(step_dir)
     warn_unverified(step_dir, info)
-    arrays = {name: array for name, (_, array) in read_tables(step_dir, info, [TABLE_KEY], None, device)}
+    arrays = {name: array for name, (_, array) in read_tables(step_dir, info, [TABLE_KEY], device)}
     return arrays, {t.name: t.to_spec() for t in info.tables}
 
 
-def read_tables(step_dir: str, info: CheckpointInfo, keys: list[str],
-                rows_for: Callable[[TableRecord], int] | None = None, device: jax.Device | None = None):
-    """Yields `(table, (key, array))` one array at a time, on one device, `rows_for(record)` rows, verified."""
+def read_tables(step_dir: str, info: CheckpointInfo, keys: list[str], device: jax.Device | None = None):
+    """Yields `(table, (key, array))` one array at a time, on one device, `[vocabulary_size, w]`, verified."""
     sharding = SingleDeviceSharding(device or jax.devices()[0])
     for rec in info.tables:
         widths = {TABLE_KEY: (rec.embedding_dim, rec.dtype), **{k: (w, "float32") for k, w in rec.slots}}
         for key in keys if keys else widths:
             w, dt = widths[key]
-            rows = rows_for(rec) if rows_for else rec.vocabulary_size
-            target = {rec.name: {key: jax.ShapeDtypeStruct((rows, w), np.dtype(dt), sharding=sharding)}}
+            target = {rec.name: {key: jax.ShapeDtypeStruct((rec.vocabulary_size, w), np.dtype(dt), sharding=sharding)}}
             yield rec.name, (key, read_embeddings(step_dir, target, info)[rec.name][key])
 
 
@@ -111,10 +113,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
 
     - `serving=True`: a serving checkpoint at `dst` (`[vocab, dim]` tables,
       no slots, optionally cast to `dtype`, e.g. "bf16").
-    - else: a training checkpoint at `dst/<step>` laid out (padded) for
-      `devices` devices (default: as saved), slots and user pytree kept.
-      Any checkpoint restores onto any mesh anyway; this rewrites the stored
-      padding and the recorded mesh size.
+    - else: a training checkpoint at `dst/<step>` recorded for `devices`
+      devices (default: as saved), slots and user pytree kept, in the
+      current format (any checkpoint restores onto any mesh anyway; this
+      rewrites one from an older version, or records another mesh size).
     `progress` wraps the iteration over arrays (e.g. `tqdm`).
     """
     step_dir = resolve(src, step)
@@ -123,7 +125,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     dtype = _dtype(dtype)
     progress = progress or (lambda it, **_: it)
     if serving:
-        keys, rows_for, out_dir, n = [TABLE_KEY], None, os.fspath(dst), info.num_shards
+        keys, out_dir, n = [TABLE_KEY], os.fspath(dst), info.num_shards
         new_info = _serving_info(info.tables, dtype, info.stacking, n, info.step)
     else:
         if info.kind != "training":
@@ -134,14 +136,13 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
         n = devices or info.num_shards
         if n <= 0:
             raise ValueError(f"devices must be >= 1, got {n}.")
-        keys, rows_for = [], (lambda r: stored_rows(r.vocabulary_size, n))
-        new_info = dataclasses.replace(
-            info, num_shards=n, tables=tuple(dataclasses.replace(r, stored_rows=rows_for(r)) for r in info.tables))
+        keys = []
+        new_info = dataclasses.replace(info, num_shards=n, format=FORMAT, tables=tuple(
+            dataclasses.replace(r, stored_rows=r.vocabulary_size) for r in info.tables))
         out_dir = os.path.join(os.fspath(dst), str(info.step if info.step is not None else 0))
-    arrays: dict[str, dict[str, np.ndarray]] = {}
     total = sum(1 + (0 if serving else len(r.slots)) for r in info.tables)
-    for name, (key, a) in progress(read_tables(step_dir, info, keys, rows_for, None), total=total, unit="array"):
-        arrays.setdefault(name, {})[key] = np.asarray(a).astype(dtype) if (serving and dtype) else np.asarray(a)
+    arrays = ((name, key, np.asarray(a).astype(dtype) if (serving and dtype) else np.asarray(a))
+              for name, (key, a) in progress(read_tables(step_dir, info, keys), total=total, unit="array"))
     _save(out_dir, arrays, new_info)
     if not serving and info.has_user:  # the user pytree is mesh-independent: copy it as is, once verified
         read_user_host(step_dir, info)

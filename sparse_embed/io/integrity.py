@@ -58,7 +58,8 @@ def _numpy_sums(x: np.ndarray, start: int) -> tuple[int, int]:
     return a, b
 
 
-def _sums(x: np.ndarray, start: int) -> tuple[int, int]:
+def partial_sums(x: np.ndarray, start: int) -> tuple[int, int]:
+    """The two sums of a host array whose first word is at position `start` (add pieces, then `combine`)."""
     x = np.ascontiguousarray(x)
     native = extension()
     if native is None:
@@ -101,7 +102,8 @@ def _gather(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _combine(sums: Iterable[tuple[int, int]], across_processes: bool) -> str:
+def combine(sums: Iterable[tuple[int, int]], across_processes: bool) -> str:
+    """The checksum of the pieces whose `partial_sums` are given (added over every process if `across_processes`)."""
     a = b = 0
     for sa, sb in sums:
         a, b = a + sa, b + sb
@@ -128,7 +130,7 @@ def checksum(x: Any, rows: int | None = None) -> str:
     pieces = list(_pieces(x, rows))
     across = isinstance(x, jax.Array) and not x.is_fully_addressable and jax.process_count() > 1
     if len(pieces) <= 1:
-        return _combine([_sums(*p) for p in pieces], across)
+        return combine([partial_sums(*p) for p in pieces], across)
     with concurrent.futures.ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1)) as pool:  # C drops the GIL
-        return _combine(pool.map(lambda p: _sums(*p), pieces), across)
+        return combine(pool.map(lambda p: partial_sums(*p), pieces), across)
 

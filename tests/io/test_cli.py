@@ -78,7 +78,7 @@ def _broken(ckpt, tmp_path, how):
     if how == "not_ours":
         (dst / "4" / "meta" / "metadata").write_text('{"format": "other"}')
         return dst, "not a sparse_embed checkpoint"
-    shutil.rmtree(dst / "4" / "embeddings" / "items.table")  # one array's data
+    shutil.rmtree(dst / "4" / "embeddings" / "items" / "table")  # one array's data
     return dst, "corrupt or incomplete"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import pathlib
 import re
 import shutil
@@ -16,8 +15,9 @@ import pytest
 
 import sparse_embed as se
 from sparse_embed import cli
-from sparse_embed.io import integrity
+from sparse_embed.io import integrity, store
 from conftest import make_mesh
+from old_checkpoints import save_old
 
 # orbax leaves a tensorstore future behind when a read fails; its callback may fire after its event
 # loop closed ("Event loop is closed", an unraisable exception at garbage collection): not ours.
@@ -87,7 +87,8 @@ def two_steps(tmp_path_factory):
     plan = se.plan(_specs(), make_mesh(8))
     path = tmp_path_factory.mktemp("integrity") / "ck"
     values = {}
-    with se.CheckpointManager(path, max_to_keep=None) as m:
+    with pytest.MonkeyPatch.context() as mp, se.CheckpointManager(path, max_to_keep=None) as m:
+        mp.setattr(store, "CHUNK_BYTES", 4096)  # several chunks per array
         for step in (1, 2):
             state = se.init_tables(plan, jax.random.key(step))
             user = {"dense": np.full(40, step, np.float32), "count": np.array(step, np.int32)}
@@ -127,17 +128,16 @@ def _files(step_dir: pathlib.Path) -> list[str]:
 
 
 def _is_data(name: str) -> bool:
-    """A chunk of an array's values (zarr names chunks by their indices, e.g. `items.table/3.0`)."""
+    """A chunk of an array's values (zarr names chunks by their indices, e.g. `items/table/c/3/0`)."""
     return re.fullmatch(r"[\d.]+", name.rsplit("/", 1)[-1]) is not None
 
 
 def test_the_checkpoint_has_every_kind_of_file(two_steps):
     files = _files(two_steps[0] / "2")
-    for kind in ("embeddings/items.table/", "embeddings/items.accumulator/", "embeddings/users.table/",
-                 "embeddings/items.table/.zarray", "user/dense/", "meta/metadata", "embeddings/_METADATA",
-                 "embeddings/_sharding", "_CHECKPOINT_METADATA"):
+    for kind in ("embeddings/items/table/c/", "embeddings/items/accumulator/c/", "embeddings/users/table/c/",
+                 "embeddings/items/table/zarr.json", "user/dense/", "meta/metadata", "_CHECKPOINT_METADATA"):
         assert any(f.startswith(kind) for f in files), kind
-    assert sum(map(_is_data, files)) >= 8  # several chunks per array
+    assert sum(f.startswith("embeddings/items/table/c/") for f in files) >= 8  # several chunks per array
 
 
 @pytest.mark.parametrize("where", ["start", "middle", "end"])
@@ -237,21 +237,37 @@ def test_every_step_corrupt_raises(two_steps, tmp_path):
         _restore(case)
 
 
-def test_checkpoint_written_before_checksums_restores_with_a_warning(two_steps, tmp_path):
-    path, values = two_steps
-    case = tmp_path / "old"
-    shutil.copytree(path, case)
-    meta = case / "2" / "meta" / "metadata"
-    d = json.loads(meta.read_text())
-    for key in ("digest", "algorithm", "checksums", "user_checksums"):
-        d.pop(key)
-    meta.write_text(json.dumps({**d, "format": "sparse_embed/1"}))
-    with pytest.warns(UserWarning, match="without checksums"):
-        step, tables, user = _restore(case)
-    assert step == 2
-    _assert_values((tables, user), values[2])
-    v = se.verify_checkpoint(case)
-    assert v.ok and not v.verified
+@pytest.mark.parametrize("fmt", ["sparse_embed/1", "sparse_embed/2"])
+def test_checkpoints_of_earlier_versions_restore_exactly(tmp_path, fmt):
+    """Orbax PyTree arrays (OCDBT, zstd), padded for 4 devices; format 1 has no checksums and says so."""
+    plan4 = se.plan(_specs(), make_mesh(4))
+    state = se.init_tables(plan4, jax.random.key(5))
+    want = se.unstack_state(plan4, state)
+    user = {"dense": np.full(40, 5, np.float32), "count": np.array(5, np.int32)}
+    save_old(tmp_path / "ck" / "7", plan4, state, 7, fmt, user, checksum=reference_checksum)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, tables, got_user = _restore(tmp_path / "ck")
+    assert step == 7 and any("without checksums" in str(w.message) for w in caught) == (fmt == "sparse_embed/1")
+    _assert_values((tables, got_user), (want, user))
+    v = se.verify_checkpoint(tmp_path / "ck")
+    assert v.ok and v.verified == (fmt == "sparse_embed/2")
+    with warnings.catch_warnings(record=True):  # format 1 warns again
+        warnings.simplefilter("always")
+        out = se.convert_checkpoint(tmp_path / "ck", tmp_path / "new")  # rewritten in the current format
+    assert se.read_info(out).format == "sparse_embed/3"
+    _assert_values(_restore(tmp_path / "new")[1:], (want, user))
+
+
+def test_flipped_values_of_an_earlier_version_are_caught(tmp_path):
+    plan4 = se.plan(_specs(), make_mesh(4))
+    save_old(tmp_path / "ck" / "7", plan4, se.init_tables(plan4, jax.random.key(5)), 7, "sparse_embed/2",
+             checksum=reference_checksum)
+    arrays = tmp_path / "ck" / "7" / "embeddings"
+    data = max((f for f in arrays.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    _flip(data, "middle")
+    with pytest.raises(se.CorruptCheckpointError, match=r"step 7\)"):
+        se.restore_embeddings(se.plan(_specs(), make_mesh(2)), tmp_path / "ck")
 
 
 def test_plain_file_is_not_a_checkpoint_directory(tmp_path, capsys):

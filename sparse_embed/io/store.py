@@ -1,0 +1,245 @@
+"""The table store: every table and slot of a checkpoint as one zarr3 array in id order, streamed in chunks.
+
+Layout: `<dir>/<table>/<key>/` (names percent-encoded), a zarr3 array
+`[vocabulary_size, width]` of the table's dtype (slots float32), row `i`
+being id `i`, in chunks of whole rows, each chunk followed by a CRC32C
+(tensorstore's `crc32c` codec: a damaged chunk fails to read). It is
+readable by any zarr3 reader, and means the same on any mesh.
+
+Streaming: saving converts one chunk of one table's rows at a time from the
+stacked MOD layout (`relayout.natural_chunk_fn`, one all_to_all) and each
+process writes the rows of its own devices, while the next chunk is being
+converted; restoring reads one chunk at a time and writes it into the
+stacked state in place (`relayout.write_chunk_fn`, donated). Memory above
+the state is a few chunks (`relayout.chunk_rows`, ~16 MiB per device).
+
+Each array's checksum (`io.integrity`) is summed from the pieces as they
+are written or read, so the whole state is never held twice.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from typing import Mapping
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from sparse_embed.core.planning import EmbeddingPlan, StackPlan
+from sparse_embed.core.relayout import TABLE_KEY, chunk_rows, natural_chunk_fn, write_chunk_fn
+from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
+from sparse_embed.io.integrity import combine, partial_sums
+
+_IN_FLIGHT = 3  # chunks written or read ahead of the one being converted
+CHUNK_BYTES = 1 << 24  # bytes of a chunk's piece on one device (and of a stored zarr chunk)
+
+
+class StoreReadError(Exception):
+    """An array of the store cannot be read (missing, damaged chunk, wrong shape); `.array` = (table, key)."""
+
+    def __init__(self, array: tuple[str, str], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.array = array
+
+
+def array_path(directory: str, table: str, key: str) -> str:
+    quote = lambda s: urllib.parse.quote(s, safe="")  # noqa: E731
+    return os.path.join(directory, quote(table), quote(key))
+
+
+def _context() -> ts.Context:
+    return ts.Context({"data_copy_concurrency": {"limit": os.cpu_count() or 1}, "file_io_concurrency": {"limit": 8}})
+
+
+def _create(path: str, shape: tuple[int, int], dtype: np.dtype, chunk: int, context: ts.Context) -> ts.TensorStore:
+    metadata = {
+        "shape": list(shape), "data_type": np.dtype(dtype).name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, chunk), shape[1]]}},
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+    }
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "metadata": metadata}
+    return ts.open(spec, create=True, delete_existing=True, context=context).result()
+
+
+def open_array(directory: str, table: str, key: str, context: ts.Context | None = None, *,
+               write: bool = False) -> ts.TensorStore:
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": array_path(directory, table, key)}}
+    try:
+        return ts.open(spec, open=True, read=True, write=write, context=context or _context()).result()
+    except Exception as e:  # noqa: BLE001 - missing or damaged metadata
+        raise StoreReadError((table, key), e) from None
+
+
+class _Padded:
+    """A started read of rows `[lo, lo + count)`; `.result()`: them as `[m, w]`, zero past `count`."""
+
+    def __init__(self, store: ts.TensorStore, lo: int, m: int, count: int):
+        self.future = store[lo: lo + count].read() if count > 0 else None
+        self.shape, self.dtype = (m, store.shape[1]), store.dtype.numpy_dtype
+
+    def result(self) -> np.ndarray:
+        got = np.zeros((0, self.shape[1]), self.dtype) if self.future is None else self.future.result()
+        if got.shape[0] == self.shape[0]:
+            return got
+        out = np.zeros(self.shape, self.dtype)
+        out[: got.shape[0]] = got
+        return out
+
+
+def _keys(stack: StackPlan, variables: EmbeddingVariables) -> dict[str, jax.Array]:
+    return {TABLE_KEY: variables.table, **variables.slots}
+
+
+# ----------------------------------------------------------------- writing
+def write_state(directory: str, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, str]:
+    """Streams the stacked state into the store at `directory`; returns `{"table/key": checksum}`.
+
+    Under `jax.distributed` every process calls it with the same (shared) directory; each writes the rows of
+    its own devices. Returns once every row is on disk.
+    """
+    context, sums = _context(), {}
+    multi = jax.process_count() > 1
+    stores = {}
+    for s in plan.stacks:
+        for key, a in _keys(s, tables[s.name]).items():
+            m = chunk_rows(s, a.shape[1] * a.dtype.itemsize, CHUNK_BYTES)
+            for p in s.tables:
+                path = array_path(directory, p.table.name, key)
+                if jax.process_index() == 0:
+                    stores[p.table.name, key] = _create(path, (p.table.vocabulary_size, a.shape[1]), a.dtype, m,
+                                                        context)
+    if multi:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("sparse_embed store created")
+    for s in plan.stacks:
+        for key, a in _keys(s, tables[s.name]).items():
+            m = chunk_rows(s, a.shape[1] * a.dtype.itemsize, CHUNK_BYTES)
+            for i, p in enumerate(s.tables):
+                store = stores.get((p.table.name, key)) or open_array(directory, p.table.name, key, context,
+                                                                      write=True)
+                sums[f"{p.table.name}/{key}"] = _write_table(plan, s, i, a, store, m)
+    return {k: combine([v], multi) for k, v in sums.items()}
+
+
+def _write_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: ts.TensorStore,
+                 m: int) -> tuple[int, int]:
+    """Writes table i's rows of the stacked array `a` chunk by chunk; returns this process's checksum sums."""
+    fn, vocab, S = natural_chunk_fn(plan, s, i, m), store.shape[0], s.num_shards
+    row_words = a.shape[1] * (2 if a.dtype.itemsize == 8 else 1)
+    starts = range(0, -(-vocab // S), m)  # c0: a chunk's first local row
+    sa = sb = 0
+    pending, chunks = [], iter(starts)
+    nxt = _dispatch(fn, a, next(chunks, None))
+    while nxt is not None:
+        c0, chunk = nxt
+        nxt = _dispatch(fn, a, next(chunks, None))  # convert the next chunk while this one is written
+        for shard in chunk.addressable_shards:
+            lo = c0 * S + (shard.index[0].start or 0)
+            rows = np.asarray(shard.data)[: max(0, min(m, vocab - lo))]
+            if rows.shape[0] == 0:
+                continue
+            x, y = partial_sums(rows, lo * row_words)
+            sa, sb = sa + x, sb + y
+            pending.append((store[lo: lo + rows.shape[0]].write(rows), rows))  # rows live until written
+        while len(pending) > _IN_FLIGHT * max(1, len(chunk.addressable_shards)):
+            pending.pop(0)[0].result()
+    for f, _ in pending:
+        f.result()
+    return sa, sb
+
+
+def _dispatch(fn, a: jax.Array, c0: int | None):
+    return None if c0 is None else (c0, fn(a, np.int32(c0)))
+
+
+def write_host(directory: str, arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, str]:
+    """Writes host arrays `{table: {key: [vocab, w]}}` into the store (one process); returns their checksums."""
+    context, sums = _context(), {}
+    for name, keys in arrays.items():
+        for key, a in keys.items():
+            a = np.ascontiguousarray(a)
+            m = max(1, CHUNK_BYTES // max(1, a.shape[1] * a.dtype.itemsize))
+            store = _create(array_path(directory, name, key), a.shape, a.dtype, m, context)
+            store.write(a).result()
+            sums[f"{name}/{key}"] = combine([partial_sums(a, 0)], False)
+    return sums
+
+
+# ----------------------------------------------------------------- reading
+def read_array(directory: str, table: str, key: str, target: jax.ShapeDtypeStruct) -> jax.Array:
+    """One stored array into `target`'s shape (rows padded with zeros or cut), dtype and sharding."""
+    store = open_array(directory, table, key)
+    rows, width = target.shape
+    if store.shape[1] != width:
+        raise StoreReadError((table, key), ValueError(f"stored width {store.shape[1]}, expected {width}"))
+
+    def shard(index):
+        lo, hi, _ = index[0].indices(rows)
+        try:
+            x = _Padded(store, lo, hi - lo, min(hi, store.shape[0]) - lo).result()
+        except Exception as e:  # noqa: BLE001 - a damaged chunk
+            raise StoreReadError((table, key), e) from None
+        return x.astype(target.dtype)[:, index[1]]
+
+    return jax.make_array_from_callback(target.shape, target.sharding, shard)
+
+
+def read_into_state(directory: str, plan: EmbeddingPlan, state: dict[str, EmbeddingVariables],
+                    valid_rows: Mapping[str, int]) -> tuple[dict[str, EmbeddingVariables], dict[str, str]]:
+    """Streams the stored arrays into `state` (donated), ids `< valid_rows[table]` only.
+
+    Returns the new state and `{"table/key": checksum}` of the rows read (to compare with the saved ones).
+    """
+    context, sums, out = _context(), {}, {}
+    multi = jax.process_count() > 1
+    for s in plan.stacks:
+        arrays = dict(_keys(s, state[s.name]))
+        for key in list(arrays):
+            for i, p in enumerate(s.tables):
+                store = open_array(directory, p.table.name, key, context)
+                arrays[key], sums[f"{p.table.name}/{key}"] = _read_table(
+                    plan, s, i, arrays[key], store, valid_rows[p.table.name], (p.table.name, key))
+        slots = {k: v for k, v in arrays.items() if k != TABLE_KEY}
+        out[s.name] = EmbeddingVariables(arrays[TABLE_KEY], {k: v.astype(SLOT_DTYPE) for k, v in slots.items()})
+    return out, {k: combine([v], multi) for k, v in sums.items()}
+
+
+def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: ts.TensorStore, valid: int,
+                name: tuple[str, str]) -> tuple[jax.Array, tuple[int, int]]:
+    """Writes ids `< valid` of table i from `store` into the stacked array `a` (donated), chunk by chunk."""
+    S, width = s.num_shards, a.shape[1]
+    if store.shape[1] != width or store.shape[0] < valid:
+        raise StoreReadError(name, ValueError(f"stored shape {tuple(store.shape)}, expected [>= {valid}, {width}]"))
+    m = chunk_rows(s, width * a.dtype.itemsize, CHUNK_BYTES)
+    fn = write_chunk_fn(plan, s, i, valid)
+    sharding = jax.sharding.NamedSharding(plan.mesh, jax.P(plan.axis_name))
+    mine = [(d, idx[0].start or 0) for d, idx in sharding.addressable_devices_indices_map((S * m, width)).items()]
+    row_words = width * (2 if a.dtype.itemsize == 8 else 1)
+    sa = sb = 0
+
+    def reads(c0: int) -> list:
+        return [(c0 * S + k, _Padded(store, c0 * S + k, m, min(m, valid - c0 * S - k))) for _, k in mine]
+
+    starts = list(range(0, -(-valid // S), m))
+    ahead = [reads(c0) for c0 in starts[:_IN_FLIGHT]]
+    for n, c0 in enumerate(starts):
+        pieces = ahead.pop(0)
+        if n + _IN_FLIGHT < len(starts):
+            ahead.append(reads(starts[n + _IN_FLIGHT]))  # read ahead while this chunk is placed
+        host = []
+        for lo, future in pieces:
+            try:
+                x = future.result()
+            except Exception as e:  # noqa: BLE001 - a damaged chunk
+                raise StoreReadError(name, e) from None
+            if valid > lo:
+                xa, xb = partial_sums(x[: valid - lo], lo * row_words)
+                sa, sb = sa + xa, sb + xb
+            host.append(x.astype(a.dtype))
+        chunk = jax.make_array_from_single_device_arrays(
+            (S * m, width), sharding, [jax.device_put(x, d) for x, (d, _) in zip(host, mine)])
+        a = fn(a, chunk, np.int32(c0))
+    return a, (sa, sb)
