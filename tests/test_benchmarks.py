@@ -72,5 +72,5 @@ def test_checkpoint_benchmark_smoke(capsys, tmp_path):
     (case,) = out["cases"]
     assert case["state_bytes"] == 100_000 * 64 * 4 * 2  # table + Adagrad accumulator
     assert all(case[k] > 0 for k in ("init_s", "save_s", "restore_s", "np_save_s", "np_load_s"))
-    assert len(checkpoint.goals(case)) == 6 and (tmp_path / "ck.json").exists()
+    assert len(checkpoint.goals(case)) == 7 and (tmp_path / "ck.json").exists()
     assert "restore throughput / np.load" in capsys.readouterr().out

@@ -24,7 +24,7 @@ Restoring checks the plan's tables against `meta` (a clear `ValueError`
 naming the table otherwise), then streams each stored array, chunk by
 chunk, into the plan's stacks (one `all_to_all` per chunk).
 
-Memory: saving and restoring stream the tables in chunks of ~16 MiB per
+Memory: saving and restoring stream the tables in chunks of ~4 MiB per
 device, so they need the state plus a few chunks; `save` returns once the
 tables are on disk (they may then be donated or updated), and the user
 pytree and the metadata are written in the background.
