@@ -11,8 +11,9 @@ A checkpoint step directory holds three orbax items:
   the mesh size it was saved from, the step, a checksum of every stored
   array (`io.integrity`) and a digest of the metadata itself.
 
-Integrity: tensorstore checks every chunk's CRC32C as it reads it, and every read (restore, convert, `load_serving`, `sparse-embed
-verify`) recomputes each array's checksum from the values it read and raises
+Integrity: tensorstore checks every chunk's CRC32C as it reads it, and
+every read (restore, convert, `load_serving`, `sparse-embed verify`)
+recomputes each array's checksum from the values it read; either raises
 `CorruptCheckpointError` naming the step and the array on a mismatch;
 `CheckpointManager.restore()` without a step then falls back to the newest
 step that verifies, with a warning. Checkpoints written before checksums
