@@ -128,31 +128,36 @@ def chunk_rows(stack: StackPlan, row_bytes: int, target_bytes: int) -> int:
     return max(S, min(most, target_bytes // max(1, row_bytes) // S * S))
 
 
-def _local_range(p, S: int) -> tuple[int, int]:
-    """A table's local rows on every shard of its stack: `[start, start + count)`."""
-    return p.row_offset // S, p.padded_rows // S
+def table_range(stack: StackPlan, i: int) -> tuple[int, int]:
+    """Table i's local rows on every shard of its stack: `(start, count)`."""
+    p = stack.tables[i]
+    return p.row_offset // stack.num_shards, p.padded_rows // stack.num_shards
 
 
-def mod_to_natural_chunk(stack: StackPlan, i: int, local: jax.Array, c0: jax.Array, m: int, axis: str) -> jax.Array:
-    """Inside shard_map: local rows `[c0, c0 + m)` of table i on every shard -> this device's natural rows.
+def mod_to_natural_chunk(stack: StackPlan, local: jax.Array, where: jax.Array, m: int, axis: str) -> jax.Array:
+    """Inside shard_map: local rows `[c0, c0 + m)` of one table on every shard -> this device's natural rows.
 
-    Local row j of shard s is id `j * S + s`; one all_to_all of `[S, m / S, w]` gives device d the ids
+    `where` = `[c0, start, count]` (int32): the chunk's first row, and the table's `table_range`. Local row
+    j of shard s is id `j * S + s`; one all_to_all of `[S, m / S, w]` gives device d the ids
     `[c0 * S + d * m, c0 * S + (d + 1) * m)`, in order. Local rows past the table read as zeros.
     """
     S, n = stack.num_shards, m // stack.num_shards
-    start, count = _local_range(stack.tables[i], S)
+    c0, start, count = where[0], where[1], where[2]
     j = c0 + jnp.arange(m)
     x = jnp.where((j < count)[:, None], local[jnp.minimum(start + j, local.shape[0] - 1)], jnp.zeros((), local.dtype))
     x = jax.lax.all_to_all(x.reshape(S, n, -1), axis, 0, 0, tiled=True)  # [S (source s), n (a), w]: id (c0+d*n+a)*S+s
     return x.transpose(1, 0, 2).reshape(m, -1)
 
 
-def natural_chunk_to_mod(stack: StackPlan, i: int, local: jax.Array, chunk: jax.Array, c0: jax.Array, valid: int,
+def natural_chunk_to_mod(stack: StackPlan, local: jax.Array, chunk: jax.Array, where: jax.Array,
                          axis: str) -> jax.Array:
-    """Inside shard_map: the inverse of `mod_to_natural_chunk`, written into `local` (rows of ids >= `valid` kept)."""
+    """Inside shard_map: the inverse of `mod_to_natural_chunk`, written into `local`.
+
+    `where` = `[c0, start, count, valid]`: rows of ids `>= valid` are left as they are.
+    """
     S, m = stack.num_shards, chunk.shape[0]
     n = m // S
-    start, count = _local_range(stack.tables[i], S)
+    c0, start, count, valid = where[0], where[1], where[2], where[3]
     x = chunk.reshape(n, S, -1).transpose(1, 0, 2)  # [S (target s), n (a), w]
     x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(m, -1)  # from source d: local row c0 + d*n + a
     j = c0 + jnp.arange(m)
@@ -161,17 +166,20 @@ def natural_chunk_to_mod(stack: StackPlan, i: int, local: jax.Array, chunk: jax.
 
 
 @functools.lru_cache(maxsize=256)
-def natural_chunk_fn(plan: EmbeddingPlan, stack: StackPlan, i: int, m: int) -> Callable:
-    """`(stacked array, c0) -> [S * m, w]`: natural rows `[c0 * S, (c0 + m) * S)` of table i, row-sharded."""
-    fn = jax.shard_map(lambda x, c0: mod_to_natural_chunk(stack, i, x, c0, m, plan.axis_name), mesh=plan.mesh,
+def natural_chunk_fn(plan: EmbeddingPlan, stack: StackPlan, m: int) -> Callable:
+    """`(stacked array, where) -> [S * m, w]`: natural rows `[c0 * S, (c0 + m) * S)` of a table, row-sharded.
+
+    One compile per stack and chunk size, shared by its tables (`where`: see `mod_to_natural_chunk`).
+    """
+    fn = jax.shard_map(lambda x, where: mod_to_natural_chunk(stack, x, where, m, plan.axis_name), mesh=plan.mesh,
                        in_specs=(P(plan.axis_name), P()), out_specs=P(plan.axis_name))
     return jax.jit(fn, out_shardings=plan.table_sharding())
 
 
 @functools.lru_cache(maxsize=256)
-def write_chunk_fn(plan: EmbeddingPlan, stack: StackPlan, i: int, valid: int) -> Callable:
-    """`(stacked array (donated), chunk [S * m, w] row-sharded, c0) -> stacked array` with the chunk written in."""
-    fn = jax.shard_map(lambda x, chunk, c0: natural_chunk_to_mod(stack, i, x, chunk, c0, valid, plan.axis_name),
+def write_chunk_fn(plan: EmbeddingPlan, stack: StackPlan) -> Callable:
+    """`(stacked array (donated), chunk [S * m, w] row-sharded, where) -> stacked array` with the chunk written in."""
+    fn = jax.shard_map(lambda x, chunk, where: natural_chunk_to_mod(stack, x, chunk, where, plan.axis_name),
                        mesh=plan.mesh, in_specs=(P(plan.axis_name), P(plan.axis_name), P()),
                        out_specs=P(plan.axis_name))
     return jax.jit(fn, donate_argnums=0, out_shardings=plan.table_sharding())

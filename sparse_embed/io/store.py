@@ -30,7 +30,7 @@ import numpy as np
 import tensorstore as ts
 
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
-from sparse_embed.core.relayout import TABLE_KEY, chunk_rows, natural_chunk_fn, write_chunk_fn
+from sparse_embed.core.relayout import TABLE_KEY, chunk_rows, natural_chunk_fn, table_range, write_chunk_fn
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
 from sparse_embed.io.integrity import combine, partial_sums
 
@@ -131,15 +131,17 @@ def write_state(directory: str, plan: EmbeddingPlan, tables: Mapping[str, Embedd
 def _write_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: ts.TensorStore,
                  m: int) -> tuple[int, int]:
     """Writes table i's rows of the stacked array `a` chunk by chunk; returns this process's checksum sums."""
-    fn, vocab, S = natural_chunk_fn(plan, s, i, m), store.shape[0], s.num_shards
+    fn, vocab, S = natural_chunk_fn(plan, s, m), store.shape[0], s.num_shards
+    start, count = table_range(s, i)
     row_words = a.shape[1] * (2 if a.dtype.itemsize == 8 else 1)
     starts = range(0, -(-vocab // S), m)  # c0: a chunk's first local row
     sa = sb = 0
     pending, chunks = [], iter(starts)
-    nxt = _dispatch(fn, a, next(chunks, None))
+    dispatch = lambda c0: None if c0 is None else (c0, fn(a, np.array([c0, start, count], np.int32)))  # noqa: E731
+    nxt = dispatch(next(chunks, None))
     while nxt is not None:
         c0, chunk = nxt
-        nxt = _dispatch(fn, a, next(chunks, None))  # convert the next chunk while this one is written
+        nxt = dispatch(next(chunks, None))  # convert the next chunk while this one is written
         for shard in chunk.addressable_shards:
             lo = c0 * S + (shard.index[0].start or 0)
             rows = np.asarray(shard.data)[: max(0, min(m, vocab - lo))]
@@ -153,10 +155,6 @@ def _write_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store:
     for f, _ in pending:
         f.result()
     return sa, sb
-
-
-def _dispatch(fn, a: jax.Array, c0: int | None):
-    return None if c0 is None else (c0, fn(a, np.int32(c0)))
 
 
 def write_host(directory: str, arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, str]:
@@ -218,7 +216,7 @@ def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: 
     if store.shape[1] != width or store.shape[0] < valid:
         raise StoreReadError(name, ValueError(f"stored shape {tuple(store.shape)}, expected [>= {valid}, {width}]"))
     m = chunk_rows(s, width * a.dtype.itemsize, CHUNK_BYTES)
-    fn = write_chunk_fn(plan, s, i, valid)
+    fn, (start, count) = write_chunk_fn(plan, s), table_range(s, i)
     sharding = jax.sharding.NamedSharding(plan.mesh, jax.P(plan.axis_name))
     mine = [(d, idx[0].start or 0) for d, idx in sharding.addressable_devices_indices_map((S * m, width)).items()]
     row_words = width * (2 if a.dtype.itemsize == 8 else 1)
@@ -245,5 +243,5 @@ def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: 
             host.append(x.astype(a.dtype))
         chunk = jax.make_array_from_single_device_arrays(
             (S * m, width), sharding, [jax.device_put(x, d) for x, (d, _) in zip(host, mine)])
-        a = fn(a, chunk, np.int32(c0))
+        a = fn(a, chunk, np.array([c0, start, count, valid], np.int32))
     return a, (sa, sb)
