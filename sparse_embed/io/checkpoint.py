@@ -194,10 +194,14 @@ def _array_name(table: str, key: str) -> str:
 
 def verify_embeddings(step_dir: str, info: CheckpointInfo, arrays: Mapping[str, Mapping[str, Any]]) -> None:
     """Raises CorruptCheckpointError naming every array whose values do not match its saved checksum."""
-    if not info.verified:
-        return
-    bad = [_array_name(name, key) for name, keys in arrays.items() for key, a in keys.items()
-           if info.checksums.get(f"{name}/{key}") != checksum(a, info.table(name).vocabulary_size)]
+    if info.verified:
+        check_sums(step_dir, info, {f"{name}/{key}": checksum(a, info.table(name).vocabulary_size)
+                                    for name, keys in arrays.items() for key, a in keys.items()})
+
+
+def check_sums(step_dir: str, info: CheckpointInfo, sums: Mapping[str, str]) -> None:
+    """Raises CorruptCheckpointError naming every array ("table/key") whose checksum differs from the saved one."""
+    bad = [_array_name(*k.split("/", 1)) for k, v in sums.items() if info.checksums.get(k) != v]
     if bad:
         raise CorruptCheckpointError(f"{step_dir} (step {info.step}) is corrupt: the values of {', '.join(bad)} do not "
                                      f"match the checksum saved with them; {_WHAT_TO_DO}.")
@@ -475,10 +479,7 @@ def _stream_in(plan: EmbeddingPlan, step_dir: str, info: CheckpointInfo, *, allo
         state, sums = store.read_into_state(os.path.join(step_dir, EMBEDDINGS), plan, state, valid)
     except store.StoreReadError as e:
         raise _unreadable_error(step_dir, info, [_array_name(*e.array)], e) from None
-    bad = [_array_name(*k.split("/", 1)) for k, v in sums.items() if info.checksums.get(k) != v]
-    if bad:
-        raise CorruptCheckpointError(f"{step_dir} (step {info.step}) is corrupt: the values of {', '.join(bad)} do not "
-                                     f"match the checksum saved with them; {_WHAT_TO_DO}.")
+    check_sums(step_dir, info, sums)
     return state
 
 

@@ -37,7 +37,8 @@ _CHUNK_WORDS = 1 << 24  # numpy fallback: words per step (bounded temporaries)
 _PIECE_WORDS = 1 << 26  # words per piece handed to a thread (256 MiB of f32)
 
 
-def _words_per_value(dtype: np.dtype) -> int:
+def words_per_value(dtype: np.dtype) -> int:
+    """32-bit words per value of `dtype` (1- and 2-byte values are widened, 8-byte ones split)."""
     size = np.dtype(dtype).itemsize
     if size not in (1, 2, 4, 8):
         raise TypeError(f"cannot checksum values of dtype {dtype}")
@@ -72,10 +73,10 @@ def _pieces(x: Any, rows: int) -> Iterable[tuple[np.ndarray, int]]:
     if not isinstance(x, jax.Array):
         a = np.asarray(x)
         a = a.reshape(1) if a.ndim == 0 else a
-        yield from _split(a[:rows], 0, int(np.prod(a.shape[1:], dtype=np.int64)) * _words_per_value(a.dtype))
+        yield from _split(a[:rows], 0, int(np.prod(a.shape[1:], dtype=np.int64)) * words_per_value(a.dtype))
         return
     x = x.reshape(1) if x.ndim == 0 else x
-    row_words = int(np.prod(x.shape[1:], dtype=np.int64)) * _words_per_value(x.dtype)
+    row_words = int(np.prod(x.shape[1:], dtype=np.int64)) * words_per_value(x.dtype)
     for shard in x.addressable_shards:
         if shard.replica_id != 0:
             continue
@@ -122,7 +123,7 @@ def checksum(x: Any, rows: int | None = None) -> str:
 
     Under `jax.distributed`, every process must call it for the same global array.
     """
-    _words_per_value(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)  # a clear TypeError if unsupported
+    words_per_value(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)  # a clear TypeError if unsupported
     if isinstance(x, jax.Array) and x.ndim and not _row_sharded(x):  # e.g. columns sharded: on the host, whole
         x = np.asarray(jax.device_get(x)) if x.is_fully_addressable else _gather(x)
     shape = np.shape(x)

@@ -31,8 +31,8 @@ import tensorstore as ts
 
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.relayout import TABLE_KEY, chunk_rows, natural_chunk_fn, table_range, write_chunk_fn
-from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
-from sparse_embed.io.integrity import combine, partial_sums
+from sparse_embed.core.state import EmbeddingVariables
+from sparse_embed.io.integrity import combine, partial_sums, words_per_value
 
 _IN_FLIGHT = 3  # chunks written or read ahead of the one being converted
 CHUNK_BYTES = 1 << 22  # bytes of a device's piece of a chunk (and of a stored chunk); 4 MiB by measurement
@@ -92,7 +92,7 @@ class _Padded:
         return out
 
 
-def _keys(stack: StackPlan, variables: EmbeddingVariables) -> dict[str, jax.Array]:
+def _keys(variables: EmbeddingVariables) -> dict[str, jax.Array]:
     return {TABLE_KEY: variables.table, **variables.slots}
 
 
@@ -103,28 +103,19 @@ def write_state(directory: str, plan: EmbeddingPlan, tables: Mapping[str, Embedd
     Under `jax.distributed` every process calls it with the same (shared) directory; each writes the rows of
     its own devices. Returns once every row is on disk.
     """
-    context, sums = _context(), {}
-    multi = jax.process_count() > 1
-    stores = {}
-    for s in plan.stacks:
-        for key, a in _keys(s, tables[s.name]).items():
-            m = chunk_rows(s, a.shape[1] * a.dtype.itemsize, CHUNK_BYTES)
-            for p in s.tables:
-                path = array_path(directory, p.table.name, key)
-                if jax.process_index() == 0:
-                    stores[p.table.name, key] = _create(path, (p.table.vocabulary_size, a.shape[1]), a.dtype, m,
-                                                        context)
+    context, sums, multi = _context(), {}, jax.process_count() > 1
+    arrays = [(s, i, p.table.name, key, a, chunk_rows(s, a.shape[1] * a.dtype.itemsize, CHUNK_BYTES))
+              for s in plan.stacks for key, a in _keys(tables[s.name]).items() for i, p in enumerate(s.tables)]
+    if jax.process_index() == 0:
+        stores = {(name, key): _create(array_path(directory, name, key), (s.tables[i].table.vocabulary_size,
+                                       a.shape[1]), a.dtype, m, context) for s, i, name, key, a, m in arrays}
     if multi:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("sparse_embed store created")
-    for s in plan.stacks:
-        for key, a in _keys(s, tables[s.name]).items():
-            m = chunk_rows(s, a.shape[1] * a.dtype.itemsize, CHUNK_BYTES)
-            for i, p in enumerate(s.tables):
-                store = stores.get((p.table.name, key)) or open_array(directory, p.table.name, key, context,
-                                                                      write=True)
-                sums[f"{p.table.name}/{key}"] = _write_table(plan, s, i, a, store, m)
+        stores = {(name, key): open_array(directory, name, key, context, write=True) for _, _, name, key, _, _ in arrays}
+    for s, i, name, key, a, m in arrays:
+        sums[f"{name}/{key}"] = _write_table(plan, s, i, a, stores[name, key], m)
     return {k: combine([v], multi) for k, v in sums.items()}
 
 
@@ -133,7 +124,7 @@ def _write_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store:
     """Writes table i's rows of the stacked array `a` chunk by chunk; returns this process's checksum sums."""
     fn, vocab, S = natural_chunk_fn(plan, s, m), store.shape[0], s.num_shards
     start, count = table_range(s, i)
-    row_words = a.shape[1] * (2 if a.dtype.itemsize == 8 else 1)
+    row_words = a.shape[1] * words_per_value(a.dtype)
     starts = range(0, -(-vocab // S), m)  # c0: a chunk's first local row
     sa = sb = 0
     pending, chunks = [], iter(starts)
@@ -198,14 +189,13 @@ def read_into_state(directory: str, plan: EmbeddingPlan, state: dict[str, Embedd
     context, sums, out = _context(), {}, {}
     multi = jax.process_count() > 1
     for s in plan.stacks:
-        arrays = dict(_keys(s, state[s.name]))
+        arrays = _keys(state[s.name])
         for key in list(arrays):
             for i, p in enumerate(s.tables):
                 store = open_array(directory, p.table.name, key, context)
                 arrays[key], sums[f"{p.table.name}/{key}"] = _read_table(
                     plan, s, i, arrays[key], store, valid_rows[p.table.name], (p.table.name, key))
-        slots = {k: v for k, v in arrays.items() if k != TABLE_KEY}
-        out[s.name] = EmbeddingVariables(arrays[TABLE_KEY], {k: v.astype(SLOT_DTYPE) for k, v in slots.items()})
+        out[s.name] = EmbeddingVariables(arrays.pop(TABLE_KEY), arrays)
     return out, {k: combine([v], multi) for k, v in sums.items()}
 
 
@@ -217,9 +207,9 @@ def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: 
         raise StoreReadError(name, ValueError(f"stored shape {tuple(store.shape)}, expected [>= {valid}, {width}]"))
     m = chunk_rows(s, width * a.dtype.itemsize, CHUNK_BYTES)
     fn, (start, count) = write_chunk_fn(plan, s), table_range(s, i)
-    sharding = jax.sharding.NamedSharding(plan.mesh, jax.P(plan.axis_name))
+    sharding = plan.table_sharding()
     mine = [(d, idx[0].start or 0) for d, idx in sharding.addressable_devices_indices_map((S * m, width)).items()]
-    row_words = width * (2 if a.dtype.itemsize == 8 else 1)
+    row_words = width * words_per_value(a.dtype)
     sa = sb = 0
 
     def reads(c0: int) -> list:
