@@ -80,10 +80,10 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("ckpt")
     v.add_argument("--step", type=int, default=None, help="step to check (default: the latest complete one)")
     v.set_defaults(fn=_verify)
-    c = sub.add_parser("convert", help="re-lay out a training checkpoint for N devices, or export a serving one")
+    c = sub.add_parser("convert", help="rewrite a training checkpoint in the current format, or export a serving one")
     c.add_argument("src")
     c.add_argument("dst")
-    c.add_argument("--devices", type=int, default=None, help="lay the training checkpoint out for N devices")
+    c.add_argument("--devices", type=int, default=None, help="record N devices as its mesh size (it restores onto any mesh)")
     c.add_argument("--serving", action="store_true", help="write a serving checkpoint: tables only, no slots")
     c.add_argument("--dtype", default=None, choices=["bf16", "bfloat16", "f16", "float16", "f32", "float32"],
                    help="table dtype of a serving export")
