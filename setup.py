@@ -41,7 +41,7 @@ if ffi_include_dir() is not None:
             include_dirs=[ffi_include_dir()],
             language="c++",
             # no FMA contraction: the same rounding as the generic kernel's XLA code where the order matches
-            extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fvisibility=hidden"],
+            extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden"],
             optional=True,
         )
     )

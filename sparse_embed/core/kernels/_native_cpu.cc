@@ -25,6 +25,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -48,6 +49,11 @@ bool same_dims(const A& a, const B& b) {
 }
 
 // ------------------------------------------------------------------ element types
+
+// The hot loops (forward and backward chunks) are compiled for AVX2 and for the baseline, picked at load time
+// by the CPU (GCC's function multiversioning). Every instruction set gives the same results: elementwise IEEE
+// operations, no FMA contraction, reductions in a fixed order (sum_squares).
+#define SPARSE_EMBED_HOT __attribute__((target_clones("avx2", "default"), flatten))
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -172,16 +178,29 @@ void advise(ffi::ThreadPool& pool, int64_t threads, const void* data, size_t byt
 
 // ------------------------------------------------------------------ max_norm
 
+// The sum of x[j]^2 in a fixed order: 8 running sums (lane j % 8), combined pairwise. The order does not depend
+// on the instruction set, and the loop vectorizes without reassociation.
+template <typename T>
+inline float sum_squares(const T* x, int64_t dim) {
+  float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t j = 0;
+  for (; j + 8 <= dim; j += 8)
+    for (int l = 0; l < 8; l++) {
+      float v = load(x + j + l);
+      part[l] += v * v;
+    }
+  for (int l = 0; j < dim; j++, l++) {
+    float v = load(x + j);
+    part[l] += v * v;
+  }
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
 // The factor that brings a row's L2 norm to at most max_norm (1 when max_norm <= 0: no clipping), and the norm.
 template <typename T>
 inline float clip_scale(const T* row, int64_t dim, float max_norm, float* norm_out) {
   if (max_norm <= 0.0f) return 1.0f;
-  float s = 0.0f;
-  for (int64_t j = 0; j < dim; j++) {
-    float x = load(row + j);
-    s += x * x;
-  }
-  float norm = std::sqrt(s);
+  float norm = std::sqrt(sum_squares(row, dim));
   *norm_out = norm;
   return norm > max_norm ? max_norm / (norm > 0.0f ? norm : 1.0f) : 1.0f;
 }
@@ -236,6 +255,18 @@ void pool_range(const T* table, int64_t num_rows, int64_t dim, const int32_t* co
   }
 }
 
+SPARSE_EMBED_HOT void pool_range_any(const float* table, int64_t num_rows, int64_t dim, const int32_t* cols,
+                                     const int32_t* rows, const float* vals, int64_t rpd, float max_norm, float* out,
+                                     Range r) {
+  pool_range(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
+}
+
+SPARSE_EMBED_HOT void pool_range_any(const uint16_t* table, int64_t num_rows, int64_t dim, const int32_t* cols,
+                                     const int32_t* rows, const float* vals, int64_t rpd, float max_norm, float* out,
+                                     Range r) {
+  pool_range(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
+}
+
 template <typename T>
 void forward_impl(ffi::ThreadPool& pool, int64_t threads, const T* table, int64_t num_rows, int64_t dim,
                   const int32_t* cols, const int32_t* rows, const float* vals, int64_t D, int64_t C, int64_t rpd,
@@ -249,7 +280,7 @@ void forward_impl(ffi::ThreadPool& pool, int64_t threads, const T* table, int64_
   parallel_for(pool, threads, int64_t(chunks.size()), [&](int64_t i) {
     Range r = chunks[i];
     int64_t off = r.d * C;  // entries of source d start at d * C
-    pool_range(table, num_rows, dim, cols + off, rows + off, vals + off, rpd, max_norm, out, r);
+    pool_range_any(table, num_rows, dim, cols + off, rows + off, vals + off, rpd, max_norm, out, r);
   });
 }
 
@@ -299,19 +330,21 @@ struct Options {
 inline float clipf(float x, float lo, float hi) { return std::min(std::max(x, lo), hi); }
 
 // One row's update, in the order of the generic kernel: clip_gradient, the rule, weight decay, clip_weight.
-// `w` holds the old row (f32), `g` its summed gradient; slot pointers point into the (f32) slot arrays.
-void update_row(const Options& o, int64_t dim, float* w, float* g, float* s0, float* s1) {
+// `w` holds the old row (f32), `g` its summed gradient, `tmp` is [3 * dim] scratch; slot pointers point into the
+// (f32) slot arrays. Every loop is free of branches, so that it vectorizes.
+void update_row(const Options& o, int64_t dim, float* w, float* g, float* tmp, float* s0, float* s1) {
   const float lr = o.scalars[0];
   const float* h = o.hyper;
   if (o.clip_gradient)
     for (int64_t j = 0; j < dim; j++) g[j] = clipf(g[j], o.clip_g_lo, o.clip_g_hi);
-  const float decay = lr * o.weight_decay;
+  const bool decays = o.weight_decay != 0.0f;
+  float* before = tmp;  // the old row, for weight decay
+  if (decays) std::memcpy(before, w, size_t(dim) * sizeof(float));
   switch (o.optimizer) {
     case kSGD:
       for (int64_t j = 0; j < dim; j++) {
         float old = w[j];
         w[j] = old - lr * g[j];
-        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
       }
       break;
     case kAdagrad:
@@ -319,19 +352,15 @@ void update_row(const Options& o, int64_t dim, float* w, float* g, float* s0, fl
         float old = w[j], acc = s0[j] + g[j] * g[j];
         s0[j] = acc;
         w[j] = old - (lr * g[j]) * (1.0f / std::sqrt(acc));
-        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
       }
       break;
     case kRowwiseAdagrad: {
-      float sum = 0.0f;
-      for (int64_t j = 0; j < dim; j++) sum += g[j] * g[j];
-      float acc = s0[0] + sum / float(dim);
+      float acc = s0[0] + sum_squares(g, dim) / float(dim);
       s0[0] = acc;
       float denom = std::sqrt(acc) + h[0];
       for (int64_t j = 0; j < dim; j++) {
         float old = w[j];
         w[j] = old - (lr * g[j]) / denom;
-        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
       }
       break;
     }
@@ -344,48 +373,71 @@ void update_row(const Options& o, int64_t dim, float* w, float* g, float* s0, fl
         s0[j] = m;
         s1[j] = v;
         w[j] = old - (alpha * m) / (std::sqrt(v) + eps);
-        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
       }
       break;
     }
     case kAdagradMomentum: {  // h: momentum, beta2, 1-beta2, epsilon, -1/exponent, nesterov
-      const bool rsqrt = h[4] == -0.5f;  // the default exponent 2: 1/sqrt, several times cheaper than pow
-      for (int64_t j = 0; j < dim; j++) {
-        float old = w[j], g2 = g[j] * g[j];
-        float acc = h[1] == 1.0f ? s0[j] + g2 : h[1] * s0[j] + h[2] * g2;
-        float p = rsqrt ? 1.0f / std::sqrt(acc + h[3]) : std::pow(acc + h[3], h[4]);
-        float m = h[0] * s1[j] + p * g[j];
-        float dir = h[5] != 0.0f ? h[0] * m + p * g[j] : m;
-        s0[j] = acc;
-        s1[j] = m;
-        w[j] = old - lr * dir;
-        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
-      }
+      float* p = tmp + dim;  // the accumulator's power, per element
+      if (h[1] == 1.0f)
+        for (int64_t j = 0; j < dim; j++) s0[j] = s0[j] + g[j] * g[j];
+      else
+        for (int64_t j = 0; j < dim; j++) s0[j] = h[1] * s0[j] + h[2] * (g[j] * g[j]);
+      if (h[4] == -0.5f)  // the default exponent 2: 1/sqrt, several times cheaper than pow
+        for (int64_t j = 0; j < dim; j++) p[j] = 1.0f / std::sqrt(s0[j] + h[3]);
+      else
+        for (int64_t j = 0; j < dim; j++) p[j] = std::pow(s0[j] + h[3], h[4]);
+      auto rule = [&](auto nesterov) {
+        for (int64_t j = 0; j < dim; j++) {
+          float m = h[0] * s1[j] + p[j] * g[j];
+          s1[j] = m;
+          if constexpr (decltype(nesterov)::value)
+            w[j] = w[j] - lr * (h[0] * m + p[j] * g[j]);
+          else
+            w[j] = w[j] - lr * m;
+        }
+      };
+      h[5] != 0.0f ? rule(std::true_type{}) : rule(std::false_type{});
       break;
     }
     case kFTRL: {  // h: k = -learning_rate_power, l1, l2, beta, multiply_linear_by_learning_rate
       const float k = h[0], l1 = h[1], l2 = h[2], beta = h[3];
-      const bool mult = h[4] != 0.0f, half = k == 0.5f;  // the default power -0.5: sqrt, not pow
+      float *p_old = tmp + dim, *p_new = tmp + 2 * dim;  // the accumulator's power before and after
       for (int64_t j = 0; j < dim; j++) {
-        float old = w[j], acc = s0[j], acc_new = acc + g[j] * g[j];
-        float p_new = half ? std::sqrt(acc_new) : std::pow(acc_new, k);
-        float delta_p = p_new - (half ? std::sqrt(acc) : std::pow(acc, k));
-        float linear, l1s, denom;
-        if (mult) {
-          linear = (s1[j] + lr * g[j]) - delta_p * old;
-          l1s = lr * l1;
-          denom = (p_new + beta) + (2.0f * lr) * l2;
-        } else {
-          linear = (s1[j] + g[j]) - (delta_p / lr) * old;
-          l1s = l1;
-          denom = (p_new + beta) / lr + 2.0f * l2;
-        }
-        float numer = l1 == 0.0f ? -linear : clipf(linear, -l1s, l1s) - linear;
-        s0[j] = acc_new;
-        s1[j] = linear;
-        w[j] = numer / denom;
-        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
+        p_old[j] = s0[j];
+        s0[j] = s0[j] + g[j] * g[j];
+        p_new[j] = s0[j];
       }
+      if (k == 0.5f) {  // the default power -0.5: sqrt, not pow
+        for (int64_t j = 0; j < dim; j++) p_old[j] = std::sqrt(p_old[j]), p_new[j] = std::sqrt(p_new[j]);
+      } else {
+        for (int64_t j = 0; j < dim; j++) p_old[j] = std::pow(p_old[j], k), p_new[j] = std::pow(p_new[j], k);
+      }
+      auto rule = [&](auto mult, auto no_l1) {
+        for (int64_t j = 0; j < dim; j++) {
+          const float old = w[j], delta_p = p_new[j] - p_old[j];
+          float linear, l1s, denom;
+          if constexpr (decltype(mult)::value) {
+            linear = (s1[j] + lr * g[j]) - delta_p * old;
+            l1s = lr * l1;
+            denom = (p_new[j] + beta) + (2.0f * lr) * l2;
+          } else {
+            linear = (s1[j] + g[j]) - (delta_p / lr) * old;
+            l1s = l1;
+            denom = (p_new[j] + beta) / lr + 2.0f * l2;
+          }
+          float numer;
+          if constexpr (decltype(no_l1)::value)
+            numer = -linear;
+          else
+            numer = clipf(linear, -l1s, l1s) - linear;
+          s1[j] = linear;
+          w[j] = numer / denom;
+        }
+      };
+      if (h[4] != 0.0f)
+        l1 == 0.0f ? rule(std::true_type{}, std::true_type{}) : rule(std::true_type{}, std::false_type{});
+      else
+        l1 == 0.0f ? rule(std::false_type{}, std::true_type{}) : rule(std::false_type{}, std::false_type{});
       break;
     }
     case kLaProp: {  // h: b1, sqrt(1-b1^2), eps; scalars: lr, d, 1-d
@@ -397,19 +449,26 @@ void update_row(const Options& o, int64_t dim, float* w, float* g, float* s0, fl
         s0[j] = mu;
         s1[j] = nu;
         w[j] = old - lr * mu;
-        if (o.weight_decay != 0.0f) w[j] = w[j] - decay * old;
       }
       break;
     }
+  }
+  if (decays) {  // w - (lr * weight_decay) * old, after the rule, as the generic kernel
+    const float decay = lr * o.weight_decay;
+    for (int64_t j = 0; j < dim; j++) w[j] = w[j] - decay * before[j];
   }
   if (o.clip_weight)
     for (int64_t j = 0; j < dim; j++) w[j] = clipf(w[j], o.clip_w_lo, o.clip_w_hi);
 }
 
+// Whether no element is NaN or inf: x * 0 is 0 for finite x and NaN otherwise, summed in 8 lanes (vectorizes).
 inline bool all_finite(const float* x, int64_t dim) {
-  bool ok = true;
-  for (int64_t j = 0; j < dim; j++) ok &= std::isfinite(x[j]);
-  return ok;
+  float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t j = 0;
+  for (; j + 8 <= dim; j += 8)
+    for (int l = 0; l < 8; l++) part[l] += x[j + l] * 0.0f;
+  for (int l = 0; j < dim; j++, l++) part[l] += x[j] * 0.0f;
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])) == 0.0f;
 }
 
 // Adds to acc [dim] the gradient of one entry through the forward's max_norm clipping of row x: with
@@ -515,10 +574,11 @@ struct Grads {
   const float* row(const Record& r) const { return data + int64_t(r.out_row) * dim; }
 };
 
-// Applies the update to one table row from its run of records (in entry order). `w`, `g`: [dim] scratch.
+// Applies the update to one table row from its run of records (in entry order). `w`, `g`: [dim], `tmp`: [3 * dim]
+// scratch.
 template <typename T>
 void update_group(const Options& o, const Grads& gr, const Record* group, int64_t size, const State& st, float* w,
-                  float* g) {
+                  float* g, float* tmp) {
   const int64_t dim = gr.dim, col = group[0].col;
   T* row = static_cast<T*>(st.table) + col * dim;
   for (int64_t j = 0; j < dim; j++) w[j] = load(row + j);
@@ -544,7 +604,7 @@ void update_group(const Options& o, const Grads& gr, const Record* group, int64_
     if (o.skip_nonfinite && !all_finite(g, dim)) return;  // the row and its slots keep their values
     float* s0 = st.slot[0] ? st.slot[0] + col * st.width[0] : nullptr;
     float* s1 = st.slot[1] ? st.slot[1] + col * st.width[1] : nullptr;
-    update_row(o, dim, w, g, s0, s1);
+    update_row(o, dim, w, g, tmp, s0, s1);
   }
   for (int64_t j = 0; j < dim; j++) store(row + j, w[j]);
 }
@@ -560,6 +620,30 @@ void prefetch_state(const Grads& gr, const State& st, const Record& r) {
   prefetch_row(gr.row(r), gr.dim * 4, false);
 }
 
+// Updates the rows of records [lo, hi) (whole runs of one col), in order. `scratch`: [5 * dim].
+template <typename T>
+inline void update_range(const Options& o, const Grads& gr, const Record* recs, int64_t lo, int64_t hi,
+                         const State& st, float* scratch) {
+  const int64_t dim = gr.dim;
+  for (int64_t b = lo; b < hi;) {
+    int64_t end = b + 1;
+    while (end < hi && recs[end].col == recs[b].col) end++;
+    for (int64_t a = b + kAhead; a < std::min(end + kAhead, hi); a++) prefetch_state<T>(gr, st, recs[a]);
+    update_group<T>(o, gr, recs + b, end - b, st, scratch, scratch + dim, scratch + 2 * dim);
+    b = end;
+  }
+}
+
+SPARSE_EMBED_HOT void update_range_f32(const Options& o, const Grads& gr, const Record* recs, int64_t lo, int64_t hi,
+                                       const State& st, float* scratch) {
+  update_range<float>(o, gr, recs, lo, hi, st, scratch);
+}
+
+SPARSE_EMBED_HOT void update_range_bf16(const Options& o, const Grads& gr, const Record* recs, int64_t lo, int64_t hi,
+                                        const State& st, float* scratch) {
+  update_range<uint16_t>(o, gr, recs, lo, hi, st, scratch);
+}
+
 // Updates every row the sorted records touch, in chunks of about kBackwardChunk records cut where the col
 // changes: each row on one thread, in a fixed order, whatever the thread count.
 template <typename T>
@@ -572,15 +656,11 @@ void backward_impl(ffi::ThreadPool& pool, int64_t threads, const Options& o, con
     bounds.push_back(end);
   }
   parallel_for(pool, threads, int64_t(bounds.size()) - 1, [&](int64_t c) {
-    std::vector<float> scratch(2 * size_t(gr.dim));
-    const int64_t lo = bounds[c], hi = bounds[c + 1];
-    for (int64_t b = lo; b < hi;) {
-      int64_t end = b + 1;
-      while (end < hi && recs[end].col == recs[b].col) end++;
-      for (int64_t a = b + kAhead; a < std::min(end + kAhead, hi); a++) prefetch_state<T>(gr, st, recs[a]);
-      update_group<T>(o, gr, recs + b, end - b, st, scratch.data(), scratch.data() + gr.dim);
-      b = end;
-    }
+    std::vector<float> scratch(5 * size_t(gr.dim));
+    if constexpr (std::is_same_v<T, float>)
+      update_range_f32(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data());
+    else
+      update_range_bf16(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data());
   });
 }
 
