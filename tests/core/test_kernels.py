@@ -114,10 +114,10 @@ CASES = {
 }
 
 
-def _train(kernel, optimizer, mesh, *, max_norm=None, dtype=jnp.float32, steps=3, bad_step=None):
+def _train(kernel, optimizer, mesh, *, max_norm=None, dtype=jnp.float32, steps=3, bad_step=None, dim=8):
     """3 steps on a stack of two tables (a sequence feature, a shared table, many duplicates); acts and state."""
-    a = se.TableSpec("a", 61, 8, combiner="sum", optimizer=optimizer, max_norm=max_norm, dtype=dtype)
-    b = se.TableSpec("b", 26, 8, combiner="sum", optimizer=optimizer, max_norm=max_norm, dtype=dtype)
+    a = se.TableSpec("a", 61, dim, combiner="sum", optimizer=optimizer, max_norm=max_norm, dtype=dtype)
+    b = se.TableSpec("b", 26, dim, combiner="sum", optimizer=optimizer, max_norm=max_norm, dtype=dtype)
     feats = {"a1": se.FeatureSpec("a1", a, 16), "a2": se.FeatureSpec("a2", a, 16),
              "b_seq": se.FeatureSpec("b_seq", b, 16, max_sequence_length=3)}
     plan = se.plan(feats, mesh, kernel=kernel)
@@ -153,6 +153,20 @@ def test_native_agrees_with_generic(name, max_norm):
     else:  # a row's L2 norm (max_norm) is a reduction whose order XLA chooses: a few ulps more, after 3 steps
         tol = 1e-6 if max_norm is None else 1e-5
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=tol, atol=1e-6), got[1], want[1])
+
+
+@needs_native
+@pytest.mark.parametrize("dim", [16, 64, 128, 24])
+@pytest.mark.parametrize("name,max_norm,dtype", [("sgd", None, jnp.float32), ("rowwise_adagrad", 0.4, jnp.float32),
+                                                 ("adagrad", None, jnp.bfloat16)])
+def test_native_agrees_with_generic_at_every_width(dim, name, max_norm, dtype):
+    """Widths the native forward pools in registers (16, 64, 128) and one it does not (24; the others use 8)."""
+    want = _train("generic", CASES[name], make_mesh(2), max_norm=max_norm, dtype=dtype, dim=dim)
+    got = _train("native", CASES[name], make_mesh(2), max_norm=max_norm, dtype=dtype, dim=dim)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.float32(x), np.float32(y), rtol=tol, atol=tol), got, want)
+    if name == "sgd":  # the same operations in the same order: bit for bit
+        assert_trees_equal(got[1], want[1])
 
 
 @needs_native

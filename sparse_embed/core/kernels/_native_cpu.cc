@@ -233,38 +233,68 @@ std::vector<Range> forward_chunks(const int32_t* rows, int64_t D, int64_t C) {
 }
 
 // Pools the entries [r.begin, r.end) of source r.d's segment (cols, rows, vals point at the segment's start).
-template <typename T>
-void pool_range(const T* table, int64_t num_rows, int64_t dim, const int32_t* cols, const int32_t* rows,
-                const float* vals, int64_t rpd, float max_norm, float* out, Range r) {
-  for (int64_t k = r.begin; k < r.end; k++) {
-    if (k + kPrefetch < r.end) {
-      uint32_t c = uint32_t(cols[k + kPrefetch]);
-      if (c < uint64_t(num_rows)) prefetch_row(table + int64_t(c) * dim, dim * int64_t(sizeof(T)), false);
+// Each run of entries of one output row is summed into `acc`, in entry order from the row's current value: a
+// local array for a width D known at compile time (kept in registers), else the output row itself (D = 0).
+template <typename T, int D>
+inline void pool_range(const T* table, int64_t num_rows, int64_t width, const int32_t* cols, const int32_t* rows,
+                       const float* vals, int64_t rpd, float max_norm, float* out, Range r) {
+  const int64_t dim = D > 0 ? D : width;
+  float local[D > 0 ? D : 1];
+  for (int64_t k = r.begin; k < r.end;) {
+    const uint32_t row = uint32_t(rows[k]);
+    int64_t e = k + 1;
+    while (e < r.end && uint32_t(rows[e]) == row) e++;
+    if (row >= uint64_t(rpd)) {  // padding
+      k = e;
+      continue;
     }
-    uint32_t c = uint32_t(cols[k]), row = uint32_t(rows[k]);
-    if (c >= uint64_t(num_rows) || row >= uint64_t(rpd)) continue;  // padding
-    const T* src = table + int64_t(c) * dim;
     float* dst = out + (r.d * rpd + row) * dim;
-    float v = vals[k], norm = 0.0f;
-    float scale = clip_scale(src, dim, max_norm, &norm);
-    if (scale == 1.0f) {
-      for (int64_t j = 0; j < dim; j++) dst[j] += load(src + j) * v;
-    } else {
-      for (int64_t j = 0; j < dim; j++) dst[j] += (load(src + j) * scale) * v;
+    float* acc = D > 0 ? local : dst;
+    if (D > 0)
+      for (int64_t j = 0; j < dim; j++) acc[j] = dst[j];
+    for (; k < e; k++) {
+      if (k + kPrefetch < r.end) {
+        uint32_t c = uint32_t(cols[k + kPrefetch]);
+        if (c < uint64_t(num_rows)) prefetch_row(table + int64_t(c) * dim, dim * int64_t(sizeof(T)), false);
+      }
+      const uint32_t c = uint32_t(cols[k]);
+      if (c >= uint64_t(num_rows)) continue;  // padding
+      const T* src = table + int64_t(c) * dim;
+      float v = vals[k], norm = 0.0f;
+      float scale = clip_scale(src, dim, max_norm, &norm);
+      if (scale == 1.0f) {
+        for (int64_t j = 0; j < dim; j++) acc[j] += load(src + j) * v;
+      } else {
+        for (int64_t j = 0; j < dim; j++) acc[j] += (load(src + j) * scale) * v;
+      }
     }
+    if (D > 0)
+      for (int64_t j = 0; j < dim; j++) dst[j] = acc[j];
+  }
+}
+
+template <typename T>
+inline void pool_range_dim(const T* table, int64_t num_rows, int64_t dim, const int32_t* cols, const int32_t* rows,
+                           const float* vals, int64_t rpd, float max_norm, float* out, Range r) {
+  switch (dim) {
+    case 16: return pool_range<T, 16>(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
+    case 32: return pool_range<T, 32>(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
+    case 64: return pool_range<T, 64>(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
+    case 128: return pool_range<T, 128>(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
+    default: return pool_range<T, 0>(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
   }
 }
 
 SPARSE_EMBED_HOT void pool_range_any(const float* table, int64_t num_rows, int64_t dim, const int32_t* cols,
                                      const int32_t* rows, const float* vals, int64_t rpd, float max_norm, float* out,
                                      Range r) {
-  pool_range(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
+  pool_range_dim(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
 }
 
 SPARSE_EMBED_HOT void pool_range_any(const uint16_t* table, int64_t num_rows, int64_t dim, const int32_t* cols,
                                      const int32_t* rows, const float* vals, int64_t rpd, float max_norm, float* out,
                                      Range r) {
-  pool_range(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
+  pool_range_dim(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
 }
 
 template <typename T>
@@ -574,43 +604,40 @@ struct Grads {
   const float* row(const Record& r) const { return data + int64_t(r.out_row) * dim; }
 };
 
-// Applies the update to one table row from its run of records (in entry order). `w`, `g`: [dim], `tmp`: [3 * dim]
-// scratch.
-template <typename T>
-void update_group(const Options& o, const Grads& gr, const Record* group, int64_t size, const State& st, float* w,
-                  float* g, float* tmp) {
-  const int64_t dim = gr.dim, col = group[0].col;
-  T* row = static_cast<T*>(st.table) + col * dim;
-  for (int64_t j = 0; j < dim; j++) w[j] = load(row + j);
+// The update of one table row from its run of records (in entry order), on copies: `w` [dim] holds the row
+// (f32), `s0`, `s1` its slot rows; `g` [dim], `tmp` [3 * dim] are scratch. Returns false if the row and its
+// slots must keep their values (a NaN/inf gradient under skip_nonfinite).
+inline bool update_copy(const Options& o, const Grads& gr, const Record* group, int64_t size, float* w, float* s0,
+                        float* s1, float* g, float* tmp) {
+  const int64_t dim = gr.dim;
   if (o.linear) {  // SGD, each occurrence on its own in entry order: row += -lr * (g_k * v_k)
     for (int64_t i = 0; i < size && gr.bad; i++)
-      if (gr.bad[group[i].out_row]) return;  // a NaN/inf reaches the row: it keeps its values
+      if (gr.bad[group[i].out_row]) return false;
     const float neg_lr = -o.scalars[0];
     for (int64_t i = 0; i < size; i++) {
       const float *gk = gr.row(group[i]), v = group[i].value;
       for (int64_t j = 0; j < dim; j++) w[j] = w[j] + neg_lr * (gk[j] * v);
     }
-  } else {
-    for (int64_t j = 0; j < dim; j++) g[j] = 0.0f;
-    float norm = 0.0f;
-    const float scale = clip_scale(w, dim, o.max_norm, &norm);
-    for (int64_t i = 0; i < size; i++) {  // the row's gradient, summed in entry order
-      const float *gk = gr.row(group[i]), v = group[i].value;
-      if (o.max_norm > 0.0f)
-        add_clipped_grad(w, scale, norm, o.max_norm, gk, v, g, dim);
-      else
-        for (int64_t j = 0; j < dim; j++) g[j] += gk[j] * v;
-    }
-    if (o.skip_nonfinite && !all_finite(g, dim)) return;  // the row and its slots keep their values
-    float* s0 = st.slot[0] ? st.slot[0] + col * st.width[0] : nullptr;
-    float* s1 = st.slot[1] ? st.slot[1] + col * st.width[1] : nullptr;
-    update_row(o, dim, w, g, tmp, s0, s1);
+    return true;
   }
-  for (int64_t j = 0; j < dim; j++) store(row + j, w[j]);
+  for (int64_t j = 0; j < dim; j++) g[j] = 0.0f;
+  float norm = 0.0f;
+  const float scale = clip_scale(w, dim, o.max_norm, &norm);
+  for (int64_t i = 0; i < size; i++) {  // the row's gradient, summed in entry order
+    const float *gk = gr.row(group[i]), v = group[i].value;
+    if (o.max_norm > 0.0f)
+      add_clipped_grad(w, scale, norm, o.max_norm, gk, v, g, dim);
+    else
+      for (int64_t j = 0; j < dim; j++) g[j] += gk[j] * v;
+  }
+  if (o.skip_nonfinite && !all_finite(g, dim)) return false;
+  update_row(o, dim, w, g, tmp, s0, s1);
+  return true;
 }
 
 constexpr int64_t kBackwardChunk = 2048;  // records per work chunk (cut where the col changes)
-constexpr int64_t kAhead = 16;            // records ahead whose rows are prefetched
+constexpr int64_t kBatch = 32;            // rows copied out, updated and written back together
+constexpr int64_t kAhead = 64;            // records ahead whose rows are prefetched
 
 template <typename T>
 void prefetch_state(const Grads& gr, const State& st, const Record& r) {
@@ -620,17 +647,47 @@ void prefetch_state(const Grads& gr, const State& st, const Record& r) {
   prefetch_row(gr.row(r), gr.dim * 4, false);
 }
 
-// Updates the rows of records [lo, hi) (whole runs of one col), in order. `scratch`: [5 * dim].
+// Floats of scratch update_range needs.
+inline int64_t scratch_size(const Grads& gr, const State& st) {
+  return kBatch * (gr.dim + st.width[0] + st.width[1]) + 4 * gr.dim;
+}
+
+// Updates the rows of records [lo, hi) (whole runs of one col), in order, kBatch rows at a time: their rows and
+// slots are copied out first (independent loads, in flight together), updated, and written back.
 template <typename T>
 inline void update_range(const Options& o, const Grads& gr, const Record* recs, int64_t lo, int64_t hi,
                          const State& st, float* scratch) {
-  const int64_t dim = gr.dim;
+  const int64_t dim = gr.dim, w0 = st.slot[0] ? st.width[0] : 0, w1 = st.slot[1] ? st.width[1] : 0;
+  float *W = scratch, *S0 = W + kBatch * dim, *S1 = S0 + kBatch * w0, *g = S1 + kBatch * w1, *tmp = g + dim;
+  T* table = static_cast<T*>(st.table);
+  int64_t start[kBatch + 1];
   for (int64_t b = lo; b < hi;) {
-    int64_t end = b + 1;
-    while (end < hi && recs[end].col == recs[b].col) end++;
-    for (int64_t a = b + kAhead; a < std::min(end + kAhead, hi); a++) prefetch_state<T>(gr, st, recs[a]);
-    update_group<T>(o, gr, recs + b, end - b, st, scratch, scratch + dim, scratch + 2 * dim);
-    b = end;
+    int n = 0;
+    int64_t e = b;
+    while (n < kBatch && e < hi) {
+      start[n++] = e++;
+      while (e < hi && recs[e].col == recs[e - 1].col) e++;
+    }
+    start[n] = e;
+    for (int64_t a = b + kAhead; a < std::min(e + kAhead, hi); a++) prefetch_state<T>(gr, st, recs[a]);
+    for (int i = 0; i < n; i++) {
+      const int64_t col = recs[start[i]].col;
+      const T* row = table + col * dim;
+      for (int64_t j = 0; j < dim; j++) W[i * dim + j] = load(row + j);
+      if (w0) std::memcpy(S0 + i * w0, st.slot[0] + col * w0, size_t(w0) * 4);
+      if (w1) std::memcpy(S1 + i * w1, st.slot[1] + col * w1, size_t(w1) * 4);
+    }
+    for (int i = 0; i < n; i++) {
+      const int64_t col = recs[start[i]].col;
+      if (!update_copy(o, gr, recs + start[i], start[i + 1] - start[i], W + i * dim, S0 + i * w0, S1 + i * w1, g,
+                       tmp))
+        continue;  // the row and its slots keep their values
+      T* row = table + col * dim;
+      for (int64_t j = 0; j < dim; j++) store(row + j, W[i * dim + j]);
+      if (w0) std::memcpy(st.slot[0] + col * w0, S0 + i * w0, size_t(w0) * 4);
+      if (w1) std::memcpy(st.slot[1] + col * w1, S1 + i * w1, size_t(w1) * 4);
+    }
+    b = e;
   }
 }
 
@@ -656,7 +713,7 @@ void backward_impl(ffi::ThreadPool& pool, int64_t threads, const Options& o, con
     bounds.push_back(end);
   }
   parallel_for(pool, threads, int64_t(bounds.size()) - 1, [&](int64_t c) {
-    std::vector<float> scratch(5 * size_t(gr.dim));
+    std::vector<float> scratch(size_t(scratch_size(gr, st)));
     if constexpr (std::is_same_v<T, float>)
       update_range_f32(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data());
     else
