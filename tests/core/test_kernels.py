@@ -234,3 +234,34 @@ def test_native_huge_pages_change_no_value():
         acts = se.lookup(plan, batches[0], tables)["f"]
         results.append(jax.tree.map(np.asarray, (acts, tables)))
     assert_trees_equal(results[1], results[0])
+
+
+@needs_native
+@pytest.mark.parametrize("dim", [64, 8])
+@pytest.mark.parametrize("order", ["sorted", "unsorted"])
+def test_native_forward_of_any_entry_order_matches_numpy(dim, order):
+    """The per-shard forward on hand-made entries: rows in order (chunks own row ranges, rows without entries
+    are zero) or shuffled (one chunk, a row's entries in several runs), with padding, against numpy."""
+    t = se.TableSpec("t", 300, dim)
+    plan = se.plan({"f": se.FeatureSpec("f", t, 16)}, make_mesh(2), kernel="native")
+    stack = plan.stacks[0]
+    D, rpd, R = stack.num_shards, stack.rows_per_device, stack.rows_per_shard
+    rng = np.random.default_rng(7)
+    C = 20_000  # several forward chunks per segment
+    forward = jax.jit(lambda t, rec: NativeCpuKernel().forward(stack, rec, t).partials)
+    for i in range(3):  # a later call may get an output buffer that still holds an earlier call's values
+        cols = rng.integers(0, R, (D, C)).astype(np.int32)
+        rows = np.sort(rng.integers(0, rpd // 2, (D, C)), axis=1).astype(np.int32) * 2 + i % 2  # half the rows empty
+        vals = rng.normal(size=(D, C)).astype(np.float32)
+        cols[:, -50:], rows[:, -50:], vals[:, -50:] = R, rpd, 0.0  # padding at the end of each segment
+        if order == "unsorted":
+            perm = rng.permutation(C)
+            cols, rows, vals = cols[:, perm], rows[:, perm], vals[:, perm]
+        table = rng.normal(size=(R, dim)).astype(np.float32)
+        got = np.asarray(forward(jnp.asarray(table), kernels.Received(*map(jnp.asarray, (cols, rows, vals)))))
+        want = np.zeros((D, rpd, dim), np.float64)
+        for d in range(D):
+            ok = rows[d] < rpd
+            np.add.at(want[d], rows[d][ok], table[cols[d][ok]].astype(np.float64) * vals[d][ok, None])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        assert not got[:, 1 - i % 2::2].any()  # rows without entries are zero

@@ -7,7 +7,8 @@
 //           radix sort: the table is then updated in address order (page walks and DRAM reward it here:
 //           2-3x over entry order), each distinct row once, from its run of records in entry order: its
 //           gradient summed, the optimizer applied to the row and its slots, written back in place (the
-//           table and slots are aliased to the outputs).
+//           table and slots are aliased to the outputs). Rows go in batches of kBatch: copied out together
+//           (their loads overlap), updated, written back.
 //
 // Work is cut into chunks whose boundaries depend only on the inputs; each chunk writes rows no other chunk
 // writes, and runs on whichever thread takes it. So results do not depend on the thread count. The CPython
@@ -210,35 +211,46 @@ constexpr int64_t kForwardChunk = 4096;  // entries per work chunk
 constexpr int64_t kPrefetch = 16;         // entries ahead to prefetch
 
 struct Range {
-  int64_t d, begin, end;
+  int64_t d, begin, end;  // entries [begin, end) of source d's segment
+  int64_t row_lo, row_hi;  // the output rows [row_lo, row_hi) of source d this chunk writes (zeros where none)
+  bool sorted;             // the segment's row_ids ascend (else one chunk pools into a zeroed block)
 };
 
 // Chunks of each source's segment, cut at changes of row_id (entries of one output row stay in one chunk), or
-// one chunk per segment when its row_ids are not sorted.
-std::vector<Range> forward_chunks(const int32_t* rows, int64_t D, int64_t C) {
+// one chunk per segment when its row_ids are not sorted. Each output row belongs to exactly one chunk.
+std::vector<Range> forward_chunks(const int32_t* rows, int64_t D, int64_t C, int64_t rpd) {
   std::vector<Range> out;
   for (int64_t d = 0; d < D; d++) {
     const int32_t* r = rows + d * C;
     bool sorted = true;
     for (int64_t k = 1; k < C && sorted; k++) sorted = r[k - 1] <= r[k];
-    int64_t begin = 0;
-    while (begin < C) {
+    int64_t begin = 0, row_lo = 0;
+    do {
       int64_t end = sorted ? std::min(C, begin + kForwardChunk) : C;
       while (end < C && r[end] == r[end - 1]) end++;
-      out.push_back({d, begin, end});
-      begin = end;
-    }
+      const int64_t row_hi = end < C ? std::min<int64_t>(std::max(r[end], 0), rpd) : rpd;
+      out.push_back({d, begin, end, row_lo, std::max(row_lo, row_hi), sorted});
+      begin = end, row_lo = std::max(row_lo, row_hi);
+    } while (begin < C);
   }
   return out;
 }
 
-// Pools the entries [r.begin, r.end) of source r.d's segment (cols, rows, vals point at the segment's start).
-// Each run of entries of one output row is summed into `acc`, in entry order from the row's current value: a
-// local array for a width D known at compile time (kept in registers), else the output row itself (D = 0).
+// Pools the entries [r.begin, r.end) of source r.d's segment (cols, rows, vals point at the segment's start)
+// into output rows [r.row_lo, r.row_hi), rows without entries zero. Each run of entries of one output row is
+// summed in entry order into `acc`: a local array for a width D known at compile time (kept in registers),
+// else the output row itself (D = 0), starting from zero (or from the row, for an unsorted segment, whose
+// rows may come in several runs).
 template <typename T, int D>
 inline void pool_range(const T* table, int64_t num_rows, int64_t width, const int32_t* cols, const int32_t* rows,
                        const float* vals, int64_t rpd, float max_norm, float* out, Range r) {
   const int64_t dim = D > 0 ? D : width;
+  float* block = out + r.d * rpd * dim;
+  auto zero = [&](int64_t lo, int64_t hi) {
+    if (hi > lo) std::memset(block + lo * dim, 0, size_t((hi - lo) * dim) * sizeof(float));
+  };
+  if (!r.sorted) zero(r.row_lo, r.row_hi);
+  int64_t next = r.row_lo;  // sorted: the first output row not yet written
   float local[D > 0 ? D : 1];
   for (int64_t k = r.begin; k < r.end;) {
     const uint32_t row = uint32_t(rows[k]);
@@ -248,10 +260,15 @@ inline void pool_range(const T* table, int64_t num_rows, int64_t width, const in
       k = e;
       continue;
     }
-    float* dst = out + (r.d * rpd + row) * dim;
+    float* dst = block + row * dim;
     float* acc = D > 0 ? local : dst;
-    if (D > 0)
+    if (r.sorted) {
+      zero(next, row);
+      next = row + 1;
+      for (int64_t j = 0; j < dim; j++) acc[j] = 0.0f;
+    } else if (D > 0) {
       for (int64_t j = 0; j < dim; j++) acc[j] = dst[j];
+    }
     for (; k < e; k++) {
       if (k + kPrefetch < r.end) {
         uint32_t c = uint32_t(cols[k + kPrefetch]);
@@ -271,6 +288,7 @@ inline void pool_range(const T* table, int64_t num_rows, int64_t width, const in
     if (D > 0)
       for (int64_t j = 0; j < dim; j++) dst[j] = acc[j];
   }
+  if (r.sorted) zero(next, r.row_hi);
 }
 
 template <typename T>
@@ -301,12 +319,7 @@ template <typename T>
 void forward_impl(ffi::ThreadPool& pool, int64_t threads, const T* table, int64_t num_rows, int64_t dim,
                   const int32_t* cols, const int32_t* rows, const float* vals, int64_t D, int64_t C, int64_t rpd,
                   float max_norm, float* out) {
-  const int64_t total = D * rpd * dim, zero_chunk = 1 << 16;
-  parallel_for(pool, threads, (total + zero_chunk - 1) / zero_chunk, [&](int64_t i) {
-    int64_t lo = i * zero_chunk, hi = std::min(total, lo + zero_chunk);
-    std::memset(out + lo, 0, size_t(hi - lo) * sizeof(float));
-  });
-  std::vector<Range> chunks = forward_chunks(rows, D, C);
+  std::vector<Range> chunks = forward_chunks(rows, D, C, rpd);
   parallel_for(pool, threads, int64_t(chunks.size()), [&](int64_t i) {
     Range r = chunks[i];
     int64_t off = r.d * C;  // entries of source d start at d * C

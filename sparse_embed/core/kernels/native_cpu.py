@@ -2,19 +2,22 @@
 
 Forward: one pass over the received entries, in their order (each sample's
 entries together), which gathers each row (prefetched ahead), clips it to
-`max_norm`, scales it by its gain and adds it to its output row; the work is
-split over XLA's CPU thread pool at output-row boundaries.
+`max_norm`, scales it by its gain and adds it to its output row (in
+registers for widths 16/32/64/128); the work is split over XLA's CPU
+thread pool at output-row boundaries.
 
 Backward: the entries are sorted by table row (a radix sort, no scratch
-array the size of the table), so the table is updated in address order,
-which page walks and DRAM reward (2-3x over entry order here); each
-distinct row is read, updated with its slots and written once, in place on
-the donated table and slots (`input_output_aliases`). SGD applies each occurrence on its own, as the
-generic kernel does; every other optimizer sums the row's gradient first.
-Each row's arithmetic runs in a fixed order on one thread, so results do
-not depend on the number of threads; they agree with the generic kernel to
-about 1e-6 (bit for bit where the order of operations is the same, e.g. the
-forward and an SGD update).
+array the size of the table), so the table is updated in address order;
+each distinct row is read, updated with its slots and written once, in
+place on the donated table and slots (`input_output_aliases`), 32 rows at
+a time (copied out first, so that their loads overlap). SGD applies each
+occurrence on its own, as the generic kernel does; every other optimizer
+sums the row's gradient first. Each row's arithmetic runs in a fixed order
+on one thread, so results do not depend on the number of threads (nor on
+the instruction set: the hot loops have AVX2 and baseline versions with
+the same bits); they agree with the generic kernel to about 1e-6 (bit for
+bit where the order of operations is the same, e.g. the forward and an SGD
+update).
 
 The backward takes a token that the forward outputs after its reads, so
 XLA orders the in-place writes after them without copying a table, with or
