@@ -548,7 +548,36 @@ struct Sorter {
   std::vector<uint64_t> keys, tmp;
   std::vector<Record> records;
   std::vector<int64_t> buckets;
+  std::vector<uint8_t> bad;  // per output row: its gradient holds a NaN/inf (SGD with skip_nonfinite)
 };
+
+// Sorters kept between calls (no fresh pages each step), as many as calls ever ran at once: a call takes one
+// and gives it back, whichever thread runs it.
+class SorterPool {
+ public:
+  std::unique_ptr<Sorter> take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) return std::make_unique<Sorter>();
+    std::unique_ptr<Sorter> s = std::move(free_.back());
+    free_.pop_back();
+    return s;
+  }
+  void give(std::unique_ptr<Sorter> s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(std::move(s));
+  }
+  struct Lease {  // gives its sorter back when it goes out of scope
+    SorterPool& pool;
+    std::unique_ptr<Sorter> sorter;
+    ~Lease() { pool.give(std::move(sorter)); }
+  };
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Sorter>> free_;
+};
+
+SorterPool sorters;
 
 constexpr int64_t kSortBlock = 1 << 16;  // entries a thread counts and places at a time in the first pass
 
@@ -784,14 +813,14 @@ ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Mat
     for (int i = 0; i < 2; i++)
       if (st.slot[i]) hugepages::advise(pool, nt, st.slot[i], size_t(num_rows * st.width[i]) * 4);
   }
-  thread_local Sorter sorter;  // kept between steps: no fresh pages each step
-  thread_local std::vector<uint8_t> bad;
+  SorterPool::Lease lease{sorters, sorters.take()};
+  Sorter& sorter = *lease.sorter;
   const int64_t m = sort_records(pool, nt, cols.typed_data(), rows.typed_data(), vals.typed_data(), cd[0], cd[1],
                                  gd[1], num_rows, sorter);
   Grads gr{grads.typed_data(), nullptr, dim};
   if (o.linear && o.skip_nonfinite) {  // checked per output row, once, rather than per entry
-    bad.resize(size_t(cd[0] * gd[1]) + 1);
-    uint8_t* b = bad.data();  // this thread's buffer (thread_locals differ on the pool's threads)
+    sorter.bad.resize(size_t(cd[0] * gd[1]) + 1);
+    uint8_t* b = sorter.bad.data();
     parallel_for(pool, nt, cd[0], [&](int64_t d) {
       for (int64_t r = d * gd[1]; r < (d + 1) * gd[1]; r++) b[r] = !all_finite(gr.data + r * dim, dim);
     });
