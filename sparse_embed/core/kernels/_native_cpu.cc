@@ -662,15 +662,19 @@ inline bool update_copy(const Options& o, const Grads& gr, const Record* group, 
     }
     return true;
   }
-  for (int64_t j = 0; j < dim; j++) g[j] = 0.0f;
-  float norm = 0.0f;
-  const float scale = clip_scale(w, dim, o.max_norm, &norm);
-  for (int64_t i = 0; i < size; i++) {  // the row's gradient, summed in entry order
-    const float *gk = gr.row(group[i]), v = group[i].value;
-    if (o.max_norm > 0.0f)
-      add_clipped_grad(w, scale, norm, o.max_norm, gk, v, g, dim);
-    else
+  if (o.max_norm > 0.0f) {  // the row's gradient, summed in entry order, from zero
+    for (int64_t j = 0; j < dim; j++) g[j] = 0.0f;
+    float norm = 0.0f;
+    const float scale = clip_scale(w, dim, o.max_norm, &norm);
+    for (int64_t i = 0; i < size; i++)
+      add_clipped_grad(w, scale, norm, o.max_norm, gr.row(group[i]), group[i].value, g, dim);
+  } else {  // the same sum; its first term written directly (0 + x: the same bits, no separate zeroing pass)
+    const float *g0 = gr.row(group[0]), v0 = group[0].value;
+    for (int64_t j = 0; j < dim; j++) g[j] = 0.0f + g0[j] * v0;
+    for (int64_t i = 1; i < size; i++) {
+      const float *gk = gr.row(group[i]), v = group[i].value;
       for (int64_t j = 0; j < dim; j++) g[j] += gk[j] * v;
+    }
   }
   if (o.skip_nonfinite && !all_finite(g, dim)) return false;
   update_row(o, dim, w, g, tmp, s0, s1);
@@ -687,6 +691,14 @@ void prefetch_state(const Grads& gr, const State& st, const Record& r) {
   for (int s = 0; s < 2; s++)
     if (st.slot[s]) prefetch_row(st.slot[s] + int64_t(r.col) * st.width[s], st.width[s] * 4, true);
   prefetch_row(gr.row(r), gr.dim * 4, false);
+}
+
+// Copies a slot row of n floats (n = 0: no slot). Inline: a memcpy call per row costs more than a short row.
+inline void copy_row(float* dst, const float* src, int64_t n) {
+  if (n == 1)
+    *dst = *src;
+  else
+    for (int64_t j = 0; j < n; j++) dst[j] = src[j];
 }
 
 // Floats of scratch update_range needs.
@@ -716,8 +728,8 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
       const int64_t col = recs[start[i]].col;
       const T* row = table + col * dim;
       for (int64_t j = 0; j < dim; j++) W[i * dim + j] = load(row + j);
-      if (w0) std::memcpy(S0 + i * w0, st.slot[0] + col * w0, size_t(w0) * 4);
-      if (w1) std::memcpy(S1 + i * w1, st.slot[1] + col * w1, size_t(w1) * 4);
+      copy_row(S0 + i * w0, st.slot[0] + col * w0, w0);
+      copy_row(S1 + i * w1, st.slot[1] + col * w1, w1);
     }
     for (int i = 0; i < n; i++) {
       const int64_t col = recs[start[i]].col;
@@ -726,8 +738,8 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
         continue;  // the row and its slots keep their values
       T* row = table + col * dim;
       for (int64_t j = 0; j < dim; j++) store(row + j, W[i * dim + j]);
-      if (w0) std::memcpy(st.slot[0] + col * w0, S0 + i * w0, size_t(w0) * 4);
-      if (w1) std::memcpy(st.slot[1] + col * w1, S1 + i * w1, size_t(w1) * 4);
+      copy_row(st.slot[0] + col * w0, S0 + i * w0, w0);
+      copy_row(st.slot[1] + col * w1, S1 + i * w1, w1);
     }
     b = e;
   }
