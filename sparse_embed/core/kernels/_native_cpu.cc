@@ -53,7 +53,7 @@ bool same_dims(const A& a, const B& b) {
 
 // The hot loops (forward and backward chunks) are compiled for AVX2 and for the baseline, picked at load time
 // by the CPU (GCC's function multiversioning). Every instruction set gives the same results: elementwise IEEE
-// operations, no FMA contraction, reductions in a fixed order (sum_squares).
+// operations, no FMA contraction, reductions in a fixed order (lane_sum).
 #define SPARSE_EMBED_HOT __attribute__((target_clones("avx2", "default"), flatten))
 
 inline float bf16_to_f32(uint16_t h) {
@@ -179,22 +179,26 @@ void advise(ffi::ThreadPool& pool, int64_t threads, const void* data, size_t byt
 
 // ------------------------------------------------------------------ max_norm
 
-// The sum of x[j]^2 in a fixed order: 8 running sums (lane j % 8), combined pairwise. The order does not depend
-// on the instruction set, and the loop vectorizes without reassociation.
-template <typename T>
-inline float sum_squares(const T* x, int64_t dim) {
+// The sum of f(x[j]) in a fixed order: 8 running sums (lane j % 8), combined pairwise. The order does not
+// depend on the instruction set, and the loop vectorizes without reassociation.
+template <typename T, typename F>
+inline float lane_sum(const T* x, int64_t dim, F f) {
   float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   int64_t j = 0;
   for (; j + 8 <= dim; j += 8)
-    for (int l = 0; l < 8; l++) {
-      float v = load(x + j + l);
-      part[l] += v * v;
-    }
-  for (int l = 0; j < dim; j++, l++) {
-    float v = load(x + j);
-    part[l] += v * v;
-  }
+    for (int l = 0; l < 8; l++) part[l] += f(load(x + j + l));
+  for (int l = 0; j < dim; j++, l++) part[l] += f(load(x + j));
   return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+template <typename T>
+inline float sum_squares(const T* x, int64_t dim) {
+  return lane_sum(x, dim, [](float v) { return v * v; });
+}
+
+// Whether no element is NaN or inf: x * 0 is 0 for finite x and NaN otherwise.
+inline bool all_finite(const float* x, int64_t dim) {
+  return lane_sum(x, dim, [](float v) { return v * 0.0f; }) == 0.0f;
 }
 
 // The factor that brings a row's L2 norm to at most max_norm (1 when max_norm <= 0: no clipping), and the norm.
@@ -502,16 +506,6 @@ void update_row(const Options& o, int64_t dim, float* w, float* g, float* tmp, f
   }
   if (o.clip_weight)
     for (int64_t j = 0; j < dim; j++) w[j] = clipf(w[j], o.clip_w_lo, o.clip_w_hi);
-}
-
-// Whether no element is NaN or inf: x * 0 is 0 for finite x and NaN otherwise, summed in 8 lanes (vectorizes).
-inline bool all_finite(const float* x, int64_t dim) {
-  float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  int64_t j = 0;
-  for (; j + 8 <= dim; j += 8)
-    for (int l = 0; l < 8; l++) part[l] += x[j + l] * 0.0f;
-  for (int l = 0; j < dim; j++, l++) part[l] += x[j] * 0.0f;
-  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])) == 0.0f;
 }
 
 // Adds to acc [dim] the gradient of one entry through the forward's max_norm clipping of row x: with
