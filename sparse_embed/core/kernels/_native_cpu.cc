@@ -374,6 +374,14 @@ struct Options {
   const float* scalars;   // per step: learning rate first, then the optimizer's step-dependent factors
 };
 
+// Copies a row of n floats (n = 0: nothing). Inline: a memcpy call per row costs more than a short row.
+inline void copy_row(float* dst, const float* src, int64_t n) {
+  if (n == 1)
+    *dst = *src;
+  else
+    for (int64_t j = 0; j < n; j++) dst[j] = src[j];
+}
+
 inline float clipf(float x, float lo, float hi) { return std::min(std::max(x, lo), hi); }
 
 // One row's update, in the order of the generic kernel: clip_gradient, the rule, weight decay, clip_weight.
@@ -386,7 +394,7 @@ void update_row(const Options& o, int64_t dim, float* w, float* g, float* tmp, f
     for (int64_t j = 0; j < dim; j++) g[j] = clipf(g[j], o.clip_g_lo, o.clip_g_hi);
   const bool decays = o.weight_decay != 0.0f;
   float* before = tmp;  // the old row, for weight decay
-  if (decays) std::memcpy(before, w, size_t(dim) * sizeof(float));
+  if (decays) copy_row(before, w, dim);
   switch (o.optimizer) {
     case kSGD:
       for (int64_t j = 0; j < dim; j++) {
@@ -533,50 +541,51 @@ struct Record {
   uint32_t unused;
 };
 
-// The valid entries (col < num_rows, row_id < rpd) as records sorted by col, stable (entry order within a col).
-// A most-significant-digit pass splits 64-bit keys `col << 32 | entry` into up to 256 buckets by the top bits
-// of col (in parallel over fixed blocks of entries), then each bucket is sorted by the remaining bits with
-// least-significant-digit passes of at most 11 bits (buckets are small: they stay in cache) and gathered into
-// records. Returns the number of records; `buckets` gets the records' bucket boundaries (whole cols).
-struct Sorter {
+// The buffers of one backward call: the sort's keys and records (see sort_records), the non-finite flags.
+struct Buffers {
   std::vector<uint64_t> keys, tmp;
   std::vector<Record> records;
   std::vector<int64_t> buckets;
   std::vector<uint8_t> bad;  // per output row: its gradient holds a NaN/inf (SGD with skip_nonfinite)
 };
 
-// Sorters kept between calls (no fresh pages each step), as many as calls ever ran at once: a call takes one
+// Buffers kept between calls (no fresh pages each step), as many as calls ever ran at once: a call takes one
 // and gives it back, whichever thread runs it.
-class SorterPool {
+class BufferPool {
  public:
-  std::unique_ptr<Sorter> take() {
+  std::unique_ptr<Buffers> take() {
     std::lock_guard<std::mutex> lock(mu_);
-    if (free_.empty()) return std::make_unique<Sorter>();
-    std::unique_ptr<Sorter> s = std::move(free_.back());
+    if (free_.empty()) return std::make_unique<Buffers>();
+    std::unique_ptr<Buffers> s = std::move(free_.back());
     free_.pop_back();
     return s;
   }
-  void give(std::unique_ptr<Sorter> s) {
+  void give(std::unique_ptr<Buffers> s) {
     std::lock_guard<std::mutex> lock(mu_);
     free_.push_back(std::move(s));
   }
-  struct Lease {  // gives its sorter back when it goes out of scope
-    SorterPool& pool;
-    std::unique_ptr<Sorter> sorter;
-    ~Lease() { pool.give(std::move(sorter)); }
+  struct Lease {  // gives its buffers back when it goes out of scope
+    BufferPool& pool;
+    std::unique_ptr<Buffers> buffers;
+    ~Lease() { pool.give(std::move(buffers)); }
   };
 
  private:
   std::mutex mu_;
-  std::vector<std::unique_ptr<Sorter>> free_;
+  std::vector<std::unique_ptr<Buffers>> free_;
 };
 
-SorterPool sorters;
+BufferPool buffer_pool;
 
 constexpr int64_t kSortBlock = 1 << 16;  // entries a thread counts and places at a time in the first pass
 
+// The valid entries (col < num_rows, row_id < rpd) as records sorted by col, stable (entry order within a col).
+// A most-significant-digit pass splits 64-bit keys `col << 32 | entry` into up to 256 buckets by the top bits
+// of col (in parallel over fixed blocks of entries), then each bucket is sorted by the remaining bits with
+// least-significant-digit passes of at most 11 bits (buckets are small: they stay in cache) and gathered into
+// records. Returns the number of records; `buckets` gets the records' bucket boundaries (whole cols).
 int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, const int32_t* rows,
-                     const float* vals, int64_t D, int64_t C, int64_t rpd, int64_t num_rows, Sorter& s) {
+                     const float* vals, int64_t D, int64_t C, int64_t rpd, int64_t num_rows, Buffers& s) {
   const int64_t n = D * C, blocks = (n + kSortBlock - 1) / kSortBlock;
   int bits = 0;
   while (bits < 32 && (uint64_t(num_rows - 1) >> bits) != 0) bits++;
@@ -685,14 +694,6 @@ void prefetch_state(const Grads& gr, const State& st, const Record& r) {
   for (int s = 0; s < 2; s++)
     if (st.slot[s]) prefetch_row(st.slot[s] + int64_t(r.col) * st.width[s], st.width[s] * 4, true);
   prefetch_row(gr.row(r), gr.dim * 4, false);
-}
-
-// Copies a slot row of n floats (n = 0: no slot). Inline: a memcpy call per row costs more than a short row.
-inline void copy_row(float* dst, const float* src, int64_t n) {
-  if (n == 1)
-    *dst = *src;
-  else
-    for (int64_t j = 0; j < n; j++) dst[j] = src[j];
 }
 
 // Floats of scratch update_range needs.
@@ -819,23 +820,23 @@ ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Mat
     for (int i = 0; i < 2; i++)
       if (st.slot[i]) hugepages::advise(pool, nt, st.slot[i], size_t(num_rows * st.width[i]) * 4);
   }
-  SorterPool::Lease lease{sorters, sorters.take()};
-  Sorter& sorter = *lease.sorter;
+  BufferPool::Lease lease{buffer_pool, buffer_pool.take()};
+  Buffers& buf = *lease.buffers;
   const int64_t m = sort_records(pool, nt, cols.typed_data(), rows.typed_data(), vals.typed_data(), cd[0], cd[1],
-                                 gd[1], num_rows, sorter);
+                                 gd[1], num_rows, buf);
   Grads gr{grads.typed_data(), nullptr, dim};
   if (o.linear && o.skip_nonfinite) {  // checked per output row, once, rather than per entry
-    sorter.bad.resize(size_t(cd[0] * gd[1]) + 1);
-    uint8_t* b = sorter.bad.data();
+    buf.bad.resize(size_t(cd[0] * gd[1]) + 1);
+    uint8_t* b = buf.bad.data();
     parallel_for(pool, nt, cd[0], [&](int64_t d) {
       for (int64_t r = d * gd[1]; r < (d + 1) * gd[1]; r++) b[r] = !all_finite(gr.data + r * dim, dim);
     });
     gr.bad = b;
   }
   if (dtype == ffi::F32)
-    backward_impl<float>(pool, nt, o, gr, sorter.records.data(), m, st);
+    backward_impl<float>(pool, nt, o, gr, buf.records.data(), m, st);
   else if (dtype == ffi::BF16)
-    backward_impl<uint16_t>(pool, nt, o, gr, sorter.records.data(), m, st);
+    backward_impl<uint16_t>(pool, nt, o, gr, buf.records.data(), m, st);
   else
     return ffi::Error::InvalidArgument("sparse_embed backward: tables must be float32 or bfloat16");
   return ffi::Error::Success();
