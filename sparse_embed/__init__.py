@@ -16,10 +16,11 @@ type annotations); importing it has no side effects.
 
 from sparse_embed import distributed, initializers, optimizers
 from sparse_embed.core.batch import ShardedCooMatrix, Stats
+from sparse_embed.core.id_maps import IdMap, IdMapStats, init_id_maps, map_ids
 from sparse_embed.core.kernels.generic import configure_xla_cpu
 from sparse_embed.core.planning import EmbeddingPlan, FeatureLayout, StackPlan, TablePlacement, grow_capacity, plan
 from sparse_embed.core.sharded_lookup import lookup, nonfinite_rows
-from sparse_embed.core.specs import FeatureSpec, TableSpec
+from sparse_embed.core.specs import Dynamic, FeatureSpec, TableSpec
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import init_tables, stack_tables, unstack_state, unstack_tables
 from sparse_embed.host.ids import FlatIds, flatten
@@ -38,6 +39,7 @@ from sparse_embed.io.checkpoint import (
     read_info,
     restore_embeddings,
 )
+from sparse_embed.io.id_tables import IdTable, id_table_contents, load_id_tables
 from sparse_embed.io.convert import convert_checkpoint, export_serving, load_serving
 from sparse_embed.io.verify import Verification, verify_checkpoint
 from sparse_embed.io.serving import serving_lookup
@@ -46,6 +48,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     # specs and the plan
+    "Dynamic",
     "EmbeddingPlan",
     "FeatureSpec",
     "TableSpec",
@@ -71,6 +74,14 @@ __all__ = [
     "configure_xla_cpu",
     "lookup",
     "nonfinite_rows",
+    # raw-id tables
+    "IdMap",
+    "IdMapStats",
+    "IdTable",
+    "id_table_contents",
+    "init_id_maps",
+    "load_id_tables",
+    "map_ids",
     # training with optax and flax (flax modules: sparse_embed.flax.linen / .nnx)
     "LayoutMap",
     "apply_updates",

@@ -20,6 +20,9 @@ class ShardedCooMatrix(NamedTuple):
 
     shard_starts, shard_ends: `[D, S]` int32, entry range of each destination shard's segment.
     col_ids, row_ids: `[D, S * capacity]` int32. values: `[D, S * capacity]` float32.
+    keys: None, or for a table keyed by raw ids (before `map_ids`) `[D, S * capacity, 2]`
+      int32: the distinct raw ids (hi, lo words; -1 unused) that each segment sends
+      its owner shard; `col_ids` then index them (padding: `capacity`).
     """
 
     shard_starts: Any
@@ -27,6 +30,7 @@ class ShardedCooMatrix(NamedTuple):
     col_ids: Any
     row_ids: Any
     values: Any
+    keys: Any = None
 
     @property
     def capacity(self) -> int:

@@ -88,6 +88,11 @@ class StackPlan:
         return self.first.dtype
 
     @property
+    def dynamic(self):
+        """The stack's `Dynamic` policy (a raw-id table is always alone in its stack), or None."""
+        return self.first.dynamic
+
+    @property
     def total_rows(self) -> int:
         return sum(t.padded_rows for t in self.tables)
 
@@ -132,8 +137,9 @@ class EmbeddingPlan:
             feats = ", ".join(
                 f.feature.name + (f"[seq {f.feature.max_sequence_length}]" if f.feature.is_sequence else "")
                 for f in s.features)
+            raw = f", raw ids {s.dynamic}" if s.dynamic else ""
             lines.append(f"  stack {s.name!r}: [{s.total_rows}, {s.embedding_dim}] {type(s.optimizer).__name__}, "
-                         f"tables {tables}; features {feats}; capacity {s.capacity or 'auto'}")
+                         f"tables {tables}; features {feats}; capacity {s.capacity or 'auto'}{raw}")
         return "\n".join(lines)
 
     def stack(self, name: str) -> StackPlan:
@@ -180,10 +186,13 @@ def round_up(x: int, m: int) -> int:
 
 
 def _stack_key(t: TableSpec) -> tuple:
-    return (t.embedding_dim, t.resolved_optimizer, t.combiner, t.max_norm, t.dtype)
+    """Tables with equal keys can share a stack; a raw-id table's key is its own (it maps its own rows)."""
+    return (t.embedding_dim, t.resolved_optimizer, t.combiner, t.max_norm, t.dtype, t.name if t.dynamic else None)
 
 
 def _describe_incompatibility(a: TableSpec, b: TableSpec) -> str:
+    if a.dynamic or b.dynamic:
+        return f"table {(a if a.dynamic else b).name!r} is keyed by raw ids (dynamic=...), which is never stacked"
     names = ("embedding_dim", "optimizer", "combiner", "max_norm", "dtype")
     diffs = [
         f"{n}: {x!r} vs {y!r}" for n, x, y in zip(names, _stack_key(a), _stack_key(b)) if x != y
@@ -319,7 +328,8 @@ def plan(
         split over; default, the mesh's only axis.
       stacking: "auto" (stack tables with equal dim, optimizer, combiner,
         max_norm and dtype), None (one stack per table), or a list of lists of
-        table names (unlisted tables get their own stack).
+        table names (unlisted tables get their own stack). A table keyed by
+        raw ids (`dynamic=`) is always a stack of its own.
       capacity: static COO entries per (source device, destination shard)
         partition, an int for all stacks or {stack_name: int}. None (the
         default) sizes each stack from the first batch and grows it (one

@@ -132,11 +132,15 @@ def _check_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix]) -> 
             raise TypeError(f"Stack {name!r}: batch entry must be a ShardedCooMatrix, got {type(coo).__name__}.")
         n = coo.col_ids.shape
         if coo.shard_starts.shape != (D, D) or len(n) != 2 or n[0] != D or n[1] % D:
-            raise ValueError(f"Stack {name!r}: batch arrays have shapes {[x.shape for x in coo]}, "
+            raise ValueError(f"Stack {name!r}: batch arrays have shapes {[x.shape for x in coo[:5]]}, "
                              f"which do not fit a mesh of {D} devices; was it built for another plan?")
         for x in (coo.row_ids, coo.values):
             if x.shape != n:
                 raise ValueError(f"Stack {name!r}: col_ids, row_ids and values must have equal shapes.")
+        if coo.keys is not None:
+            raise ValueError(f"Stack {name!r}: the batch holds raw ids (its table is dynamic); map them to rows "
+                             "first: batch, tables, id_maps, stats = sparse_embed.map_ids(plan, batch, tables, "
+                             "id_maps, step).")
 
 
 def lookup(

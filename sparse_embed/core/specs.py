@@ -36,6 +36,37 @@ def _check_positive_int(what: str, value: Any) -> None:
         raise ValueError(f"{what} must be a positive int, got {value!r}.")
 
 
+@dataclasses.dataclass(frozen=True)
+class Dynamic:
+    """Makes a table keyed by raw 64-bit ids: it maps ids to rows itself (`TableSpec(dynamic=...)`).
+
+    The table's `vocabulary_size` is then its row capacity. Ids are any
+    integers in `[0, 2**63)` (int64, or uint64 below 2**63); -1 is padding
+    in dense input, as for every table. Each id lives on the shard chosen by
+    a hash of the id, which also keeps its map entry (docs/raw_ids.md).
+
+    Attributes:
+      admit_after: occurrences (in training batches) before an id gets a row;
+        1 = at once. Until then it reads zeros and its gradient is dropped.
+      expire_after: steps without a lookup after which an id loses its row
+        (None = never); a later occurrence counts as a new id.
+      pending_capacity: ids one shard tracks while they wait for admission
+        (only with `admit_after > 1`); default: the table's rows per shard.
+        When full, the least recently seen waiting ids are forgotten.
+    """
+
+    admit_after: int = 1
+    expire_after: int | None = None
+    pending_capacity: int | None = None
+
+    def __post_init__(self):
+        _check_positive_int("Dynamic: admit_after", self.admit_after)
+        if self.expire_after is not None:
+            _check_positive_int("Dynamic: expire_after", self.expire_after)
+        if self.pending_capacity is not None:
+            _check_positive_int("Dynamic: pending_capacity", self.pending_capacity)
+
+
 @dataclasses.dataclass(frozen=True, eq=True)
 class TableSpec:
     """One embedding table: `[vocabulary_size, embedding_dim]` rows.
@@ -56,6 +87,8 @@ class TableSpec:
       max_norm: if set, each looked-up row is scaled down to at most this L2
         norm before it is combined (as `tf.nn.embedding_lookup_sparse`).
       dtype: storage dtype of the table.
+      dynamic: a `Dynamic` policy for a table keyed by raw 64-bit ids (its
+        `vocabulary_size` is then its row capacity), or None: ids are rows.
     """
 
     name: str
@@ -66,9 +99,13 @@ class TableSpec:
     combiner: str = "mean"
     max_norm: float | None = None
     dtype: Any = jnp.float32
+    dynamic: Dynamic | None = None
 
     def __post_init__(self):
         _check_name("Table", self.name)
+        if self.dynamic is not None and not isinstance(self.dynamic, Dynamic):
+            raise TypeError(f"Table {self.name!r}: dynamic must be a sparse_embed.Dynamic policy, "
+                            f"got {type(self.dynamic).__name__}.")
         _check_positive_int(f"Table {self.name!r}: vocabulary_size", self.vocabulary_size)
         _check_positive_int(f"Table {self.name!r}: embedding_dim", self.embedding_dim)
         if self.combiner not in COMBINERS:

@@ -242,8 +242,11 @@ def checked(feature: FeatureSpec, ids: Any, weights: Any = None) -> CanonicalIds
     return c
 
 
-def flatten(feature: FeatureSpec, ids: Any, weights: Any = None) -> FlatIds:
-    """Validates one feature's ids (and weights) and flattens them. Batch = `FeatureSpec.batch_size`."""
+def flatten(feature: FeatureSpec, ids: Any, weights: Any = None, *, raw: bool = False) -> FlatIds:
+    """Validates one feature's ids (and weights) and flattens them. Batch = `FeatureSpec.batch_size`.
+
+    `raw`: the ids are raw ids of a `dynamic` table (any int64 >= 0), not rows.
+    """
     c = canonical(feature, ids, weights)
     if c.dense:
         keep = c.ids != PADDING_ID
@@ -253,7 +256,7 @@ def flatten(feature: FeatureSpec, ids: Any, weights: Any = None) -> FlatIds:
         values, w = c.ids, c.weights
         samples = np.repeat(np.arange(c.lengths.size, dtype=np.int64), c.lengths)
         positions = np.arange(values.size, dtype=np.int64) - np.repeat(np.cumsum(c.lengths) - c.lengths, c.lengths)
-    bad = (values < 0) | (values >= feature.table.vocabulary_size)
+    bad = (values < 0) if raw else (values < 0) | (values >= feature.table.vocabulary_size)
     if bad.any():
         i = int(np.argmax(bad))
         raise _bad_id(feature, int(values[i]), int(samples[i]), c.dense)

@@ -51,15 +51,15 @@ class Partitioned(NamedTuple):
         """The stack's batch (numpy): at most `cap` entries per partition."""
         S = stack.num_shards
         D = self.counts.size // S
-        col_ids, row_ids, values = self.scatter(cap)
+        col_ids, row_ids, values, *keys = self.scatter(cap)  # keys: raw-id stacks (`raw_ids`)
         shard_starts = np.tile(np.arange(S, dtype=np.int32) * cap, (D, 1))
         ends = shard_starts + np.minimum(self.counts, cap).reshape(D, S).astype(np.int32)
         return ShardedCooMatrix(shard_starts, ends, col_ids.reshape(D, S * cap), row_ids.reshape(D, S * cap),
-                                values.reshape(D, S * cap))
+                                values.reshape(D, S * cap), keys[0].reshape(D, S * cap, 2) if keys else None)
 
 
 # ------------------------------------------------------------------ numpy
-def _gains(lay: FeatureLayout, row: np.ndarray, weights: np.ndarray) -> np.ndarray:
+def gains(lay: FeatureLayout, row: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """The combiner folded into the weights (float64 sums, as the C kernel), per output row."""
     f = lay.feature
     n_rows = f.batch_size * max(f.max_sequence_length, 1)
@@ -84,7 +84,7 @@ def _stack_entries(stack: StackPlan, flats: dict[str, FlatIds]):
         keys.append(device * S + stack_row % S)
         cols.append(stack_row // S)
         rows.append(lay.row_offset + local_row)
-        vals.append(_gains(lay, out_row, weights))
+        vals.append(gains(lay, out_row, weights))
     return np.concatenate(keys), np.concatenate(cols), np.concatenate(rows), np.concatenate(vals)
 
 

@@ -20,6 +20,7 @@ from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.host import distributed, native, plan_state
 from sparse_embed.host.ids import CanonicalIds, FlatIds, checked, error, flatten
 from sparse_embed.host.partition import Partitioned, partition
+from sparse_embed.host.raw_ids import flatten_raw, partition_raw
 
 
 def _check_keys(plan: EmbeddingPlan, ids, weights) -> dict:
@@ -69,7 +70,7 @@ def _checked_features(plan: EmbeddingPlan, ids, weights, num_local: int) -> dict
             local_batch = f.batch_size // plan.num_shards * num_local
             _check_local_batch(plan, name, ids[name], local_batch, num_local)
             f = dataclasses.replace(f, batch_size=local_batch)
-        out[name] = check(f, ids[name], weights.get(name))
+        out[name] = (flatten_raw if f.table.dynamic else check)(f, ids[name], weights.get(name))
     return out
 
 
@@ -119,7 +120,7 @@ def _partitions(plan: EmbeddingPlan, ids, weights, positions: list[int], several
     parts, failure = {}, None
     try:
         flats = _checked_features(plan, ids, weights, len(positions))
-        parts = {s.name: partition(s, flats, len(positions)) for s in plan.stacks}
+        parts = {s.name: (partition_raw if s.dynamic else partition)(s, flats, len(positions)) for s in plan.stacks}
     except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
         if not several:
             raise
@@ -147,8 +148,8 @@ def _place(plan: EmbeddingPlan, coo: ShardedCooMatrix, several: bool) -> Sharded
     sharding = plan.batch_sharding()
     if not several:
         return jax.device_put(coo, sharding)
-    return ShardedCooMatrix(*(jax.make_array_from_process_local_data(sharding, x, (plan.num_shards, *x.shape[1:]))
-                              for x in coo))
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x, (plan.num_shards, *x.shape[1:])),
+                        coo)
 
 
 def preprocess(

@@ -100,7 +100,7 @@ def test_device_put_places_batch_on_the_mesh(mesh8):
     _, ids, _ = _random_ids(np.random.default_rng(0), plan)
     batch, _ = se.preprocess(plan, ids)
     for coo in batch.values():
-        for x in coo:
+        for x in coo[:5]:  # keys: None (no raw ids)
             assert isinstance(x, jax.Array) and x.sharding.is_equivalent_to(plan.batch_sharding(), x.ndim)
 
 

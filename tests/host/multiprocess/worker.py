@@ -54,7 +54,8 @@ batch, st = se.preprocess(drop_plan, feed(drop_plan, ids))
 results["drop/stats"] = scenario.stats_array(st)
 for name, coo in batch.items():
     for field, x in zip(coo._fields, multihost_utils.process_allgather(coo, tiled=True)):
-        results[f"drop/{name}/{field}"] = x
+        if x is not None:  # keys: raw-id tables only
+            results[f"drop/{name}/{field}"] = x
 
 # 4. errors are raised on every process (nobody deadlocks in the next step)
 messages = {}

@@ -1,0 +1,293 @@
+"""Raw 64-bit ids -> rows, on the shard that owns each id: admission, LRU eviction, expiry.
+
+A table declared with `TableSpec(dynamic=Dynamic(...))` is keyed by raw
+ids. Preprocessing sends each id to the shard chosen by a hash of the id
+(`host.raw_ids.owner_shards`), with the distinct ids of each segment in
+`ShardedCooMatrix.keys`. `map_ids`, inside the train step before `lookup`,
+runs on every shard (`shard_map`): it exchanges the ids (`all_to_all`), looks
+them up in the shard's `KeySet`, admits new ids (after `admit_after`
+occurrences), gives them free rows or the rows of the least recently used
+ids, re-initialises those rows and their slots, and sends each segment its
+rows back. The batch it returns is an ordinary one for `lookup`; ids without
+a row become padding (they read zeros and get no update).
+
+Because an id's row and its map entry live on the same shard and every
+decision is a function of the (global) batch and the state, the mapping is
+the same on every process and for any process count; a change of mesh goes
+through the checkpoint (`io`), which stores ids with their rows.
+
+State per stack (`IdMap`): the rows' `KeySet` (16 bytes per row), for
+`admit_after > 1` a second one of waiting ids and their counts, and the
+init seed. Training steps change the map; `train=False` (eval, serving)
+only reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from sparse_embed.core import key_set
+from sparse_embed.core.batch import ShardedCooMatrix
+from sparse_embed.core.initializers import TruncatedNormal, seeds, truncated_normal_rows, _mix
+from sparse_embed.core.key_set import FREE, KeySet
+from sparse_embed.core.planning import EmbeddingPlan, StackPlan
+from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
+from sparse_embed.core.tables import table_key
+
+
+class IdMap(NamedTuple):
+    """One raw-id stack's map, sharded over the plan's axis like its table.
+
+    `rows`: the rows' `KeySet` (`keys [S*R, 2]`, `last [S*R]`, `order [S*R]`
+    local rows in key order, `size [S]`); `pending`/`counts`: ids waiting for
+    admission and their occurrences (`[S*P]`; None with `admit_after == 1`);
+    `seed [S, 2]` uint32: the table's init seed (new rows' values depend on
+    it and the id only).
+    """
+
+    rows: KeySet
+    pending: KeySet | None
+    counts: jax.Array | None
+    seed: jax.Array
+
+
+class IdMapStats(NamedTuple):
+    """One step of one raw-id stack, summed over shards (int32 scalars; jit outputs).
+
+    admitted: ids given a row. evicted: ids that lost their row to a new id
+    (least recently used). expired: ids that lost their row after
+    `expire_after` idle steps. waiting: distinct ids looked up that have no
+    row yet (below `admit_after`; they read zeros). no_room: ids admitted
+    but left without a row (every row of their shard was used this step).
+    forgotten: waiting ids dropped from a full pending set. occupancy: rows
+    in use after the step. pending: ids waiting after the step.
+    """
+
+    admitted: jax.Array
+    evicted: jax.Array
+    expired: jax.Array
+    waiting: jax.Array
+    no_room: jax.Array
+    forgotten: jax.Array
+    occupancy: jax.Array
+    pending: jax.Array
+
+
+def dynamic_stacks(plan: EmbeddingPlan) -> tuple[StackPlan, ...]:
+    return tuple(s for s in plan.stacks if s.dynamic is not None)
+
+
+def pending_per_shard(stack: StackPlan) -> int:
+    """Waiting ids one shard tracks (0 with `admit_after == 1`)."""
+    d = stack.dynamic
+    if d.admit_after == 1:
+        return 0
+    return d.pending_capacity if d.pending_capacity is not None else stack.rows_per_shard
+
+
+def shard_capacity(stack: StackPlan, shard: jax.Array) -> jax.Array:
+    """Rows shard `shard` may use: `vocabulary_size` rows in all, spread as MOD sharding spreads ids."""
+    vocab, S = stack.first.vocabulary_size, stack.num_shards
+    return jnp.maximum((vocab - shard + S - 1) // S, 0).astype(jnp.int32)
+
+
+def _empty_sets(n: int, S: int) -> KeySet:
+    one = key_set.empty(n)
+    return KeySet(jnp.tile(one.keys, (S, 1)), jnp.tile(one.last, S), jnp.tile(one.order, S),
+                  jnp.zeros((S,), jnp.int32))
+
+
+def init_id_maps(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, IdMap]:
+    """Empty maps of every raw-id stack, `{stack: IdMap}`, sharded; `rng` as given to `init_tables`."""
+    return _init_jit(plan, rng)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_jit(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, IdMap]:
+    out = {}
+    for s in dynamic_stacks(plan):
+        S, pend = s.num_shards, pending_per_shard(s)
+        seed = jnp.tile(seeds(table_key(rng, s.first.name))[None], (S, 1))
+        out[s.name] = IdMap(_empty_sets(s.rows_per_shard, S), _empty_sets(pend, S) if pend else None,
+                            jnp.zeros((S * pend,), jnp.int32) if pend else None, seed)
+    return jax.lax.with_sharding_constraint(out, plan.table_sharding())
+
+
+def initial_rows(stack: StackPlan, seed: jax.Array, keys: jax.Array) -> jax.Array:
+    """`[Q, dim]` the initial values of new rows for ids `keys [Q, 2]`: a function of the seed and the id only."""
+    t, dim = stack.first, stack.embedding_dim
+    init = t.resolved_initializer
+    if isinstance(init, TruncatedNormal):  # positional: (seed, hi) -> row seed, lo -> row
+        row_seed = jnp.stack([seed[0] ^ _mix(keys[:, 0].astype(jnp.uint32)), jnp.broadcast_to(seed[1], keys.shape[:1])], -1)
+        return truncated_normal_rows(row_seed, keys[:, 1].astype(jnp.uint32), dim, init.stddev, t.dtype)
+    base = jax.random.wrap_key_data(seed, impl="threefry2x32")
+    key = lambda k: jax.random.fold_in(jax.random.fold_in(base, k[0]), k[1])
+    return jax.vmap(lambda k: init(key(k), (1, dim), t.dtype)[0].astype(t.dtype))(keys)
+
+
+class _Mapped(NamedTuple):
+    rows: jax.Array  # [Q] local row of each distinct id (rows_per_shard: none)
+    ids: IdMap
+    new: jax.Array  # [Q] bool: the row is new (to initialise)
+    stats: IdMapStats
+
+
+def _wait(stack: StackPlan, m: IdMap, u: jax.Array, miss: jax.Array, occ: jax.Array, step: jax.Array):
+    """Counts the missing ids' occurrences; returns (admit mask, new pending set, counts, forgotten)."""
+    d, pend = stack.dynamic, m.pending
+    pslot = jnp.where(miss, key_set.find(pend, u), -1)
+    stale = (pslot >= 0) & _expired(d, pend.last, pslot, step)
+    known = (pslot >= 0) & ~stale
+    cnt = jnp.where(known, m.counts[jnp.maximum(pslot, 0)], 0) + occ
+    admit = miss & (cnt >= d.admit_after)
+    wait = miss & ~admit
+    n = pend.order.shape[0]
+    leave = jnp.zeros((n,), bool).at[key_set._at(jnp.where(admit | stale, pslot, -1), n)].set(True, mode="drop")
+    stay = jnp.where(wait & known, pslot, n)
+    pend = pend._replace(last=pend.last.at[stay].set(step, mode="drop"))
+    ins = key_set.insert(pend, jnp.asarray(n, jnp.int32), u, wait & ~known, leave, step)
+    counts = m.counts.at[stay].set(cnt, mode="drop").at[key_set._at(ins.slots, n)].set(cnt, mode="drop")
+    forgotten = ins.evicted + (wait & ~known & (ins.slots < 0)).sum()
+    return admit, ins.set, counts, forgotten
+
+
+def _expired(d, last: jax.Array, slot: jax.Array, step: jax.Array) -> jax.Array:
+    if d.expire_after is None:
+        return jnp.zeros(slot.shape, bool)
+    return (slot >= 0) & (last[jnp.maximum(slot, 0)] < step - d.expire_after)
+
+
+def _map_shard(stack: StackPlan, m: IdMap, u: jax.Array, occ: jax.Array, step: jax.Array, shard: jax.Array,
+               train: bool) -> _Mapped:
+    """One shard: the rows of the distinct ids `u [Q, 2]` (sorted; FREE = none), and the new map."""
+    d, rows, R = stack.dynamic, m.rows, stack.rows_per_shard
+    valid = u[:, 0] != FREE
+    slot = key_set.find(rows, u)
+    expired = _expired(d, rows.last, slot, step)
+    hit = (slot >= 0) & ~expired
+    miss = valid & ~hit
+    zero = jnp.zeros((), jnp.int32)
+    if not train:
+        stats = IdMapStats(zero, zero, zero, miss.sum(), zero, zero, rows.size, zero if m.pending is None else m.pending.size)
+        return _Mapped(jnp.where(hit, slot, R), m, jnp.zeros(slot.shape, bool), stats)
+    rows = rows._replace(last=rows.last.at[jnp.where(hit, slot, R)].set(step, mode="drop"))
+    if m.pending is None:
+        admit, pend, counts, forgotten = miss, None, None, zero
+    else:
+        admit, pend, counts, forgotten = _wait(stack, m, u, miss, occ, step)
+    removed = jnp.zeros((R,), bool).at[jnp.where(expired, slot, R)].set(True, mode="drop")
+    ins = key_set.insert(rows, shard_capacity(stack, shard), u, admit, removed, step)
+    new = ins.slots >= 0
+    stats = IdMapStats(new.sum(), ins.evicted, expired.sum(), (miss & ~admit).sum(), (admit & ~new).sum(),
+                       forgotten, ins.set.size, zero if pend is None else pend.size)
+    return _Mapped(jnp.where(hit, slot, jnp.where(new, ins.slots, R)), IdMap(ins.set, pend, counts, m.seed), new, stats)
+
+
+def _reinit(stack: StackPlan, v: EmbeddingVariables, seed: jax.Array, u: jax.Array, rows: jax.Array,
+            new: jax.Array) -> EmbeddingVariables:
+    """The new rows (and their slots) set to their initial values."""
+    R = stack.rows_per_shard
+    at = jnp.where(new, rows, R)
+    table = v.table.at[at].set(initial_rows(stack, seed, u).astype(v.table.dtype), mode="drop", unique_indices=True)
+    specs = stack.optimizer.slots(stack.embedding_dim)
+    slots = {k: a.at[at].set(jnp.full((1, a.shape[1]), specs[k].init, SLOT_DTYPE), mode="drop") for k, a in v.slots.items()}
+    return EmbeddingVariables(table, slots)
+
+
+def _local(m: IdMap) -> IdMap:
+    """Inside shard_map: sizes `[1]` -> `[]`, seed `[1, 2]` -> `[2]`."""
+    fix = lambda ks: None if ks is None else ks._replace(size=ks.size[0])
+    return IdMap(fix(m.rows), fix(m.pending), m.counts, m.seed[0])
+
+
+def _stacked(m: IdMap) -> IdMap:
+    fix = lambda ks: None if ks is None else ks._replace(size=ks.size[None])
+    return IdMap(fix(m.rows), fix(m.pending), m.counts, m.seed[None])
+
+
+def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: EmbeddingVariables, m: IdMap,
+                step: jax.Array, train: bool):
+    """Inside shard_map, one stack: exchange the ids, map them, send every segment its rows."""
+    S, R = stack.num_shards, stack.rows_per_shard
+    C = coo.col_ids.shape[0] // S
+    send = lambda x: jax.lax.all_to_all(x.reshape(S, C, *x.shape[1:]), axis, 0, 0, tiled=True)
+    cols, keys = send(coo.col_ids), send(coo.keys)  # [D, C], [D, C, 2] from every source
+    used = cols < C
+    slot_of = jnp.where(used, jnp.arange(S)[:, None] * C + cols, S * C).reshape(-1)
+    u, inverse = key_set.unique(keys.reshape(S * C, 2))
+    occ = jnp.zeros((S * C,), jnp.int32).at[inverse].add(
+        jnp.zeros((S * C,), jnp.int32).at[slot_of].add(1, mode="drop"), mode="drop")
+    shard = jax.lax.axis_index(axis)
+    mapped = _map_shard(stack, m, u, occ, step, shard, train)
+    if train:
+        v = _reinit(stack, v, m.seed, u, mapped.rows, mapped.new)
+    row_of_slot = mapped.rows.at[inverse].get(mode="fill", fill_value=R)
+    rows = jnp.where(used.reshape(-1), row_of_slot.at[slot_of].get(mode="fill", fill_value=R), R)
+    back = jax.lax.all_to_all(rows.reshape(S, C), axis, 0, 0, tiled=True).reshape(-1)  # [S * C] in my layout
+    batch = ShardedCooMatrix(coo.shard_starts, coo.shard_ends, back, coo.row_ids,
+                             jnp.where(back < R, coo.values, 0.0))
+    stats = jax.tree.map(lambda x: jax.lax.psum(x, axis), mapped.stats)
+    return batch, v, mapped.ids, stats
+
+
+def check_raw_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix], id_maps) -> None:
+    """Clear errors for a batch or maps that do not fit the plan's raw-id stacks."""
+    dyn = {s.name for s in dynamic_stacks(plan)}
+    if set(id_maps) != dyn:
+        raise ValueError(f"id_maps has stacks {sorted(id_maps)} but the plan's raw-id stacks are {sorted(dyn)}; "
+                         "make them with sparse_embed.init_id_maps(plan, rng).")
+    for name in dyn:
+        if batch[name].keys is None:
+            raise ValueError(f"Stack {name!r} is keyed by raw ids but its batch holds rows (no keys): it was "
+                             "already mapped, or built for a plan where the table is not dynamic.")
+
+
+def map_ids(
+    plan: EmbeddingPlan,
+    batch: Mapping[str, ShardedCooMatrix],
+    tables: Mapping[str, EmbeddingVariables],
+    id_maps: Mapping[str, IdMap],
+    step: jax.Array | int,
+    *,
+    train: bool = True,
+) -> tuple[dict[str, ShardedCooMatrix], dict[str, EmbeddingVariables], dict[str, IdMap], dict[str, IdMapStats]]:
+    """Maps the raw ids of a batch to rows: `(batch, tables, id_maps, {stack: IdMapStats})`. Jit-able.
+
+    Call it in the train step before `lookup`, with the batch from
+    `preprocess` and the state from `init_id_maps`; replace `tables` and
+    `id_maps` with what it returns (new ids' rows are re-initialised).
+    Stacks without raw ids pass through. `train=False` (eval) admits,
+    evicts and touches nothing: unknown ids read zeros.
+    """
+    check_raw_batch(plan, batch, id_maps)
+    return _map_jit(plan, train, dict(batch), dict(tables), dict(id_maps), jnp.asarray(step, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _map_jit(plan: EmbeddingPlan, train: bool, batch, tables, id_maps, step):
+    axis, dyn = plan.axis_name, dynamic_stacks(plan)
+    if not dyn:
+        return batch, tables, id_maps, {}
+
+    def body(batch, tables, maps, step):
+        out = {}
+        for s in dyn:
+            coo = jax.tree.map(lambda x: x[0], batch[s.name])
+            b, v, m, st = _stack_body(s, axis, coo, tables[s.name], _local(maps[s.name]), step, train)
+            out[s.name] = (jax.tree.map(lambda x: x[None], b), v, _stacked(m), st)
+        return out
+
+    sub = {s.name: batch[s.name] for s in dyn}
+    specs = (P(axis), P(axis), P(axis), P())
+    out_specs = {s.name: (P(axis), P(axis), P(axis), P()) for s in dyn}
+    res = jax.shard_map(body, mesh=plan.mesh, in_specs=specs, out_specs=out_specs)(
+        sub, {k: tables[k] for k in sub}, id_maps, step)
+    batch, tables = dict(batch), dict(tables)
+    for name, (b, v, _, _) in res.items():
+        batch[name], tables[name] = b, v
+    return batch, tables, {k: r[2] for k, r in res.items()}, {k: r[3] for k, r in res.items()}

@@ -1,0 +1,167 @@
+"""A set of 64-bit keys on one shard, in fixed-size arrays: find, touch, insert with LRU eviction.
+
+The raw-id tables' map (`id_maps`) keeps one per shard for the rows (slot =
+local row) and one for ids still waiting for admission. Everything is
+static-shape jnp, so it runs inside `shard_map` on any backend.
+
+A key is a 64-bit id in `[0, 2**63)` held as two int32 words `(hi, lo)`
+(jax runs without 64-bit integers by default); keys compare as the
+unsigned 64-bit number. A free slot has `hi = -1`, which compares above
+every key. State per slot, 16 bytes: `keys [N, 2]`, `last [N]` (the step it
+was last used, -1 when free), `order [N]` (the slots sorted by key: the
+`size` live slots first, then the free slots by slot index). Lookups are a
+binary search over `order`, `O(Q log N)`; an insert merges the new keys into
+`order` in one linear pass, `O(N + Q log N)`, without a sort of the set.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+FREE = -1  # keys[:, 0] of a free slot; last of a free slot
+
+
+class KeySet(NamedTuple):
+    """One shard's key set. `keys [N, 2]` int32, `last [N]` int32, `order [N]` int32, `size []` int32."""
+
+    keys: jax.Array
+    last: jax.Array
+    order: jax.Array
+    size: jax.Array
+
+
+def empty(n: int) -> KeySet:
+    """A set of `n` free slots."""
+    return KeySet(jnp.full((n, 2), FREE, jnp.int32), jnp.full((n,), FREE, jnp.int32),
+                  jnp.arange(n, dtype=jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def _less(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a < b for keys `[..., 2]` as unsigned 64-bit numbers (free slots, hi = -1, compare last)."""
+    a, b = a.astype(jnp.uint32), b.astype(jnp.uint32)
+    return (a[..., 0] < b[..., 0]) | ((a[..., 0] == b[..., 0]) & (a[..., 1] < b[..., 1]))
+
+
+def same(a: jax.Array, b: jax.Array) -> jax.Array:
+    return (a[..., 0] == b[..., 0]) & (a[..., 1] == b[..., 1])
+
+
+def lower_bound(s: KeySet, q: jax.Array) -> jax.Array:
+    """`[Q]`: for each key of `q [Q, 2]`, the first position p < size of `order` whose key is >= it (or size)."""
+    n = s.order.shape[0]
+    lo = jnp.zeros(q.shape[:1], jnp.int32)
+    hi = jnp.broadcast_to(s.size, lo.shape)
+    for _ in range(max(n, 1).bit_length()):
+        mid = (lo + hi) // 2
+        key = s.keys[s.order[jnp.minimum(mid, n - 1)]]
+        right = (lo < hi) & _less(key, q)
+        lo, hi = jnp.where(right, mid + 1, lo), jnp.where((lo < hi) & ~right, mid, hi)
+    return lo
+
+
+def find(s: KeySet, q: jax.Array) -> jax.Array:
+    """`[Q]` slot of each key of `q [Q, 2]`, -1 if absent (or if the query is a free marker)."""
+    p = lower_bound(s, q)
+    slot = s.order[jnp.minimum(p, s.order.shape[0] - 1)]
+    hit = (p < s.size) & same(s.keys[slot], q) & (q[:, 0] != FREE)
+    return jnp.where(hit, slot, -1)
+
+
+def _at(index: jax.Array, n: int) -> jax.Array:
+    """Scatter indices with -1 (none) moved out of range, so that `mode="drop"` drops them."""
+    return jnp.where(index >= 0, index, n)
+
+
+def _compact(values: jax.Array, keep: jax.Array, n: int, fill) -> tuple[jax.Array, jax.Array]:
+    """The kept values in order, in `[n]` (then `fill`), and how many were kept."""
+    pos = jnp.where(keep, jnp.cumsum(keep) - 1, n)
+    return jnp.full((n,) + values.shape[1:], fill, values.dtype).at[pos].set(values, mode="drop"), keep.sum()
+
+
+def _least_recent(s: KeySet, candidate: jax.Array, k: int) -> jax.Array:
+    """`[k]` slots of the k candidates (mask by slot) used longest ago, ties by key; -1 past the candidates."""
+    n = s.order.shape[0]
+    k = min(k, n)
+    by_pos = candidate[s.order] & (jnp.arange(n) < s.size)
+    # top_k keeps the lower index first among equal values: positions are in key order.
+    val, pos = jax.lax.top_k(jnp.where(by_pos, -s.last[s.order], jnp.iinfo(jnp.int32).min), k)
+    return jnp.where(val > jnp.iinfo(jnp.int32).min, s.order[pos], -1)
+
+
+class Inserted(NamedTuple):
+    set: KeySet
+    slots: jax.Array  # [Q] slot given to each key, -1 (not wanted, or no room)
+    evicted: jax.Array  # [] live keys evicted to make room
+
+
+def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, removed: jax.Array,
+           step: jax.Array) -> Inserted:
+    """Removes the `removed` slots (mask `[N]`) and inserts the wanted keys, evicting if full.
+
+    `keys [Q, 2]` are sorted and distinct (the wanted ones absent from the
+    set). They take, in key order: free slots (the first `capacity` slots
+    only), the removed slots, then the slots of the least recently used
+    keys whose `last < step` (ties by key). Keys left without a slot get -1.
+    New keys get `last = step`.
+    """
+    n, q = s.order.shape[0], keys.shape[0]
+    k = want.sum()
+    free = jnp.maximum(capacity - s.size, 0)
+    pos = s.size + jnp.arange(q)
+    free_slots = jnp.where(pos < s.size + free, s.order[jnp.minimum(pos, n - 1)], -1)
+    removed_slots, n_removed = _compact(jnp.arange(n, dtype=jnp.int32), removed, q, -1)
+    need = jnp.maximum(k - free - n_removed, 0)
+    candidate = (s.keys[:, 0] != FREE) & ~removed & (s.last < step)
+    lru = jax.lax.cond(need > 0, lambda: _least_recent(s, candidate, q), lambda: jnp.full_like(s.order[:q], -1))
+    lru = jnp.where(jnp.arange(lru.shape[0]) < need, lru, -1)
+    avail = jnp.concatenate([free_slots, removed_slots, lru])
+    avail, n_avail = _compact(avail, avail >= 0, q, -1)
+    rank = jnp.cumsum(want) - 1
+    slots = jnp.where(want & (rank < n_avail), avail[jnp.clip(rank, 0, q - 1)], -1)
+    evicted_mask = jnp.zeros((n,), bool).at[_at(lru, n)].set(True, mode="drop")
+    gone = removed | evicted_mask
+    new_keys = jnp.where(gone[:, None], FREE, s.keys).at[_at(slots, n)].set(keys, mode="drop")
+    new_last = jnp.where(gone, FREE, s.last).at[_at(slots, n)].set(step, mode="drop")
+    order, size = _merge(s, gone, keys, slots, new_keys)
+    return Inserted(KeySet(new_keys, new_last, order, size), slots, evicted_mask.sum())
+
+
+def _merge(s: KeySet, gone: jax.Array, keys: jax.Array, slots: jax.Array, new_keys: jax.Array):
+    """The new `order` and `size`: surviving keys and the inserted ones merged by key in one linear pass."""
+    n = s.order.shape[0]
+    p = jnp.arange(n)
+    survive = (p < s.size) & ~gone[s.order]
+    before = jnp.cumsum(survive)  # survivors at positions <= p
+    ins = slots >= 0
+    ins_keys, k = _compact(keys, ins, keys.shape[0], FREE)
+    ins_slots, _ = _compact(slots, ins, keys.shape[0], -1)
+    i = jnp.arange(ins_keys.shape[0])
+    valid = i < k
+    r = lower_bound(s, ins_keys)  # old positions with a smaller key
+    at_new = i + jnp.where(r > 0, before[jnp.maximum(r - 1, 0)], 0)
+    passed = jnp.cumsum(jnp.zeros((n + 1,), jnp.int32).at[jnp.where(valid, r, n)].add(1))[:n]
+    at_old = before - 1 + passed
+    size = before[-1] + k if n else k
+    free = new_keys[:, 0] == FREE
+    at_free = size + jnp.cumsum(free) - 1
+    order = jnp.zeros((n,), jnp.int32)
+    order = order.at[jnp.where(survive, at_old, n)].set(s.order, mode="drop")
+    order = order.at[jnp.where(valid, at_new, n)].set(ins_slots, mode="drop")
+    order = order.at[jnp.where(free, at_free, n)].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    return order, size.astype(jnp.int32)
+
+
+def unique(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Distinct keys of `q [Q, 2]` sorted (free markers last, as free), and each query's index into them."""
+    n = q.shape[0]
+    hi, lo = q[:, 0].astype(jnp.uint32), q[:, 1].astype(jnp.uint32)
+    hi, lo, idx = jax.lax.sort((hi, lo, jnp.arange(n, dtype=jnp.int32)), num_keys=2)
+    srt = jnp.stack([hi, lo], -1).astype(jnp.int32)
+    first = jnp.concatenate([jnp.ones((1,), bool), ~same(srt[1:], srt[:-1])]) & (srt[:, 0] != FREE)
+    uid = jnp.cumsum(first) - 1
+    keys, _ = _compact(srt, first, n, FREE)
+    inverse = jnp.zeros((n,), jnp.int32).at[idx].set(jnp.where(srt[:, 0] != FREE, uid, n).astype(jnp.int32))
+    return keys, inverse

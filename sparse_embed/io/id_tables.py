@@ -1,0 +1,143 @@
+"""Raw-id tables in natural form: one entry per live id, independent of mesh, shard count and rows.
+
+`id_table_contents` reads a raw-id stack's table, slots and map into an
+`IdTable` (sorted by id); `load_id_tables` places an `IdTable` onto any plan
+with that table (another mesh, another process count): each id goes to its
+owner shard under the new plan and gets a row there, so the id -> vector
+mapping is the same. A shard that receives more ids than it has rows keeps
+the most recently used ones and `load_id_tables` says how many it dropped.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_embed.core.id_maps import IdMap, dynamic_stacks, pending_per_shard
+from sparse_embed.core.key_set import FREE, KeySet
+from sparse_embed.core.planning import EmbeddingPlan, StackPlan
+from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
+from sparse_embed.core.tables import _to_host
+from sparse_embed.host.raw_ids import join_words, owner_shards, split_words
+
+
+class IdTable(NamedTuple):
+    """A raw-id table's contents, sorted by id. `ids [n]` int64, `vectors [n, dim]`, `slots {name: [n, w]}`,
+    `last [n]` int32 (step of last use); ids waiting for admission with their counts and last step; `seed [2]`."""
+
+    ids: np.ndarray
+    vectors: np.ndarray
+    slots: dict[str, np.ndarray]
+    last: np.ndarray
+    pending_ids: np.ndarray
+    pending_counts: np.ndarray
+    pending_last: np.ndarray
+    seed: np.ndarray
+
+
+def _live(keys: np.ndarray):
+    """Global slots that hold an id, and those ids (sorted by id)."""
+    at = np.flatnonzero(keys[:, 0] != FREE)
+    ids = join_words(keys[at])
+    order = np.argsort(ids, kind="stable")
+    return at[order], ids[order]
+
+
+def id_table_contents(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables],
+                      id_maps: Mapping[str, IdMap]) -> dict[str, IdTable]:
+    """`{table: IdTable}` of every raw-id table, on the host (gathered from every process)."""
+    out = {}
+    for s in dynamic_stacks(plan):
+        m, v = id_maps[s.name], tables[s.name]
+        at, ids = _live(_to_host(m.rows.keys))
+        if m.pending is not None:
+            p_at, p_ids = _live(_to_host(m.pending.keys))
+            p_counts, p_last = _to_host(m.counts)[p_at], _to_host(m.pending.last)[p_at]
+        else:
+            p_ids, p_counts, p_last = np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32)
+        out[s.first.name] = IdTable(ids, _to_host(v.table)[at], {k: _to_host(a)[at] for k, a in v.slots.items()},
+                                    _to_host(m.rows.last)[at], p_ids, p_counts, p_last, _to_host(m.seed)[0])
+    return out
+
+
+def _per_shard(ids: np.ndarray, last: np.ndarray, S: int, caps: list[int]):
+    """Each shard's entries (indices into ids, sorted by id) and how many did not fit (least recent dropped)."""
+    owners, shards, dropped = owner_shards(ids, S), [], 0
+    for s in range(S):
+        mine = np.flatnonzero(owners == s)
+        if mine.size > caps[s]:
+            keep = np.lexsort((ids[mine], -last[mine].astype(np.int64)))[: caps[s]]
+            dropped += mine.size - caps[s]
+            mine = np.sort(mine[keep])  # ids are sorted, so indices in id order
+        shards.append(mine)
+    return shards, dropped
+
+
+def _sets(shards: list[np.ndarray], ids: np.ndarray, last: np.ndarray, n: int) -> tuple[KeySet, np.ndarray]:
+    """Host arrays of one KeySet per shard, concatenated, and each entry's global slot."""
+    S = len(shards)
+    keys = np.full((S * n, 2), FREE, np.int32)
+    lasts = np.full(S * n, FREE, np.int32)
+    slot = np.zeros(ids.size, np.int64)
+    for s, mine in enumerate(shards):
+        slot[mine] = s * n + np.arange(mine.size)
+        keys[slot[mine]] = split_words(ids[mine])
+        lasts[slot[mine]] = last[mine]
+    order = np.tile(np.arange(n, dtype=np.int32), S)  # entry k of a shard at row k: rows in id order, then free
+    return KeySet(keys, lasts, order, np.array([m.size for m in shards], np.int32)), slot
+
+
+def _place(plan: EmbeddingPlan, stack: StackPlan, t: IdTable, with_slots: bool):
+    S, R = stack.num_shards, stack.rows_per_shard
+    vocab = stack.first.vocabulary_size
+    caps = [max(-(-(vocab - s) // S), 0) for s in range(S)]
+    shards, dropped = _per_shard(t.ids, t.last, S, caps)
+    rows, slot = _sets(shards, t.ids, t.last, R)
+    kept = np.concatenate(shards) if shards else np.zeros(0, np.int64)
+    table = np.zeros((S * R, stack.embedding_dim), stack.dtype)
+    table[slot[kept]] = t.vectors[kept]
+    specs = stack.optimizer.slots(stack.embedding_dim)
+    slots = {}
+    if with_slots:
+        for k, spec in specs.items():
+            a = np.full((S * R, spec.width), spec.init, SLOT_DTYPE)
+            if k in t.slots:
+                a[slot[kept]] = t.slots[k][kept]
+            slots[k] = a
+    pend, counts = None, None
+    P = pending_per_shard(stack)
+    if P:
+        p_shards, p_dropped = _per_shard(t.pending_ids, t.pending_last, S, [P] * S)
+        dropped += p_dropped
+        pend, p_slot = _sets(p_shards, t.pending_ids, t.pending_last, P)
+        counts = np.zeros(S * P, np.int32)
+        p_kept = np.concatenate(p_shards)
+        counts[p_slot[p_kept]] = t.pending_counts[p_kept]
+    seed = np.tile(np.asarray(t.seed, np.uint32)[None], (S, 1))
+    return EmbeddingVariables(table, slots), IdMap(rows, pend, counts, seed), dropped
+
+
+def load_id_tables(plan: EmbeddingPlan, contents: Mapping[str, IdTable], *, with_slots: bool = True):
+    """`IdTable`s -> `({stack: EmbeddingVariables}, {stack: IdMap})` of the plan's raw-id stacks, sharded.
+
+    Warns with the count when a shard of this plan has fewer rows than the
+    ids it owns (the least recently used are dropped).
+    """
+    tables, maps = {}, {}
+    for s in dynamic_stacks(plan):
+        name = s.first.name
+        if name not in contents:
+            raise ValueError(f"Table {name!r} is keyed by raw ids in the plan, but the contents have no entry for it "
+                             f"(they have {sorted(contents)}).")
+        v, m, dropped = _place(plan, s, contents[name], with_slots)
+        if dropped:
+            warnings.warn(f"Table {name!r}: {dropped} ids did not fit their owner shards under this plan "
+                          f"({s.num_shards} shards of {s.rows_per_shard} rows); the least recently used were dropped.",
+                          stacklevel=2)
+        put = lambda x: jax.device_put(jnp.asarray(x), plan.table_sharding()) if x is not None else None
+        tables[s.name], maps[s.name] = jax.tree.map(put, v), jax.tree.map(put, m)
+    return tables, maps
