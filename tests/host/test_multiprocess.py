@@ -74,7 +74,8 @@ def test_multiprocess_run_equals_single_process(reference, tmp_path, num_process
     assert reference["drop_stats"][0, 4:6].sum() > 0  # ids were dropped
     for name, coo in reference["drop_batch"].items():
         for field, want in zip(coo._fields, coo):
-            np.testing.assert_array_equal(got[f"drop/{name}/{field}"], want, err_msg=f"{name}/{field}")
+            if want is not None:  # keys: raw-id tables only
+                np.testing.assert_array_equal(got[f"drop/{name}/{field}"], want, err_msg=f"{name}/{field}")
 
     # errors: raised on every process, with the reason on the process that caused it
     msgs = [json.loads((tmp_path / f"messages{i}.json").read_text()) for i in range(num_processes)]
