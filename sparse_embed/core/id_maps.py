@@ -193,7 +193,9 @@ def _reinit(stack: StackPlan, v: EmbeddingVariables, seed: jax.Array, u: jax.Arr
     """The new rows (and their slots) set to their initial values."""
     R = stack.rows_per_shard
     at = jnp.where(new, rows, R)
-    table = v.table.at[at].set(initial_rows(stack, seed, u).astype(v.table.dtype), mode="drop", unique_indices=True)
+    values = jax.lax.cond(new.any(), lambda: initial_rows(stack, seed, u).astype(v.table.dtype),
+                          lambda: (jnp.zeros((u.shape[0], stack.embedding_dim)) * seed[0]).astype(v.table.dtype))
+    table = v.table.at[at].set(values, mode="drop", unique_indices=True)
     specs = stack.optimizer.slots(stack.embedding_dim)
     slots = {k: a.at[at].set(jnp.full((1, a.shape[1]), specs[k].init, SLOT_DTYPE), mode="drop") for k, a in v.slots.items()}
     return EmbeddingVariables(table, slots)

@@ -52,13 +52,17 @@ def same(a: jax.Array, b: jax.Array) -> jax.Array:
 def lower_bound(s: KeySet, q: jax.Array) -> jax.Array:
     """`[Q]`: for each key of `q [Q, 2]`, the first position p < size of `order` whose key is >= it (or size)."""
     n = s.order.shape[0]
-    lo = jnp.zeros(q.shape[:1], jnp.int32)
-    hi = jnp.broadcast_to(s.size, lo.shape)
-    for _ in range(max(n, 1).bit_length()):
+
+    def halve(_, bounds):
+        lo, hi = bounds
         mid = (lo + hi) // 2
-        key = s.keys[s.order[jnp.minimum(mid, n - 1)]]
-        right = (lo < hi) & _less(key, q)
-        lo, hi = jnp.where(right, mid + 1, lo), jnp.where((lo < hi) & ~right, mid, hi)
+        right = (lo < hi) & _less(s.keys[s.order[jnp.minimum(mid, n - 1)]], q)
+        return jnp.where(right, mid + 1, lo), jnp.where((lo < hi) & ~right, mid, hi)
+
+    # A loop, not unrolled: XLA:CPU fuses an unrolled search into one expression that recomputes
+    # every earlier step (seconds instead of a millisecond at 10^5 keys).
+    lo = jnp.zeros_like(q[:, 0]) * s.size  # zeros, varying over a shard_map axis as q and s are
+    lo, _ = jax.lax.fori_loop(0, max(n, 1).bit_length(), halve, (lo, lo + s.size))
     return lo
 
 
@@ -109,6 +113,12 @@ def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, rem
     """
     n, q = s.order.shape[0], keys.shape[0]
     k = want.sum()
+    unchanged = lambda: Inserted(s, jnp.full_like(want, -1, dtype=jnp.int32), jnp.zeros_like(s.size))
+    return jax.lax.cond((k > 0) | removed.any(), lambda: _insert(s, capacity, keys, want, removed, step, k), unchanged)
+
+
+def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> Inserted:
+    n, q = s.order.shape[0], keys.shape[0]
     free = jnp.maximum(capacity - s.size, 0)
     pos = s.size + jnp.arange(q)
     free_slots = jnp.where(pos < s.size + free, s.order[jnp.minimum(pos, n - 1)], -1)

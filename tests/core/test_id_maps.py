@@ -8,6 +8,8 @@ documented initial value of a new row (`initial_rows`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,3 +172,143 @@ def test_map_ids_and_training_match_the_dict_reference(policy, n_dev):
     assert sorted(got.ids.tolist()) == sorted(ref.vec)
     for i, v in zip(got.ids.tolist(), got.vectors):
         np.testing.assert_allclose(v, ref.vec[i], rtol=1e-5, atol=1e-6)
+
+
+def _train_plan(mesh, vocab=1000, dyn=None, optimizer=None, batch=16):
+    table = se.TableSpec("users", vocab, 4, combiner="sum", dynamic=dyn or se.Dynamic(admit_after=2),
+                         optimizer=optimizer or se.optimizers.Adagrad(0.3))
+    return se.plan([se.FeatureSpec("u", table, batch)], mesh)
+
+
+def _run(plan, tables, maps, stream, first_step=0):
+    @jax.jit
+    def train(tables, maps, batch, step):
+        b, tables, maps, stats = se.map_ids(plan, batch, tables, maps, step)
+        loss = lambda t: jnp.sum(jnp.sin(se.lookup(plan, b, t, step)["u"]))
+        return jax.grad(loss)(tables), maps
+
+    for step, ids in enumerate(stream, first_step):
+        tables, maps = train(tables, maps, se.preprocess(plan, {"u": ids})[0], step)
+    return tables, maps
+
+
+def _assert_same_contents(a: se.IdTable, b: se.IdTable):
+    np.testing.assert_array_equal(a.ids, b.ids)
+    np.testing.assert_allclose(a.vectors, b.vectors, rtol=1e-6, atol=1e-6)
+    for k in a.slots:
+        np.testing.assert_allclose(a.slots[k], b.slots[k], rtol=1e-6, atol=1e-6)
+    for x, y in zip(a[3:], b[3:]):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("src,dst", [(8, 1), (1, 2), (2, 8)])
+def test_the_mapping_is_mesh_independent_and_restores_onto_another_mesh(src, dst):
+    gen = np.random.default_rng(7)
+    space = [int(x) for x in gen.integers(0, 2**62, 60, dtype=np.int64)]
+    stream = _stream(gen, 6, 16, 3, space)
+    rng = jax.random.key(1)
+    a, b = _train_plan(make_mesh(src)), _train_plan(make_mesh(dst))
+    ta, ma = _run(a, se.init_tables(a, rng), se.init_id_maps(a, rng), stream[:4])
+    tb, mb = _run(b, se.init_tables(b, rng), se.init_id_maps(b, rng), stream[:4])
+    got_a, got_b = se.id_table_contents(a, ta, ma)["users"], se.id_table_contents(b, tb, mb)["users"]
+    assert got_a.ids.size > 10 and got_a.pending_ids.size > 0
+    _assert_same_contents(got_a, got_b)  # trained on either mesh: the same ids, vectors, slots and counts
+    moved_t, moved_m = se.load_id_tables(b, se.id_table_contents(a, ta, ma))
+    _assert_same_contents(se.id_table_contents(b, moved_t, moved_m)["users"], got_a)
+    ta, ma = _run(a, ta, ma, stream[4:], 4)  # and training goes on alike
+    moved_t, moved_m = _run(b, moved_t, moved_m, stream[4:], 4)
+    _assert_same_contents(se.id_table_contents(b, moved_t, moved_m)["users"], se.id_table_contents(a, ta, ma)["users"])
+
+
+def test_restoring_onto_fewer_rows_keeps_the_most_recent_ids_and_warns():
+    rng, mesh = jax.random.key(0), make_mesh(2)
+    big = _train_plan(mesh, dyn=se.Dynamic())
+    space = list(range(100, 160))
+    stream = [np.array(space[i * 12:(i + 1) * 12], np.int64).reshape(12, 1).repeat(1, 1) for i in range(5)]
+    stream = [np.concatenate([s, np.full((4, 1), -1)]) for s in stream]
+    t, m = _run(big, se.init_tables(big, rng), se.init_id_maps(big, rng), stream)
+    small = _train_plan(mesh, vocab=20, dyn=se.Dynamic())
+    with pytest.warns(UserWarning, match="did not fit"):
+        t2, m2 = se.load_id_tables(small, se.id_table_contents(big, t, m))
+    got = se.id_table_contents(small, t2, m2)["users"]
+    assert got.ids.size <= 20 and got.ids.size >= 16
+    assert got.last.min() >= 3  # the ids of the last steps are kept first (steps 3 and 4 hold 24 ids)
+
+
+def test_eval_mapping_changes_nothing_and_unknown_ids_read_zero():
+    mesh = make_mesh(2)
+    plan = _train_plan(mesh, dyn=se.Dynamic())
+    rng = jax.random.key(0)
+    tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
+    known = np.array([[11, 12, -1]] * 16, np.int64)
+    tables, maps = _run(plan, tables, maps, [known])
+    ids = np.array([[11, 999, -1]] * 16, np.int64)
+    b, t2, m2, stats = se.map_ids(plan, se.preprocess(plan, {"u": ids})[0], tables, maps, 5, train=False)
+    assert int(stats["users"].waiting) == 1 and int(stats["users"].admitted) == 0
+    chex_equal = lambda x, y: jax.tree.map(lambda p, q: np.testing.assert_array_equal(np.asarray(p), np.asarray(q)), x, y)
+    chex_equal(m2, maps)
+    acts = np.asarray(se.lookup(plan, b, t2, 5)["u"])
+    row11 = se.id_table_contents(plan, tables, maps)["users"]
+    np.testing.assert_allclose(acts[0], row11.vectors[list(row11.ids).index(11)], rtol=1e-6)
+
+
+def test_features_of_every_format_share_a_raw_id_table():
+    """A weighted ragged mean feature and a sequence feature on one raw-id table, against the dict of vectors."""
+    mesh = make_mesh(8)
+    table = se.TableSpec("t", 500, 4, combiner="mean", dynamic=se.Dynamic(), optimizer=se.optimizers.SGD(0.0))
+    plan = se.plan([se.FeatureSpec("bag", table, 16), se.FeatureSpec("seq", table, 8, max_sequence_length=3)], mesh)
+    rng = jax.random.key(2)
+    tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
+    gen = np.random.default_rng(0)
+    big = [int(x) for x in gen.integers(2**40, 2**63 - 1, 30, dtype=np.uint64)]
+    rows = [np.array(gen.choice(big, gen.integers(1, 4)), np.uint64) for _ in range(16)]
+    w = [gen.uniform(0.5, 2, r.size).astype(np.float32) for r in rows]
+    seq = [np.array(gen.choice(big, gen.integers(0, 5)), np.int64) for _ in range(8)]
+    batch, _ = se.preprocess(plan, {"bag": rows, "seq": seq}, {"bag": w})
+    b, tables, maps, stats = se.map_ids(plan, batch, tables, maps, 0)
+    assert int(stats["t"].admitted) == len({int(i) for r in rows for i in r} | {int(i) for r in seq for i in r[:3]})
+    acts = se.lookup(plan, b, tables, 0)
+    got = se.id_table_contents(plan, tables, maps)["t"]
+    vec = dict(zip(got.ids.tolist(), got.vectors))
+    want_bag = np.stack([sum(x * vec[int(i)] for i, x in zip(r, wr)) / wr.sum() for r, wr in zip(rows, w)])
+    np.testing.assert_allclose(np.asarray(acts["bag"]), want_bag, rtol=1e-5, atol=1e-6)
+    want_seq = np.zeros((8, 3, 4), np.float32)
+    for bi, r in enumerate(seq):
+        for j, i in enumerate(r[:3]):
+            want_seq[bi, j] = vec[int(i)]
+    np.testing.assert_allclose(np.asarray(acts["seq"]), want_seq, rtol=1e-6)
+
+
+@pytest.mark.parametrize("ids, match", [
+    (np.array([[1.0, 2.0]] * 8), "must be integers"),
+    (np.array([[2**63, 1]] * 8, np.uint64), "must be < 2\\*\\*63"),
+    (np.array([[-5, 1]] * 8, np.int64), "out of range"),
+])
+def test_bad_raw_ids_get_a_clear_error(ids, match):
+    plan = _train_plan(make_mesh(2), batch=8)
+    with pytest.raises(ValueError, match=f"Feature 'u' \\(table 'users'\\).*{match}"):
+        se.preprocess(plan, {"u": ids})
+
+
+def test_a_raw_id_table_is_never_stacked_and_its_batches_must_be_mapped():
+    mesh = make_mesh(2)
+    raw = se.TableSpec("users", 100, 4, dynamic=se.Dynamic())
+    static = se.TableSpec("items", 100, 4)
+    feats = [se.FeatureSpec("u", raw, 8), se.FeatureSpec("i", static, 8)]
+    with pytest.raises(ValueError, match="'users' is keyed by raw ids"):
+        se.plan(feats, mesh, stacking=[["users", "items"]])
+    plan = se.plan(feats, mesh)  # auto: two stacks
+    assert sorted(plan.stack_names) == ["items", "users"]
+    rng = jax.random.key(0)
+    tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
+    batch, _ = se.preprocess(plan, {"u": np.arange(8) * 2**40, "i": np.arange(8)})
+    with pytest.raises(ValueError, match="Stack 'users'.*raw ids.*map_ids"):
+        se.lookup(plan, batch, tables, 0)
+    with pytest.raises(ValueError, match="init_id_maps"):
+        se.map_ids(plan, batch, tables, {}, 0)
+    mapped, tables, maps, _ = se.map_ids(plan, batch, tables, maps, 0)
+    with pytest.raises(ValueError, match="Stack 'users'.*already mapped"):
+        se.map_ids(plan, mapped, tables, maps, 1)
+    static_plan = se.plan([se.FeatureSpec("u", dataclasses.replace(raw, dynamic=None), 8), feats[1]], mesh)
+    with pytest.raises(ValueError, match="out of range"):
+        se.preprocess(static_plan, {"u": np.arange(8) * 2**40, "i": np.arange(8)})

@@ -1,0 +1,152 @@
+"""Raw 64-bit ids against static ids, side by side in one process: train step, preprocess, map memory.
+
+W1 by default (8 tables x 1M rows x 64, batch 4096, 20 ids per sample, 1
+device, SGD). The raw-id run draws ids from a pool of `occupancy x rows`
+ids per table spread over [0, 2**40); the map starts filled with the
+whole pool (loaded with `load_id_tables`), so every step looks ids up in a
+table at that occupancy. The static run draws uniform ids in [0, rows).
+Steps alternate between the two systems; the table prints medians and
+ratios, and `--out` records them as JSON.
+
+    python benchmarks/raw_ids.py [--tables 8 --rows 1000000 --steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sparse_embed as se
+
+
+def _plans(args, mesh):
+    opt = se.optimizers.SGD(0.01)
+    out = {}
+    for kind in ("static", "raw"):
+        dyn = se.Dynamic() if kind == "raw" else None
+        feats = [se.FeatureSpec(f"f{i}", se.TableSpec(f"t{i}", args.rows, args.dim, optimizer=opt, dynamic=dyn),
+                                args.batch) for i in range(args.tables)]
+        out[kind] = se.plan(feats, mesh, stacking=None)
+    return out
+
+
+def _pools(args, rng) -> list[np.ndarray]:
+    n = int(args.occupancy * args.rows)
+    return [np.unique(rng.integers(0, 2**40, int(n * 1.01), dtype=np.int64))[:n] for _ in range(args.tables)]
+
+
+def _batches(args, rng, pools, kind: str, n: int) -> list[dict[str, np.ndarray]]:
+    shape = (args.batch, args.ids)
+    if kind == "static":
+        return [{f"f{i}": rng.integers(0, args.rows, shape) for i in range(args.tables)} for _ in range(n)]
+    return [{f"f{i}": p[rng.integers(0, p.size, shape)] for i, p in enumerate(pools)} for _ in range(n)]
+
+
+def _filled_maps(plan, pools, rng_key):
+    """The raw-id tables with every pool id already admitted (vectors: the table's initial values)."""
+    contents = {}
+    for i, p in enumerate(pools):
+        s = plan.stack(f"t{i}")
+        contents[f"t{i}"] = se.IdTable(p, np.zeros((p.size, s.embedding_dim), np.float32), {},
+                                       np.zeros(p.size, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int32),
+                                       np.zeros(0, np.int32), np.zeros(2, np.uint32))
+    return se.load_id_tables(plan, contents)
+
+
+def _step_fn(plan, raw: bool):
+    def loss(tables, batch, step):
+        acts = se.lookup(plan, batch, tables, step)
+        return sum(jnp.sum(a * a) for a in acts.values())
+
+    def step_fn(tables, maps, batch, step):
+        if raw:
+            batch, tables, maps, _ = se.map_ids(plan, batch, tables, maps, step)
+        return jax.grad(loss)(tables, batch, step), maps
+
+    return jax.jit(step_fn, donate_argnums=(0, 1))
+
+
+def _time_steps(args, plans, batches, state):
+    fns = {k: _step_fn(p, k == "raw") for k, p in plans.items()}
+    times = {k: [] for k in plans}
+    for i in range(args.warmup + args.steps):
+        for k in plans:  # interleaved
+            tables, maps = state[k]
+            b = batches[k][i % len(batches[k])]
+            t0 = time.perf_counter()
+            tables, maps = fns[k](tables, maps, b, i)
+            jax.block_until_ready(tables)
+            if i >= args.warmup:
+                times[k].append(time.perf_counter() - t0)
+            state[k] = (tables, maps)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def _time_preprocess(args, plans, batches):
+    times = {k: [] for k in plans}
+    for i in range(args.preprocess_reps):
+        for k, p in plans.items():
+            t0 = time.perf_counter()
+            se.preprocess(p, batches[k][i % len(batches[k])], device_put=False)
+            times[k].append(time.perf_counter() - t0)
+    ids = args.batch * args.ids * args.tables
+    return {k: ids / statistics.median(v) / 1e6 for k, v in times.items()}  # M ids/s
+
+
+def run(args) -> dict:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.devices]), ("d",))
+    plans, rng = _plans(args, mesh), np.random.default_rng(0)
+    pools = _pools(args, rng)
+    batches = {k: _batches(args, rng, pools, k, 4) for k in plans}
+    for k, p in plans.items():  # sizes every capacity first (no recompiles while timing)
+        for b in batches[k]:
+            se.preprocess(p, b, device_put=False)
+    key = jax.random.key(0)
+    raw_tables, raw_maps = _filled_maps(plans["raw"], pools, key)
+    state = {"static": (se.init_tables(plans["static"], key), {}), "raw": (raw_tables, raw_maps)}
+    step_ms = _time_steps(args, plans, {k: [se.preprocess(plans[k], b)[0] for b in v] for k, v in batches.items()},
+                          state)
+    mids = _time_preprocess(args, plans, batches)
+    m = raw_maps["t0"].rows
+    map_bytes = sum(x.nbytes for x in (m.keys, m.last, m.order)) / m.last.size
+    return dict(workload=vars(args), step_ms=step_ms, step_ratio=step_ms["raw"] / step_ms["static"],
+                preprocess_mids=mids, preprocess_ratio=mids["raw"] / mids["static"], map_bytes_per_row=map_bytes,
+                occupancy=args.occupancy, jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M"))
+
+
+def report(r: dict) -> str:
+    s, p = r["step_ms"], r["preprocess_mids"]
+    return "\n".join([
+        "| measure | static ids | raw ids (2**40 space) | raw / static | goal |",
+        "|---|---|---|---|---|",
+        f"| train step (SGD), ms | {s['static']:.1f} | {s['raw']:.1f} | {r['step_ratio']:.2f} | <= 1.3 |",
+        f"| preprocess, M ids/s | {p['static']:.2f} | {p['raw']:.2f} | {r['preprocess_ratio']:.2f} | >= 0.5 |",
+        f"| map bytes per row | - | {r['map_bytes_per_row']:.0f} | - | <= 16 |",
+    ])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name, default in (("tables", 8), ("rows", 1_000_000), ("dim", 64), ("batch", 4096), ("ids", 20),
+                          ("devices", 1), ("steps", 20), ("warmup", 3), ("preprocess_reps", 5)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--occupancy", type=float, default=0.8)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    r = run(args)
+    print(report(r))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
