@@ -132,20 +132,22 @@ def report(r: dict) -> str:
     ])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, default in (("tables", 8), ("rows", 1_000_000), ("dim", 64), ("batch", 4096), ("ids", 20),
                           ("devices", 1), ("steps", 20), ("warmup", 3), ("preprocess_reps", 5)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--occupancy", type=float, default=0.8)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     r = run(args)
-    print(report(r))
+    out = report(r)
+    print(out)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(r, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The benchmarks run (a smoke run at tiny size): they cannot rot."""
 
+import json
+
 import pytest
 
 from benchmarks import peers, report, step, systems, workload
@@ -74,3 +76,13 @@ def test_checkpoint_benchmark_smoke(capsys, tmp_path):
     assert all(case[k] > 0 for k in ("init_s", "save_s", "restore_s", "np_save_s", "np_load_s"))
     assert len(checkpoint.goals(case)) == 7 and (tmp_path / "ck.json").exists()
     assert "restore throughput / np.load" in capsys.readouterr().out
+
+
+def test_raw_ids_benchmark_smoke(tmp_path):
+    from benchmarks import raw_ids
+
+    out = raw_ids.main(["--tables", "2", "--rows", "2000", "--batch", "64", "--steps", "2", "--warmup", "1",
+                        "--preprocess_reps", "1", "--out", str(tmp_path / "r.json")])
+    assert "| train step (SGD), ms |" in out and "| map bytes per row | - | 16 |" in out
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["step_ratio"] > 0 and r["preprocess_ratio"] > 0

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import sparse_embed as se
 from tests.conftest import make_mesh
@@ -131,18 +132,16 @@ POLICIES = {
 }
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("n_dev", [1, 2, 8])
-def test_map_ids_and_training_match_the_dict_reference(policy, n_dev):
+def _check_against_reference(n_dev: int, dyn: se.Dynamic, vocab: int, space: list[int], steps: int, seed: int):
+    """Trains a raw-id table (SGD, sum) on random batches; every step's stats, activations and final rows
+    must equal the dict reference's."""
     mesh = make_mesh(n_dev)
-    vocab, dim, batch, lr = 24, 4, 16, 0.5
-    dyn = se.Dynamic(**POLICIES[policy])
+    dim, batch, lr = 4, 16, 0.5
     table = se.TableSpec("users", vocab, dim, combiner="sum", dynamic=dyn, optimizer=se.optimizers.SGD(lr))
     plan = se.plan([se.FeatureSpec("u", table, batch)], mesh)
-    rng = jax.random.key(3)
+    rng = jax.random.key(seed)
     tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
-    gen = np.random.default_rng(n_dev)
-    space = [int(x) for x in gen.integers(0, 2**63 - 1, 40, dtype=np.int64)] + [0, 2**63 - 1]
+    gen = np.random.default_rng(seed)
     ref = Reference(vocab, n_dev, dyn.admit_after, dyn.expire_after, dyn.pending_capacity, _init_fn(plan, rng))
 
     @jax.jit
@@ -152,7 +151,7 @@ def test_map_ids_and_training_match_the_dict_reference(policy, n_dev):
         acts = se.lookup(plan, b, tables, step)["u"]
         return acts, jax.grad(loss)(tables), maps, stats
 
-    for step, ids in enumerate(_stream(gen, 12, batch, 3, space)):
+    for step, ids in enumerate(_stream(gen, steps, batch, 3, space)):
         occ: dict[int, int] = {}
         for i in ids[ids >= 0].tolist():
             occ[i] = occ.get(i, 0) + 1
@@ -172,6 +171,22 @@ def test_map_ids_and_training_match_the_dict_reference(policy, n_dev):
     assert sorted(got.ids.tolist()) == sorted(ref.vec)
     for i, v in zip(got.ids.tolist(), got.vectors):
         np.testing.assert_allclose(v, ref.vec[i], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("n_dev", [1, 2, 8])
+def test_map_ids_and_training_match_the_dict_reference(policy, n_dev):
+    gen = np.random.default_rng(n_dev)
+    space = [int(x) for x in gen.integers(0, 2**63 - 1, 40, dtype=np.int64)] + [0, 2**63 - 1]
+    _check_against_reference(n_dev, se.Dynamic(**POLICIES[policy]), 24, space, 12, n_dev)
+
+
+@settings(max_examples=6, deadline=None)
+@given(admit=st.integers(1, 3), expire=st.one_of(st.none(), st.integers(1, 4)),
+       pending=st.one_of(st.none(), st.integers(1, 6)), vocab=st.integers(1, 40),
+       space=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=60, unique=True), seed=st.integers(0, 99))
+def test_random_id_streams_and_policies_match_the_dict_reference(admit, expire, pending, vocab, space, seed):
+    _check_against_reference(2, se.Dynamic(admit, expire, pending), vocab, space, 6, seed)
 
 
 def _train_plan(mesh, vocab=1000, dyn=None, optimizer=None, batch=16):
