@@ -111,7 +111,6 @@ def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, rem
     keys whose `last < step` (ties by key). Keys left without a slot get -1.
     New keys get `last = step`.
     """
-    n, q = s.order.shape[0], keys.shape[0]
     k = want.sum()
     unchanged = lambda: Inserted(s, jnp.full_like(want, -1, dtype=jnp.int32), jnp.zeros_like(s.size))
     return jax.lax.cond((k > 0) | removed.any(), lambda: _insert(s, capacity, keys, want, removed, step, k), unchanged)
