@@ -38,7 +38,22 @@ def _inspect(args) -> None:
         slots = ", ".join(f"{k}[{w}]" for k, w in t.slots) or "-"
         shape = f"[{t.vocabulary_size}, {t.embedding_dim}]"
         print(f"{t.name:<20} {shape:<18} {t.dtype:<9} {t.combiner:<8} {t.optimizer:<16} {slots:<28} {_human(t.nbytes)}")
+        if t.dynamic:
+            print(f"  raw ids: {_occupancy(step_dir, info, t)}")
     print(f"total {_human(sum(t.nbytes for t in info.tables))} in {len(info.tables)} table(s)")
+
+
+def _occupancy(step_dir: str, info, t) -> str:
+    """"n of capacity rows used (p%), m ids waiting" of a raw-id table."""
+    from sparse_embed.io.checkpoint import read_host_array
+    from sparse_embed.io.id_checkpoint import IDS_KEY, PENDING
+
+    used = int((read_host_array(step_dir, info, t.name, IDS_KEY)[:, 0] != -1).sum())
+    text = f"{used} of {t.vocabulary_size} rows used ({100 * used / max(t.vocabulary_size, 1):.1f}%)"
+    if info.kind == "training":
+        waiting = int((read_host_array(step_dir, info, t.name + PENDING, IDS_KEY)[:, 0] != -1).sum())
+        text += f", {waiting} ids waiting for admission"
+    return text
 
 
 def _verify(args) -> int:

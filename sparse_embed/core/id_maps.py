@@ -221,7 +221,11 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     cols, keys = send(coo.col_ids), send(coo.keys)  # [D, C], [D, C, 2] from every source
     used = cols < C
     slot_of = jnp.where(used, jnp.arange(S)[:, None] * C + cols, S * C).reshape(-1)
-    u, inverse = key_set.unique(keys.reshape(S * C, 2))
+    if S == 1:  # one source: preprocessing sent its distinct ids sorted
+        u = keys.reshape(C, 2)
+        inverse = jnp.where(u[:, 0] != FREE, jnp.arange(C, dtype=jnp.int32), C)
+    else:
+        u, inverse = key_set.unique(keys.reshape(S * C, 2))
     occ = jnp.zeros((S * C,), jnp.int32).at[inverse].add(
         jnp.zeros((S * C,), jnp.int32).at[slot_of].add(1, mode="drop"), mode="drop")
     shard = jax.lax.axis_index(axis)

@@ -4,9 +4,9 @@ A raw-id table's entries are partitioned like a static table's (per
 device, per destination shard, entries in row order), but the destination
 is the id's *owner* shard, `splitmix64(id) % S`, and instead of a row the
 entry carries `j`, the index of its id among the distinct ids of its
-partition, numbered in entry order; `keys[d, s * cap + j]` holds that id as
-two int32 words. Numbering in entry order keeps `j < cap` for every entry
-that fits the capacity. Padding entries have `col_id = cap`.
+partition (those that fit the capacity), numbered in increasing id order;
+`keys[d, s * cap + j]` holds that id as two int32 words, so `j < cap`.
+Padding entries have `col_id = cap`.
 """
 
 from __future__ import annotations
@@ -81,36 +81,50 @@ def _entries(stack: StackPlan, flats: dict[str, FlatIds]):
     return np.concatenate(keys), np.concatenate(ids), np.concatenate(rows), np.concatenate(vals)
 
 
+def _numbered(key: np.ndarray, ids: np.ndarray, num_partitions: int):
+    """Each entry's `j`: the rank of its id among the distinct ids of its partition, in id order.
+
+    Returns `(j [N], first [N] bool: the entry that writes its id's key, max distinct per partition)`.
+    """
+    o = np.argsort(ids, kind="stable")
+    o = o[np.argsort(key[o].astype(np.uint16) if num_partitions <= 2**16 else key[o], kind="stable")]
+    sk, si = key[o], ids[o]
+    first = np.ones(sk.size, bool)
+    first[1:] = (sk[1:] != sk[:-1]) | (si[1:] != si[:-1])
+    distinct = np.bincount(sk[first], minlength=num_partitions)
+    j = np.empty(sk.size, np.int64)
+    j[o] = np.cumsum(first) - 1 - (np.cumsum(distinct) - distinct)[sk]
+    is_first = np.zeros(sk.size, bool)
+    is_first[o] = first
+    return j, is_first, int(distinct.max()) if distinct.size else 0
+
+
 def partition_raw(stack: StackPlan, flats: dict[str, FlatIds], num_devices: int) -> Partitioned:
-    """A raw-id stack's entries per partition; `scatter(cap)` also returns the keys `[D * S * cap, 2]`."""
+    """A raw-id stack's entries per partition; `scatter(cap)` also returns the keys `[D * S * cap, 2]`.
+
+    A partition's keys are its distinct ids in increasing order (then unused
+    slots), numbered among the entries that fit `cap`, so `map_ids` on one
+    device finds them sorted and distinct already.
+    """
     D, S = num_devices, stack.num_shards
     key, ids, row, val = _entries(stack, flats)
     order = np.argsort(key.astype(np.uint16) if D * S <= 2**16 else key, kind="stable")
     key, ids, row, val = key[order], ids[order], row[order], val[order]
     counts = np.bincount(key, minlength=D * S)
     rank = np.arange(key.size) - (np.cumsum(counts) - counts)[key]
-    distinct, inverse = np.unique(ids, return_inverse=True)
-    pair = key * max(distinct.size, 1) + inverse.reshape(-1)
-    _, first, pair_of = np.unique(pair, return_index=True, return_inverse=True)
-    by_first = np.argsort(first, kind="stable")  # pairs in entry order: grouped by partition
-    pkey = key[first[by_first]]
-    pcounts = np.bincount(pkey, minlength=D * S)
-    j_sorted = np.arange(pkey.size) - (np.cumsum(pcounts) - pcounts)[pkey]
-    j_pair = np.empty_like(j_sorted)
-    j_pair[by_first] = j_sorted
-    j = j_pair[pair_of.reshape(-1)]
-    max_unique = int(pcounts.max()) if pcounts.size else 0
+    numbered = _numbered(key, ids, D * S)
 
     def scatter(cap: int):
         keep = rank < cap
-        slot = key[keep] * cap + rank[keep]
+        j, first, _ = numbered if keep.all() else _numbered(key[keep], ids[keep], D * S)
+        k = key[keep]
+        slot = k * cap + rank[keep]
         col_ids = np.full(D * S * cap, cap, np.int32)
         row_ids = np.full(D * S * cap, stack.rows_per_device, np.int32)
         values = np.zeros(D * S * cap, np.float32)
-        col_ids[slot], row_ids[slot], values[slot] = j[keep], row[keep], val[keep]
+        col_ids[slot], row_ids[slot], values[slot] = j, row[keep], val[keep]
         words = np.full((D * S * cap, 2), -1, np.int32)
-        kslot = key[keep] * cap + j[keep]
-        words[kslot] = split_words(ids[keep])
+        words[k[first] * cap + j[first]] = split_words(ids[keep][first])
         return col_ids, row_ids, values, words
 
-    return Partitioned(counts, max_unique, scatter)
+    return Partitioned(counts, numbered[2], scatter)

@@ -52,10 +52,11 @@ import orbax.checkpoint as ocp
 
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.relayout import TABLE_KEY, from_natural, stored_rows
-from sparse_embed.core.specs import TableSpec
+from sparse_embed.core.specs import Dynamic, TableSpec
 from sparse_embed.core.state import EmbeddingVariables, check_state
 from sparse_embed.core.tables import empty_tables, init_tables, natural_table
 from sparse_embed.io import store
+from sparse_embed.io.id_checkpoint import read_array_host, read_id_tables, write_id_tables
 from sparse_embed.io.integrity import ALGORITHM, checksum
 
 FORMAT = "sparse_embed/3"  # the table store (io.store)
@@ -89,18 +90,19 @@ class TableRecord:
     optimizer: str  # the optimizer's class name, for messages
     slots: tuple[tuple[str, int], ...]  # (slot name, width), sorted; empty in a serving checkpoint
     stored_rows: int  # rows of the stored arrays (format 3: vocabulary_size; before: padded for the mesh)
+    dynamic: bool = False  # keyed by raw ids: rows in id order, with their ids (`id_checkpoint`)
 
     @classmethod
     def from_spec(cls, t: TableSpec, *, with_slots: bool = True) -> "TableRecord":
         opt = t.resolved_optimizer
         slots = tuple(sorted((k, v.width) for k, v in opt.slots(t.embedding_dim).items())) if with_slots else ()
         return cls(t.name, t.vocabulary_size, t.embedding_dim, str(t.dtype), t.combiner, t.max_norm,
-                   type(opt).__name__, slots, t.vocabulary_size)
+                   type(opt).__name__, slots, t.vocabulary_size, t.dynamic is not None)
 
     def to_spec(self) -> TableSpec:
         """A `TableSpec` with this record's shape, dtype, combiner and max_norm (for serving)."""
         return TableSpec(self.name, self.vocabulary_size, self.embedding_dim, combiner=self.combiner,
-                         max_norm=self.max_norm, dtype=self.dtype)
+                         max_norm=self.max_norm, dtype=self.dtype, dynamic=Dynamic() if self.dynamic else None)
 
     @property
     def nbytes(self) -> int:
@@ -404,6 +406,10 @@ def check_compatible(plan: EmbeddingPlan, info: CheckpointInfo, where: str, *, a
         )
     for name, t in plan.tables.items():
         rec, want = info.table(name), TableRecord.from_spec(t)
+        if rec.dynamic != want.dynamic:
+            saved = "keyed by raw ids" if rec.dynamic else "a static table (ids are rows)"
+            raise ValueError(f"Table {name!r} is {saved} in the checkpoint {where}, but "
+                             f"{'keyed by raw ids' if want.dynamic else 'static'} in the plan; use the same kind.")
         if rec.embedding_dim != t.embedding_dim:
             raise ValueError(f"Table {name!r}: embedding_dim is {rec.embedding_dim} in the checkpoint {where} "
                              f"but {t.embedding_dim} in the plan.")
@@ -415,6 +421,8 @@ def check_compatible(plan: EmbeddingPlan, info: CheckpointInfo, where: str, *, a
                 f"Table {name!r}: the checkpoint {where} has optimizer {rec.optimizer} with slots {dict(rec.slots)}, "
                 f"the plan has {want.optimizer} with slots {dict(want.slots)}; use the same optimizer."
             )
+        if rec.dynamic:  # any capacity: ids are placed anew (the least recently used dropped if it is smaller)
+            continue
         if rec.vocabulary_size > t.vocabulary_size:
             raise ValueError(f"Table {name!r}: vocabulary_size is {rec.vocabulary_size} in the checkpoint {where} "
                              f"but {t.vocabulary_size} in the plan; a vocabulary cannot shrink.")
@@ -440,17 +448,56 @@ def restore_embeddings(
     Works for any mesh size and stacking. New rows of a grown vocabulary get
     the table's initializer from `rng` (as `init_tables(plan, rng)`) and
     fresh slots. Every array is verified against its checksum
-    (`CorruptCheckpointError` naming the array otherwise).
+    (`CorruptCheckpointError` naming the array otherwise). Raw-id tables
+    come back placed for this plan; `CheckpointManager.restore` also
+    returns their `id_maps`.
     """
-    step_dir = resolve(path, step)
+    return restore_state(plan, resolve(path, step), allow_vocab_growth=allow_vocab_growth, rng=rng,
+                         with_slots=with_slots)[0]
+
+
+def _static_part(plan: EmbeddingPlan) -> EmbeddingPlan:
+    """The plan without its raw-id stacks (those are stored in id order, `id_checkpoint`)."""
+    return dataclasses.replace(plan, stacks=tuple(s for s in plan.stacks if s.dynamic is None))
+
+
+def restore_state(plan: EmbeddingPlan, step_dir: str, *, allow_vocab_growth: bool = False,
+                  rng: jax.Array | None = None, with_slots: bool = True):
+    """`(tables, id_maps)` of the plan from one step directory (see `restore_embeddings`)."""
     info = read_info(step_dir)
     warn_unverified(step_dir, info)
     check_compatible(plan, info, step_dir, allow_vocab_growth=allow_vocab_growth)
     if with_slots and info.kind != "training":
         raise ValueError(f"{step_dir} is a {info.kind} checkpoint without optimizer slots; "
                          "restore it with with_slots=False, or restore a training checkpoint.")
+    static = _static_part(plan)
     if info.format == FORMAT:
-        return _stream_in(plan, step_dir, info, allow_vocab_growth=allow_vocab_growth, rng=rng, with_slots=with_slots)
+        tables = _stream_in(static, step_dir, info, allow_vocab_growth=allow_vocab_growth, rng=rng,
+                            with_slots=with_slots)
+    else:
+        tables = _legacy_in(static, step_dir, info, rng=rng, with_slots=with_slots)
+    if len(static.stacks) == len(plan.stacks):
+        return tables, {}
+    slots = {t.name: [k for k, _ in t.slots] for t in info.tables}
+    try:
+        raw, maps = read_id_tables(os.path.join(step_dir, EMBEDDINGS), plan, slots, info.checksums,
+                                   with_slots=with_slots)
+    except store.StoreReadError as e:
+        raise _unreadable_error(step_dir, info, [_array_name(*e.array)], e) from None
+    return {**tables, **raw}, maps
+
+
+def read_host_array(step_dir: str, info: CheckpointInfo, group: str, key: str) -> np.ndarray:
+    """One stored array of the table store on the host, verified against its checksum."""
+    try:
+        return read_array_host(os.path.join(step_dir, EMBEDDINGS), group, key, info.checksums)
+    except store.StoreReadError as e:
+        raise _unreadable_error(step_dir, info, [_array_name(*e.array)], e) from None
+
+
+def _legacy_in(plan: EmbeddingPlan, step_dir: str, info: CheckpointInfo, *, rng: jax.Array | None,
+               with_slots: bool) -> dict[str, EmbeddingVariables]:
+    """Restores a checkpoint written before the table store (an orbax PyTree of natural blocks)."""
     sharding, S = plan.table_sharding(), plan.num_shards
     targets = {}
     for name, t in plan.tables.items():
@@ -531,6 +578,7 @@ class Restored(NamedTuple):
     tables: dict[str, EmbeddingVariables]
     step: int
     user: Any
+    id_maps: dict[str, Any] = {}  # the raw-id tables' maps (`IdMap`), placed for the plan
 
 
 class CheckpointManager:
@@ -565,21 +613,30 @@ class CheckpointManager:
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def save(self, step: int, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], *,
-             user: Any = None, force: bool = False) -> bool:
+             id_maps: Mapping[str, Any] | None = None, user: Any = None, force: bool = False) -> bool:
         """Saves `step` (skipped, returning False, if `save_interval_steps` says so and not `force`).
 
         The tables are streamed to disk before this returns (so `tables` may
         be donated or updated right after); the user pytree and the metadata
-        are written in the background (`wait()`).
+        are written in the background (`wait()`). A plan with raw-id tables
+        needs their `id_maps` (saved with them, in id order).
         """
         step = int(step)
         if not force and not self._manager.should_save(step):
             return False
         check_state(plan, tables)
+        static = _static_part(plan)
+        if len(static.stacks) != len(plan.stacks) and id_maps is None:
+            raw = sorted(set(plan.stack_names) - set(static.stack_names))
+            raise ValueError(f"The plan has raw-id tables {raw}: pass their maps, save(..., id_maps=id_maps).")
+
+        def write(d: str) -> dict[str, str]:
+            sums = store.write_state(d, static, tables)
+            return sums if id_maps is None else {**sums, **write_id_tables(d, plan, tables, id_maps)}
+
         info = training_info(plan, step, user is not None, None, None if user is None else user_checksums(user))
         return write_step(lambda items: self._manager.save(step, args=ocp.args.Composite(**items), force=force),
-                          os.path.join(self.directory, f"{STAGING}-{step}"),
-                          lambda d: store.write_state(d, plan, tables), info, user)
+                          os.path.join(self.directory, f"{STAGING}-{step}"), write, info, user)
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""
@@ -638,8 +695,8 @@ class CheckpointManager:
     def _restore(self, plan: EmbeddingPlan, step_dir: str, *, user: Any, allow_vocab_growth: bool,
                  rng: jax.Array | None) -> Restored:
         info = read_info(step_dir)
-        tables = restore_embeddings(plan, step_dir, allow_vocab_growth=allow_vocab_growth, rng=rng)
-        return Restored(tables, int(info.step), None if user is None else read_user(step_dir, info, user))
+        tables, maps = restore_state(plan, step_dir, allow_vocab_growth=allow_vocab_growth, rng=rng)
+        return Restored(tables, int(info.step), None if user is None else read_user(step_dir, info, user), maps)
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""

@@ -14,9 +14,10 @@ single table (or slot), not the whole model.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import shutil
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +30,14 @@ from sparse_embed.core.relayout import TABLE_KEY
 from sparse_embed.core.specs import TableSpec
 from sparse_embed.core.state import EmbeddingVariables, check_state
 from sparse_embed.core.tables import unstack_tables
+from sparse_embed.host.raw_ids import join_words, split_words
 from sparse_embed.io import store
 from sparse_embed.io.checkpoint import (
-    FORMAT, STAGING, USER, CheckpointError, CheckpointInfo, TableRecord, checkpointer, read_embeddings, read_info,
-    read_user_host, resolve, training_info, warn_unverified, write_step,
+    FORMAT, STAGING, USER, CheckpointError, CheckpointInfo, TableRecord, checkpointer, read_embeddings,
+    read_host_array, read_info, read_user_host, resolve, training_info, warn_unverified, write_step,
 )
+from sparse_embed.io.id_checkpoint import IDS_KEY, raw_arrays
+from sparse_embed.io.id_tables import id_table_contents
 
 DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
           "float16": jnp.float16, "f16": jnp.float16}
@@ -73,25 +77,47 @@ def _serving_info(records: Iterable[TableRecord], dtype, stacking, num_shards, s
 
 
 def export_serving(path: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], *,
-                   dtype=None, step: int | None = None) -> None:
-    """Writes a serving checkpoint of the live `tables`: `[vocab, dim]` per table, no slots, optional dtype."""
+                   id_maps: Mapping[str, Any] | None = None, dtype=None, step: int | None = None) -> None:
+    """Writes a serving checkpoint of the live `tables`: `[vocab, dim]` per table, no slots, optional dtype.
+
+    A raw-id table (its `id_maps` needed) is written in id order with its ids
+    (`[vocab, 2]` words, -1 unused), which `load_serving` returns with it.
+    """
     check_state(plan, tables)
     dtype = _dtype(dtype)
-    arrays = ((name, TABLE_KEY, a.astype(dtype or a.dtype)) for name, a in unstack_tables(plan, tables).items())
+    raw = {s.first.name for s in plan.stacks if s.dynamic is not None}
+    if raw and id_maps is None:
+        raise ValueError(f"The plan has raw-id tables {sorted(raw)}: pass export_serving(..., id_maps=id_maps).")
+    static = dataclasses.replace(plan, stacks=tuple(s for s in plan.stacks if s.dynamic is None))
+    natural = unstack_tables(static, {s.name: tables[s.name] for s in static.stacks})
+    arrays = [(name, TABLE_KEY, a.astype(dtype or a.dtype)) for name, a in natural.items()]
+    for name, t in (id_table_contents(plan, tables, id_maps) if raw else {}).items():
+        vocab = plan.tables[name].vocabulary_size
+        table = np.zeros((vocab, t.vectors.shape[1]), dtype or t.vectors.dtype)
+        table[: t.ids.size] = t.vectors
+        words = np.full((vocab, 2), -1, np.int32)
+        words[: t.ids.size] = split_words(t.ids)
+        arrays += [(name, TABLE_KEY, table), (name, IDS_KEY, words)]
     info = training_info(plan, step, False)
-    _save(os.fspath(path), arrays, _serving_info(info.tables, dtype, info.stacking, info.num_shards, step))
+    _save(os.fspath(path), iter(arrays), _serving_info(info.tables, dtype, info.stacking, info.num_shards, step))
 
 
-def load_serving(path: str | os.PathLike, *, device: jax.Device | None = None) -> tuple[dict[str, jax.Array], dict[str, TableSpec]]:
+def load_serving(path: str | os.PathLike, *, device: jax.Device | None = None) -> tuple[dict[str, Any], dict[str, TableSpec]]:
     """`({table: [vocab, dim] array on `device`}, {table: TableSpec})` from a serving or training checkpoint.
 
     The specs carry vocabulary, dim, dtype, combiner and max_norm (for
-    `FeatureSpec`s of `serving_lookup`).
+    `FeatureSpec`s of `serving_lookup`). A raw-id table comes as
+    `(ids, array)`: its live ids (int64, sorted) and the table whose row k
+    holds the k-th of them.
     """
     step_dir = resolve(path)
     info = read_info(step_dir)
     warn_unverified(step_dir, info)
-    arrays = {name: array for name, (_, array) in read_tables(step_dir, info, [TABLE_KEY], device)}
+    arrays: dict[str, Any] = {name: array for name, (_, array) in read_tables(step_dir, info, [TABLE_KEY], device)}
+    for rec in info.tables:
+        if rec.dynamic:
+            words = read_host_array(step_dir, info, rec.name, IDS_KEY)
+            arrays[rec.name] = (join_words(words[words[:, 0] != -1]), arrays[rec.name])
     return arrays, {t.name: t.to_spec() for t in info.tables}
 
 
@@ -143,7 +169,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     total = sum(1 + (0 if serving else len(r.slots)) for r in info.tables)
     arrays = ((name, key, np.asarray(a).astype(dtype) if (serving and dtype) else np.asarray(a))
               for name, (key, a) in progress(read_tables(step_dir, info, keys), total=total, unit="array"))
-    _save(out_dir, arrays, new_info)
+    read = lambda group, key: read_host_array(step_dir, info, group, key)  # noqa: E731
+    raw = (x for r in info.tables if r.dynamic for x in raw_arrays(read, r.name, serving))
+    _save(out_dir, itertools.chain(arrays, raw), new_info)
     if not serving and info.has_user:  # the user pytree is mesh-independent: copy it as is, once verified
         read_user_host(step_dir, info)
         shutil.copytree(os.path.join(step_dir, USER), os.path.join(out_dir, USER))

@@ -156,6 +156,36 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
     return out.reshape((e.batch, L, t.embedding_dim) if L else (e.batch, t.embedding_dim))
 
 
+def _raw_rows(feature: FeatureSpec, known: np.ndarray, ids: Any, policy: Any) -> Any:
+    """Raw ids (host arrays, any format) -> rows of the served table, same structure; unknown -> vocabulary_size.
+
+    `known` are the table's ids, sorted: row k holds `known[k]`.
+    """
+    known = np.asarray(known, np.int64)
+
+    def rows(a):
+        a = np.asarray(a)
+        if a.dtype.kind not in "iu":
+            raise error(feature, f"ids must be integers, got dtype {a.dtype}.")
+        a = a.astype(np.int64)
+        if known.size:
+            pos = np.minimum(np.searchsorted(known, a), known.size - 1)
+            found = known[pos] == a
+        else:
+            pos, found = np.zeros(a.shape, np.int64), np.zeros(a.shape, bool)
+        if isinstance(policy, str) and policy == "error" and not (found | (a == PADDING_ID)).all():
+            bad = a[~(found | (a == PADDING_ID))][0]
+            raise error(feature, f"raw id {int(bad)} is not in the table (oov='error'; use 'zero' or a default "
+                                 "vector for ids the table has not seen).")
+        return np.where(a == PADDING_ID, PADDING_ID, np.where(found, pos, feature.table.vocabulary_size))
+
+    if isinstance(ids, tuple):
+        return (rows(ids[0]), ids[1])
+    if isinstance(ids, list):
+        return [rows(r) for r in ids]
+    return rows(ids)
+
+
 def serving_lookup(
     features: Mapping[str, FeatureSpec] | Sequence[FeatureSpec],
     tables: Mapping[str, jax.Array],
@@ -169,7 +199,9 @@ def serving_lookup(
     Args:
       features: the FeatureSpecs (static; their tables give combiner,
         max_norm and vocabulary).
-      tables: `{table_name: [vocabulary_size, dim]}` arrays (any float dtype).
+      tables: `{table_name: [vocabulary_size, dim]}` arrays (any float dtype);
+        a raw-id table as `(ids, array)` from `load_serving` (its raw ids then
+        must be host arrays: int64 does not survive jax without x64).
       ids / weights: `{feature: ids}` in any format of this module's doc.
       oov: "error", "zero", a `[dim]` default vector, or `{table: policy}`
         (tables not named get "error").
@@ -186,5 +218,11 @@ def serving_lookup(
     for name, f in feats.items():
         if f.table.name not in tables:
             raise error(f, f"no array for the table in tables (it has {sorted(tables)}).")
-        out[name] = lookup_feature(f, jnp.asarray(tables[f.table.name]), ids[name], weights.get(name), oov=oov)
+        table, x = tables[f.table.name], ids[name]
+        if f.table.dynamic is not None:
+            if not (isinstance(table, tuple) and len(table) == 2):
+                raise error(f, "the table is keyed by raw ids: give it as (ids, array), as load_serving returns it.")
+            x = _raw_rows(f, table[0], x, _resolve_oov(oov, f.table.name, f.table.embedding_dim))
+            table = table[1]
+        out[name] = lookup_feature(f, jnp.asarray(table), x, weights.get(name), oov=oov)
     return out

@@ -8,8 +8,9 @@ from typing import Callable, Iterable
 
 from sparse_embed.core.relayout import TABLE_KEY
 from sparse_embed.io.checkpoint import (
-    CheckpointError, CorruptCheckpointError, read_info, read_user_host, resolve,
+    CheckpointError, CorruptCheckpointError, read_host_array, read_info, read_user_host, resolve,
 )
+from sparse_embed.io.id_checkpoint import RAW_KEYS, raw_arrays
 from sparse_embed.io.convert import read_tables
 
 
@@ -43,7 +44,8 @@ def verify_checkpoint(path: str | os.PathLike, *, step: int | None = None,
         return Verification(step_dir, 0, (str(e),), True)
     progress = progress or (lambda it, **_: it)
     problems, checked = [], 0
-    total = sum(1 + len(r.slots) for r in info.tables) + info.has_user
+    raw = len(RAW_KEYS) if info.kind == "training" else 1
+    total = sum(1 + len(r.slots) + (raw if r.dynamic else 0) for r in info.tables) + info.has_user
     arrays = _each_array(step_dir, info)
     for problem in progress(arrays, total=total, unit="array"):
         checked += 1
@@ -62,6 +64,13 @@ def _each_array(step_dir: str, info) -> Iterable[str | None]:
                 yield str(e)
             else:
                 yield None
+        if rec.dynamic:  # its ids, last-use steps, seed and waiting ids
+            try:
+                for _ in raw_arrays(lambda g, k: read_host_array(step_dir, info, g, k), rec.name,
+                                    info.kind != "training"):
+                    yield None
+            except CheckpointError as e:
+                yield str(e)
     if info.has_user:
         try:
             read_user_host(step_dir, info)

@@ -9,6 +9,7 @@ documented initial value of a new row (`initial_rows`).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -327,3 +328,98 @@ def test_a_raw_id_table_is_never_stacked_and_its_batches_must_be_mapped():
     static_plan = se.plan([se.FeatureSpec("u", dataclasses.replace(raw, dynamic=None), 8), feats[1]], mesh)
     with pytest.raises(ValueError, match="out of range"):
         se.preprocess(static_plan, {"u": np.arange(8) * 2**40, "i": np.arange(8)})
+
+
+@pytest.mark.parametrize("src,dst", [(8, 2), (1, 8)])
+def test_checkpoints_save_the_map_and_restore_it_onto_another_mesh(tmp_path, src, dst):
+    gen = np.random.default_rng(3)
+    space = [int(x) for x in gen.integers(0, 2**62, 60, dtype=np.int64)]
+    stream = _stream(gen, 4, 16, 3, space)
+    rng = jax.random.key(4)
+    static = se.TableSpec("items", 50, 4, optimizer=se.optimizers.Adagrad(0.3))
+
+    def make(n):
+        return se.plan([se.FeatureSpec("u", _train_plan(make_mesh(n)).tables["users"], 16),
+                        se.FeatureSpec("i", static, 16)], make_mesh(n))
+
+    a, b = make(src), make(dst)
+    ta, ma = se.init_tables(a, rng), se.init_id_maps(a, rng)
+    ta, ma = _run_two(a, ta, ma, stream)
+    with se.CheckpointManager(tmp_path / "ck", async_save=False) as ck:
+        with pytest.raises(ValueError, match="raw-id tables.*id_maps"):
+            ck.save(4, a, ta)
+        ck.save(4, a, ta, id_maps=ma)
+        r = ck.restore(b)
+    _assert_same_contents(se.id_table_contents(b, r.tables, r.id_maps)["users"],
+                          se.id_table_contents(a, ta, ma)["users"])
+    static_part = lambda p: dataclasses.replace(p, stacks=tuple(s for s in p.stacks if s.name == "items"))
+    np.testing.assert_array_equal(se.unstack_tables(static_part(a), {"items": ta["items"]})["items"],
+                                  se.unstack_tables(static_part(b), {"items": r.tables["items"]})["items"])
+    assert se.restore_embeddings(b, tmp_path / "ck")["users"].table.shape == r.tables["users"].table.shape
+    static_plan = se.plan([se.FeatureSpec("u", dataclasses.replace(a.tables["users"], dynamic=None), 16),
+                           se.FeatureSpec("i", static, 16)], make_mesh(dst))
+    with pytest.raises(ValueError, match="'users' is keyed by raw ids in the checkpoint"):
+        se.restore_embeddings(static_plan, tmp_path / "ck")
+
+
+def _run_two(plan, tables, maps, stream):
+    @jax.jit
+    def train(tables, maps, batch, step):
+        b, tables, maps, _ = se.map_ids(plan, batch, tables, maps, step)
+        loss = lambda t: sum(jnp.sum(jnp.sin(x)) for x in se.lookup(plan, b, t, step).values())
+        return jax.grad(loss)(tables), maps
+
+    for step, ids in enumerate(stream):
+        batch, _ = se.preprocess(plan, {"u": ids, "i": np.abs(ids[:, 0]) % 50})
+        tables, maps = train(tables, maps, batch, step)
+    return tables, maps
+
+
+def test_serving_export_carries_the_map_and_serving_lookup_takes_raw_ids(tmp_path):
+    mesh = make_mesh(2)
+    plan = _train_plan(mesh, dyn=se.Dynamic())
+    rng = jax.random.key(0)
+    gen = np.random.default_rng(5)
+    space = [int(x) for x in gen.integers(0, 2**63 - 1, 30, dtype=np.int64)]
+    tables, maps = _run(plan, se.init_tables(plan, rng), se.init_id_maps(plan, rng), _stream(gen, 3, 16, 3, space))
+    with pytest.raises(ValueError, match="id_maps"):
+        se.export_serving(tmp_path / "bad", plan, tables)
+    se.export_serving(tmp_path / "srv", plan, tables, id_maps=maps)
+    served, specs = se.load_serving(tmp_path / "srv")
+    assert specs["users"].dynamic is not None
+    feature = se.FeatureSpec("u", specs["users"], 16)
+    ids = _stream(gen, 1, 16, 3, space)[0]
+    ids[0, 0] = 12345  # never seen
+    want = se.lookup(plan, se.map_ids(plan, se.preprocess(plan, {"u": ids})[0], tables, maps, 9, train=False)[0],
+                     tables, 9)["u"]
+    got = se.serving_lookup([feature], served, {"u": ids}, oov="zero")["u"]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="raw id 12345 is not in the table"):
+        se.serving_lookup([feature], served, {"u": ids})
+    with pytest.raises(ValueError, match="give it as \\(ids, array\\)"):
+        se.serving_lookup([feature], {"users": served["users"][1]}, {"u": ids}, oov="zero")
+    assert se.verify_checkpoint(tmp_path / "srv").ok
+    out = se.convert_checkpoint(tmp_path / "srv", tmp_path / "srv2", serving=True)
+    np.testing.assert_array_equal(se.load_serving(out)[0]["users"][0], served["users"][0])
+
+
+def test_inspect_shows_occupancy_and_verify_checks_the_map(tmp_path, capsys):
+    from sparse_embed import cli
+
+    mesh = make_mesh(2)
+    plan = _train_plan(mesh, dyn=se.Dynamic(admit_after=2))
+    rng = jax.random.key(0)
+    ids = np.array([[5, 6, -1]] * 8 + [[7, -1, -1]] * 8, np.int64)
+    tables, maps = _run(plan, se.init_tables(plan, rng), se.init_id_maps(plan, rng), [ids, ids[:, ::-1].copy()])
+    with se.CheckpointManager(tmp_path / "ck", async_save=False) as ck:
+        ck.save(2, plan, tables, id_maps=maps)
+    assert cli.main(["inspect", str(tmp_path / "ck")]) in (0, None)
+    assert "raw ids: 3 of 1000 rows used (0.3%), 0 ids waiting for admission" in capsys.readouterr().out
+    v = se.verify_checkpoint(tmp_path / "ck")
+    assert v.ok and v.checked == 2 + 6  # table, Adagrad's slot, and the six arrays of the map
+    step_dir = os.path.join(tmp_path, "ck", "2", "embeddings")
+    victim = [os.path.join(r, f) for r, _, fs in os.walk(step_dir) for f in fs if "users.pending" in r][0]
+    with open(victim, "r+b") as fh:  # corrupt a byte of the waiting ids
+        fh.seek(max(os.path.getsize(victim) - 3, 0))
+        fh.write(b"\xff")
+    assert not se.verify_checkpoint(tmp_path / "ck").ok

@@ -1,0 +1,98 @@
+"""Raw-id tables in a checkpoint: stored in id order with their ids, restored onto any plan.
+
+A raw-id table `t` is stored in the table store like any table (`t/table`
+and `t/<slot>`, `[vocabulary_size, width]`), but row k holds the k-th live
+id in increasing order (then zeros), and beside them: `t/ids` `[vocab, 2]`
+int32 words (-1: unused row), `t/last` `[vocab, 1]` int32, `t/seed` `[1, 2]`
+uint32, and the ids waiting for admission in `t.pending/ids`, `/counts`,
+`/last` (`[max(n, 1), ...]`). Every array has a checksum. Restoring places
+the ids onto the new plan's owner shards (`id_tables.load_id_tables`).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from sparse_embed.core.id_maps import IdMap, dynamic_stacks
+from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.core.relayout import TABLE_KEY
+from sparse_embed.core.state import EmbeddingVariables
+from sparse_embed.host.raw_ids import join_words, split_words
+from sparse_embed.io import store
+from sparse_embed.io.id_tables import IdTable, id_table_contents, load_id_tables
+from sparse_embed.io.integrity import combine, partial_sums
+
+PENDING = ".pending"  # suffix of the store group holding a table's waiting ids
+IDS_KEY = "ids"
+RAW_KEYS = ((IDS_KEY, ""), ("last", ""), ("seed", ""), (IDS_KEY, PENDING), ("counts", PENDING), ("last", PENDING))
+
+
+def _padded(a: np.ndarray, rows: int, fill) -> np.ndarray:
+    out = np.full((rows,) + a.shape[1:], fill, a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+def _host_arrays(name: str, vocab: int, t: IdTable) -> dict[str, dict[str, np.ndarray]]:
+    """The store arrays of one raw-id table (see the module doc)."""
+    main = {TABLE_KEY: _padded(t.vectors, vocab, 0), "ids": _padded(split_words(t.ids), vocab, -1),
+            "last": _padded(t.last.reshape(-1, 1), vocab, -1), "seed": np.asarray(t.seed, np.uint32).reshape(1, 2)}
+    main.update({k: _padded(a, vocab, 0) for k, a in t.slots.items()})
+    p = max(t.pending_ids.size, 1)
+    pending = {"ids": _padded(split_words(t.pending_ids), p, -1),
+               "counts": _padded(t.pending_counts.reshape(-1, 1).astype(np.int32), p, 0),
+               "last": _padded(t.pending_last.reshape(-1, 1).astype(np.int32), p, -1)}
+    return {name: main, name + PENDING: pending}
+
+
+def write_id_tables(directory: str, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables],
+                    id_maps: Mapping[str, IdMap]) -> dict[str, str]:
+    """Writes every raw-id table into the store at `directory` (process 0); returns their checksums."""
+    arrays = {}
+    for name, t in id_table_contents(plan, tables, id_maps).items():
+        arrays.update(_host_arrays(name, plan.tables[name].vocabulary_size, t))
+    if jax.process_index() == 0:
+        return store.write_host(directory, arrays)
+    return {f"{g}/{k}": combine([partial_sums(np.ascontiguousarray(a), 0)], False)
+            for g, keys in arrays.items() for k, a in keys.items()}
+
+
+def read_array_host(directory: str, group: str, key: str, sums: Mapping[str, str] | None) -> np.ndarray:
+    """A stored array, whole, on the host; checked against `sums` (StoreReadError) unless None."""
+    a = store.open_array(directory, group, key).read().result()
+    a = np.asarray(a)
+    if sums is not None:
+        got, want = combine([partial_sums(a, 0)], False), sums.get(f"{group}/{key}")
+        if got != want:
+            raise store.StoreReadError((group, key), ValueError(f"checksum {got} != saved {want}"))
+    return a
+
+
+def raw_arrays(read, name: str, serving: bool):
+    """`(group, key, array)` of a raw-id table's arrays besides table and slots (`read(group, key)`)."""
+    keys = ((IDS_KEY, ""),) if serving else RAW_KEYS
+    return ((name + suffix, key, read(name + suffix, key)) for key, suffix in keys)
+
+
+def read_id_tables(directory: str, plan: EmbeddingPlan, slots: Mapping[str, list[str]],
+                   sums: Mapping[str, str] | None, *, with_slots: bool = True):
+    """The plan's raw-id stacks from the store: `({stack: EmbeddingVariables}, {stack: IdMap})`.
+
+    `slots[table]`: the slot names saved with it. Raises `store.StoreReadError` on a checksum mismatch.
+    """
+    contents = {}
+    for s in dynamic_stacks(plan):
+        name = s.first.name
+        get = lambda key, group=name: read_array_host(directory, group, key, sums)
+        words = get("ids")
+        n = int((words[:, 0] != -1).sum())
+        p_words = get("ids", name + PENDING)
+        m = int((p_words[:, 0] != -1).sum())
+        contents[name] = IdTable(
+            join_words(words[:n]), get(TABLE_KEY)[:n], {k: get(k)[:n] for k in slots[name]} if with_slots else {},
+            get("last")[:n, 0], join_words(p_words[:m]), get("counts", name + PENDING)[:m, 0],
+            get("last", name + PENDING)[:m, 0], get("seed")[0])
+    return load_id_tables(plan, contents, with_slots=with_slots)
