@@ -10,7 +10,7 @@ from sparse_embed import cli
 from sparse_embed.examples import dlrm as demo
 
 TINY = ["--batch-size", "128", "--eval-batches", "4", "--log-every", "10",
-        "--users", "2000", "--items", "1000", "--tags", "200", "--no-progress"]
+        "--users", "2000", "--user-rows", "1000", "--items", "1000", "--tags", "200", "--no-progress"]
 
 
 def test_demo_learns_on_8_devices(capsys):
@@ -40,8 +40,10 @@ def test_demo_checkpoint_works_with_the_cli(tmp_path, capsys):
     demo.main(["--steps", "3", "--checkpoint-dir", str(ckpt), *TINY])
     assert cli.main(["inspect", str(ckpt)]) == 0
     shown = capsys.readouterr().out
-    assert all(name in shown for name in ("user", "item", "tag", "accumulator"))
+    assert all(name in shown for name in ("user", "item", "tag", "accumulator", "raw ids: "))
     assert cli.main(["convert", str(ckpt), str(serving), "--serving", "--dtype", "bf16"]) == 0
     arrays, specs = se.load_serving(serving)
-    assert {k: v.shape for k, v in arrays.items()} == {"user": (2000, 16), "item": (1000, 16), "tag": (200, 16)}
+    user_ids, users = arrays.pop("user")  # keyed by raw ids: (the ids, the table in id order)
+    assert users.shape == (1000, 16) and 0 < user_ids.size <= 1000 and str(users.dtype) == "bfloat16"
+    assert {k: v.shape for k, v in arrays.items()} == {"item": (1000, 16), "tag": (200, 16)}
     assert all(str(v.dtype) == "bfloat16" for v in arrays.values())

@@ -85,14 +85,26 @@ def _compact(values: jax.Array, keep: jax.Array, n: int, fill) -> tuple[jax.Arra
     return jnp.full((n,) + values.shape[1:], fill, values.dtype).at[pos].set(values, mode="drop"), keep.sum()
 
 
-def _least_recent(s: KeySet, candidate: jax.Array, k: int) -> jax.Array:
-    """`[k]` slots of the k candidates (mask by slot) used longest ago, ties by key; -1 past the candidates."""
-    n = s.order.shape[0]
-    k = min(k, n)
-    by_pos = candidate[s.order] & (jnp.arange(n) < s.size)
-    # top_k keeps the lower index first among equal values: positions are in key order.
-    val, pos = jax.lax.top_k(jnp.where(by_pos, -s.last[s.order], jnp.iinfo(jnp.int32).min), k)
-    return jnp.where(val > jnp.iinfo(jnp.int32).min, s.order[pos], -1)
+def _least_recent(s: KeySet, candidate: jax.Array, need: jax.Array, q: int) -> jax.Array:
+    """`[q]` slots of the `need` candidates (mask by slot) used longest ago, ties by key; -1 after them.
+
+    Linear, not a sort: a binary search for the last-use step below which
+    enough candidates lie (32 counting passes), then the ties in key order.
+    """
+    n, big = s.order.shape[0], jnp.iinfo(jnp.int32).max
+    last = jnp.where(candidate[s.order] & (jnp.arange(n) < s.size), s.last[s.order], big)  # by key position
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        enough = (last <= mid).sum() >= need
+        return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+    t, _ = jax.lax.fori_loop(0, 32, halve, (last.min(), jnp.where(last < big, last, last.min()).max()))
+    below, tied = last < t, (last == t) & (t < big)
+    chosen = below | (tied & (jnp.cumsum(tied) <= need - below.sum()))
+    by_slot = jnp.zeros((n,), bool).at[s.order].set(chosen)
+    return _compact(jnp.arange(n, dtype=jnp.int32), by_slot, q, -1)[0]
 
 
 class Inserted(NamedTuple):
@@ -124,8 +136,7 @@ def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> Inserted:
     removed_slots, n_removed = _compact(jnp.arange(n, dtype=jnp.int32), removed, q, -1)
     need = jnp.maximum(k - free - n_removed, 0)
     candidate = (s.keys[:, 0] != FREE) & ~removed & (s.last < step)
-    lru = jax.lax.cond(need > 0, lambda: _least_recent(s, candidate, q), lambda: jnp.full_like(s.order[:q], -1))
-    lru = jnp.where(jnp.arange(lru.shape[0]) < need, lru, -1)
+    lru = jax.lax.cond(need > 0, lambda: _least_recent(s, candidate, need, q), lambda: jnp.full_like(keys[:, 0], -1))
     avail = jnp.concatenate([free_slots, removed_slots, lru])
     avail, n_avail = _compact(avail, avail >= 0, q, -1)
     rank = jnp.cumsum(want) - 1

@@ -61,6 +61,7 @@ class DataConfig:
     """Shape of the synthetic data."""
 
     users: int = 100_000
+    user_rows: int | None = 50_000  # raw user ids: the table's rows (fewer than users); None: static user ids
     items: int = 20_000
     tags: int = 2_000
     history_len: int = 8
@@ -172,9 +173,16 @@ class Teacher:
         logits = self.logits(self.raw_scores(user, item, history, tags, dense))
         labels = (rng.random(batch) < 1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
         tag_ids, tag_w, tag_lengths = tags
+        user = raw_user_ids(user) if self.config.user_rows else user
         ids = {"user": user, "item": item, "history": history, "tags": (tag_ids, tag_lengths)}
         weights = {"tags": (tag_w, tag_lengths)}
         return Examples(ids, weights, dense, (history >= 0).astype(np.float32), labels, logits)
+
+
+def raw_user_ids(user: np.ndarray) -> np.ndarray:
+    """User index -> a raw 63-bit id (a bijection: times an odd constant mod 2**63), as logs carry them."""
+    with np.errstate(over="ignore"):
+        return ((user.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) & np.uint64(2**63 - 1)).astype(np.int64)
 
 
 # ---------------------------------------------------------------------------
@@ -183,10 +191,13 @@ class Teacher:
 
 def feature_specs(config: DataConfig, batch_size: int, dim: int, optimizer: se.optimizers.Optimizer,
                   init_std: float):
-    """Three tables (stacked into one by the planner), four features; `history` shares `item`."""
+    """Three tables, four features; `history` shares `item`. The user table is keyed by raw ids (LRU over
+    `user_rows` rows) unless `config.user_rows` is None; the static tables are stacked into one."""
     init = se.initializers.truncated_normal(init_std)
-    table = lambda name, vocab: se.TableSpec(name, vocab, dim, init, optimizer, combiner="mean")
-    user, item, tag = table("user", config.users), table("item", config.items), table("tag", config.tags)
+    table = lambda name, vocab, dynamic=None: se.TableSpec(name, vocab, dim, init, optimizer, combiner="mean",
+                                                          dynamic=dynamic)
+    user = table("user", config.user_rows, se.Dynamic()) if config.user_rows else table("user", config.users)
+    item, tag = table("item", config.items), table("tag", config.tags)
     return {
         "user": se.FeatureSpec("user", user, batch_size),
         "item": se.FeatureSpec("item", item, batch_size),
@@ -249,34 +260,48 @@ class Batch(NamedTuple):
     stats: se.Stats  # what preprocess saw (ids per partition, capacity, drops)
 
 
+def with_rows(plan: se.EmbeddingPlan, params, id_maps, sparse, step, *, train: bool):
+    """Maps a batch's raw user ids to rows (`se.map_ids`); in training, new ids' rows are initialised."""
+    if not id_maps:
+        return sparse, params, id_maps
+    sparse, tables, id_maps, _ = se.map_ids(plan, sparse, params["embed"]["tables"], id_maps, step, train=train)
+    return sparse, {**params, "embed": {**params["embed"], "tables": tables}}, id_maps
+
+
 def make_predict(model: DLRM) -> Callable:
-    """`predict(params, sparse, inputs) -> logits [B]` (jitted; a plain forward, tables not updated)."""
-    return jax.jit(lambda params, sparse, inputs: model.apply({"params": params}, sparse, inputs.dense,
-                                                               inputs.history_mask))
+    """`predict(params, id_maps, sparse, inputs) -> logits [B]` (jitted; a plain forward, nothing updated)."""
+
+    def predict(params, id_maps, sparse, inputs):
+        sparse = with_rows(model.plan, params, id_maps, sparse, 0, train=False)[0]
+        return model.apply({"params": params}, sparse, inputs.dense, inputs.history_mask)
+
+    return jax.jit(predict)
 
 
 def make_train_step(model: DLRM, tx: optax.GradientTransformation, shardings: "Shardings") -> Callable:
-    """`train_step(params, opt_state, sparse, inputs, step) -> (params, opt_state, loss)`.
+    """`train_step(params, opt_state, id_maps, sparse, inputs, step) -> (params, opt_state, id_maps, loss)`.
 
-    One jit, in/out shardings from the LayoutMap; params (tables included) and
-    optimizer state are donated, so the tables are updated in place.
+    One jit, in/out shardings from the LayoutMap; params (tables included),
+    the raw-id maps and the optimizer state are donated, so the tables are
+    updated in place.
     """
 
     def loss_fn(params, sparse, inputs: DenseInputs, step) -> jax.Array:
         logits = model.apply({"params": params}, sparse, inputs.dense, inputs.history_mask, step)
         return optax.sigmoid_binary_cross_entropy(logits, inputs.labels).mean()
 
-    def train_step(params, opt_state, sparse, inputs: DenseInputs, step):
+    def train_step(params, opt_state, id_maps, sparse, inputs: DenseInputs, step):
+        sparse, params, id_maps = with_rows(model.plan, params, id_maps, sparse, step, train=True)
         # The "gradient" of the tables is the updated tables (Adagrad already applied);
         # optax_tx passes it through and apply_updates swaps it in exactly.
         loss, grads = jax.value_and_grad(loss_fn)(params, sparse, inputs, step)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return se.apply_updates(params, updates), opt_state, loss
+        return se.apply_updates(params, updates), opt_state, id_maps, loss
 
-    return jax.jit(train_step, donate_argnums=(0, 1),
+    return jax.jit(train_step, donate_argnums=(0, 1, 2),
                    in_shardings=(shardings.params, shardings.opt_state, shardings.batch, shardings.batch,
-                                 shardings.replicated),
-                   out_shardings=(shardings.params, shardings.opt_state, shardings.replicated))
+                                 shardings.batch, shardings.replicated),
+                   out_shardings=(shardings.params, shardings.opt_state, shardings.batch, shardings.replicated))
 
 
 class Shardings(NamedTuple):
@@ -325,9 +350,9 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
-def score(predict: Callable, params, batches: Sequence[Batch]) -> tuple[float, float]:
+def score(predict: Callable, params, id_maps, batches: Sequence[Batch]) -> tuple[float, float]:
     """(model AUC, teacher AUC) over the examples of `batches`."""
-    logits = [np.asarray(predict(params, b.sparse, b.inputs)) for b in batches]
+    logits = [np.asarray(predict(params, id_maps, b.sparse, b.inputs)) for b in batches]
     labels = np.concatenate([b.labels for b in batches])
     teacher = np.concatenate([b.teacher_logits for b in batches])
     return auc(labels, np.concatenate(logits)), auc(labels, teacher)
@@ -356,6 +381,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--embedding-init-std", type=float, default=0.02, help="stddev of the initial rows")
     p.add_argument("--dense-lr", type=float, default=2e-3, help="Adam learning rate of the MLP head")
     p.add_argument("--users", type=int, default=DataConfig.users, help="user vocabulary")
+    p.add_argument("--user-rows", type=int, default=DataConfig.user_rows,
+                   help="rows of the user table, keyed by raw 63-bit user ids (admission, LRU eviction)")
+    p.add_argument("--static-user-ids", action="store_true",
+                   help="user ids are rows of a [users, dim] table instead (the comparison run)")
     p.add_argument("--items", type=int, default=DataConfig.items, help="item vocabulary")
     p.add_argument("--tags", type=int, default=DataConfig.tags, help="tag vocabulary")
     p.add_argument("--log-every", type=int, default=20, help="steps between progress-bar updates")
@@ -375,6 +404,7 @@ class Result(NamedTuple):
     """What training produced."""
 
     params: Any  # {"embed": {"tables": {stack: EmbeddingVariables}}, dense layers...}
+    id_maps: dict  # the raw user ids' map ({} with static user ids)
     losses: list[float]  # one per step
     recent: list[Batch]  # the last `eval_batches` training batches (for train AUC)
     stats: se.Stats  # preprocess stats merged over all training batches
@@ -382,7 +412,7 @@ class Result(NamedTuple):
 
 
 def train(args: argparse.Namespace, plan: se.EmbeddingPlan, teacher: Teacher, model: DLRM,
-          params: Any, layout: se.LayoutMap) -> Result:
+          params: Any, id_maps: dict, layout: se.LayoutMap) -> Result:
     """The training loop: a prefetch thread makes batches while the device steps.
 
     Losses are fetched every `log_every` steps only, so the host never waits
@@ -402,8 +432,8 @@ def train(args: argparse.Namespace, plan: se.EmbeddingPlan, teacher: Teacher, mo
     with se.prefetch(plan, examples, inputs=lambda ex: (ex.ids, ex.weights)) as prefetched:
         for step, (sparse, batch_stats, ex) in enumerate(prefetched):
             batch = to_batch(plan, ex, sparse, batch_stats)
-            params, opt_state, loss = train_step(params, opt_state, batch.sparse, batch.inputs,
-                                                 jnp.asarray(step, jnp.int32))
+            params, opt_state, id_maps, loss = train_step(params, opt_state, id_maps, batch.sparse, batch.inputs,
+                                                          jnp.asarray(step, jnp.int32))
             pending.append(loss)
             recent.append(batch)
             stats = batch.stats if stats is None else stats.merge(batch.stats)
@@ -415,12 +445,13 @@ def train(args: argparse.Namespace, plan: se.EmbeddingPlan, teacher: Teacher, mo
                 bar.update(len(pending))
                 pending, t_log = [], now
     bar.close()
-    return Result(params, losses, list(recent), stats, time.perf_counter() - start)
+    return Result(params, id_maps, losses, list(recent), stats, time.perf_counter() - start)
 
 
 def build(args: argparse.Namespace):
     """Teacher, plan, model, its sharded params (tables included), the layout and the eval batches."""
-    config = DataConfig(users=args.users, items=args.items, tags=args.tags)
+    config = DataConfig(users=args.users, items=args.items, tags=args.tags,
+                        user_rows=None if args.static_user_ids else args.user_rows)
     teacher = Teacher.create(config, args.seed)
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     optimizer = se.optimizers.Adagrad(args.embedding_lr, initial_accumulator_value=args.embedding_init_acc)
@@ -429,19 +460,22 @@ def build(args: argparse.Namespace):
     eval_batches = [make_batch(teacher, plan, args.batch_size, np.random.default_rng([args.seed, 2, i]))
                     for i in range(args.eval_batches)]
     model = DLRM(plan)
-    first = eval_batches[0]
-    init = lambda key: model.init(key, first.sparse, first.inputs.dense, first.inputs.history_mask)["params"]
-    layout = se.LayoutMap(mesh, LAYOUT_RULES, plan=plan)
     key = jax.random.key(args.seed)
+    id_maps = se.init_id_maps(plan, key)  # {} without raw-id tables
+    first = eval_batches[0]
+    sparse = with_rows(plan, {"embed": {"tables": se.init_tables(plan, key)}}, id_maps, first.sparse, 0,
+                       train=False)[0]  # init needs batches of rows
+    init = lambda key: model.init(key, sparse, first.inputs.dense, first.inputs.history_mask)["params"]
+    layout = se.LayoutMap(mesh, LAYOUT_RULES, plan=plan)
     params = jax.jit(init, out_shardings=layout.shardings(jax.eval_shape(init, key)))(key)
-    return teacher, plan, model, params, layout, eval_batches
+    return teacher, plan, model, params, id_maps, layout, eval_batches
 
 
-def save_checkpoint(directory: str, plan: se.EmbeddingPlan, params: Any, step: int) -> None:
-    """Saves the tables (mesh-independent) and the dense params, and waits for the write."""
+def save_checkpoint(directory: str, plan: se.EmbeddingPlan, params: Any, id_maps: dict, step: int) -> None:
+    """Saves the tables and raw-id maps (mesh-independent) and the dense params, and waits for the write."""
     dense = {k: v for k, v in params.items() if k != "embed"}
     with se.CheckpointManager(directory) as manager:
-        manager.save(step, plan, params["embed"]["tables"], user=dense)
+        manager.save(step, plan, params["embed"]["tables"], id_maps=id_maps or None, user=dense)
         manager.wait()
     print(f"checkpoint of step {step} saved in {directory} (inspect: sparse-embed inspect {directory})")
 
@@ -455,20 +489,23 @@ def loss_curve(losses: Sequence[float], points: int = 8) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Trains the student on teacher-labelled data; prints and returns losses and AUCs."""
     args = parse_args(argv)
-    teacher, plan, model, params, layout, eval_batches = build(args)
+    teacher, plan, model, params, id_maps, layout, eval_batches = build(args)
     print(f"{len(jax.devices())} device(s), stacks {list(plan.stack_names)}, "
           f"{args.steps} steps x {args.batch_size} examples")
-    result = train(args, plan, teacher, model, params, layout)
+    result = train(args, plan, teacher, model, params, id_maps, layout)
     predict = make_predict(model)
-    train_auc, teacher_train_auc = score(predict, result.params, result.recent)
-    eval_auc, teacher_auc = score(predict, result.params, eval_batches)
+    train_auc, teacher_train_auc = score(predict, result.params, result.id_maps, result.recent)
+    eval_auc, teacher_auc = score(predict, result.params, result.id_maps, eval_batches)
     if args.checkpoint_dir:
-        save_checkpoint(args.checkpoint_dir, plan, result.params, args.steps)
+        save_checkpoint(args.checkpoint_dir, plan, result.params, result.id_maps, args.steps)
 
     examples_per_second = args.steps * args.batch_size / result.seconds
     print(f"trained in {result.seconds:.1f} s ({examples_per_second:,.0f} examples/s); "
           f"preprocess capacity {result.stats.capacity}, dropped ids {result.stats.dropped_ids}")
     print(f"loss curve (mean over {min(8, len(result.losses))} stretches): {loss_curve(result.losses)}")
+    if result.id_maps:
+        used = int(np.asarray(result.id_maps["user"].rows.size).sum())
+        print(f"raw user ids: {used} of {args.user_rows} rows in use ({args.users} users in the data)")
     print(f"{'AUC':<36}{'model':>8}{'teacher':>10}")
     print(f"{f'train (last {len(result.recent)} training batches)':<36}{train_auc:>8.4f}{teacher_train_auc:>10.4f}")
     print(f"{f'eval  ({len(eval_batches)} held-out batches)':<36}{eval_auc:>8.4f}{teacher_auc:>10.4f}")
