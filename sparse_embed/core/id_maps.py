@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparse_embed.core import key_set
 from sparse_embed.core.batch import ShardedCooMatrix
-from sparse_embed.core.initializers import TruncatedNormal, seeds, truncated_normal_rows, _mix
+from sparse_embed.core.initializers import TruncatedNormal, mix32, seeds, truncated_normal_rows
 from sparse_embed.core.key_set import FREE, KeySet
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
@@ -123,7 +123,7 @@ def initial_rows(stack: StackPlan, seed: jax.Array, keys: jax.Array) -> jax.Arra
     t, dim = stack.first, stack.embedding_dim
     init = t.resolved_initializer
     if isinstance(init, TruncatedNormal):  # positional: (seed, hi) -> row seed, lo -> row
-        row_seed = jnp.stack([seed[0] ^ _mix(keys[:, 0].astype(jnp.uint32)), jnp.broadcast_to(seed[1], keys.shape[:1])], -1)
+        row_seed = jnp.stack([seed[0] ^ mix32(keys[:, 0].astype(jnp.uint32)), jnp.broadcast_to(seed[1], keys.shape[:1])], -1)
         return truncated_normal_rows(row_seed, keys[:, 1].astype(jnp.uint32), dim, init.stddev, t.dtype)
     base = jax.random.wrap_key_data(seed, impl="threefry2x32")
     key = lambda k: jax.random.fold_in(jax.random.fold_in(base, k[0]), k[1])
@@ -147,11 +147,11 @@ def _wait(stack: StackPlan, m: IdMap, u: jax.Array, miss: jax.Array, occ: jax.Ar
     admit = miss & (cnt >= d.admit_after)
     wait = miss & ~admit
     n = pend.order.shape[0]
-    leave = jnp.zeros((n,), bool).at[key_set._at(jnp.where(admit | stale, pslot, -1), n)].set(True, mode="drop")
+    leave = jnp.zeros((n,), bool).at[jnp.where(admit | stale, pslot, n)].set(True, mode="drop")
     stay = jnp.where(wait & known, pslot, n)
     pend = pend._replace(last=pend.last.at[stay].set(step, mode="drop"))
     ins = key_set.insert(pend, jnp.asarray(n, jnp.int32), u, wait & ~known, leave, step)
-    counts = m.counts.at[stay].set(cnt, mode="drop").at[key_set._at(ins.slots, n)].set(cnt, mode="drop")
+    counts = m.counts.at[stay].set(cnt, mode="drop").at[key_set.drop_missing(ins.slots, n)].set(cnt, mode="drop")
     forgotten = ins.evicted + (wait & ~known & (ins.slots < 0)).sum()
     return admit, ins.set, counts, forgotten
 
@@ -193,9 +193,9 @@ def _reinit(stack: StackPlan, v: EmbeddingVariables, seed: jax.Array, u: jax.Arr
     """The new rows (and their slots) set to their initial values."""
     R = stack.rows_per_shard
     at = jnp.where(new, rows, R)
-    values = jax.lax.cond(new.any(), lambda: initial_rows(stack, seed, u).astype(v.table.dtype),
-                          lambda: (jnp.zeros((u.shape[0], stack.embedding_dim)) * seed[0]).astype(v.table.dtype))
-    table = v.table.at[at].set(values, mode="drop", unique_indices=True)
+    none = lambda: (jnp.zeros((u.shape[0], stack.embedding_dim)) * seed[0]).astype(v.table.dtype)  # varying zeros
+    values = jax.lax.cond(new.any(), lambda: initial_rows(stack, seed, u).astype(v.table.dtype), none)
+    table = v.table.at[at].set(values, mode="drop")
     specs = stack.optimizer.slots(stack.embedding_dim)
     slots = {k: a.at[at].set(jnp.full((1, a.shape[1]), specs[k].init, SLOT_DTYPE), mode="drop") for k, a in v.slots.items()}
     return EmbeddingVariables(table, slots)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 _TRUNCATION = 2.0  # in standard deviations, as jax.nn.initializers.truncated_normal
 
 
-def _mix(x: jax.Array) -> jax.Array:
+def mix32(x: jax.Array) -> jax.Array:
     """lowbias32: a 32-bit integer hash with low bias (multiply-xorshift)."""
     x = x ^ (x >> 16)
     x = x * jnp.uint32(0x7FEB352D)
@@ -45,8 +45,8 @@ def uniform_rows(seed: jax.Array, rows: jax.Array, dim: int) -> jax.Array:
     """`[len(rows), dim]` uniform in (0, 1) from (seed, row, column); `seed` `[2]` or `[len(rows), 2]` uint32."""
     seed = jnp.broadcast_to(seed, rows.shape + (2,))
     cols = jax.lax.broadcasted_iota(jnp.uint32, rows.shape + (dim,), rows.ndim)
-    h = _mix(rows.astype(jnp.uint32) + seed[..., 0])[..., None]
-    h = _mix(h ^ (cols * jnp.uint32(0x9E3779B9) + seed[..., 1:2]))
+    h = mix32(rows.astype(jnp.uint32) + seed[..., 0])[..., None]
+    h = mix32(h ^ (cols * jnp.uint32(0x9E3779B9) + seed[..., 1:2]))
     return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24)) + (0.5 / (1 << 24))
 
 

@@ -74,7 +74,7 @@ def find(s: KeySet, q: jax.Array) -> jax.Array:
     return jnp.where(hit, slot, -1)
 
 
-def _at(index: jax.Array, n: int) -> jax.Array:
+def drop_missing(index: jax.Array, n: int) -> jax.Array:
     """Scatter indices with -1 (none) moved out of range, so that `mode="drop"` drops them."""
     return jnp.where(index >= 0, index, n)
 
@@ -141,10 +141,10 @@ def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> Inserted:
     avail, n_avail = _compact(avail, avail >= 0, q, -1)
     rank = jnp.cumsum(want) - 1
     slots = jnp.where(want & (rank < n_avail), avail[jnp.clip(rank, 0, q - 1)], -1)
-    evicted_mask = jnp.zeros((n,), bool).at[_at(lru, n)].set(True, mode="drop")
+    evicted_mask = jnp.zeros((n,), bool).at[drop_missing(lru, n)].set(True, mode="drop")
     gone = removed | evicted_mask
-    new_keys = jnp.where(gone[:, None], FREE, s.keys).at[_at(slots, n)].set(keys, mode="drop")
-    new_last = jnp.where(gone, FREE, s.last).at[_at(slots, n)].set(step, mode="drop")
+    new_keys = jnp.where(gone[:, None], FREE, s.keys).at[drop_missing(slots, n)].set(keys, mode="drop")
+    new_last = jnp.where(gone, FREE, s.last).at[drop_missing(slots, n)].set(step, mode="drop")
     order, size = _merge(s, gone, keys, slots, new_keys)
     return Inserted(KeySet(new_keys, new_last, order, size), slots, evicted_mask.sum())
 

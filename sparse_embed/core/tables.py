@@ -159,7 +159,7 @@ def stack_tables(
     return out
 
 
-def _to_host(a: jax.Array) -> np.ndarray:
+def to_host(a: jax.Array) -> np.ndarray:
     """The whole global array on this host (gathered from the other processes if it spans several)."""
     if getattr(a, "is_fully_addressable", True):
         return np.asarray(a)
@@ -179,7 +179,7 @@ def unstack_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables])
     out: dict[str, dict[str, np.ndarray]] = {}
     for s in plan.stacks:
         v = tables[s.name]
-        rows = {k: from_shard_major(s, _to_host(a)) for k, a in {"table": v.table, **v.slots}.items()}
+        rows = {k: from_shard_major(s, to_host(a)) for k, a in {"table": v.table, **v.slots}.items()}
         for p in s.tables:
             sl = slice(p.row_offset, p.row_offset + p.table.vocabulary_size)
             out[p.table.name] = {k: r[sl] for k, r in rows.items()}

@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import time
 from collections import deque
-from functools import partial
 from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn

@@ -21,7 +21,7 @@ from sparse_embed.core.id_maps import IdMap, dynamic_stacks, pending_per_shard
 from sparse_embed.core.key_set import FREE, KeySet
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
-from sparse_embed.core.tables import _to_host
+from sparse_embed.core.tables import to_host
 from sparse_embed.host.raw_ids import join_words, owner_shards, split_words
 
 
@@ -53,14 +53,14 @@ def id_table_contents(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariabl
     out = {}
     for s in dynamic_stacks(plan):
         m, v = id_maps[s.name], tables[s.name]
-        at, ids = _live(_to_host(m.rows.keys))
+        at, ids = _live(to_host(m.rows.keys))
         if m.pending is not None:
-            p_at, p_ids = _live(_to_host(m.pending.keys))
-            p_counts, p_last = _to_host(m.counts)[p_at], _to_host(m.pending.last)[p_at]
+            p_at, p_ids = _live(to_host(m.pending.keys))
+            p_counts, p_last = to_host(m.counts)[p_at], to_host(m.pending.last)[p_at]
         else:
             p_ids, p_counts, p_last = np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32)
-        out[s.first.name] = IdTable(ids, _to_host(v.table)[at], {k: _to_host(a)[at] for k, a in v.slots.items()},
-                                    _to_host(m.rows.last)[at], p_ids, p_counts, p_last, _to_host(m.seed)[0])
+        out[s.first.name] = IdTable(ids, to_host(v.table)[at], {k: to_host(a)[at] for k, a in v.slots.items()},
+                                    to_host(m.rows.last)[at], p_ids, p_counts, p_last, to_host(m.seed)[0])
     return out
 
 
