@@ -147,7 +147,7 @@ def _wait(stack: StackPlan, m: IdMap, u: jax.Array, miss: jax.Array, occ: jax.Ar
     admit = miss & (cnt >= d.admit_after)
     wait = miss & ~admit
     n = pend.order.shape[0]
-    leave = jnp.zeros((n,), bool).at[jnp.where(admit | stale, pslot, n)].set(True, mode="drop")
+    leave = jnp.zeros((n,), bool).at[jnp.where((admit | stale) & (pslot >= 0), pslot, n)].set(True, mode="drop")
     stay = jnp.where(wait & known, pslot, n)
     pend = pend._replace(last=pend.last.at[stay].set(step, mode="drop"))
     ins = key_set.insert(pend, jnp.asarray(n, jnp.int32), u, wait & ~known, leave, step)
