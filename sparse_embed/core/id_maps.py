@@ -164,7 +164,7 @@ def _expired(d, last: jax.Array, slot: jax.Array, step: jax.Array) -> jax.Array:
 
 def _map_shard(stack: StackPlan, m: IdMap, u: jax.Array, occ: jax.Array, step: jax.Array, shard: jax.Array,
                train: bool) -> _Mapped:
-    """One shard: the rows of the distinct ids `u [Q, 2]` (sorted; FREE = none), and the new map."""
+    """One shard: the rows of the distinct ids `u [Q, 2]` (any order; FREE = none), and the new map."""
     d, rows, R = stack.dynamic, m.rows, stack.rows_per_shard
     valid = u[:, 0] != FREE
     slot = key_set.find(rows, u)
@@ -221,7 +221,7 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     cols, keys = send(coo.col_ids), send(coo.keys)  # [D, C], [D, C, 2] from every source
     used = cols < C
     slot_of = jnp.where(used, jnp.arange(S)[:, None] * C + cols, S * C).reshape(-1)
-    if S == 1:  # one source: preprocessing sent its distinct ids sorted
+    if S == 1:  # one source: preprocessing sent its ids distinct
         u = keys.reshape(C, 2)
         inverse = jnp.where(u[:, 0] != FREE, jnp.arange(C, dtype=jnp.int32), C)
     else:

@@ -117,15 +117,22 @@ def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, rem
            step: jax.Array) -> Inserted:
     """Removes the `removed` slots (mask `[N]`) and inserts the wanted keys, evicting if full.
 
-    `keys [Q, 2]` are sorted and distinct (the wanted ones absent from the
-    set). They take, in key order: free slots (the first `capacity` slots
+    `keys [Q, 2]` are distinct (the wanted ones absent from the set), in any
+    order. They take, in key order: free slots (the first `capacity` slots
     only), the removed slots, then the slots of the least recently used
     keys whose `last < step` (ties by key). Keys left without a slot get -1.
     New keys get `last = step`.
     """
     k = want.sum()
+
+    def sorted_insert():
+        hi, lo, at = jax.lax.sort((keys[:, 0].astype(jnp.uint32), keys[:, 1].astype(jnp.uint32),
+                                   jnp.arange(keys.shape[0], dtype=jnp.int32)), num_keys=2)
+        done = _insert(s, capacity, jnp.stack([hi, lo], -1).astype(jnp.int32), want[at], removed, step, k)
+        return done._replace(slots=jnp.zeros_like(done.slots).at[at].set(done.slots))
+
     unchanged = lambda: Inserted(s, jnp.full_like(want, -1, dtype=jnp.int32), jnp.zeros_like(s.size))
-    return jax.lax.cond((k > 0) | removed.any(), lambda: _insert(s, capacity, keys, want, removed, step, k), unchanged)
+    return jax.lax.cond((k > 0) | removed.any(), sorted_insert, unchanged)
 
 
 def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> Inserted:

@@ -208,7 +208,8 @@ static inline void split_row(const Layout *lay, u64 r, i64 *shard, i64 *col)
    first checked branch-free (vectorized): 0 <= id + padding < vocab + padding. */
 static void validate_ids(const Py_buffer *ids, const float *w, i64 n, i64 vocab, int padding, i64 *bad_id, i64 *bad_w)
 {
-    const u64 p = padding ? 1 : 0, limit = (u64)vocab + p;
+    const u64 lim = vocab < 0 ? 1ULL << 63 : (u64)vocab; /* vocab < 0: raw ids, any id in [0, 2**63) */
+    const u64 p = padding ? 1 : 0, limit = lim + p;
     *bad_id = *bad_w = -1;
     for (i64 lo = 0; lo < n; lo += 4096) {
         i64 hi = n - lo < 4096 ? n : lo + 4096;
@@ -226,7 +227,7 @@ static void validate_ids(const Py_buffer *ids, const float *w, i64 n, i64 vocab,
             i64 id = id_at(ids, k);
             if (padding && id == -1)
                 continue;
-            if ((u64)id >= (u64)vocab) {
+            if ((u64)id >= lim) {
                 *bad_id = k;
                 return;
             }
@@ -334,6 +335,132 @@ static int fill_ids(const Feature *fs, Py_ssize_t nf, const Layout *lay, double 
     return 0;
 }
 
+
+/* ------------------------------------------------------------------ raw 64-bit ids */
+
+/* A raw id's owner shard is splitmix64(id) % S (host/raw_ids.py: owner_shards). */
+static inline u64 splitmix64(u64 z)
+{
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* One device's distinct ids: open addressing, key id + 1 (0 = empty), cleared through `used`. */
+typedef struct {
+    u64 *keys;
+    i64 *vals, *used, n_used, mask;
+} IdSet;
+
+static int idset_init(IdSet *t, i64 n)
+{
+    i64 size = 16;
+    while (size < 2 * n)
+        size *= 2;
+    t->keys = calloc((size_t)size, sizeof(u64));
+    t->vals = malloc((size_t)size * sizeof(i64));
+    t->used = malloc((size_t)(n + 1) * sizeof(i64));
+    t->n_used = 0;
+    t->mask = size - 1;
+    return t->keys && t->vals && t->used ? 0 : -1;
+}
+
+static void idset_free(IdSet *t)
+{
+    free(t->keys);
+    free(t->vals);
+    free(t->used);
+}
+
+static void idset_clear(IdSet *t)
+{
+    while (t->n_used)
+        t->keys[t->used[--t->n_used]] = 0;
+}
+
+/* The value slot of `id` (u64 < 2**63); *fresh = 1 if it was not there (its value is then unset). */
+static inline i64 *idset_slot(IdSet *t, u64 id, u64 hash, int *fresh)
+{
+    i64 h = (i64)(hash & (u64)t->mask);
+    while (t->keys[h] && t->keys[h] != id + 1)
+        h = (h + 1) & t->mask;
+    *fresh = !t->keys[h];
+    if (*fresh) {
+        t->keys[h] = id + 1;
+        t->used[t->n_used++] = h;
+    }
+    return &t->vals[h];
+}
+
+/* Entries and distinct ids per partition d * S + owner shard. -1 on a negative id. */
+static int count_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, IdSet *seen, int64_t *counts, i64 *unique)
+{
+    const i64 S = lay->shards;
+    for (i64 d = 0; d < lay->devices; d++) {
+        for (Py_ssize_t i = 0; i < nf; i++) {
+            const Feature *f = &fs[i];
+            i64 spd = f->samples_per_device;
+            FOR_EACH_ID(f, d * spd, (d + 1) * spd,
+                if (id < 0)
+                    return -1;
+                u64 h = splitmix64((u64)id);
+                int fresh;
+                idset_slot(seen, (u64)id, h, &fresh);
+                i64 key = d * S + (i64)(h % (u64)S);
+                counts[key]++;
+                unique[key] += fresh;);
+        }
+        idset_clear(seen);
+    }
+    return 0;
+}
+
+/* fill_ids for raw ids: the column of an entry is its id's number among the distinct ids of its
+   partition that fit `cap`, by first occurrence; keys[(key * cap + j) * 2] gets the id's (hi, lo). */
+static int fill_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, double *const *dens, i64 cap,
+                    i64 rows_per_device, IdSet *seen, i64 *cursor, i64 *next, int32_t *cols, int32_t *rows,
+                    float *vals, int32_t *keys)
+{
+    const i64 S = lay->shards;
+    for (i64 d = 0; d < lay->devices; d++) {
+        for (Py_ssize_t i = 0; i < nf; i++) {
+            const Feature *f = &fs[i];
+            const float *w = f->weights.buf;
+            const double *den = dens[i];
+            const i64 spd = f->samples_per_device, per = rows_per_sample(f), seq = f->seq_len > 0;
+            const i64 row_base = f->row_offset - d * spd * per;
+            FOR_EACH_ID(f, d * spd, (d + 1) * spd,
+                if (id < 0)
+                    return -1;
+                u64 h = splitmix64((u64)id);
+                i64 key = d * S + (i64)(h % (u64)S), slot = cursor[key]++;
+                if (slot >= cap)
+                    continue;
+                slot += key * cap;
+                int fresh;
+                i64 *j = idset_slot(seen, (u64)id, h, &fresh);
+                if (fresh) {
+                    *j = next[key]++;
+                    keys[(key * cap + *j) * 2] = (int32_t)(uint32_t)((u64)id >> 32);
+                    keys[(key * cap + *j) * 2 + 1] = (int32_t)(uint32_t)(u64)id;
+                }
+                i64 row = b * per + (seq ? pos : 0);
+                float x = w ? w[k] : 1.0f;
+                cols[slot] = (int32_t)*j;
+                rows[slot] = (int32_t)(row_base + row);
+                vals[slot] = !den ? x : den[row] != 0 ? (float)((double)x / den[row]) : 0.0f;);
+        }
+        idset_clear(seen);
+    }
+    for (i64 key = 0; key < lay->devices * S; key++)
+        for (i64 s = key * cap + (cursor[key] < cap ? cursor[key] : cap); s < (key + 1) * cap; s++) {
+            cols[s] = (int32_t)cap;
+            rows[s] = (int32_t)rows_per_device;
+            vals[s] = 0.0f;
+        }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ Python API */
 
 static PyObject *ids_changed(void)
@@ -371,10 +498,11 @@ static PyObject *py_count(PyObject *self, PyObject *args)
 {
     PyObject *feats, *counts_obj, *result = NULL;
     i64 devices, shards, total_rows, max_unique = 0;
+    int raw = 0; /* raw 64-bit ids: partitions by owner shard, distinct ids per partition */
     Layout lay;
     Py_buffer counts = {0};
     Py_ssize_t nf = 0;
-    if (!PyArg_ParseTuple(args, "OLLLO", &feats, &devices, &shards, &total_rows, &counts_obj)
+    if (!PyArg_ParseTuple(args, "OLLLO|p", &feats, &devices, &shards, &total_rows, &counts_obj, &raw)
         || make_layout(&lay, devices, shards, total_rows) < 0)
         return NULL;
     Feature *fs = parse_features(feats, &nf, devices, total_rows);
@@ -389,13 +517,15 @@ static PyObject *py_count(PyObject *self, PyObject *args)
     i64 n = 1;
     for (Py_ssize_t i = 0; i < nf; i++)
         n += fs[i].n;
-    u64 *seen = calloc((size_t)(total_rows / 64 + 1), sizeof(u64));
-    i64 *touched = malloc((size_t)n * sizeof(i64)), *unique = calloc((size_t)(devices * shards), sizeof(i64));
+    u64 *seen = raw ? NULL : calloc((size_t)(total_rows / 64 + 1), sizeof(u64));
+    i64 *touched = raw ? NULL : malloc((size_t)n * sizeof(i64)), *unique = calloc((size_t)(devices * shards), sizeof(i64));
+    IdSet ids = {0};
     int status = 0;
-    if (seen && touched && unique) {
+    if ((raw ? idset_init(&ids, n) == 0 : seen && touched) && unique) {
         memset(counts.buf, 0, (size_t)counts.len);
         Py_BEGIN_ALLOW_THREADS
-        status = count_ids(fs, nf, &lay, seen, touched, counts.buf, unique);
+        status = raw ? count_raw(fs, nf, &lay, &ids, counts.buf, unique)
+                     : count_ids(fs, nf, &lay, seen, touched, counts.buf, unique);
         Py_END_ALLOW_THREADS
         for (i64 key = 0; key < devices * shards; key++)
             max_unique = unique[key] > max_unique ? unique[key] : max_unique;
@@ -406,6 +536,7 @@ static PyObject *py_count(PyObject *self, PyObject *args)
     free(seen);
     free(touched);
     free(unique);
+    idset_free(&ids);
 done:
     PyBuffer_Release(&counts);
     release_features(fs, nf);
@@ -414,28 +545,35 @@ done:
 
 static PyObject *py_fill(PyObject *self, PyObject *args)
 {
-    PyObject *feats, *out_obj[3], *result = NULL;
+    PyObject *feats, *out_obj[4] = {NULL, NULL, NULL, NULL}, *result = NULL;
     i64 devices, shards, total_rows, cap, rows_per_device;
     Layout lay;
-    Py_buffer out[3] = {{0}};
+    Py_buffer out[4] = {{0}};
     Py_ssize_t nf = 0;
-    if (!PyArg_ParseTuple(args, "OLLLLLOOO", &feats, &devices, &shards, &total_rows, &cap, &rows_per_device,
-                          &out_obj[0], &out_obj[1], &out_obj[2])
+    /* a 4th output, keys [devices * shards * cap, 2] int32 prefilled with -1: raw 64-bit ids */
+    if (!PyArg_ParseTuple(args, "OLLLLLOOO|O", &feats, &devices, &shards, &total_rows, &cap, &rows_per_device,
+                          &out_obj[0], &out_obj[1], &out_obj[2], &out_obj[3])
         || make_layout(&lay, devices, shards, total_rows) < 0)
         return NULL;
     Feature *fs = parse_features(feats, &nf, devices, total_rows);
     if (!fs)
         return NULL;
-    for (int j = 0; j < 3; j++)
-        if (get_buffer(out_obj[j], &out[j], j < 2 ? 'i' : 'f', 1, "outputs") < 0)
+    const int raw = out_obj[3] != NULL, n_out = raw ? 4 : 3;
+    for (int j = 0; j < n_out; j++)
+        if (get_buffer(out_obj[j], &out[j], j == 2 ? 'f' : 'i', 1, "outputs") < 0)
             goto done;
-    if (cap < 0 || out[0].len / 4 != devices * shards * cap || out[1].len != out[0].len || out[2].len != out[0].len) {
-        PyErr_SetString(PyExc_ValueError, "outputs must be [devices * shards * cap]");
+    if (cap < 0 || out[0].len / 4 != devices * shards * cap || out[1].len != out[0].len || out[2].len != out[0].len
+        || (raw && out[3].len != 2 * out[0].len)) {
+        PyErr_SetString(PyExc_ValueError, "outputs must be [devices * shards * cap] (keys: [..., 2])");
         goto done;
     }
-    i64 *cursor = calloc((size_t)(devices * shards), sizeof(i64));
+    i64 n = 1;
+    for (Py_ssize_t i = 0; i < nf; i++)
+        n += fs[i].n;
+    IdSet ids = {0};
+    i64 *cursor = calloc((size_t)(devices * shards), sizeof(i64)), *next = calloc((size_t)(devices * shards), sizeof(i64));
     double **dens = calloc((size_t)nf + 1, sizeof(double *));
-    int ok = cursor && dens, status = 0;
+    int ok = cursor && next && dens && (!raw || idset_init(&ids, n) == 0), status = 0;
     for (Py_ssize_t i = 0; ok && i < nf; i++)
         if (fs[i].combiner != 0)
             ok = (dens[i] = calloc((size_t)(fs[i].batch * rows_per_sample(&fs[i]) + 1), sizeof(double))) != NULL;
@@ -444,7 +582,9 @@ static PyObject *py_fill(PyObject *self, PyObject *args)
         for (Py_ssize_t i = 0; i < nf; i++)
             if (dens[i])
                 denominators(&fs[i], devices, dens[i]);
-        status = fill_ids(fs, nf, &lay, dens, cap, rows_per_device, cursor, out[0].buf, out[1].buf, out[2].buf);
+        status = raw ? fill_raw(fs, nf, &lay, dens, cap, rows_per_device, &ids, cursor, next, out[0].buf, out[1].buf,
+                                out[2].buf, out[3].buf)
+                     : fill_ids(fs, nf, &lay, dens, cap, rows_per_device, cursor, out[0].buf, out[1].buf, out[2].buf);
         Py_END_ALLOW_THREADS
         result = status < 0 ? ids_changed() : Py_NewRef(Py_None);
     } else {
@@ -454,8 +594,10 @@ static PyObject *py_fill(PyObject *self, PyObject *args)
         free(dens[i]);
     free(dens);
     free(cursor);
+    free(next);
+    idset_free(&ids);
 done:
-    for (int j = 0; j < 3; j++)
+    for (int j = 0; j < 4; j++)
         PyBuffer_Release(&out[j]);
     release_features(fs, nf);
     return result;

@@ -228,13 +228,14 @@ def canonical(feature: FeatureSpec, ids: Any, weights: Any = None, *, xp=np, che
     return CanonicalIds(values, w, lengths)
 
 
-def checked(feature: FeatureSpec, ids: Any, weights: Any = None) -> CanonicalIds:
+def checked(feature: FeatureSpec, ids: Any, weights: Any = None, *, raw: bool = False) -> CanonicalIds:
     """`flatten`'s checks, with the same errors, in C and without flattening: preprocessing's native input.
 
-    Needs the C extension (`native.extension()` is not None).
+    Needs the C extension (`native.extension()` is not None). `raw`: as `flatten`'s.
     """
     c = canonical(feature, ids, weights)
-    bad_id, bad_weight = native.extension().validate(c.ids, c.weights, feature.table.vocabulary_size, c.dense)
+    vocab = -1 if raw else feature.table.vocabulary_size  # -1: any id in [0, 2**63)
+    bad_id, bad_weight = native.extension().validate(c.ids, c.weights, vocab, c.dense)
     if bad_id >= 0:
         raise _bad_id(feature, int(c.ids.flat[bad_id]), c.sample_of(bad_id), c.dense)
     if bad_weight >= 0:

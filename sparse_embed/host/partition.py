@@ -141,19 +141,20 @@ def _partition_numpy(stack: StackPlan, flats: dict[str, FlatIds], num_devices: i
 _COMBINER_CODES = {"sum": 0, "mean": 1, "sqrtn": 2}  # the C extension's codes
 
 
-def _native_feature(lay: FeatureLayout, ids: CanonicalIds) -> tuple:
+def native_feature(lay: FeatureLayout, ids: CanonicalIds, *, raw: bool = False) -> tuple:
     """One feature as `count` / `fill` of the C extension read it (see `parse_features` in _native.c)."""
     f = lay.feature
     offsets = None if ids.dense else np.concatenate(([0], np.cumsum(ids.lengths)))
     batch, width = ids.ids.shape if ids.dense else (ids.lengths.size, 0)
-    return (ids.ids, ids.weights, offsets, batch, width, f.table.vocabulary_size, lay.table_row_offset,
-            lay.row_offset, lay.samples_per_device, f.max_sequence_length, _COMBINER_CODES[f.table.combiner])
+    vocab, offset = (0, 0) if raw else (f.table.vocabulary_size, lay.table_row_offset)  # raw ids: no rows
+    return (ids.ids, ids.weights, offsets, batch, width, vocab, offset, lay.row_offset, lay.samples_per_device,
+            f.max_sequence_length, _COMBINER_CODES[f.table.combiner])
 
 
 def _partition_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_devices: int) -> Partitioned:
     """One counting pass now, a counting sort into the outputs in `scatter`."""
     ext, D, S = native.extension(), num_devices, stack.num_shards
-    feats = [_native_feature(lay, flats[lay.feature.name]) for lay in stack.features]
+    feats = [native_feature(lay, flats[lay.feature.name]) for lay in stack.features]
     counts = np.empty(D * S, np.int64)
     max_unique = ext.count(feats, D, S, stack.total_rows, counts)
 

@@ -20,7 +20,7 @@ from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.host import distributed, native, plan_state
 from sparse_embed.host.ids import CanonicalIds, FlatIds, checked, error, flatten
 from sparse_embed.host.partition import Partitioned, partition
-from sparse_embed.host.raw_ids import flatten_raw, partition_raw
+from sparse_embed.host.raw_ids import checked_raw, flatten_raw, partition_raw
 
 
 def _check_keys(plan: EmbeddingPlan, ids, weights) -> dict:
@@ -70,7 +70,8 @@ def _checked_features(plan: EmbeddingPlan, ids, weights, num_local: int) -> dict
             local_batch = f.batch_size // plan.num_shards * num_local
             _check_local_batch(plan, name, ids[name], local_batch, num_local)
             f = dataclasses.replace(f, batch_size=local_batch)
-        out[name] = (flatten_raw if f.table.dynamic else check)(f, ids[name], weights.get(name))
+        raw_check = flatten_raw if native.extension() is None else checked_raw
+        out[name] = (raw_check if f.table.dynamic else check)(f, ids[name], weights.get(name))
     return out
 
 

@@ -4,7 +4,7 @@ A raw-id table's entries are partitioned like a static table's (per
 device, per destination shard, entries in row order), but the destination
 is the id's *owner* shard, `splitmix64(id) % S`, and instead of a row the
 entry carries `j`, the index of its id among the distinct ids of its
-partition (those that fit the capacity), numbered in increasing id order;
+partition (those that fit the capacity), numbered by first occurrence;
 `keys[d, s * cap + j]` holds that id as two int32 words, so `j < cap`.
 Padding entries have `col_id = cap`.
 """
@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from sparse_embed.core.planning import StackPlan
-from sparse_embed.host.ids import FlatIds, error, flatten
-from sparse_embed.host.partition import Partitioned, gains
+from sparse_embed.host import native
+from sparse_embed.host.ids import CanonicalIds, FlatIds, checked, error, flatten
+from sparse_embed.host.partition import Partitioned, gains, native_feature
 
 MAX_ID = 2**63 - 1
 
@@ -54,13 +55,23 @@ def _uint64_parts(x: Any) -> list:
     return [x]
 
 
-def flatten_raw(feature, ids: Any, weights: Any = None) -> FlatIds:
-    """`flatten` for a raw-id table: ids are integers in `[0, 2**63)` (dense -1 = padding), as int64."""
+def _check_uint64(feature, ids: Any) -> None:
     for part in _uint64_parts(ids):
         a = np.asarray(part)
         if a.dtype == np.uint64 and a.size and int(a.max()) > MAX_ID:
             raise error(feature, f"raw id {int(a.max())} is out of range: raw ids must be < 2**63.")
+
+
+def flatten_raw(feature, ids: Any, weights: Any = None) -> FlatIds:
+    """`flatten` for a raw-id table: ids are integers in `[0, 2**63)` (dense -1 = padding), as int64."""
+    _check_uint64(feature, ids)
     return flatten(feature, ids, weights, raw=True)
+
+
+def checked_raw(feature, ids: Any, weights: Any = None) -> CanonicalIds:
+    """`flatten_raw`'s checks in C, without flattening (the input of `partition_raw`'s C path)."""
+    _check_uint64(feature, ids)
+    return checked(feature, ids, weights, raw=True)
 
 
 def _entries(stack: StackPlan, flats: dict[str, FlatIds]):
@@ -82,29 +93,57 @@ def _entries(stack: StackPlan, flats: dict[str, FlatIds]):
 
 
 def _numbered(key: np.ndarray, ids: np.ndarray, num_partitions: int):
-    """Each entry's `j`: the rank of its id among the distinct ids of its partition, in id order.
+    """Each entry's `j`: the rank of its id among the distinct ids of its partition, by first occurrence.
 
-    Returns `(j [N], first [N] bool: the entry that writes its id's key, max distinct per partition)`.
+    Entries come grouped by partition (in row order inside each). Returns
+    `(j [N], first [N] bool: the entry that writes its id's key, max distinct per partition)`.
     """
     o = np.argsort(ids, kind="stable")
     o = o[np.argsort(key[o].astype(np.uint16) if num_partitions <= 2**16 else key[o], kind="stable")]
     sk, si = key[o], ids[o]
     first = np.ones(sk.size, bool)
     first[1:] = (sk[1:] != sk[:-1]) | (si[1:] != si[:-1])
-    distinct = np.bincount(sk[first], minlength=num_partitions)
+    starts = o[first]  # each distinct (partition, id)'s first entry
+    by_entry = np.argsort(starts, kind="stable")  # partition-major, as entries are
+    pk = sk[first][by_entry]
+    distinct = np.bincount(pk, minlength=num_partitions)
+    rank = np.empty(starts.size, np.int64)
+    rank[by_entry] = np.arange(starts.size) - (np.cumsum(distinct) - distinct)[pk]
     j = np.empty(sk.size, np.int64)
-    j[o] = np.cumsum(first) - 1 - (np.cumsum(distinct) - distinct)[sk]
+    j[o] = rank[np.cumsum(first) - 1]
     is_first = np.zeros(sk.size, bool)
-    is_first[o] = first
+    is_first[starts] = True
     return j, is_first, int(distinct.max()) if distinct.size else 0
 
 
-def partition_raw(stack: StackPlan, flats: dict[str, FlatIds], num_devices: int) -> Partitioned:
+def _partition_raw_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_devices: int) -> Partitioned:
+    """The C extension's counting pass now, its counting sort (and numbering) into the outputs in `scatter`."""
+    ext, D, S = native.extension(), num_devices, stack.num_shards
+    feats = [native_feature(lay, flats[lay.feature.name], raw=True) for lay in stack.features]
+    counts = np.empty(D * S, np.int64)
+    max_unique = ext.count(feats, D, S, 0, counts, True)
+
+    def scatter(cap: int):
+        n = D * S * cap
+        out = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32), np.full((n, 2), -1, np.int32)
+        ext.fill(feats, D, S, 0, cap, stack.rows_per_device, *out)
+        return out
+
+    return Partitioned(counts, max_unique, scatter)
+
+
+def partition_raw(stack: StackPlan, flats: dict[str, FlatIds | CanonicalIds], num_devices: int) -> Partitioned:
+    """`partition_numpy_raw` for `FlatIds`, the C extension's for `CanonicalIds` (bit for bit the same)."""
+    if isinstance(flats[stack.features[0].feature.name], CanonicalIds):
+        return _partition_raw_native(stack, flats, num_devices)
+    return partition_numpy_raw(stack, flats, num_devices)
+
+
+def partition_numpy_raw(stack: StackPlan, flats: dict[str, FlatIds], num_devices: int) -> Partitioned:
     """A raw-id stack's entries per partition; `scatter(cap)` also returns the keys `[D * S * cap, 2]`.
 
-    A partition's keys are its distinct ids in increasing order (then unused
-    slots), numbered among the entries that fit `cap`, so `map_ids` on one
-    device finds them sorted and distinct already.
+    A partition's keys are its distinct ids in order of first occurrence
+    (then unused slots), numbered among the entries that fit `cap`.
     """
     D, S = num_devices, stack.num_shards
     key, ids, row, val = _entries(stack, flats)

@@ -48,7 +48,7 @@ def _assert_same(native, numpy_, error: bool = False):
     assert not isinstance(native, str) and not isinstance(numpy_, str), (native, numpy_)
     (batch, stats), (want, want_stats) = native, numpy_
     chex.assert_trees_all_equal_shapes_and_dtypes(batch, want)
-    bits = lambda tree: {k: [np.asarray(x).view(np.int32) for x in coo[:5]] for k, coo in tree.items()}
+    bits = lambda tree: {k: [np.asarray(x).view(np.int32) for x in coo if x is not None] for k, coo in tree.items()}
     chex.assert_trees_all_equal(bits(batch), bits(want))
     assert stats == want_stats
 
@@ -240,3 +240,24 @@ def test_env_var_forces_the_numpy_path():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPARSE_EMBED_NATIVE": "0"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None"
+
+
+@pytest.mark.parametrize("n_dev, capacity", [(1, None), (2, None), (8, None), (2, 8), (3, 16), (1, 8)])
+def test_raw_id_partition_is_the_same_in_c(monkeypatch, n_dev, capacity):
+    """Raw 64-bit ids: owner shards, first-occurrence numbering, keys, drops and stats, C = numpy, bit for bit."""
+    rng = np.random.default_rng(n_dev)
+    raw = se.TableSpec("raw", 30, 4, combiner="sqrtn", dynamic=se.Dynamic())
+    feats = [se.FeatureSpec("a", raw, 24), se.FeatureSpec("s", raw, 24, max_sequence_length=3)]
+    plan = se.plan(feats, make_mesh(n_dev), capacity=capacity, on_overflow="drop")
+    pool = np.concatenate([rng.integers(0, 2**63 - 1, 40, dtype=np.int64), [0, 2**63 - 1]])
+    dense = pool[rng.integers(0, pool.size, (24, 4))]
+    dense[rng.random((24, 4)) < 0.3] = -1
+    rows = [pool[rng.integers(0, pool.size, rng.integers(0, 6))].astype(np.uint64) for _ in range(24)]
+    weights = rng.uniform(0.5, 2, (24, 4)).astype(np.float32)
+    got = _both(monkeypatch, lambda: se.preprocess(plan, {"a": dense, "s": rows}, {"a": weights}, device_put=False))
+    _assert_same(*got)
+    assert got[0][0]["raw"].keys is not None
+    if capacity:
+        assert got[0][1].dropped_ids["raw"] > 0
+    bad = [np.array([-3, 5])] + rows[1:]
+    _assert_same(*_both(monkeypatch, lambda: se.preprocess(plan, {"a": dense, "s": bad}, device_put=False)), error=True)
