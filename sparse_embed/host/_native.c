@@ -392,10 +392,15 @@ static inline i64 *idset_slot(IdSet *t, u64 id, u64 hash, int *fresh)
     return &t->vals[h];
 }
 
-/* Entries and distinct ids per partition d * S + owner shard. -1 on a negative id. */
-static int count_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, IdSet *seen, int64_t *counts, i64 *unique)
+/* Entries and distinct ids per partition d * S + owner shard; for every entry (in the order fill_raw
+   meets them) its partition and its id's number among the distinct ids of the partition, by first
+   occurrence (the numbers of the entries that fit a capacity are their numbers among those entries,
+   as they come first). -1 on a negative id. */
+static int count_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, IdSet *seen, int64_t *counts, i64 *unique,
+                     int32_t *part, int32_t *num)
 {
     const i64 S = lay->shards;
+    i64 e = 0;
     for (i64 d = 0; d < lay->devices; d++) {
         for (Py_ssize_t i = 0; i < nf; i++) {
             const Feature *f = &fs[i];
@@ -405,23 +410,25 @@ static int count_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, IdSet 
                     return -1;
                 u64 h = splitmix64((u64)id);
                 int fresh;
-                idset_slot(seen, (u64)id, h, &fresh);
-                i64 key = d * S + (i64)(h % (u64)S);
+                i64 key = d * S + (i64)(h % (u64)S), *j = idset_slot(seen, (u64)id, h >> 20, &fresh);
+                if (fresh)
+                    *j = unique[key]++;
                 counts[key]++;
-                unique[key] += fresh;);
+                part[e] = (int32_t)key;
+                num[e++] = (int32_t)*j;);
         }
         idset_clear(seen);
     }
     return 0;
 }
 
-/* fill_ids for raw ids: the column of an entry is its id's number among the distinct ids of its
-   partition that fit `cap`, by first occurrence; keys[(key * cap + j) * 2] gets the id's (hi, lo). */
+/* fill_ids for raw ids, from count_raw's partitions and numbers: the column of an entry is its id's
+   number; keys[(key * cap + j) * 2] gets the id's (hi, lo). */
 static int fill_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, double *const *dens, i64 cap,
-                    i64 rows_per_device, IdSet *seen, i64 *cursor, i64 *next, int32_t *cols, int32_t *rows,
-                    float *vals, int32_t *keys)
+                    i64 rows_per_device, const int32_t *part, const int32_t *num, i64 n, i64 *cursor,
+                    int32_t *cols, int32_t *rows, float *vals, int32_t *keys)
 {
-    const i64 S = lay->shards;
+    i64 e = 0;
     for (i64 d = 0; d < lay->devices; d++) {
         for (Py_ssize_t i = 0; i < nf; i++) {
             const Feature *f = &fs[i];
@@ -430,29 +437,26 @@ static int fill_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, double 
             const i64 spd = f->samples_per_device, per = rows_per_sample(f), seq = f->seq_len > 0;
             const i64 row_base = f->row_offset - d * spd * per;
             FOR_EACH_ID(f, d * spd, (d + 1) * spd,
-                if (id < 0)
+                if (id < 0 || e >= n)
                     return -1;
-                u64 h = splitmix64((u64)id);
-                i64 key = d * S + (i64)(h % (u64)S), slot = cursor[key]++;
+                i64 key = part[e], j = num[e++], slot = cursor[key]++;
+                if (key < 0 || key >= lay->devices * lay->shards || j < 0)
+                    return -1;
                 if (slot >= cap)
                     continue;
+                if (j >= cap) /* kept entries' numbers are below cap, unless the ids changed */
+                    return -1;
                 slot += key * cap;
-                int fresh;
-                i64 *j = idset_slot(seen, (u64)id, h, &fresh);
-                if (fresh) {
-                    *j = next[key]++;
-                    keys[(key * cap + *j) * 2] = (int32_t)(uint32_t)((u64)id >> 32);
-                    keys[(key * cap + *j) * 2 + 1] = (int32_t)(uint32_t)(u64)id;
-                }
+                keys[(key * cap + j) * 2] = (int32_t)(uint32_t)((u64)id >> 32);
+                keys[(key * cap + j) * 2 + 1] = (int32_t)(uint32_t)(u64)id;
                 i64 row = b * per + (seq ? pos : 0);
                 float x = w ? w[k] : 1.0f;
-                cols[slot] = (int32_t)*j;
+                cols[slot] = (int32_t)j;
                 rows[slot] = (int32_t)(row_base + row);
                 vals[slot] = !den ? x : den[row] != 0 ? (float)((double)x / den[row]) : 0.0f;);
         }
-        idset_clear(seen);
     }
-    for (i64 key = 0; key < lay->devices * S; key++)
+    for (i64 key = 0; key < lay->devices * lay->shards; key++)
         for (i64 s = key * cap + (cursor[key] < cap ? cursor[key] : cap); s < (key + 1) * cap; s++) {
             cols[s] = (int32_t)cap;
             rows[s] = (int32_t)rows_per_device;
@@ -496,13 +500,14 @@ static PyObject *py_validate(PyObject *self, PyObject *args)
 
 static PyObject *py_count(PyObject *self, PyObject *args)
 {
-    PyObject *feats, *counts_obj, *result = NULL;
+    PyObject *feats, *counts_obj, *scratch_obj[2] = {NULL, NULL}, *result = NULL;
     i64 devices, shards, total_rows, max_unique = 0;
-    int raw = 0; /* raw 64-bit ids: partitions by owner shard, distinct ids per partition */
     Layout lay;
-    Py_buffer counts = {0};
+    Py_buffer counts = {0}, scratch[2] = {{0}};
     Py_ssize_t nf = 0;
-    if (!PyArg_ParseTuple(args, "OLLLO|p", &feats, &devices, &shards, &total_rows, &counts_obj, &raw)
+    /* raw 64-bit ids: two int32 [>= number of ids] outputs, each entry's partition and number (fill_raw) */
+    if (!PyArg_ParseTuple(args, "OLLLO|OO", &feats, &devices, &shards, &total_rows, &counts_obj, &scratch_obj[0],
+                          &scratch_obj[1])
         || make_layout(&lay, devices, shards, total_rows) < 0)
         return NULL;
     Feature *fs = parse_features(feats, &nf, devices, total_rows);
@@ -517,6 +522,14 @@ static PyObject *py_count(PyObject *self, PyObject *args)
     i64 n = 1;
     for (Py_ssize_t i = 0; i < nf; i++)
         n += fs[i].n;
+    const int raw = scratch_obj[1] != NULL;
+    for (int j = 0; raw && j < 2; j++)
+        if (get_buffer(scratch_obj[j], &scratch[j], 'i', 1, "scratch") < 0)
+            goto done;
+    if (raw && (scratch[0].len / 4 < n - 1 || scratch[1].len / 4 < n - 1)) {
+        PyErr_SetString(PyExc_ValueError, "scratch must hold an int32 per id");
+        goto done;
+    }
     u64 *seen = raw ? NULL : calloc((size_t)(total_rows / 64 + 1), sizeof(u64));
     i64 *touched = raw ? NULL : malloc((size_t)n * sizeof(i64)), *unique = calloc((size_t)(devices * shards), sizeof(i64));
     IdSet ids = {0};
@@ -524,7 +537,7 @@ static PyObject *py_count(PyObject *self, PyObject *args)
     if ((raw ? idset_init(&ids, n) == 0 : seen && touched) && unique) {
         memset(counts.buf, 0, (size_t)counts.len);
         Py_BEGIN_ALLOW_THREADS
-        status = raw ? count_raw(fs, nf, &lay, &ids, counts.buf, unique)
+        status = raw ? count_raw(fs, nf, &lay, &ids, counts.buf, unique, scratch[0].buf, scratch[1].buf)
                      : count_ids(fs, nf, &lay, seen, touched, counts.buf, unique);
         Py_END_ALLOW_THREADS
         for (i64 key = 0; key < devices * shards; key++)
@@ -539,26 +552,28 @@ static PyObject *py_count(PyObject *self, PyObject *args)
     idset_free(&ids);
 done:
     PyBuffer_Release(&counts);
+    PyBuffer_Release(&scratch[0]);
+    PyBuffer_Release(&scratch[1]);
     release_features(fs, nf);
     return result;
 }
 
 static PyObject *py_fill(PyObject *self, PyObject *args)
 {
-    PyObject *feats, *out_obj[4] = {NULL, NULL, NULL, NULL}, *result = NULL;
+    PyObject *feats, *out_obj[6] = {NULL}, *result = NULL;
     i64 devices, shards, total_rows, cap, rows_per_device;
     Layout lay;
-    Py_buffer out[4] = {{0}};
+    Py_buffer out[6] = {{0}};
     Py_ssize_t nf = 0;
-    /* a 4th output, keys [devices * shards * cap, 2] int32 prefilled with -1: raw 64-bit ids */
-    if (!PyArg_ParseTuple(args, "OLLLLLOOO|O", &feats, &devices, &shards, &total_rows, &cap, &rows_per_device,
-                          &out_obj[0], &out_obj[1], &out_obj[2], &out_obj[3])
+    /* raw 64-bit ids: keys [devices * shards * cap, 2] int32 prefilled with -1, and count's two scratch arrays */
+    if (!PyArg_ParseTuple(args, "OLLLLLOOO|OOO", &feats, &devices, &shards, &total_rows, &cap, &rows_per_device,
+                          &out_obj[0], &out_obj[1], &out_obj[2], &out_obj[3], &out_obj[4], &out_obj[5])
         || make_layout(&lay, devices, shards, total_rows) < 0)
         return NULL;
     Feature *fs = parse_features(feats, &nf, devices, total_rows);
     if (!fs)
         return NULL;
-    const int raw = out_obj[3] != NULL, n_out = raw ? 4 : 3;
+    const int raw = out_obj[5] != NULL, n_out = raw ? 6 : 3;
     for (int j = 0; j < n_out; j++)
         if (get_buffer(out_obj[j], &out[j], j == 2 ? 'f' : 'i', 1, "outputs") < 0)
             goto done;
@@ -567,13 +582,16 @@ static PyObject *py_fill(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "outputs must be [devices * shards * cap] (keys: [..., 2])");
         goto done;
     }
-    i64 n = 1;
+    i64 n = 0;
     for (Py_ssize_t i = 0; i < nf; i++)
         n += fs[i].n;
-    IdSet ids = {0};
-    i64 *cursor = calloc((size_t)(devices * shards), sizeof(i64)), *next = calloc((size_t)(devices * shards), sizeof(i64));
+    if (raw && (out[4].len / 4 < n || out[5].len / 4 < n)) {
+        PyErr_SetString(PyExc_ValueError, "scratch must hold an int32 per id");
+        goto done;
+    }
+    i64 *cursor = calloc((size_t)(devices * shards), sizeof(i64));
     double **dens = calloc((size_t)nf + 1, sizeof(double *));
-    int ok = cursor && next && dens && (!raw || idset_init(&ids, n) == 0), status = 0;
+    int ok = cursor && dens, status = 0;
     for (Py_ssize_t i = 0; ok && i < nf; i++)
         if (fs[i].combiner != 0)
             ok = (dens[i] = calloc((size_t)(fs[i].batch * rows_per_sample(&fs[i]) + 1), sizeof(double))) != NULL;
@@ -582,8 +600,8 @@ static PyObject *py_fill(PyObject *self, PyObject *args)
         for (Py_ssize_t i = 0; i < nf; i++)
             if (dens[i])
                 denominators(&fs[i], devices, dens[i]);
-        status = raw ? fill_raw(fs, nf, &lay, dens, cap, rows_per_device, &ids, cursor, next, out[0].buf, out[1].buf,
-                                out[2].buf, out[3].buf)
+        status = raw ? fill_raw(fs, nf, &lay, dens, cap, rows_per_device, out[4].buf, out[5].buf, n, cursor,
+                                out[0].buf, out[1].buf, out[2].buf, out[3].buf)
                      : fill_ids(fs, nf, &lay, dens, cap, rows_per_device, cursor, out[0].buf, out[1].buf, out[2].buf);
         Py_END_ALLOW_THREADS
         result = status < 0 ? ids_changed() : Py_NewRef(Py_None);
@@ -594,10 +612,8 @@ static PyObject *py_fill(PyObject *self, PyObject *args)
         free(dens[i]);
     free(dens);
     free(cursor);
-    free(next);
-    idset_free(&ids);
 done:
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < 6; j++)
         PyBuffer_Release(&out[j]);
     release_features(fs, nf);
     return result;

@@ -121,12 +121,14 @@ def _partition_raw_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_
     ext, D, S = native.extension(), num_devices, stack.num_shards
     feats = [native_feature(lay, flats[lay.feature.name], raw=True) for lay in stack.features]
     counts = np.empty(D * S, np.int64)
-    max_unique = ext.count(feats, D, S, 0, counts, True)
+    n_ids = sum(f[0].size for f in feats)
+    scratch = np.empty(n_ids, np.int32), np.empty(n_ids, np.int32)  # each entry's partition and id number
+    max_unique = ext.count(feats, D, S, 0, counts, *scratch)
 
     def scatter(cap: int):
         n = D * S * cap
         out = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32), np.full((n, 2), -1, np.int32)
-        ext.fill(feats, D, S, 0, cap, stack.rows_per_device, *out)
+        ext.fill(feats, D, S, 0, cap, stack.rows_per_device, *out, *scratch)
         return out
 
     return Partitioned(counts, max_unique, scatter)
