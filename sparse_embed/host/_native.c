@@ -346,50 +346,71 @@ static inline u64 splitmix64(u64 z)
     return z ^ (z >> 31);
 }
 
-/* One device's distinct ids: open addressing, key id + 1 (0 = empty), cleared through `used`. */
+/* splitmix64(id) % S without a division when S is a power of 2. */
+static inline i64 owner_of(const Layout *lay, u64 h)
+{
+    return lay->shift >= 0 ? (i64)(h & (u64)(lay->shards - 1)) : (i64)(h % (u64)lay->shards);
+}
+
+/* One device's distinct ids: open addressing, key id + 1 (0 = empty) beside its value (one cache line
+   per probe), cleared through `used`. */
 typedef struct {
-    u64 *keys;
-    i64 *vals, *used, n_used, mask;
+    u64 key;
+    int32_t val, pad;
+} IdSlot;
+
+typedef struct {
+    IdSlot *slots;
+    i64 *used, n_used, mask;
+    int shift; /* 64 - log2(size) */
 } IdSet;
 
 static int idset_init(IdSet *t, i64 n)
 {
     i64 size = 16;
-    while (size < 2 * n)
+    t->shift = 60;
+    while (size < 2 * n) { /* load <= 1/2: short probes */
         size *= 2;
-    t->keys = calloc((size_t)size, sizeof(u64));
-    t->vals = malloc((size_t)size * sizeof(i64));
+        t->shift--;
+    }
+    /* fresh zero pages each call: faster here than a zeroed buffer kept across calls (measured) */
+    t->slots = calloc((size_t)size, sizeof(IdSlot));
     t->used = malloc((size_t)(n + 1) * sizeof(i64));
     t->n_used = 0;
     t->mask = size - 1;
-    return t->keys && t->vals && t->used ? 0 : -1;
+    return t->slots && t->used ? 0 : -1;
 }
 
 static void idset_free(IdSet *t)
 {
-    free(t->keys);
-    free(t->vals);
+    free(t->slots);
     free(t->used);
 }
 
 static void idset_clear(IdSet *t)
 {
     while (t->n_used)
-        t->keys[t->used[--t->n_used]] = 0;
+        t->slots[t->used[--t->n_used]].key = 0;
 }
 
-/* The value slot of `id` (u64 < 2**63); *fresh = 1 if it was not there (its value is then unset). */
-static inline i64 *idset_slot(IdSet *t, u64 id, u64 hash, int *fresh)
+/* Fibonacci hashing: the top bits of id times 2**64 / golden ratio. */
+static inline i64 idset_hash(const IdSet *t, u64 id)
 {
-    i64 h = (i64)(hash & (u64)t->mask);
-    while (t->keys[h] && t->keys[h] != id + 1)
+    return (i64)((id * 0x9E3779B97F4A7C15ULL) >> t->shift);
+}
+
+/* The value of `id` (u64 < 2**63); *fresh = 1 if it was not there (its value is then unset). */
+static inline int32_t *idset_slot(IdSet *t, u64 id, int *fresh)
+{
+    i64 h = idset_hash(t, id);
+    while (t->slots[h].key && t->slots[h].key != id + 1)
         h = (h + 1) & t->mask;
-    *fresh = !t->keys[h];
+    *fresh = !t->slots[h].key;
     if (*fresh) {
-        t->keys[h] = id + 1;
+        t->slots[h].key = id + 1;
         t->used[t->n_used++] = h;
     }
-    return &t->vals[h];
+    return &t->slots[h].val;
 }
 
 /* Entries and distinct ids per partition d * S + owner shard; for every entry (in the order fill_raw
@@ -408,11 +429,13 @@ static int count_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, IdSet 
             FOR_EACH_ID(f, d * spd, (d + 1) * spd,
                 if (id < 0)
                     return -1;
-                u64 h = splitmix64((u64)id);
+                if (k + 16 < f->n) /* the slot of an id a few ahead: its cache miss overlaps this one */
+                    __builtin_prefetch(&seen->slots[idset_hash(seen, (u64)id_at(&f->ids, k + 16))]);
                 int fresh;
-                i64 key = d * S + (i64)(h % (u64)S), *j = idset_slot(seen, (u64)id, h >> 20, &fresh);
+                i64 key = d * S + (S > 1 ? owner_of(lay, splitmix64((u64)id)) : 0);
+                int32_t *j = idset_slot(seen, (u64)id, &fresh);
                 if (fresh)
-                    *j = unique[key]++;
+                    *j = (int32_t)unique[key]++;
                 counts[key]++;
                 part[e] = (int32_t)key;
                 num[e++] = (int32_t)*j;);
@@ -423,9 +446,10 @@ static int count_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, IdSet 
 }
 
 /* fill_ids for raw ids, from count_raw's partitions and numbers: the column of an entry is its id's
-   number; keys[(key * cap + j) * 2] gets the id's (hi, lo). */
+   number; keys[(key * cap + j) * 2] gets the id's (hi, lo), unused keys -1. `named` (zeroed) counts
+   each partition's numbers. */
 static int fill_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, double *const *dens, i64 cap,
-                    i64 rows_per_device, const int32_t *part, const int32_t *num, i64 n, i64 *cursor,
+                    i64 rows_per_device, const int32_t *part, const int32_t *num, i64 n, i64 *cursor, i64 *named,
                     int32_t *cols, int32_t *rows, float *vals, int32_t *keys)
 {
     i64 e = 0;
@@ -446,6 +470,7 @@ static int fill_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, double 
                     continue;
                 if (j >= cap) /* kept entries' numbers are below cap, unless the ids changed */
                     return -1;
+                named[key] = j + 1 > named[key] ? j + 1 : named[key];
                 slot += key * cap;
                 keys[(key * cap + j) * 2] = (int32_t)(uint32_t)((u64)id >> 32);
                 keys[(key * cap + j) * 2 + 1] = (int32_t)(uint32_t)(u64)id;
@@ -456,12 +481,15 @@ static int fill_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, double 
                 vals[slot] = !den ? x : den[row] != 0 ? (float)((double)x / den[row]) : 0.0f;);
         }
     }
-    for (i64 key = 0; key < lay->devices * lay->shards; key++)
+    for (i64 key = 0; key < lay->devices * lay->shards; key++) {
         for (i64 s = key * cap + (cursor[key] < cap ? cursor[key] : cap); s < (key + 1) * cap; s++) {
             cols[s] = (int32_t)cap;
             rows[s] = (int32_t)rows_per_device;
             vals[s] = 0.0f;
         }
+        for (i64 s = key * cap + named[key]; s < (key + 1) * cap; s++)
+            keys[2 * s] = keys[2 * s + 1] = -1;
+    }
     return 0;
 }
 
@@ -530,9 +558,9 @@ static PyObject *py_count(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "scratch must hold an int32 per id");
         goto done;
     }
+    IdSet ids = {0};
     u64 *seen = raw ? NULL : calloc((size_t)(total_rows / 64 + 1), sizeof(u64));
     i64 *touched = raw ? NULL : malloc((size_t)n * sizeof(i64)), *unique = calloc((size_t)(devices * shards), sizeof(i64));
-    IdSet ids = {0};
     int status = 0;
     if ((raw ? idset_init(&ids, n) == 0 : seen && touched) && unique) {
         memset(counts.buf, 0, (size_t)counts.len);
@@ -565,7 +593,7 @@ static PyObject *py_fill(PyObject *self, PyObject *args)
     Layout lay;
     Py_buffer out[6] = {{0}};
     Py_ssize_t nf = 0;
-    /* raw 64-bit ids: keys [devices * shards * cap, 2] int32 prefilled with -1, and count's two scratch arrays */
+    /* raw 64-bit ids: keys [devices * shards * cap, 2] int32, and count's two scratch arrays */
     if (!PyArg_ParseTuple(args, "OLLLLLOOO|OOO", &feats, &devices, &shards, &total_rows, &cap, &rows_per_device,
                           &out_obj[0], &out_obj[1], &out_obj[2], &out_obj[3], &out_obj[4], &out_obj[5])
         || make_layout(&lay, devices, shards, total_rows) < 0)
@@ -589,7 +617,7 @@ static PyObject *py_fill(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "scratch must hold an int32 per id");
         goto done;
     }
-    i64 *cursor = calloc((size_t)(devices * shards), sizeof(i64));
+    i64 *cursor = calloc((size_t)(2 * devices * shards), sizeof(i64)); /* raw: then `named` */
     double **dens = calloc((size_t)nf + 1, sizeof(double *));
     int ok = cursor && dens, status = 0;
     for (Py_ssize_t i = 0; ok && i < nf; i++)
@@ -601,7 +629,7 @@ static PyObject *py_fill(PyObject *self, PyObject *args)
             if (dens[i])
                 denominators(&fs[i], devices, dens[i]);
         status = raw ? fill_raw(fs, nf, &lay, dens, cap, rows_per_device, out[4].buf, out[5].buf, n, cursor,
-                                out[0].buf, out[1].buf, out[2].buf, out[3].buf)
+                                cursor + devices * shards, out[0].buf, out[1].buf, out[2].buf, out[3].buf)
                      : fill_ids(fs, nf, &lay, dens, cap, rows_per_device, cursor, out[0].buf, out[1].buf, out[2].buf);
         Py_END_ALLOW_THREADS
         result = status < 0 ? ids_changed() : Py_NewRef(Py_None);

@@ -127,7 +127,7 @@ def _partition_raw_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_
 
     def scatter(cap: int):
         n = D * S * cap
-        out = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32), np.full((n, 2), -1, np.int32)
+        out = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32), np.empty((n, 2), np.int32)
         ext.fill(feats, D, S, 0, cap, stack.rows_per_device, *out, *scratch)
         return out
 
