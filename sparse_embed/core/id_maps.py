@@ -99,7 +99,7 @@ def shard_capacity(stack: StackPlan, shard: jax.Array) -> jax.Array:
 def _empty_sets(n: int, S: int) -> KeySet:
     one = key_set.empty(n)
     return KeySet(jnp.tile(one.keys, (S, 1)), jnp.tile(one.last, S), jnp.tile(one.order, S),
-                  jnp.zeros((S,), jnp.int32))
+                  jnp.zeros((S,), jnp.int32), jnp.tile(one.directory, S), jnp.tile(one.span, S))
 
 
 def init_id_maps(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, IdMap]:
@@ -116,6 +116,23 @@ def _init_jit(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, IdMap]:
         out[s.name] = IdMap(_empty_sets(s.rows_per_shard, S), _empty_sets(pend, S) if pend else None,
                             jnp.zeros((S * pend,), jnp.int32) if pend else None, seed)
     return jax.lax.with_sharding_constraint(out, plan.table_sharding())
+
+
+def with_directories(plan: EmbeddingPlan, id_maps: Mapping[str, IdMap]) -> dict[str, IdMap]:
+    """The maps with every shard's directory rebuilt from its keys and order (after a host-side placement)."""
+    return _directories_jit(plan, dict(id_maps))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _directories_jit(plan: EmbeddingPlan, id_maps):
+    axis = plan.axis_name
+
+    def body(maps):
+        fix = lambda ks: None if ks is None else key_set.with_directory(ks)
+        return {k: _stacked(IdMap(fix(m.rows), fix(m.pending), m.counts, m.seed))
+                for k, m in ((k, _local(m)) for k, m in maps.items())}
+
+    return jax.shard_map(body, mesh=plan.mesh, in_specs=P(axis), out_specs=P(axis))(id_maps)
 
 
 def initial_rows(stack: StackPlan, seed: jax.Array, keys: jax.Array) -> jax.Array:

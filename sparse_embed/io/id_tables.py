@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_embed.core.id_maps import IdMap, dynamic_stacks, pending_per_shard
-from sparse_embed.core.key_set import FREE, KeySet
+from sparse_embed.core.id_maps import IdMap, dynamic_stacks, pending_per_shard, with_directories
+from sparse_embed.core.key_set import FREE, KeySet, num_buckets
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
 from sparse_embed.core.tables import to_host
@@ -88,7 +88,9 @@ def _sets(shards: list[np.ndarray], ids: np.ndarray, last: np.ndarray, n: int) -
         keys[slot[mine]] = split_words(ids[mine])
         lasts[slot[mine]] = last[mine]
     order = np.tile(np.arange(n, dtype=np.int32), S)  # entry k of a shard at row k: rows in id order, then free
-    return KeySet(keys, lasts, order, np.array([m.size for m in shards], np.int32)), slot
+    directory = np.zeros(S * (num_buckets(n) + 1), np.int32)  # rebuilt on device (`with_directories`)
+    sets = KeySet(keys, lasts, order, np.array([m.size for m in shards], np.int32), directory, np.zeros(2 * S, np.float32))
+    return sets, slot
 
 
 def _place(plan: EmbeddingPlan, stack: StackPlan, t: IdTable, with_slots: bool):
@@ -140,4 +142,4 @@ def load_id_tables(plan: EmbeddingPlan, contents: Mapping[str, IdTable], *, with
                           stacklevel=2)
         put = lambda x: jax.device_put(jnp.asarray(x), plan.table_sharding()) if x is not None else None
         tables[s.name], maps[s.name] = jax.tree.map(put, v), jax.tree.map(put, m)
-    return tables, maps
+    return tables, with_directories(plan, maps) if maps else maps

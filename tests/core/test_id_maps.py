@@ -423,3 +423,46 @@ def test_inspect_shows_occupancy_and_verify_checks_the_map(tmp_path, capsys):
         fh.seek(max(os.path.getsize(victim) - 3, 0))
         fh.write(b"\xff")
     assert not se.verify_checkpoint(tmp_path / "ck").ok
+
+
+@pytest.mark.parametrize("spread", ["uniform", "clustered", "sequential", "extremes"])
+def test_key_set_finds_exactly_the_keys_it_holds(spread):
+    """The per-shard set (directory of buckets + search in one bucket) against a Python dict, over rounds of
+    inserts with LRU eviction, for keys spread in different ways."""
+    from sparse_embed.core import key_set
+    from sparse_embed.host.raw_ids import join_words, split_words
+
+    gen = np.random.default_rng(0)
+    n, q = 2048, 512
+
+    def draw():
+        if spread == "uniform":
+            return gen.integers(0, 2**63 - 1, q, dtype=np.int64)
+        if spread == "clustered":
+            return np.concatenate([gen.integers(0, 3000, q // 2), gen.integers(2**62, 2**62 + 50, q // 2)])
+        if spread == "sequential":
+            return np.arange(q, dtype=np.int64) + int(gen.integers(0, 4000))
+        return gen.choice(np.array([0, 1, 2**63 - 1, 2**63 - 2, 2**31, 2**32 - 1, 2**32] +
+                                   list(gen.integers(0, 2**63 - 1, 50))), q)
+
+    insert = jax.jit(lambda s, k, w, step: key_set.insert(s, jnp.int32(n), k, w, jnp.zeros(n, bool), step))
+    find = jax.jit(key_set.find)
+    s, held = key_set.empty(n), {}
+    for step in range(8):
+        ids = np.unique(draw())
+        words = jnp.asarray(split_words(ids))
+        slot = np.asarray(find(s, words))
+        for i, sl in zip(ids.tolist(), slot.tolist()):
+            assert (sl >= 0) == (i in held) and (sl < 0 or held[i] == sl), (step, i)
+        want = jnp.asarray(slot < 0)
+        res = insert(s, words, want, jnp.int32(step))
+        s, new = res.set, np.asarray(res.slots)
+        keys = np.asarray(s.keys)
+        held = {int(i): k for i, k in zip(join_words(keys[keys[:, 0] != -1]), np.flatnonzero(keys[:, 0] != -1))}
+        for i, sl in zip(ids.tolist(), new.tolist()):
+            if sl >= 0:
+                assert held[i] == sl
+        assert int(s.size) == len(held) and int(s.directory[-1]) == len(held)
+        absent = [x for x in draw().tolist() if x not in held][:50]
+        if absent:
+            assert (np.asarray(find(s, jnp.asarray(split_words(np.array(absent, np.int64))))) < 0).all()
