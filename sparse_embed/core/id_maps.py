@@ -197,7 +197,8 @@ def _map_shard(stack: StackPlan, m: IdMap, u: jax.Array, occ: jax.Array, step: j
         admit, pend, counts, forgotten = miss, None, None, zero
     else:
         admit, pend, counts, forgotten = _wait(stack, m, u, miss, occ, step)
-    removed = jnp.zeros((R,), bool).at[jnp.where(expired, slot, R)].set(True, mode="drop")
+    removed = None if d.expire_after is None else jnp.zeros((R,), bool).at[jnp.where(expired, slot, R)].set(
+        True, mode="drop")
     ins = key_set.insert(rows, shard_capacity(stack, shard), u, admit, removed, step)
     new = ins.slots >= 0
     stats = IdMapStats(new.sum(), ins.evicted, expired.sum(), (miss & ~admit).sum(), (admit & ~new).sum(),
@@ -207,15 +208,18 @@ def _map_shard(stack: StackPlan, m: IdMap, u: jax.Array, occ: jax.Array, step: j
 
 def _reinit(stack: StackPlan, v: EmbeddingVariables, seed: jax.Array, u: jax.Array, rows: jax.Array,
             new: jax.Array) -> EmbeddingVariables:
-    """The new rows (and their slots) set to their initial values."""
+    """The new rows (and their slots) set to their initial values; nothing to do on steps without new rows."""
     R = stack.rows_per_shard
     at = jnp.where(new, rows, R)
-    none = lambda: (jnp.zeros((u.shape[0], stack.embedding_dim)) * seed[0]).astype(v.table.dtype)  # varying zeros
-    values = jax.lax.cond(new.any(), lambda: initial_rows(stack, seed, u).astype(v.table.dtype), none)
-    table = v.table.at[at].set(values, mode="drop")
     specs = stack.optimizer.slots(stack.embedding_dim)
-    slots = {k: a.at[at].set(jnp.full((1, a.shape[1]), specs[k].init, SLOT_DTYPE), mode="drop") for k, a in v.slots.items()}
-    return EmbeddingVariables(table, slots)
+
+    def write(v: EmbeddingVariables) -> EmbeddingVariables:
+        table = v.table.at[at].set(initial_rows(stack, seed, u).astype(v.table.dtype), mode="drop")
+        slots = {k: a.at[at].set(jnp.full((1, a.shape[1]), specs[k].init, SLOT_DTYPE), mode="drop")
+                 for k, a in v.slots.items()}
+        return EmbeddingVariables(table, slots)
+
+    return jax.lax.cond(new.any(), write, lambda v: v, v)
 
 
 def _local(m: IdMap) -> IdMap:
@@ -238,18 +242,16 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     cols, keys = send(coo.col_ids), send(coo.keys)  # [D, C], [D, C, 2] from every source
     used = cols < C
     slot_of = jnp.where(used, jnp.arange(S)[:, None] * C + cols, S * C).reshape(-1)
-    if S == 1:  # one source: preprocessing sent its ids distinct
-        u = keys.reshape(C, 2)
-        inverse = jnp.where(u[:, 0] != FREE, jnp.arange(C, dtype=jnp.int32), C)
-    else:
-        u, inverse = key_set.unique(keys.reshape(S * C, 2))
-    occ = jnp.zeros((S * C,), jnp.int32).at[inverse].add(
-        jnp.zeros((S * C,), jnp.int32).at[slot_of].add(1, mode="drop"), mode="drop")
-    shard = jax.lax.axis_index(axis)
-    mapped = _map_shard(stack, m, u, occ, step, shard, train)
+    u, inverse = (keys.reshape(C, 2), None) if S == 1 else key_set.unique(keys.reshape(S * C, 2))
+    occ = None  # occurrences of each distinct id: only admission counts them
+    if stack.dynamic.admit_after > 1:
+        occ = jnp.zeros((S * C,), jnp.int32).at[slot_of].add(1, mode="drop")
+        occ = occ if inverse is None else jnp.zeros((S * C,), jnp.int32).at[inverse].add(occ, mode="drop")
+    mapped = _map_shard(stack, m, u, occ, step, jax.lax.axis_index(axis), train)
     if train:
         v = _reinit(stack, v, m.seed, u, mapped.rows, mapped.new)
-    row_of_slot = mapped.rows.at[inverse].get(mode="fill", fill_value=R)
+    # One source: its ids arrive distinct (preprocessing numbered them), so key slot = distinct id.
+    row_of_slot = mapped.rows if inverse is None else mapped.rows.at[inverse].get(mode="fill", fill_value=R)
     rows = jnp.where(used.reshape(-1), row_of_slot.at[slot_of].get(mode="fill", fill_value=R), R)
     back = jax.lax.all_to_all(rows.reshape(S, C), axis, 0, 0, tiled=True).reshape(-1)  # [S * C] in my layout
     batch = ShardedCooMatrix(coo.shard_starts, coo.shard_ends, back, coo.row_ids,

@@ -152,9 +152,9 @@ class Inserted(NamedTuple):
     evicted: jax.Array  # [] live keys evicted to make room
 
 
-def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, removed: jax.Array,
+def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, removed: jax.Array | None,
            step: jax.Array) -> Inserted:
-    """Removes the `removed` slots (mask `[N]`) and inserts the wanted keys, evicting if full.
+    """Removes the `removed` slots (mask `[N]`, or None) and inserts the wanted keys, evicting if full.
 
     `keys [Q, 2]` are distinct (the wanted ones absent from the set), in any
     order. They take, in key order: free slots (the first `capacity` slots
@@ -167,11 +167,12 @@ def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, rem
     def sorted_insert():
         hi, lo, at = jax.lax.sort((keys[:, 0].astype(jnp.uint32), keys[:, 1].astype(jnp.uint32),
                                    jnp.arange(keys.shape[0], dtype=jnp.int32)), num_keys=2)
-        done = _insert(s, capacity, jnp.stack([hi, lo], -1).astype(jnp.int32), want[at], removed, step, k)
+        gone = jnp.zeros(s.last.shape, bool) if removed is None else removed
+        done = _insert(s, capacity, jnp.stack([hi, lo], -1).astype(jnp.int32), want[at], gone, step, k)
         return done._replace(slots=jnp.zeros_like(done.slots).at[at].set(done.slots))
 
     unchanged = lambda: Inserted(s, jnp.full_like(want, -1, dtype=jnp.int32), jnp.zeros_like(s.size))
-    return jax.lax.cond((k > 0) | removed.any(), sorted_insert, unchanged)
+    return jax.lax.cond(k > 0 if removed is None else (k > 0) | removed.any(), sorted_insert, unchanged)
 
 
 def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> Inserted:
