@@ -152,6 +152,18 @@ class Inserted(NamedTuple):
     evicted: jax.Array  # [] live keys evicted to make room
 
 
+class _Placed(NamedTuple):
+    """What an insert decides (its large outputs are the new order and directory only)."""
+
+    order: jax.Array
+    size: jax.Array
+    directory: jax.Array
+    span: jax.Array
+    slots: jax.Array  # [Q] in the caller's key order
+    freed: jax.Array  # [2Q] slots emptied (removed or evicted), -1 padded
+    evicted: jax.Array
+
+
 def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, removed: jax.Array | None,
            step: jax.Array) -> Inserted:
     """Removes the `removed` slots (mask `[N]`, or None) and inserts the wanted keys, evicting if full.
@@ -160,22 +172,36 @@ def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, rem
     order. They take, in key order: free slots (the first `capacity` slots
     only), the removed slots, then the slots of the least recently used
     keys whose `last < step` (ties by key). Keys left without a slot get -1.
-    New keys get `last = step`.
+    New keys get `last = step`. Keys and last-use steps change by scatters
+    of at most Q slots outside the branch that merges, so that a step
+    without new keys moves no per-slot array (XLA copies a branch's outputs).
     """
-    k = want.sum()
+    k, n, q = want.sum(), s.order.shape[0], keys.shape[0]
 
     def sorted_insert():
         hi, lo, at = jax.lax.sort((keys[:, 0].astype(jnp.uint32), keys[:, 1].astype(jnp.uint32),
-                                   jnp.arange(keys.shape[0], dtype=jnp.int32)), num_keys=2)
-        gone = jnp.zeros(s.last.shape, bool) if removed is None else removed
-        done = _insert(s, capacity, jnp.stack([hi, lo], -1).astype(jnp.int32), want[at], gone, step, k)
-        return done._replace(slots=jnp.zeros_like(done.slots).at[at].set(done.slots))
+                                   jnp.arange(q, dtype=jnp.int32)), num_keys=2)
+        gone = jnp.zeros((n,), bool) if removed is None else removed
+        p = _insert(s, capacity, jnp.stack([hi, lo], -1).astype(jnp.int32), want[at], gone, step, k)
+        return p._replace(slots=jnp.zeros_like(p.slots).at[at].set(p.slots))
 
-    unchanged = lambda: Inserted(s, jnp.full_like(want, -1, dtype=jnp.int32), jnp.zeros_like(s.size))
-    return jax.lax.cond(k > 0 if removed is None else (k > 0) | removed.any(), sorted_insert, unchanged)
+    def unchanged():
+        none = jnp.full_like(want, -1, dtype=jnp.int32)
+        return _Placed(s.order, s.size, s.directory, s.span, none, jnp.concatenate([none, none]), jnp.zeros_like(s.size))
+
+    changes = k > 0 if removed is None else (k > 0) | removed.any()
+    p = jax.lax.cond(changes, sorted_insert, unchanged)
+
+    def write(a, value):  # one array per branch: XLA then updates it in place
+        put = lambda a: a.at[drop_missing(p.freed, n)].set(FREE, mode="drop").at[drop_missing(p.slots, n)].set(
+            value, mode="drop")
+        return jax.lax.cond(changes, put, lambda a: a, a)
+
+    return Inserted(KeySet(write(s.keys, keys), write(s.last, step), p.order, p.size, p.directory, p.span),
+                    p.slots, p.evicted)
 
 
-def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> Inserted:
+def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> _Placed:
     n, q = s.order.shape[0], keys.shape[0]
     free = jnp.maximum(capacity - s.size, 0)
     pos = s.size + jnp.arange(q)
@@ -191,10 +217,10 @@ def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> Inserted:
     evicted_mask = jnp.zeros((n,), bool).at[drop_missing(lru, n)].set(True, mode="drop")
     gone = removed | evicted_mask
     new_keys = jnp.where(gone[:, None], FREE, s.keys).at[drop_missing(slots, n)].set(keys, mode="drop")
-    new_last = jnp.where(gone, FREE, s.last).at[drop_missing(slots, n)].set(step, mode="drop")
     order, size = _merge(s, gone, keys, slots, new_keys)
-    ks = with_directory(s._replace(keys=new_keys, last=new_last, order=order, size=size))
-    return Inserted(ks, slots, evicted_mask.sum())
+    ks = with_directory(s._replace(keys=new_keys, order=order, size=size))
+    return _Placed(ks.order, ks.size, ks.directory, ks.span, slots, jnp.concatenate([removed_slots, lru]),
+                   evicted_mask.sum())
 
 
 def _merge(s: KeySet, gone: jax.Array, keys: jax.Array, slots: jax.Array, new_keys: jax.Array):
