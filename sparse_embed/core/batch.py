@@ -31,6 +31,7 @@ class ShardedCooMatrix(NamedTuple):
     row_ids: Any
     values: Any
     keys: Any = None
+    defaults: Any = None  # [D, rows_per_device] f32 after `map_ids` with a `Dynamic.default`: gains of ids without a row
 
     @property
     def capacity(self) -> int:

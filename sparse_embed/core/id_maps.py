@@ -254,8 +254,12 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     row_of_slot = mapped.rows if inverse is None else mapped.rows.at[inverse].get(mode="fill", fill_value=R)
     rows = jnp.where(used.reshape(-1), row_of_slot.at[slot_of].get(mode="fill", fill_value=R), R)
     back = jax.lax.all_to_all(rows.reshape(S, C), axis, 0, 0, tiled=True).reshape(-1)  # [S * C] in my layout
+    defaults = None
+    if stack.dynamic.default is not None:  # per output row: the gains of its ids without a row
+        lost = jnp.where((back >= R) & (coo.col_ids < C), coo.values, 0.0)
+        defaults = jnp.zeros((stack.rows_per_device,), jnp.float32).at[coo.row_ids].add(lost, mode="drop")
     batch = ShardedCooMatrix(coo.shard_starts, coo.shard_ends, back, coo.row_ids,
-                             jnp.where(back < R, coo.values, 0.0))
+                             jnp.where(back < R, coo.values, 0.0), None, defaults)
     stats = jax.tree.map(lambda x: jax.lax.psum(x, axis), mapped.stats)
     return batch, v, mapped.ids, stats
 

@@ -178,10 +178,12 @@ def lookup(
 @functools.partial(jax.jit, static_argnums=0)
 def _lookup_jit(plan: EmbeddingPlan, batch, tables, step) -> dict[str, jax.Array]:
     """One compiled program when called eagerly; inlined into the caller's jit otherwise."""
-    acts = _lookup_stacks(plan, batch, tables, step)
+    acts = _lookup_stacks(plan, {k: v._replace(defaults=None) for k, v in batch.items()}, tables, step)
     out = {}
     for s in plan.stacks:
         a = acts[s.name].reshape(plan.num_shards, s.rows_per_device, s.embedding_dim)
+        if batch[s.name].defaults is not None:  # raw ids without a row read the table's default vector
+            a = a + batch[s.name].defaults[..., None] * jnp.asarray(s.dynamic.default_vector(s.embedding_dim))[None, None]
         for lay in s.features:
             f = lay.feature
             x = a[:, lay.row_offset : lay.row_offset + lay.rows_per_device]

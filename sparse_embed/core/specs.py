@@ -53,11 +53,15 @@ class Dynamic:
       pending_capacity: ids one shard tracks while they wait for admission
         (only with `admit_after > 1`); default: the table's rows per shard.
         When full, the least recently seen waiting ids are forgotten.
+      default: what an id without a row reads: None (zeros), a float (every
+        element) or a vector of `embedding_dim` floats. It is a constant: no
+        gradient reaches it.
     """
 
     admit_after: int = 1
     expire_after: int | None = None
     pending_capacity: int | None = None
+    default: float | tuple[float, ...] | None = None
 
     def __post_init__(self):
         _check_positive_int("Dynamic: admit_after", self.admit_after)
@@ -65,6 +69,15 @@ class Dynamic:
             _check_positive_int("Dynamic: expire_after", self.expire_after)
         if self.pending_capacity is not None:
             _check_positive_int("Dynamic: pending_capacity", self.pending_capacity)
+        if self.default is not None:  # a hashable float or tuple of finite floats
+            d = np.asarray(self.default, np.float64)
+            if d.ndim > 1 or d.size == 0 or not np.isfinite(d).all():
+                raise ValueError(f"Dynamic: default must be a finite float or vector, got {self.default!r}.")
+            object.__setattr__(self, "default", float(d) if d.ndim == 0 else tuple(float(x) for x in d))
+
+    def default_vector(self, dim: int) -> np.ndarray | None:
+        """`[dim]` float32 that an id without a row reads, or None (zeros)."""
+        return None if self.default is None else np.broadcast_to(np.asarray(self.default, np.float32), (dim,))
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
@@ -106,6 +119,10 @@ class TableSpec:
         if self.dynamic is not None and not isinstance(self.dynamic, Dynamic):
             raise TypeError(f"Table {self.name!r}: dynamic must be a sparse_embed.Dynamic policy, "
                             f"got {type(self.dynamic).__name__}.")
+        if self.dynamic is not None and isinstance(self.dynamic.default, tuple) and \
+                len(self.dynamic.default) != self.embedding_dim:
+            raise ValueError(f"Table {self.name!r}: the default vector has {len(self.dynamic.default)} values, "
+                             f"embedding_dim is {self.embedding_dim}.")
         _check_positive_int(f"Table {self.name!r}: vocabulary_size", self.vocabulary_size)
         _check_positive_int(f"Table {self.name!r}: embedding_dim", self.embedding_dim)
         if self.combiner not in COMBINERS:

@@ -38,6 +38,7 @@ class Reference:
         self.S, self.admit, self.expire, self.init = S, admit, expire, init
         self.cap = [max(-(-(vocab - s) // S), 0) for s in range(S)]
         self.pcap = pending if pending is not None else -(-vocab // S)
+        self.default = None
         self.rows = [dict() for _ in range(S)]  # id -> last step
         self.waiting = [dict() for _ in range(S)]  # id -> [count, last]
         self.vec: dict[int, np.ndarray] = {}
@@ -101,7 +102,9 @@ class Reference:
         return st
 
     def read(self, i: int, dim: int) -> np.ndarray:
-        return self.vec.get(i, np.zeros(dim, np.float32))
+        """A row's vector, or what an id without a row reads (zeros, or the default)."""
+        none = np.broadcast_to(np.asarray(0.0 if self.default is None else self.default, np.float32), (dim,))
+        return self.vec.get(i, none)
 
 
 def _init_fn(plan, rng):
@@ -130,6 +133,7 @@ POLICIES = {
     "admit2_expire3": dict(admit_after=2, expire_after=3),
     "admit3_small_pending": dict(admit_after=3, pending_capacity=2),
     "expire1": dict(expire_after=1),
+    "admit2_default_vector": dict(admit_after=2, default=(0.5, -1.0, 0.0, 2.0)),
 }
 
 
@@ -144,6 +148,7 @@ def _check_against_reference(n_dev: int, dyn: se.Dynamic, vocab: int, space: lis
     tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
     gen = np.random.default_rng(seed)
     ref = Reference(vocab, n_dev, dyn.admit_after, dyn.expire_after, dyn.pending_capacity, _init_fn(plan, rng))
+    ref.default = dyn.default
 
     @jax.jit
     def train(tables, maps, batch, g, step):
@@ -466,3 +471,24 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread):
         absent = [x for x in draw().tolist() if x not in held][:50]
         if absent:
             assert (np.asarray(find(s, jnp.asarray(split_words(np.array(absent, np.int64))))) < 0).all()
+
+
+def test_a_default_vector_is_read_by_ids_without_a_row_and_never_trained():
+    mesh = make_mesh(2)
+    table = se.TableSpec("t", 100, 4, combiner="mean", optimizer=se.optimizers.SGD(1.0),
+                         dynamic=se.Dynamic(admit_after=100, default=0.25))
+    plan = se.plan([se.FeatureSpec("f", table, 8), se.FeatureSpec("s", table, 8, max_sequence_length=2)], mesh)
+    rng = jax.random.key(0)
+    tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
+    ids = {"f": np.array([[7, -1]] * 8), "s": np.array([[7, 9]] * 8)}
+    b, tables, maps, st = se.map_ids(plan, se.preprocess(plan, ids)[0], tables, maps, 0)
+    assert int(st["t"].waiting) == 2
+    acts = se.lookup(plan, b, tables, 0)
+    np.testing.assert_allclose(np.asarray(acts["f"]), 0.25)
+    np.testing.assert_allclose(np.asarray(acts["s"]), 0.25)  # each position: one id, the default
+    grads = jax.grad(lambda t: sum(jnp.sum(x) for x in se.lookup(plan, b, t, 0).values()))(tables)
+    np.testing.assert_array_equal(np.asarray(grads["t"].table), np.asarray(tables["t"].table))  # nothing trained
+    with pytest.raises(ValueError, match="default vector has 3 values, embedding_dim is 4"):
+        se.TableSpec("t", 100, 4, dynamic=se.Dynamic(default=(1.0, 2.0, 3.0)))
+    with pytest.raises(ValueError, match="finite float or vector"):
+        se.Dynamic(default=float("nan"))
