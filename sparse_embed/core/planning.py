@@ -7,10 +7,18 @@ argument of `jit` and an immutable value: nothing in it depends on data. (An
 auto capacity's high-water mark is host state, kept by `preprocess`; the
 capacity a batch was built with travels in the batch's array shapes.)
 
-Row layout (MOD sharding): with S shards, stack row `r` lives on shard
-`r % S` at local row `r // S`. Every table's padded size is a multiple of S,
-so table rows `[0, vocabulary_size)` map to stack rows `[row_offset,
-row_offset + vocabulary_size)` and shard `id % S` (for any table in a stack).
+Placements (`StackPlan.placement`; docs/placement.md), with S devices:
+
+- "row" (MOD sharding): stack row `r` lives on shard `r % S` at local row
+  `r // S`. Every table's padded size is a multiple of S, so table rows
+  `[0, vocabulary_size)` map to stack rows `[row_offset, row_offset +
+  vocabulary_size)` and shard `id % S` (for any table in a stack).
+- "table": each table whole on one device (`TablePlacement.shard`), the
+  stack's tables balanced over the devices; device d holds stack rows
+  `[d * R, (d + 1) * R)` (R = `rows_per_shard`), so a stack row is a global
+  row of the array.
+- "replicated": every device holds all `total_rows` rows; the array is S
+  copies one after the other.
 """
 
 from __future__ import annotations
@@ -24,12 +32,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from sparse_embed.core import placement as placement_lib
 from sparse_embed.core.specs import FeatureSpec, TableSpec
 
 OVERFLOW_POLICIES = ("error", "drop")
 KERNELS = ("auto", "generic", "native")  # implementations of the lookup's per-shard work (`core.kernels`)
 KERNEL_ENV = "SPARSE_EMBED_KERNEL"  # overrides kernel="auto" when a plan is made
 NONFINITE_POLICIES = ("skip", "apply")
+PLACEMENTS = ("row", "table", "replicated")
 CAPACITY_ALIGNMENT = 8
 
 
@@ -40,6 +50,8 @@ class TablePlacement:
     table: TableSpec
     row_offset: int  # stack row of the table's id 0; a multiple of num_shards
     padded_rows: int  # vocabulary_size rounded up to a multiple of num_shards
+    shard: int | None = None  # "table" placement: the device that holds the table
+    expected_ids: float = 0.0  # ids its features send per device and step, as the cost model expects them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +62,13 @@ class FeatureLayout:
     table_row_offset: int  # row_offset of the feature's table in the stack
     row_offset: int  # first per-device output row of this feature
     samples_per_device: int  # batch_size // num_devices
+    shard: int | None = None  # "table" placement: the device holding the feature's table
+    partial_offset: int | None = None  # "table": first row of this feature in its shard's partials
+
+    @property
+    def partial_row_offset(self) -> int:
+        """First row of this feature in a shard's partial activations (see `StackPlan.partial_rows`)."""
+        return self.row_offset if self.partial_offset is None else self.partial_offset
 
     @property
     def rows_per_device(self) -> int:
@@ -64,8 +83,10 @@ class StackPlan:
     name: str
     tables: tuple[TablePlacement, ...]
     features: tuple[FeatureLayout, ...]
-    num_shards: int
+    num_shards: int  # devices of the mesh axis (each one a source of ids; for "row" also a shard of rows)
     capacity: int | None  # COO entries per (device, shard) partition; None = auto
+    placement: str = "row"  # see the module docstring
+    shard_rows: int = 0  # "table": rows each device holds (its tables', padded to the most on one device)
 
     @property
     def first(self) -> TableSpec:
@@ -94,16 +115,104 @@ class StackPlan:
 
     @property
     def total_rows(self) -> int:
+        """Rows of the stack-row space (every table's rows, padded; "table": every device's block)."""
+        if self.placement == "table":
+            return self.num_shards * self.shard_rows
         return sum(t.padded_rows for t in self.tables)
 
     @property
     def rows_per_shard(self) -> int:
-        return self.total_rows // self.num_shards
+        """Rows each device holds."""
+        if self.placement == "table":
+            return self.shard_rows
+        return self.total_rows if self.placement == "replicated" else self.total_rows // self.num_shards
+
+    @property
+    def array_rows(self) -> int:
+        """Rows of the stacked (global) table array: `num_shards * rows_per_shard`."""
+        return self.num_shards * self.rows_per_shard
+
+    @property
+    def segments(self) -> int:
+        """Destination segments of each device's COO batch: the devices ids go to (1: "replicated", local)."""
+        return 1 if self.placement == "replicated" else self.num_shards
 
     @property
     def rows_per_device(self) -> int:
         """Output rows of this stack on each device (all its features)."""
         return sum(f.rows_per_device for f in self.features)
+
+    @property
+    def partial_rows(self) -> int:
+        """Rows of the partial activations a shard computes for each source device.
+
+        "table": only the features of the shard's own tables (the most on one
+        device); otherwise every feature's rows (`rows_per_device`).
+        """
+        if self.placement != "table":
+            return self.rows_per_device
+        per = [0] * self.num_shards
+        for f in self.features:
+            per[f.shard] += f.rows_per_device
+        return max(per)
+
+    def expected_capacity(self) -> int:
+        """The explicit capacity, else the cost model's: the most ids one device is expected to send one shard."""
+        if self.capacity is not None:
+            return self.capacity
+        if self.placement == "table":
+            per = [0.0] * self.num_shards
+            for t in self.tables:
+                per[t.shard] += t.expected_ids
+            most = max(per)
+        else:
+            most = sum(t.expected_ids for t in self.tables) / self.segments
+        return round_up(max(1, math.ceil(most)), CAPACITY_ALIGNMENT)
+
+    def collective_bytes(self, capacity: int | None = None) -> int:
+        """Bytes one device receives through the collectives of one train step of `lookup` for this stack.
+
+        Forward and backward (the exchanged COO entries, the partial
+        activations, the activation gradients; "replicated": the all-reduce
+        of the dense gradient), at `capacity` (default: `expected_capacity`).
+        Each collective counts what arrives from the other devices: an
+        all_to_all or all_gather `(D-1)/D` of its result, an all-reduce twice
+        that (a ring). Raw-id tables' `map_ids` exchange is not counted.
+        """
+        D, dim = self.num_shards, self.embedding_dim
+        if self.placement == "replicated":
+            return 2 * (D - 1) * self.total_rows * (dim + 1) * 4 // D
+        C = self.expected_capacity() if capacity is None else capacity
+        return (D - 1) * (12 * self.segments * C + 2 * 4 * self.partial_rows * dim * D) // D
+
+    def memory_per_device(self) -> int:
+        """Bytes of this stack's table and slots on each device."""
+        return self.rows_per_shard * placement_lib.row_bytes(self.first)
+
+    def kernel_view(self, sources: int | None = None, out_rows: int | None = None) -> "KernelStack":
+        """What a kernel sees of this stack: sources of entries, their output rows and the local rows."""
+        return KernelStack(self.name, self.optimizer, self.max_norm, self.dtype, self.embedding_dim,
+                           self.num_shards if sources is None else sources,
+                           self.partial_rows if out_rows is None else out_rows, self.rows_per_shard)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStack:
+    """One stack as a kernel (`core.kernels`) sees it on one shard.
+
+    `num_shards` sources each send entries whose row ids index their
+    `rows_per_device` output rows; their col ids index this shard's
+    `rows_per_shard` rows.
+    """
+
+    name: str
+    optimizer: Any
+    max_norm: float | None
+    dtype: Any
+    embedding_dim: int
+    num_shards: int
+    rows_per_device: int
+    rows_per_shard: int
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -138,8 +247,42 @@ class EmbeddingPlan:
                 f.feature.name + (f"[seq {f.feature.max_sequence_length}]" if f.feature.is_sequence else "")
                 for f in s.features)
             raw = f", raw ids {s.dynamic}" if s.dynamic else ""
-            lines.append(f"  stack {s.name!r}: [{s.total_rows}, {s.embedding_dim}] {type(s.optimizer).__name__}, "
-                         f"tables {tables}; features {feats}; capacity {s.capacity or 'auto'}{raw}")
+            where = "" if s.placement == "row" else f", {s.placement}"
+            lines.append(f"  stack {s.name!r}: [{s.array_rows}, {s.embedding_dim}] {type(s.optimizer).__name__}, "
+                         f"tables {tables}; features {feats}; capacity {s.capacity or 'auto'}{raw}{where}")
+        return "\n".join(lines)
+
+    def collective_bytes(self, capacities: Mapping[str, int] | None = None) -> int:
+        """Bytes one device receives through collectives in one train step of `lookup` (see
+        `StackPlan.collective_bytes`); `capacities` (e.g. `Stats.capacity`) for stacks of auto capacity."""
+        return sum(s.collective_bytes((capacities or {}).get(s.name)) for s in self.stacks)
+
+    def memory_per_device(self) -> int:
+        """Bytes of tables and optimizer slots on each device."""
+        return sum(s.memory_per_device() for s in self.stacks)
+
+    def describe(self, capacities: Mapping[str, int] | None = None) -> str:
+        """A table of where every table lives, its memory per device and the bytes its stack exchanges.
+
+        Bytes are per device and train step (`collective_bytes`), at the
+        stacks' explicit capacities, else `capacities` (e.g. `Stats.capacity`),
+        else the cost model's expectation.
+        """
+        D, caps = self.num_shards, capacities or {}
+        lines = [f"EmbeddingPlan on {D} device(s) of mesh axis {self.axis_name!r}: "
+                 f"{_size(self.memory_per_device())} of tables and slots per device, "
+                 f"{_size(self.collective_bytes(caps))} through collectives per device and train step",
+                 f"{'table':<24} {'stack':<24} {'placement':<16} {'rows x dim':>16} {'memory/device':>14} "
+                 f"{'stack bytes/step':>17}"]
+        for s in self.stacks:
+            stack_bytes = _size(s.collective_bytes(caps.get(s.name)))
+            for p in s.tables:
+                where = s.placement if p.shard is None else f"table (device {p.shard})"
+                per_device = p.padded_rows // (D if s.placement == "row" else 1) * placement_lib.row_bytes(p.table)
+                stack = s.name if len(s.name) <= 24 else s.name[:23] + "…"
+                lines.append(f"{p.table.name:<24} {stack:<24} {where:<16} "
+                             f"{f'{p.table.vocabulary_size} x {p.table.embedding_dim}':>16} "
+                             f"{_size(per_device):>14} {stack_bytes:>17}")
         return "\n".join(lines)
 
     def stack(self, name: str) -> StackPlan:
@@ -178,6 +321,14 @@ class EmbeddingPlan:
     def capacity(self, stack: str) -> int | None:
         """The explicit capacity of a stack; None = auto (sized by `preprocess` from the data)."""
         return self.stack(stack).capacity
+
+
+def _size(n: float) -> str:
+    """Bytes, human-readable (KiB, MiB, GiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
 
 
 def round_up(x: int, m: int) -> int:
@@ -231,8 +382,8 @@ def _collect_tables(features: dict[str, FeatureSpec]) -> dict[str, TableSpec]:
     return tables
 
 
-def _group_tables(tables: dict[str, TableSpec], stacking: Any) -> list[list[str]]:
-    """Table-name groups, each group one stack."""
+def _group_tables(tables: dict[str, TableSpec], stacking: Any, placements: dict[str, str]) -> list[list[str]]:
+    """Table-name groups, each group one stack (the tables of a stack share a placement)."""
     if stacking is None:
         return [[n] for n in sorted(tables)]
     if isinstance(stacking, str):
@@ -240,7 +391,7 @@ def _group_tables(tables: dict[str, TableSpec], stacking: Any) -> list[list[str]
             raise ValueError(f"stacking must be 'auto', None or a list of lists of table names, got {stacking!r}.")
         groups: dict[tuple, list[str]] = {}
         for n in sorted(tables):
-            groups.setdefault(_stack_key(tables[n]), []).append(n)
+            groups.setdefault((_stack_key(tables[n]), placements[n]), []).append(n)
         return list(groups.values())
     groups_out: list[list[str]] = []
     seen: set[str] = set()
@@ -261,6 +412,9 @@ def _group_tables(tables: dict[str, TableSpec], stacking: Any) -> list[list[str]
                     f"Tables {group[0]!r} and {n!r} cannot be stacked: "
                     f"{_describe_incompatibility(tables[group[0]], tables[n])}."
                 )
+            if placements[n] != placements[group[0]]:
+                raise ValueError(f"Tables {group[0]!r} and {n!r} cannot be stacked: their placements differ "
+                                 f"({placements[group[0]]!r} vs {placements[n]!r}).")
         groups_out.append(sorted(group))
     groups_out += [[n] for n in sorted(tables) if n not in seen]
     return groups_out
@@ -318,6 +472,10 @@ def plan(
     on_overflow: str = "error",
     nonfinite_gradients: str = "skip",
     kernel: Any = "auto",
+    placement: str | Mapping[str, str] = "row",
+    memory_budget: int | None = None,
+    ids_per_sample: float | Mapping[str, float] | None = None,
+    stats: Any = None,
 ) -> EmbeddingPlan:
     """Plans the stacked, sharded layout of the tables that `features` read.
 
@@ -344,6 +502,18 @@ def plan(
         fastest for the platform and optimizer; `$SPARSE_EMBED_KERNEL`
         overrides it), "generic" (jnp, the reference; GPU and TPU), "native"
         (C++, CPU) or a kernel from `sparse_embed.core.kernels`.
+      placement: where each table lives (docs/placement.md): "row" (rows
+        spread over every device, the default), "table" (each table whole on
+        one device), "replicated" (on every device), "auto" (chosen per table
+        by the cost model in `core.placement`), or `{table: placement}` (the
+        named tables fixed, the others "auto"). A raw-id table is "row".
+      memory_budget: bytes of tables and slots one device may hold; "auto"
+        moves tables to cheaper-in-memory placements until the plan fits, and
+        a plan that cannot fit raises a ValueError.
+      ids_per_sample: the cost model's ids per sample, for every feature or
+        `{feature: ids}` (default 1, or what `stats` observed).
+      stats: `Stats` of earlier batches: its ids per partition size the cost
+        model's traffic for the stacks it names.
 
     Returns:
       The `EmbeddingPlan`. Stacks are named by their tables' names joined
@@ -360,14 +530,82 @@ def plan(
         if f.batch_size % num_shards:
             raise ValueError(f"Feature {f.name!r}: batch_size {f.batch_size} does not divide evenly over the "
                              f"{num_shards} devices of mesh axis {axis!r}; use a multiple of {num_shards}.")
-    groups = _group_tables(tables, stacking)
+    fixed = _fixed_placements(tables, placement)
+    loads = placement_lib.table_loads(feats, tables, num_shards, _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats))
+    chosen = {n: fixed.get(n) or placement_lib.cheapest(loads[n], num_shards) for n in tables}
+    while True:
+        stacks = _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads)
+        need = sum(s.memory_per_device() for s in stacks)
+        if memory_budget is None or need <= memory_budget:
+            return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, kernel)
+        demote = placement_lib.to_demote(chosen, fixed, loads, num_shards)
+        if demote is None:
+            raise ValueError(
+                f"No placement fits memory_budget={memory_budget} bytes per device: the plan needs {need} "
+                f"({', '.join(f'{t}: {p}' for t, p in sorted(chosen.items()))}). Give more devices, a larger "
+                "budget or smaller tables, or let more tables be placed \"auto\".")
+        chosen[demote] = placement_lib.DEMOTION[chosen[demote]]
+
+
+def _fixed_placements(tables: dict[str, TableSpec], placement: Any) -> dict[str, str]:
+    """The placements the caller fixed: `{table: placement}` (the rest are chosen by the cost model)."""
+    if isinstance(placement, str):
+        if placement != "auto" and placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {(*PLACEMENTS, 'auto')} or {{table: placement}}, "
+                             f"got {placement!r}.")
+        fixed = {} if placement == "auto" else dict.fromkeys(tables, placement)
+        return {n: "row" if tables[n].dynamic else p for n, p in fixed.items()}  # raw ids: always row
+    if not isinstance(placement, Mapping):
+        raise TypeError(f"placement must be a string or a {{table: placement}} mapping, got {type(placement).__name__}.")
+    unknown = sorted(set(placement) - set(tables))
+    if unknown:
+        raise ValueError(f"placement names tables {unknown}, which no feature reads; tables are {sorted(tables)}.")
+    for n, p in placement.items():
+        if p not in PLACEMENTS:
+            raise ValueError(f"Table {n!r}: placement must be one of {PLACEMENTS}, got {p!r}.")
+        if tables[n].dynamic and p != "row":
+            raise ValueError(f"Table {n!r} is keyed by raw ids (dynamic=...), which only the \"row\" placement "
+                             f"supports; got {p!r}.")
+    return {**{n: "row" for n, t in tables.items() if t.dynamic}, **placement}
+
+
+def _ids_per_sample(feats: dict[str, FeatureSpec], tables: dict[str, TableSpec], num_devices: int, given: Any,
+                    stats: Any) -> dict[str, float]:
+    """Each feature's ids per sample for the cost model: given, else observed in `stats`, else 1."""
+    out, D = dict.fromkeys(feats, 1.0), num_devices
+    for stack_name, most in (stats.max_ids_per_partition.items() if stats is not None else ()):
+        # The stack's tables: those whose names, sorted and joined with "_", make its name.
+        mine = sorted(t for t in tables if f"_{t}_" in f"_{stack_name}_")
+        if "_".join(mine) != stack_name:
+            continue
+        users = [f for f in feats.values() if f.table.name in mine]
+        # `most` entries per (device, shard) partition: about most * D ids per device, so per sample
+        # most * D * D / (the global samples of its features).
+        for f in users:
+            out[f.name] = max(1.0, most * D * D / sum(u.batch_size for u in users))
+    if isinstance(given, Mapping):
+        unknown = sorted(set(given) - set(feats))
+        if unknown:
+            raise ValueError(f"ids_per_sample names unknown features {unknown}; features are {sorted(feats)}.")
+        out.update(given)
+    elif given is not None:
+        out = dict.fromkeys(feats, given)
+    for name, v in out.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not v > 0:
+            raise ValueError(f"Feature {name!r}: ids_per_sample must be a positive number, got {v!r}.")
+    return {k: float(v) for k, v in out.items()}
+
+
+def _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads) -> tuple[StackPlan, ...]:
+    """The stacks of one choice of placements; "table" stacks balanced over the devices together."""
+    groups = _group_tables(tables, stacking, chosen)
     names = ["_".join(g) for g in groups]
     if len(set(names)) != len(names):
         raise ValueError(f"Stack names collide: {names}; rename tables or pass stacking explicitly.")
     caps = _capacities(names, capacity)
-    stacks = tuple(_stack_plan(name, [tables[n] for n in group], feats, num_shards, caps[name])
-                   for name, group in zip(names, groups))
-    return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, kernel)
+    device_load = [0.0] * num_shards  # "table" stacks: bytes of tables already on each device
+    return tuple(_stack_plan(name, [tables[n] for n in group], feats, num_shards, caps[name], chosen[group[0]],
+                             loads, device_load) for name, group in zip(names, groups))
 
 
 def _capacities(names: list[str], capacity: int | Mapping[str, int] | None) -> dict[str, int | None]:
@@ -383,20 +621,43 @@ def _capacities(names: list[str], capacity: int | Mapping[str, int] | None) -> d
 
 
 def _stack_plan(name: str, tables: list[TableSpec], feats: dict[str, FeatureSpec], num_shards: int,
-                capacity: int | None) -> StackPlan:
-    """Tables one after the other (each padded to a multiple of S rows); the features that read them, by name."""
-    placements, offset = {}, 0
-    for t in tables:
-        placements[t.name] = TablePlacement(t, offset, round_up(t.vocabulary_size, num_shards))
-        offset += placements[t.name].padded_rows
-    layouts, row = [], 0
+                capacity: int | None, placement: str, loads: dict, device_load: list) -> StackPlan:
+    """Tables one after the other (each padded to a multiple of S rows); the features that read them, by name.
+
+    "table": each table goes to the device with the least traffic so far in
+    this stack (ties: the least memory of earlier "table" stacks,
+    `device_load`, updated here), largest first; a device's tables lie one
+    after the other in its block.
+    """
+    placements = {}
+    if placement == "table":
+        owner = placement_lib.balance([(t.name, loads[t.name]) for t in tables], device_load)
+        used = [0] * num_shards
+        for t in tables:
+            used[owner[t.name]] += round_up(t.vocabulary_size, num_shards)
+        shard_rows, fill = max(used), [0] * num_shards
+        for t in tables:
+            d, padded = owner[t.name], round_up(t.vocabulary_size, num_shards)
+            placements[t.name] = TablePlacement(t, d * shard_rows + fill[d], padded, d, loads[t.name].ids)
+            fill[d] += padded
+    else:
+        shard_rows, offset = 0, 0
+        for t in tables:
+            placements[t.name] = TablePlacement(t, offset, round_up(t.vocabulary_size, num_shards), None,
+                                                loads[t.name].ids)
+            offset += placements[t.name].padded_rows
+    layouts, row, partial = [], 0, [0] * num_shards
     for fname in sorted(feats):
         f = feats[fname]
         if f.table.name in placements:
-            lay = FeatureLayout(f, placements[f.table.name].row_offset, row, f.batch_size // num_shards)
+            p = placements[f.table.name]
+            lay = FeatureLayout(f, p.row_offset, row, f.batch_size // num_shards, p.shard,
+                                None if p.shard is None else partial[p.shard])
             layouts.append(lay)
             row += lay.rows_per_device
-    return StackPlan(name, tuple(placements.values()), tuple(layouts), num_shards, capacity)
+            if p.shard is not None:
+                partial[p.shard] += lay.rows_per_device
+    return StackPlan(name, tuple(placements.values()), tuple(layouts), num_shards, capacity, placement, shard_rows)
 
 
 def grow_capacity(plan: EmbeddingPlan, stats, *, headroom: float = 1.0) -> EmbeddingPlan:

@@ -14,7 +14,10 @@
 
 Between MOD and either is one `all_to_all` per array (or chunk) under
 `shard_map`: every device only ever holds its own block and its own shard,
-never a whole table.
+never a whole table. Stacks placed "table" or "replicated" (see
+`planning`) hold whole tables: a stack row is a global row of the array
+("table"), or of its first copy ("replicated"), and their conversions gather
+a table's natural rows onto the devices that hold it.
 """
 
 from __future__ import annotations
@@ -40,23 +43,35 @@ def stored_rows(vocabulary_size: int, num_shards: int) -> int:
 
 def from_shard_major(stack: StackPlan, array: np.ndarray) -> np.ndarray:
     """A stacked global array (host) -> `[total_rows, w]` in stack-row order."""
+    if stack.placement == "table":
+        return array
+    if stack.placement == "replicated":
+        return array[: stack.total_rows]  # the first copy
     s, w = stack.num_shards, array.shape[-1]
     return array.reshape(s, stack.rows_per_shard, w).transpose(1, 0, 2).reshape(-1, w)
 
 
-def stack_rows(stack: StackPlan, global_rows: np.ndarray) -> np.ndarray:
-    """The stack row held at each global row of a stacked array (host; inverse of `from_shard_major`)."""
+def stack_rows(stack: StackPlan, global_rows):
+    """The stack row held at each global row of a stacked array (numpy or jnp; inverse of `from_shard_major`)."""
+    if stack.placement == "table":
+        return global_rows
+    if stack.placement == "replicated":
+        return global_rows % stack.total_rows
     rps = stack.rows_per_shard
     return (global_rows % rps) * stack.num_shards + global_rows // rps
 
 
 def blocks_to_mod(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.Array:
-    """Inside shard_map: each table's contiguous row block `[n*S, w]` -> this shard's MOD rows, stacked.
+    """Inside shard_map: each table's contiguous row block `[n*S, w]` -> this shard's rows of the stack.
 
     Shard d holds rows `[d*n*S, (d+1)*n*S)` of a table; row r must go to shard
     `r % S`, local row `r // S`: one all_to_all of `[S, n, w]`. Rows past a
-    table's vocabulary come through as the blocks have them.
+    table's vocabulary come through as the blocks have them. A stack placed
+    "table" or "replicated" gathers each table whole onto the devices that
+    hold it (`_blocks_to_whole`).
     """
+    if stack.placement != "row":
+        return _blocks_to_whole(stack, blocks, axis)
     S = stack.num_shards
     out = []
     for p, block in zip(stack.tables, blocks):
@@ -64,6 +79,20 @@ def blocks_to_mod(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.A
         x = block.reshape(n, S, -1).transpose(1, 0, 2)
         out.append(jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(S * n, -1)[: p.padded_rows // S])
     return jnp.concatenate(out, axis=0)
+
+
+def _blocks_to_whole(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.Array:
+    """Inside shard_map, "table" or "replicated": every table's blocks gathered whole, placed in this device's rows."""
+    whole = [jax.lax.all_gather(b, axis, tiled=True)[: p.padded_rows] for p, b in zip(stack.tables, blocks)]
+    if stack.placement == "replicated":
+        return jnp.concatenate(whole, axis=0)
+    me, R = jax.lax.axis_index(axis), stack.rows_per_shard
+    local = jnp.zeros((R, whole[0].shape[1]), whole[0].dtype)
+    for p, x in zip(stack.tables, whole):
+        at = p.row_offset - p.shard * R
+        local = local.at[at:at + p.padded_rows].set(jnp.where(me == p.shard, x.astype(local.dtype),
+                                                              local[at:at + p.padded_rows]))
+    return local
 
 
 def _per_shard(plan: EmbeddingPlan, fn: Callable) -> Callable:
@@ -129,8 +158,14 @@ def chunk_rows(stack: StackPlan, row_bytes: int, target_bytes: int) -> int:
 
 
 def table_range(stack: StackPlan, i: int) -> tuple[int, int]:
-    """Table i's local rows on every shard of its stack: `(start, count)`."""
+    """Where table i lies in its stack, as the chunk functions read it: `(start, count)`.
+
+    "row": its local rows on every shard. "table" and "replicated": its stack
+    row of id 0 and its padded rows.
+    """
     p = stack.tables[i]
+    if stack.placement != "row":
+        return p.row_offset, p.padded_rows
     return p.row_offset // stack.num_shards, p.padded_rows // stack.num_shards
 
 
@@ -141,12 +176,37 @@ def mod_to_natural_chunk(stack: StackPlan, local: jax.Array, where: jax.Array, m
     j of shard s is id `j * S + s`; one all_to_all of `[S, m / S, w]` gives device d the ids
     `[c0 * S + d * m, c0 * S + (d + 1) * m)`, in order. Local rows past the table read as zeros.
     """
+    if stack.placement != "row":
+        return _whole_to_natural_chunk(stack, local, where, m, axis)
     S, n = stack.num_shards, m // stack.num_shards
     c0, start, count = where[0], where[1], where[2]
     j = c0 + jnp.arange(m)
     x = jnp.where((j < count)[:, None], local[jnp.minimum(start + j, local.shape[0] - 1)], jnp.zeros((), local.dtype))
     x = jax.lax.all_to_all(x.reshape(S, n, -1), axis, 0, 0, tiled=True)  # [S (source s), n (a), w]: id (c0+d*n+a)*S+s
     return x.transpose(1, 0, 2).reshape(m, -1)
+
+
+def _whole_start(stack: StackPlan, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """"table"/"replicated": a table's stack row of id 0 -> (its device, its first local row)."""
+    if stack.placement == "replicated":
+        return jnp.int32(0), start
+    return start // stack.rows_per_shard, start % stack.rows_per_shard
+
+
+def _whole_to_natural_chunk(stack: StackPlan, local: jax.Array, where: jax.Array, m: int, axis: str) -> jax.Array:
+    """`mod_to_natural_chunk` for a table held whole: device d's ids `[c0 * S + d * m, +m)` read where they lie
+    ("table": on its device, which sends every device its piece in one all_to_all)."""
+    S = stack.num_shards
+    c0, (owner, start), count = where[0] * S, _whole_start(stack, where[1]), where[2]
+
+    def rows(ids):
+        ok = (ids < count)[..., None]
+        return jnp.where(ok, local[jnp.minimum(start + ids, local.shape[0] - 1)], jnp.zeros((), local.dtype))
+
+    if stack.placement == "replicated":
+        return rows(c0 + jax.lax.axis_index(axis) * m + jnp.arange(m))
+    x = rows(c0 + jnp.arange(S * m).reshape(S, m))  # [S (destination d), m, w], real on the owner only
+    return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)[owner]
 
 
 def natural_chunk_to_mod(stack: StackPlan, local: jax.Array, chunk: jax.Array, where: jax.Array,
@@ -156,6 +216,12 @@ def natural_chunk_to_mod(stack: StackPlan, local: jax.Array, chunk: jax.Array, w
     `where` = `[c0, start, count, valid]`: rows of ids `>= valid` are left as they are.
     """
     S, m = stack.num_shards, chunk.shape[0]
+    if stack.placement != "row":  # every device gathers the chunk; the ones that hold the table write it
+        c0, (owner, start), count, valid = where[0] * S, _whole_start(stack, where[1]), where[2], where[3]
+        ids = c0 + jnp.arange(S * m)
+        keep = (ids < count) & (ids < valid) & (jax.lax.axis_index(axis) == owner if stack.placement == "table" else True)
+        x = jax.lax.all_gather(chunk, axis, tiled=True)
+        return local.at[jnp.where(keep, start + ids, local.shape[0])].set(x.astype(local.dtype), mode="drop")
     n = m // S
     c0, start, count, valid = where[0], where[1], where[2], where[3]
     x = chunk.reshape(n, S, -1).transpose(1, 0, 2)  # [S (target s), n (a), w]

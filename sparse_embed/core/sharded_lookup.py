@@ -37,13 +37,59 @@ from sparse_embed.core.state import EmbeddingVariables, check_state, check_train
 
 
 def _exchange(stack: StackPlan, axis: str, coo: ShardedCooMatrix) -> Received:
-    """Sends segment s of this device's batch to shard s (inside shard_map): `[D, C]` from each source."""
-    S = stack.num_shards
+    """Sends segment s of this device's batch to shard s (inside shard_map): `[D, C]` from each source.
+
+    "replicated": the device keeps its one segment, `[1, C]`.
+    """
+    if stack.placement == "replicated":
+        return Received(*(x.reshape(1, -1) for x in (coo.col_ids, coo.row_ids, coo.values)))
+    S = stack.segments
 
     def send(x):
         return jax.lax.all_to_all(x.reshape(S, -1), axis, 0, 0, tiled=True)
 
     return Received(send(coo.col_ids), send(coo.row_ids), send(coo.values))
+
+
+def _activations(stack: StackPlan, axis: str, partials: jax.Array) -> jax.Array:
+    """This device's activations `[rows_per_device, dim]` from every shard's partials `[D, partial_rows, dim]`."""
+    if stack.placement == "replicated":
+        return partials[0]
+    pooled = jax.lax.all_to_all(partials, axis, 0, 0, tiled=True)  # [S, partial_rows, dim], from each shard
+    if stack.placement == "row":
+        return pooled.sum(axis=0)
+    return jnp.concatenate([pooled[f.shard, f.partial_offset:f.partial_offset + f.rows_per_device]
+                            for f in stack.features])  # "table": each feature from its table's shard
+
+
+def _to_owners(stack: StackPlan, axis: str, grads: jax.Array) -> jax.Array:
+    """"table": this device's activation gradients `[rows_per_device, dim]` -> each shard's share of every
+    source's, `[D, partial_rows, dim]` (the transpose of `_activations`)."""
+    P, dim = stack.partial_rows, stack.embedding_dim
+    send = []
+    for d in range(stack.num_shards):
+        mine = [grads[f.row_offset:f.row_offset + f.rows_per_device] for f in stack.features if f.shard == d]
+        block = jnp.concatenate(mine) if mine else jnp.zeros((0, dim), grads.dtype)
+        send.append(jnp.pad(block, ((0, P - block.shape[0]), (0, 0))))
+    return jax.lax.all_to_all(jnp.stack(send), axis, 0, 0, tiled=True)
+
+
+def _combined(stack: StackPlan, axis: str, rec: Received, grads: jax.Array) -> tuple[Received, jax.Array]:
+    """"replicated": every device's gradients summed into one entry per touched row (an all-reduce).
+
+    Returns entries `[1, total_rows]` (row r reads output row r; untouched
+    rows are padding) and their gradients `[1, total_rows, dim]`, equal on
+    every device. A row is touched when any entry reads it, whatever its gain.
+    """
+    n, dim = stack.total_rows, stack.embedding_dim
+    g = jnp.pad(grads, ((0, 1), (0, 0)))[rec.row_ids.reshape(-1)] * rec.values.reshape(-1, 1)  # padding: row 0s
+    contrib = jnp.concatenate([g, jnp.ones_like(g[:, :1])], axis=1)
+    dense = jax.lax.psum(jnp.zeros((n, dim + 1), jnp.float32).at[rec.col_ids.reshape(-1)].add(contrib, mode="drop"),
+                         axis)
+    rows = jnp.arange(n, dtype=jnp.int32)
+    touched = Received(jnp.where(dense[:, dim] > 0, rows, n)[None], rows[None], jnp.ones((1, n), jnp.float32))
+    # Equal on every device, but typed as varying like the table they update (shard_map's scan carries).
+    return jax.lax.pcast((touched, dense[None, :, :dim]), axis, to="varying")
 
 
 def _local(tree):
@@ -54,6 +100,11 @@ def _local(tree):
 def _stacked(tree):
     """Inside shard_map: add a leading device axis to every leaf (row-sharded outputs)."""
     return jax.tree.map(lambda x: x[None], tree)
+
+
+def _view(stack: StackPlan):
+    """The stack as the forward's kernel sees it ("replicated": one source, this device)."""
+    return stack.kernel_view(sources=1) if stack.placement == "replicated" else stack.kernel_view()
 
 
 def _forward(plan: EmbeddingPlan, batch, tables):
@@ -68,9 +119,8 @@ def _forward(plan: EmbeddingPlan, batch, tables):
         out = {}
         for s in plan.stacks:
             rec = _exchange(s, axis, _local(batch[s.name]))
-            fwd = kernels.for_stack(plan, s).forward(s, rec, tables[s.name])
-            pooled = jax.lax.all_to_all(fwd.partials, axis, 0, 0, tiled=True)  # [S, rpd, dim]
-            out[s.name] = (pooled.sum(axis=0), _stacked(rec), fwd.table, _stacked(fwd.saved))
+            fwd = kernels.for_stack(plan, s).forward(_view(s), rec, tables[s.name])
+            out[s.name] = (_activations(s, axis, fwd.partials), _stacked(rec), fwd.table, _stacked(fwd.saved))
         return out
 
     return jax.shard_map(body, mesh=plan.mesh, in_specs=P(axis), out_specs=P(axis))(batch, tables)
@@ -85,9 +135,18 @@ def _backward(plan: EmbeddingPlan, recs, saved, tables, grads, step):
         out = {}
         for s in plan.stacks:
             check_trainable(s, tables[s.name])
-            g = jax.lax.all_gather(grads[s.name], axis, tiled=False)  # [D, rpd, dim] of every source
-            out[s.name] = kernels.for_stack(plan, s).backward(
-                s, _local(recs[s.name]), _local(saved[s.name]), tables[s.name], g, step, skip)
+            kernel, rec, state = kernels.for_stack(plan, s), _local(recs[s.name]), tables[s.name]
+            if s.placement == "replicated":  # every replica applies the same update: the summed gradients
+                rec, g = _combined(s, axis, rec, grads[s.name])
+                view = s.kernel_view(sources=1, out_rows=s.total_rows)
+                fwd = kernel.forward(view, rec, state.table)  # what the kernel's backward needs of its forward
+                out[s.name] = kernel.backward(view, rec, fwd.saved, state._replace(table=fwd.table), g, step, skip)
+                continue
+            if s.placement == "table":
+                g = _to_owners(s, axis, grads[s.name])
+            else:
+                g = jax.lax.all_gather(grads[s.name], axis, tiled=False)  # [D, rpd, dim] of every source
+            out[s.name] = kernel.backward(s.kernel_view(), rec, _local(saved[s.name]), state, g, step, skip)
         return out
 
     in_specs = (P(axis), P(axis), P(axis), P(axis), P())
@@ -130,8 +189,8 @@ def _check_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix]) -> 
     for name, coo in batch.items():
         if not isinstance(coo, ShardedCooMatrix):
             raise TypeError(f"Stack {name!r}: batch entry must be a ShardedCooMatrix, got {type(coo).__name__}.")
-        n = coo.col_ids.shape
-        if coo.shard_starts.shape != (D, D) or len(n) != 2 or n[0] != D or n[1] % D:
+        n, S = coo.col_ids.shape, plan.stack(name).segments if name in plan.stack_names else D
+        if coo.shard_starts.shape != (D, S) or len(n) != 2 or n[0] != D or n[1] % S:
             raise ValueError(f"Stack {name!r}: batch arrays have shapes {[x.shape for x in coo[:5]]}, "
                              f"which do not fit a mesh of {D} devices; was it built for another plan?")
         for x in (coo.row_ids, coo.values):
@@ -217,8 +276,14 @@ def _nonfinite_rows_jit(plan: EmbeddingPlan, batch, grads) -> dict[str, jax.Arra
         out = {}
         for s in plan.stacks:
             rec = _exchange(s, axis, _local(batch[s.name]))
-            g = jax.lax.all_gather(grads[s.name], axis, tiled=False)
-            out[s.name] = jax.lax.psum(nonfinite_row_count(s, rec, g), axis)
+            if s.placement == "replicated":  # the same rows on every device: count them once
+                rec, g = _combined(s, axis, rec, grads[s.name])
+                out[s.name] = jax.lax.pmax(nonfinite_row_count(s.kernel_view(sources=1, out_rows=s.total_rows), rec, g),
+                                           axis)
+                continue
+            g = _to_owners(s, axis, grads[s.name]) if s.placement == "table" else jax.lax.all_gather(
+                grads[s.name], axis, tiled=False)
+            out[s.name] = jax.lax.psum(nonfinite_row_count(s.kernel_view(), rec, g), axis)
         return out
 
     return jax.shard_map(body, mesh=plan.mesh, in_specs=P(axis), out_specs=P())(batch, _stack_grads(plan, grads))

@@ -1,7 +1,8 @@
 """Stacked, sharded table state: create it, and convert it to and from per-table arrays.
 
-A stack's table is `[num_shards * rows_per_shard, dim]`, sharded `P(axis)`
-in the MOD layout (see `relayout`); its slots have the same rows.
+A stack's table is `[num_shards * rows_per_shard, dim]` (`array_rows`),
+sharded `P(axis)` in its placement's layout (see `relayout`); its slots have
+the same rows.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def natural_table(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array, i: int)
 
 def _slot_arrays(stack: StackPlan) -> dict[str, jax.Array]:
     return {
-        name: jnp.full((stack.total_rows, spec.width), spec.init, SLOT_DTYPE)
+        name: jnp.full((stack.array_rows, spec.width), spec.init, SLOT_DTYPE)
         for name, spec in stack.optimizer.slots(stack.embedding_dim).items()
     }
 
@@ -75,15 +76,15 @@ def _is_positional(stack: StackPlan) -> bool:
 
 def _positional_stack(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array) -> jax.Array:
     """The stacked table generated where its rows live: each element from (table key, id, column); padding zero."""
-    rps, S = stack.rows_per_shard, stack.num_shards
-    g = jax.lax.with_sharding_constraint(jnp.arange(stack.total_rows, dtype=jnp.uint32), plan.table_sharding())
-    srow = (g % rps) * S + g // rps  # the stack row each global row holds (MOD layout)
-    offsets = np.array([p.row_offset for p in stack.tables], np.uint32)
+    g = jax.lax.with_sharding_constraint(jnp.arange(stack.array_rows, dtype=jnp.uint32), plan.table_sharding())
+    srow = stack_rows(stack, g)  # the stack row each global row holds
+    tables = sorted(stack.tables, key=lambda p: p.row_offset)
+    offsets = np.array([p.row_offset for p in tables], np.uint32)
     which = jnp.searchsorted(jnp.asarray(offsets), srow, side="right") - 1
     ids = srow - jnp.asarray(offsets)[which]
-    vocab = jnp.asarray(np.array([p.table.vocabulary_size for p in stack.tables], np.uint32))[which]
-    keys = jnp.stack([seeds(table_key(rng, p.table.name)) for p in stack.tables])[which]
-    stddev = jnp.asarray(np.array([p.table.resolved_initializer.stddev for p in stack.tables], np.float32))[which]
+    vocab = jnp.asarray(np.array([p.table.vocabulary_size for p in tables], np.uint32))[which]
+    keys = jnp.stack([seeds(table_key(rng, p.table.name)) for p in tables])[which]
+    stddev = jnp.asarray(np.array([p.table.resolved_initializer.stddev for p in tables], np.float32))[which]
     values = truncated_normal_rows(keys, ids, stack.embedding_dim, stddev, stack.dtype)
     return jnp.where((ids < vocab)[:, None], values, jnp.zeros((), stack.dtype))
 
@@ -106,7 +107,7 @@ def _check_arrays(plan: EmbeddingPlan, arrays: Mapping[str, np.ndarray], what: s
 def _stacked_global(plan: EmbeddingPlan, stack: StackPlan, per_table: dict[str, np.ndarray], width: int, fill, dtype):
     """Builds a sharded global array from per-table `[vocab, width]` host arrays, shard by shard."""
     def shard(index):
-        rows = stack_rows(stack, np.arange(stack.total_rows)[index[0]])
+        rows = stack_rows(stack, np.arange(stack.array_rows)[index[0]])
         out = np.full((rows.size, width), fill, dtype)
         for p in stack.tables:
             ids = rows - p.row_offset
@@ -114,7 +115,7 @@ def _stacked_global(plan: EmbeddingPlan, stack: StackPlan, per_table: dict[str, 
             out[hit] = per_table[p.table.name][ids[hit]]
         return out[:, index[1]]
 
-    return jax.make_array_from_callback((stack.total_rows, width), plan.table_sharding(), shard, dtype=dtype)
+    return jax.make_array_from_callback((stack.array_rows, width), plan.table_sharding(), shard, dtype=dtype)
 
 
 def _host_array(name: str, what: str, a, shape: tuple[int, int]) -> np.ndarray:
@@ -193,6 +194,6 @@ def empty_tables(plan: EmbeddingPlan, *, with_slots: bool = True) -> dict[str, E
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _empty_jit(plan: EmbeddingPlan, with_slots: bool) -> dict[str, EmbeddingVariables]:
-    out = {s.name: EmbeddingVariables(jnp.zeros((s.total_rows, s.embedding_dim), s.dtype),
+    out = {s.name: EmbeddingVariables(jnp.zeros((s.array_rows, s.embedding_dim), s.dtype),
                                       _slot_arrays(s) if with_slots else {}) for s in plan.stacks}
     return jax.lax.with_sharding_constraint(out, plan.table_sharding())

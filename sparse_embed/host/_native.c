@@ -65,6 +65,7 @@ typedef struct {
     Py_buffer weights;  /* [n] float32; .buf NULL = all 1 */
     Py_buffer offsets;  /* [batch + 1] int64 row starts of ragged ids; .buf NULL = dense */
     i64 n, batch, width, vocab, table_row_offset, row_offset, samples_per_device, seq_len;
+    i64 shard; /* the one shard that holds the feature's table ("table" placement), or -1 (MOD) */
     int combiner;       /* 0 sum, 1 mean, 2 sqrtn */
 } Feature;
 
@@ -116,6 +117,8 @@ static const char *check_feature(const Feature *f, i64 devices, i64 total_rows)
         return "fewer samples than devices * samples_per_device";
     if (f->vocab > total_rows - f->table_row_offset)
         return "the table does not fit in the stack";
+    if (f->shard < -1 || f->shard >= devices)
+        return "the table's shard is not a device";
     if (f->weights.buf && f->weights.len / 4 != f->n)
         return "weights and ids differ in size";
     if (!f->offsets.buf)
@@ -147,9 +150,9 @@ static Feature *parse_features(PyObject *seq, Py_ssize_t *count, i64 devices, i6
     for (Py_ssize_t i = 0; i < n; i++) {
         Feature *f = &fs[i];
         PyObject *ids, *weights, *offsets;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(items, i), "OOOLLLLLLLi", &ids, &weights, &offsets,
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(items, i), "OOOLLLLLLLiL", &ids, &weights, &offsets,
                               &f->batch, &f->width, &f->vocab, &f->table_row_offset, &f->row_offset,
-                              &f->samples_per_device, &f->seq_len, &f->combiner)
+                              &f->samples_per_device, &f->seq_len, &f->combiner, &f->shard)
             || get_buffer(ids, &f->ids, 'n', 0, "ids") < 0
             || (weights != Py_None && get_buffer(weights, &f->weights, 'f', 0, "weights") < 0)
             || (offsets != Py_None && get_buffer(offsets, &f->offsets, 'l', 0, "offsets") < 0))
@@ -189,10 +192,14 @@ static int make_layout(Layout *lay, i64 devices, i64 shards, i64 total_rows)
     return 0;
 }
 
-/* Stack row r lives on shard r % S at row r / S (MOD sharding). */
-static inline void split_row(const Layout *lay, u64 r, i64 *shard, i64 *col)
+/* Stack row r lives on shard r % S at row r / S (MOD sharding), or, when the feature's table is
+   whole on one shard ("table" placement), on that shard at row r - shard * rows_per_shard. */
+static inline void split_row(const Layout *lay, i64 fixed, u64 r, i64 *shard, i64 *col)
 {
-    if (lay->shift >= 0) {
+    if (fixed >= 0) {
+        *shard = fixed;
+        *col = (i64)r - fixed * (lay->total_rows / lay->shards);
+    } else if (lay->shift >= 0) {
         *shard = (i64)(r & (u64)(lay->shards - 1));
         *col = (i64)(r >> lay->shift);
     } else {
@@ -255,7 +262,7 @@ static int count_ids(const Feature *fs, Py_ssize_t nf, const Layout *lay, u64 *s
                     return -1;
                 u64 r = (u64)(id + f->table_row_offset), word = seen[r >> 6], bit = 1ULL << (r & 63);
                 i64 shard, col, first = !(word & bit); /* branch-free: these are unpredictable */
-                split_row(lay, r, &shard, &col);
+                split_row(lay, f->shard, r, &shard, &col);
                 seen[r >> 6] = word | bit;
                 touched[nt] = (i64)(r >> 6);
                 nt += !word;
@@ -311,7 +318,7 @@ static int fill_ids(const Feature *fs, Py_ssize_t nf, const Layout *lay, double 
                 if ((u64)id >= (u64)vocab)
                     return -1;
                 i64 shard, col;
-                split_row(&L, (u64)(id + offset), &shard, &col);
+                split_row(&L, f->shard, (u64)(id + offset), &shard, &col);
                 i64 key = d * L.shards + shard, slot = L.shards > 1 ? cursor[key]++ : run++;
                 if (slot >= cap)
                     continue;

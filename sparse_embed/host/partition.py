@@ -49,7 +49,7 @@ class Partitioned(NamedTuple):
 
     def fill(self, stack: StackPlan, cap: int) -> ShardedCooMatrix:
         """The stack's batch (numpy): at most `cap` entries per partition."""
-        S = stack.num_shards
+        S = stack.segments
         D = self.counts.size // S
         col_ids, row_ids, values, *keys = self.scatter(cap)  # keys: raw-id stacks (`raw_ids`)
         shard_starts = np.tile(np.arange(S, dtype=np.int32) * cap, (D, 1))
@@ -71,7 +71,7 @@ def gains(lay: FeatureLayout, row: np.ndarray, weights: np.ndarray) -> np.ndarra
 
 def _stack_entries(stack: StackPlan, flats: dict[str, FlatIds]):
     """All entries of a stack: (partition key d*S+s, col_id, row_id, value), in row order per device."""
-    S = stack.num_shards
+    S = stack.segments
     keys, cols, rows, vals = [], [], [], []
     for lay in stack.features:
         f, (ids, weights, samples, positions) = lay.feature, flats[lay.feature.name]
@@ -81,9 +81,13 @@ def _stack_entries(stack: StackPlan, flats: dict[str, FlatIds]):
         out_row = samples * f.max_sequence_length + positions if f.is_sequence else samples
         device, local_row = np.divmod(out_row, lay.rows_per_device)
         stack_row = ids + lay.table_row_offset
-        keys.append(device * S + stack_row % S)
-        cols.append(stack_row // S)
-        rows.append(lay.row_offset + local_row)
+        if lay.shard is None:  # MOD over S segments ("replicated": S = 1, the device's own)
+            shard, col = np.divmod(stack_row, S)[::-1]
+        else:  # the table's one shard
+            shard, col = lay.shard, stack_row - lay.shard * stack.rows_per_shard
+        keys.append(device * S + shard)
+        cols.append(col)
+        rows.append(lay.partial_row_offset + local_row)
         vals.append(gains(lay, out_row, weights))
     return np.concatenate(keys), np.concatenate(cols), np.concatenate(rows), np.concatenate(vals)
 
@@ -117,7 +121,7 @@ def _max_unique_per_partition(key: np.ndarray, col: np.ndarray, rows_per_shard: 
 
 def _partition_numpy(stack: StackPlan, flats: dict[str, FlatIds], num_devices: int) -> Partitioned:
     """A stable sort of the entries by partition key."""
-    D, S = num_devices, stack.num_shards
+    D, S = num_devices, stack.segments
     key, col, row, val = _stack_entries(stack, flats)
     # Small keys sort as uint16 (numpy's O(N) radix sort), ~6x faster than int64.
     order = np.argsort(key.astype(np.uint16) if D * S <= 2**16 else key, kind="stable")
@@ -129,7 +133,7 @@ def _partition_numpy(stack: StackPlan, flats: dict[str, FlatIds], num_devices: i
         keep = rank < cap
         slot = key[keep] * cap + rank[keep]  # position in the flat [D * S * cap] buffer
         col_ids = np.full(D * S * cap, stack.rows_per_shard, np.int32)
-        row_ids = np.full(D * S * cap, stack.rows_per_device, np.int32)
+        row_ids = np.full(D * S * cap, stack.partial_rows, np.int32)
         values = np.zeros(D * S * cap, np.float32)
         col_ids[slot], row_ids[slot], values[slot] = col[keep], row[keep], val[keep]
         return col_ids, row_ids, values
@@ -147,20 +151,22 @@ def native_feature(lay: FeatureLayout, ids: CanonicalIds, *, raw: bool = False) 
     offsets = None if ids.dense else np.concatenate(([0], np.cumsum(ids.lengths)))
     batch, width = ids.ids.shape if ids.dense else (ids.lengths.size, 0)
     vocab, offset = (0, 0) if raw else (f.table.vocabulary_size, lay.table_row_offset)  # raw ids: no rows
-    return (ids.ids, ids.weights, offsets, batch, width, vocab, offset, lay.row_offset, lay.samples_per_device,
-            f.max_sequence_length, _COMBINER_CODES[f.table.combiner])
+    return (ids.ids, ids.weights, offsets, batch, width, vocab, offset, lay.partial_row_offset,
+            lay.samples_per_device, f.max_sequence_length, _COMBINER_CODES[f.table.combiner],
+            -1 if lay.shard is None else lay.shard)
 
 
 def _partition_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_devices: int) -> Partitioned:
     """One counting pass now, a counting sort into the outputs in `scatter`."""
-    ext, D, S = native.extension(), num_devices, stack.num_shards
+    ext, D, S = native.extension(), num_devices, stack.segments
     feats = [native_feature(lay, flats[lay.feature.name]) for lay in stack.features]
     counts = np.empty(D * S, np.int64)
-    max_unique = ext.count(feats, D, S, stack.total_rows, counts)
+    rows = S * stack.rows_per_shard  # the stack rows the C layout splits over S shards
+    max_unique = ext.count(feats, D, S, rows, counts)
 
     def scatter(cap: int) -> Buffers:
         out = np.empty(D * S * cap, np.int32), np.empty(D * S * cap, np.int32), np.empty(D * S * cap, np.float32)
-        ext.fill(feats, D, S, stack.total_rows, cap, stack.rows_per_device, *out)
+        ext.fill(feats, D, S, rows, cap, stack.partial_rows, *out)
         return out
 
     return Partitioned(counts, max_unique, scatter)

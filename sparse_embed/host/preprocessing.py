@@ -139,7 +139,7 @@ def _overflow_error(stack: StackPlan, part: Partitioned, numbers: _Numbers, cap:
     if part.needed < numbers.needed:  # the fullest partition is another process's
         return ValueError(f"Stack {stack.name!r} (features {feats}): a partition on process {numbers.worst} has "
                           f"{numbers.needed} ids but the capacity is {cap}. {fix}")
-    S, p = stack.num_shards, int(np.argmax(part.counts))
+    S, p = stack.segments, int(np.argmax(part.counts))
     return ValueError(f"Stack {stack.name!r} (features {feats}): partition (device {positions[p // S]}, shard "
                       f"{p % S}) has {int(part.counts[p])} ids but the capacity is {cap}. {fix}")
 

@@ -71,15 +71,16 @@ def _samples(rng, f, step):
     return ref.random_samples(rng, f.batch_size, vocab, 4, weighted=True)
 
 
+@pytest.mark.parametrize("placement", ["row", "table", "replicated"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_training_matches_numpy(mesh8, case, each_kernel):
+def test_training_matches_numpy(mesh8, case, placement, each_kernel):
     if case == "custom" and each_kernel == "native":
         pytest.skip("Custom optimizers run on the generic kernel (test_kernels checks that forcing native says so)")
     o, update = CASES[case]
     a = se.TableSpec("a", 40, 4, combiner="sum", optimizer=o)
     b = se.TableSpec("b", 19, 4, combiner="mean", optimizer=o)
     feats = {"a1": se.FeatureSpec("a1", a, B), "a2": se.FeatureSpec("a2", a, B), "b1": se.FeatureSpec("b1", b, B)}
-    plan = se.plan(feats, mesh8)
+    plan = se.plan(feats, mesh8, placement=placement)
     tables = se.init_tables(plan, jax.random.key(0))
     state = {n: {k: v.astype(np.float64) for k, v in s.items()} for n, s in se.unstack_state(plan, tables).items()}
     rng = np.random.default_rng(1)

@@ -70,7 +70,11 @@ def _random_case(rng, n: int):
         ids = ((ids[0].astype(dtype), ids[1]) if fmt == "pair" else
                [r.astype(dtype) for r in ids] if fmt == "list" else ids.astype(dtype))
         rendered[f.name] = ids, (w if rng.integers(3) else None)
-    kw = dict(stacking=[None, "auto"][rng.integers(2)], on_overflow="drop")
+    placement = str(rng.choice(["row", "table", "replicated", "mixed"]))
+    if placement == "mixed":  # every table its own placement
+        placement = {t.name: str(rng.choice(["row", "table", "replicated"])) for t in tables if t.name in
+                     {f.table.name for f in feats.values()}}
+    kw = dict(stacking=[None, "auto"][rng.integers(2)], on_overflow="drop", placement=placement)
     if rng.integers(2):
         kw["capacity"] = 8  # often overflows: drops must match too
     return kw, feats, rendered
@@ -182,8 +186,8 @@ def test_preprocess_in_threads(plan8):
 # ---------------------------------------------------------------- the kernels' own checks
 
 
-def _feature(ids, weights=None, offsets=None, batch=4, width=2, vocab=10, spd=4):
-    return (ids, weights, offsets, batch, width, vocab, 0, 0, spd, 0, 0)
+def _feature(ids, weights=None, offsets=None, batch=4, width=2, vocab=10, spd=4, shard=-1):
+    return (ids, weights, offsets, batch, width, vocab, 0, 0, spd, 0, 0, shard)
 
 
 @pytest.mark.parametrize("ids, error", [
@@ -204,8 +208,11 @@ def test_kernels_reject_bad_buffers(ids, error):
     _feature(np.zeros(8, np.int32), offsets=np.array([0, 5, 4, 6, 8])),  # decreasing
     _feature(np.zeros(8, np.int32), vocab=11),  # the table does not fit the stack
     _feature(np.zeros(8, np.int32), spd=5),  # more samples than given
+    _feature(np.zeros(8, np.int32), shard=1),  # the table's one shard is not a device
+    _feature(np.zeros(8, np.int32), shard=-2),
 ])
 def test_kernels_reject_inconsistent_features(feature):
+    NATIVE.count([_feature(np.zeros(8, np.int32))], 1, 1, 10, np.zeros(1, np.int64))  # the unchanged one is fine
     with pytest.raises((ValueError, TypeError)):
         NATIVE.count([feature], 1, 1, 10, np.zeros(1, np.int64))
 

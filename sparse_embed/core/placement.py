@@ -1,0 +1,112 @@
+"""The placement planner's cost model: what each placement of one table costs a device per train step.
+
+With D devices, a table `vocab` rows long and `dim` wide, read by features
+with `rows` output rows and `ids` ids per device (`TableLoad`), bytes a
+device receives through collectives in one forward and backward of
+`lookup` (`EmbeddingPlan.collective_bytes` counts the same for a whole
+plan, exactly, and a test checks it against the compiled program):
+
+- "row": ids to their shards (3 words each), every shard's partial
+  activations back and the activation gradients to every shard:
+  `12 ids (D-1)/D + 8 rows dim (D-1)`.
+- "table": the same ids to the table's one device, its activations back and
+  its gradients to it, counted as if the tables spread evenly over the
+  devices: `12 ids (D-1)/D + 8 rows dim (D-1)/D`; that device holds the
+  whole table.
+- "replicated": nothing forward; the backward sums a dense gradient and
+  touch counts over the devices (an all-reduce of `vocab x (dim + 1)` f32):
+  `8 vocab (dim + 1) (D-1)/D`, plus the work of that dense pass, `12 vocab
+  (dim + 1)` bytes; every device holds the whole table.
+
+`cheapest` takes the least; ties go to the earlier of row, table,
+replicated. Memory per device (`row_bytes` per row: the table's and its
+slots') decides what a `memory_budget` demotes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+ORDER = ("row", "table", "replicated")
+DEMOTION = {"replicated": "table", "table": "row"}  # what a table moves to when the plan needs less memory
+SLOT_ITEMSIZE = 4  # optimizer slots are float32 (`core.state.SLOT_DTYPE`)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableLoad:
+    """What one table costs to keep and to read, per device and step."""
+
+    vocab: int
+    dim: int
+    row_bytes: int  # bytes of one row of the table and its slots
+    rows: int  # output rows of its features on one device
+    ids: float  # ids of its features on one device
+
+    def traffic(self, placement: str, num_devices: int) -> float:
+        """Bytes one device receives through collectives per train step (see the module docstring)."""
+        D = num_devices
+        if D == 1:
+            return 0.0
+        f = (D - 1) / D
+        if placement == "replicated":
+            return 8.0 * self.vocab * (self.dim + 1) * f
+        activations = 8.0 * self.rows * self.dim * (D - 1)
+        return 12.0 * self.ids * f + (activations / D if placement == "table" else activations)
+
+    def cost(self, placement: str, num_devices: int) -> float:
+        """Traffic, plus the dense gradient pass of a replicated table."""
+        work = 12.0 * self.vocab * (self.dim + 1) if placement == "replicated" and num_devices > 1 else 0.0
+        return self.traffic(placement, num_devices) + work
+
+    def memory(self, placement: str, num_devices: int) -> float:
+        """Bytes of the table and its slots on the devices that hold it."""
+        rows = self.vocab if placement != "row" else -(-self.vocab // num_devices)
+        return float(rows * self.row_bytes)
+
+
+def row_bytes(table) -> int:
+    """Bytes of one row of a `TableSpec` and of its optimizer's slots."""
+    slots = table.resolved_optimizer.slots(table.embedding_dim)
+    return int(table.embedding_dim * np.dtype(table.dtype).itemsize + sum(s.width for s in slots.values()) * SLOT_ITEMSIZE)
+
+
+def table_loads(feats: dict, tables: dict, num_devices: int, ids_per_sample: dict[str, float]) -> dict[str, TableLoad]:
+    """`{table: TableLoad}` from the features (`{name: FeatureSpec}`) that read each table."""
+    out = {}
+    for name, t in tables.items():
+        users = [f for f in feats.values() if f.table.name == name]
+        rows = sum(f.batch_size // num_devices * max(f.max_sequence_length, 1) for f in users)
+        ids = sum(f.batch_size / num_devices * ids_per_sample[f.name] for f in users)
+        out[name] = TableLoad(t.vocabulary_size, t.embedding_dim, row_bytes(t), rows, ids)
+    return out
+
+
+def cheapest(load: TableLoad, num_devices: int) -> str:
+    """The placement with the least `cost` (ties: row, then table, then replicated)."""
+    return min(ORDER, key=lambda p: (load.cost(p, num_devices), ORDER.index(p)))
+
+
+def to_demote(chosen: dict[str, str], fixed: dict[str, str], loads: dict[str, TableLoad], num_devices: int) -> str | None:
+    """The table to move to a placement that needs less memory: the largest that is not "row" nor fixed."""
+    movable = [n for n, p in chosen.items() if p != "row" and n not in fixed]
+    return max(movable, key=lambda n: (loads[n].memory(chosen[n], num_devices), n), default=None)
+
+
+def balance(items: list[tuple[str, TableLoad]], memory: list[float]) -> dict[str, int]:
+    """Assigns one stack's tables to devices, largest first, each to the device with the least traffic.
+
+    Traffic is balanced within the stack (its collectives are as large as its
+    busiest device's share); ties go to the device with the least `memory`
+    (bytes per device of the plan's earlier "table" stacks), which is
+    updated in place.
+    """
+    D = len(memory)
+    owner, traffic = {}, [0.0] * D
+    for name, load in sorted(items, key=lambda x: (-x[1].traffic("table", D), -x[1].memory("table", D), x[0])):
+        d = min(range(D), key=lambda i: (traffic[i], memory[i], i))
+        owner[name] = d
+        traffic[d] += load.traffic("table", D)
+        memory[d] += load.memory("table", D)
+    return owner

@@ -1,0 +1,335 @@
+"""Placements ("row", "table", "replicated", "auto"): lookup and training against numpy, replicas,
+checkpoints across placements, the planner's cost model and memory budget, and its byte estimate
+against the collectives of the compiled step."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparse_embed as se
+from sparse_embed import optimizers as opt
+from sparse_embed.core.placement import TableLoad
+from conftest import make_mesh
+import reference as ref
+
+B = 16
+PLACEMENTS = ["row", "table", "replicated", "mixed", "auto"]
+MIXED = {"a": "table", "b": "replicated", "c": "row"}
+
+
+def _placement(name):
+    return MIXED if name == "mixed" else name
+
+
+def _features(o):
+    """Shared tables, a sequence feature, max_norm, two dims, three combiners."""
+    a = se.TableSpec("a", 61, 8, combiner="sum", optimizer=o)
+    b = se.TableSpec("b", 26, 8, combiner="mean", optimizer=o)
+    c = se.TableSpec("c", 19, 4, combiner="sqrtn", optimizer=o, max_norm=0.4)
+    d = se.TableSpec("d", 45, 8, combiner="sum", optimizer=o)
+    return {"a1": se.FeatureSpec("a1", a, B), "a2": se.FeatureSpec("a2", a, 2 * B),
+            "b_seq": se.FeatureSpec("b_seq", b, B, max_sequence_length=2), "b1": se.FeatureSpec("b1", b, B),
+            "c1": se.FeatureSpec("c1", c, B), "d1": se.FeatureSpec("d1", d, B)}
+
+
+def _batch(rng, feats, step, fmt_of):
+    pool = 3 if step == 2 else None  # step 2: full of duplicates, also across features sharing a table
+    samples = {n: ref.random_samples(rng, f.batch_size, f.table.vocabulary_size, 5, weighted=True, id_pool=pool)
+               for n, f in feats.items()}
+    rendered = {n: ref.render(s, fmt_of(n), 5) for n, s in samples.items()}
+    return samples, {n: r[0] for n, r in rendered.items()}, {n: r[1] for n, r in rendered.items()}
+
+
+def _train_against_numpy(plan, feats, o, update, steps, seed=3, fmt_of=lambda n: "list"):
+    """Trains `steps` steps through lookup and in numpy (float64); returns both final states."""
+    rng = np.random.default_rng(seed)
+    tables = se.init_tables(plan, jax.random.key(4))
+    state = {n: {k: v.astype(np.float64) for k, v in s.items()} for n, s in se.unstack_state(plan, tables).items()}
+    cts = {n: rng.normal(size=f.output_shape).astype(np.float32) for n, f in feats.items()}
+
+    def loss(tables, batch, step):
+        acts = se.lookup(plan, batch, tables, step)
+        return sum(jnp.sum(acts[k] * cts[k]) for k in cts)
+
+    train = jax.jit(jax.grad(loss), donate_argnums=0)
+    for step in range(steps):
+        samples, ids, w = _batch(rng, feats, step, fmt_of)
+        batch, _ = se.preprocess(plan, ids, w)
+        for tname in state:
+            W, grads = state[tname]["table"], {}
+            for n, f in feats.items():
+                if f.table.name == tname:
+                    kw = dict(combiner=f.table.combiner, seq_len=f.max_sequence_length, max_norm=f.table.max_norm)
+                    for r, g in ref.row_grads(W, samples[n], cts[n], **kw).items():
+                        grads[r] = grads.get(r, 0.0) + g
+            ref.apply(update, state[tname], grads, o.learning_rate, step)
+        tables = train(tables, batch, jnp.int32(step))
+    return se.unstack_state(plan, tables), state
+
+
+def _forward_reference(plan, tables, feats, samples):
+    W = se.unstack_tables(plan, tables)
+    return {n: ref.lookup(W[f.table.name], samples[n], combiner=f.table.combiner, seq_len=f.max_sequence_length,
+                          max_norm=f.table.max_norm) for n, f in feats.items()}
+
+
+@pytest.mark.usefixtures("each_kernel")
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_forward_matches_numpy(mesh, placement):
+    feats = _features(opt.SGD(0.1))
+    plan = se.plan(feats, mesh, placement=_placement(placement), stacking=None if placement == "mixed" else "auto")
+    tables = se.init_tables(plan, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    formats = ["dense", "list", "pair", "list", "dense", "pair"]
+    samples, ids, w = _batch(rng, feats, 0, lambda n: formats[sorted(feats).index(n)])
+    batch, _ = se.preprocess(plan, ids, w)
+    acts = jax.jit(lambda b, t: se.lookup(plan, b, t))(batch, tables)
+    for n, want in _forward_reference(plan, tables, feats, samples).items():
+        assert acts[n].shape == feats[n].output_shape
+        np.testing.assert_allclose(np.asarray(acts[n]), want, rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+@pytest.mark.usefixtures("each_kernel")
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_training_matches_numpy(mesh, placement):
+    """Adagrad here; every optimizer and option under every placement: test_optimizers."""
+    o, update = opt.Adagrad(0.1, initial_accumulator_value=0.5), ref.adagrad
+    feats = _features(o)
+    plan = se.plan(feats, mesh, placement=_placement(placement))
+    got, want = _train_against_numpy(plan, feats, o, update, steps=4)
+    for t in want:
+        for k in want[t]:
+            np.testing.assert_allclose(got[t][k], want[t][k], rtol=1e-4, atol=1e-5, err_msg=f"{t}/{k}")
+
+
+def test_bf16_tables_and_sequence_features_per_placement(mesh8):
+    o = opt.Adagrad(0.1)
+    t = se.TableSpec("t", 50, 8, dtype=jnp.bfloat16, optimizer=o)
+    feats = {"s": se.FeatureSpec("s", t, B, max_sequence_length=3), "p": se.FeatureSpec("p", t, B)}
+    outs = {}
+    for placement in ("row", "table", "replicated"):
+        plan = se.plan(feats, mesh8, placement=placement)
+        got, want = _train_against_numpy(plan, feats, o, ref.adagrad, steps=3)
+        np.testing.assert_allclose(got["t"]["table"].astype(np.float32), want["t"]["table"], rtol=2e-2, atol=2e-2)
+        outs[placement] = got["t"]["table"]
+    # bf16 rounding of the same updates: the placements agree with each other closely, too
+    np.testing.assert_allclose(outs["table"].astype(np.float32), outs["row"].astype(np.float32), atol=1e-2)
+
+
+@pytest.mark.parametrize("kernel", ["generic", "native"])
+def test_replicas_stay_bitwise_identical(mesh8, kernel):
+    o = opt.Adam(0.05)
+    t = se.TableSpec("t", 30, 8, optimizer=o, max_norm=1.0)
+    feats = {"f": se.FeatureSpec("f", t, 64), "g": se.FeatureSpec("g", t, 64, max_sequence_length=2)}
+    plan = se.plan(feats, mesh8, placement="replicated", kernel=kernel)
+    tables = se.init_tables(plan, jax.random.key(1))
+    rng = np.random.default_rng(2)
+
+    def loss(tables, batch, step):
+        acts = se.lookup(plan, batch, tables, step)
+        return sum(jnp.sum(jnp.sin(3.0 * a)) for a in acts.values())  # gradients differ on every device
+
+    train = jax.jit(jax.grad(loss), donate_argnums=0)
+    for step in range(20):
+        ids = {"f": rng.integers(0, 30, (64, 4)), "g": rng.integers(0, 30, (64, 2))}
+        batch, _ = se.preprocess(plan, ids)
+        tables = train(tables, batch, jnp.int32(step))
+    for a in (tables["t"].table, *tables["t"].slots.values()):
+        copies = np.asarray(a).reshape(8, -1, a.shape[1])
+        assert not np.array_equal(copies[0], np.asarray(se.init_tables(plan, jax.random.key(1))["t"].table)[:copies.shape[1]])
+        for d in range(1, 8):
+            assert np.array_equal(copies[d].view(np.uint32), copies[0].view(np.uint32)), f"replica {d} drifted"
+
+
+# ---------------------------------------------------------------- checkpoints are placement-free
+@pytest.mark.parametrize("saved, restored", [("row", "table"), ("table", "replicated"), ("replicated", "row"),
+                                             ("mixed", "auto"), ("table", "mixed")])
+def test_checkpoint_restores_exactly_under_another_placement_and_mesh(tmp_path, saved, restored):
+    feats = _features(opt.Adam(0.01))
+    rng = np.random.default_rng(5)
+    tables = {f.table.name: rng.normal(size=(f.table.vocabulary_size, f.table.embedding_dim)).astype(np.float32)
+              for f in feats.values()}
+    slots = {n: {k: rng.uniform(0.1, 1, (len(w), s.width)).astype(np.float32)
+                 for k, s in opt.Adam(0.01).slots(w.shape[1]).items()} for n, w in tables.items()}
+    plan8 = se.plan(feats, make_mesh(8), placement=_placement(saved))
+    with se.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, plan8, se.stack_tables(plan8, tables, slots))
+        ckpt.wait()
+        for devices, stacking in ((2, None), (8, "auto")):
+            plan = se.plan(feats, make_mesh(devices), placement=_placement(restored), stacking=stacking)
+            got = se.unstack_state(plan, ckpt.restore(plan).tables)
+            for n, w in tables.items():
+                np.testing.assert_array_equal(got[n]["table"], w, err_msg=n)
+                for k, v in slots[n].items():
+                    np.testing.assert_array_equal(got[n][k], v, err_msg=f"{n}/{k}")
+
+
+@pytest.mark.parametrize("placement", ["table", "replicated"])
+def test_init_tables_is_placement_independent(mesh8, placement):
+    feats = _features(opt.Adagrad(0.1))
+    custom = se.TableSpec("u", 33, 8, initializer=lambda key, shape, dtype: jax.random.uniform(key, shape, dtype))
+    feats["u1"] = se.FeatureSpec("u1", custom, B)
+    want = se.unstack_state(se.plan(feats, make_mesh(1)), se.init_tables(se.plan(feats, make_mesh(1)), jax.random.key(7)))
+    plan = se.plan(feats, mesh8, placement=placement)
+    got = se.unstack_state(plan, se.init_tables(plan, jax.random.key(7)))
+    for n in want:
+        for k in want[n]:
+            np.testing.assert_array_equal(got[n][k], want[n][k], err_msg=f"{n}/{k}")
+
+
+# ---------------------------------------------------------------- the estimate against the compiled step
+_ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
+
+
+def _hlo_collective_bytes(text: str, devices: int) -> float:
+    """Bytes one device receives through the collectives of compiled HLO: (D-1)/D of each all-to-all's and
+    all-gather's result, twice that of an all-reduce (a ring); an independent reading of the program."""
+    total = 0.0
+    ops = r"all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute"
+    for shape, op in re.findall(rf"=\s+(\(.*?\)|\S+)\s+({ops})(?:-start)?\(", text):
+        size = sum(_ITEMSIZE[t] * int(np.prod([int(x) for x in dims.split(",") if x], dtype=np.int64))
+                   for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
+        total += (2 if op == "all-reduce" else 1) * size * (devices - 1) / devices
+    return total
+
+
+@pytest.mark.parametrize("placement", ["row", "table", "replicated", "mixed", "auto"])
+@pytest.mark.parametrize("devices", [2, 8])
+def test_collective_bytes_equal_the_compiled_train_step(placement, devices):
+    feats = _features(opt.Adagrad(0.1))
+    plan = se.plan(feats, make_mesh(devices), placement=_placement(placement), capacity=80)
+    tables = se.init_tables(plan, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    batch, _ = se.preprocess(plan, {n: rng.integers(0, f.table.vocabulary_size, (f.batch_size, 2))
+                                    for n, f in feats.items()})
+    cts = {n: jnp.ones(f.output_shape) for n, f in feats.items()}
+
+    def step(tables, batch, cts):
+        acts, vjp = jax.vjp(lambda t: se.lookup(plan, batch, t, 0), tables)
+        return acts, vjp(cts)[0]
+
+    text = jax.jit(step).lower(tables, batch, cts).compile().as_text()
+    assert plan.collective_bytes() == pytest.approx(_hlo_collective_bytes(text, devices), abs=1)
+    assert plan.collective_bytes() > 0
+
+
+# ---------------------------------------------------------------- the planner
+def _mixed_workload(small=12, large=2):
+    feats = []
+    for i in range(small):
+        t = se.TableSpec(f"s{i:02d}", int(10 * 10 ** (3 * i / max(small - 1, 1))), 16, optimizer=opt.Adagrad(0.1))
+        feats.append(se.FeatureSpec(f"fs{i:02d}", t, 512))
+    for i in range(large):
+        feats.append(se.FeatureSpec(f"fl{i}", se.TableSpec(f"l{i}", 10**5, 64, optimizer=opt.Adagrad(0.1)), 512))
+    return feats
+
+
+def test_auto_replicates_small_tables_and_cuts_traffic(mesh8):
+    feats = _mixed_workload()
+    auto = se.plan(feats, mesh8, placement="auto", ids_per_sample={"fl0": 8, "fl1": 8})
+    row = se.plan(feats, mesh8)
+    placements = {t.table.name: s.placement for s in auto.stacks for t in s.tables}
+    assert placements["s00"] == "replicated" and placements["s11"] == "table" and placements["l0"] == "table"
+    assert auto.collective_bytes() < 0.5 * row.collective_bytes()
+    # every choice is the cheapest of the cost model, table by table
+    loads = {f.table.name: TableLoad(f.table.vocabulary_size, f.table.embedding_dim, 1, 512 // 8,
+                                     (8 if f.name in ("fl0", "fl1") else 1) * 512 / 8) for f in feats}
+    for name, p in placements.items():
+        assert p == min(("row", "table", "replicated"), key=lambda q: loads[name].cost(q, 8)), name
+    # "table" tables are balanced: no device holds two large tables
+    owners = [t.shard for s in auto.stacks for t in s.tables if t.table.name.startswith("l")]
+    assert len(set(owners)) == len(owners)
+
+
+def test_auto_on_one_device_is_row(mesh):
+    plan = se.plan(_mixed_workload(4, 1), mesh, placement="auto")
+    if mesh.size == 1:
+        assert {s.placement for s in plan.stacks} == {"row"}
+
+
+def test_memory_budget_demotes_until_the_plan_fits(mesh8):
+    feats = _mixed_workload()
+    free = se.plan(feats, mesh8, placement="auto")
+    budget = int(0.6 * free.memory_per_device())
+    fit = se.plan(feats, mesh8, placement="auto", memory_budget=budget)
+    assert fit.memory_per_device() <= budget < free.memory_per_device()
+    assert {s.placement for s in fit.stacks if any(t.table.name.startswith("l") for t in s.tables)} == {"row"}
+    row = se.plan(feats, mesh8)
+    with pytest.raises(ValueError, match=r"No placement fits memory_budget=1000 bytes per device: the plan needs"):
+        se.plan(feats, mesh8, placement="auto", memory_budget=1000)
+    with pytest.raises(ValueError, match="No placement fits"):  # fixed placements are never moved
+        se.plan(feats, mesh8, placement={"l0": "replicated"}, memory_budget=row.memory_per_device())
+    # memory per device is every stack's rows on one device times its row bytes (f32 table, Adagrad's slot)
+    want = sum(s.rows_per_shard * (s.embedding_dim * 4 + 4 * s.embedding_dim) for s in fit.stacks)
+    assert fit.memory_per_device() == want
+
+
+def test_explicit_placements_override_auto_and_describe_prints_them(mesh8):
+    feats = _mixed_workload(4, 1)
+    plan = se.plan(feats, mesh8, placement={"s00": "row", "l0": "replicated"})
+    where = {t.table.name: (s.placement, t.shard) for s in plan.stacks for t in s.tables}
+    assert where["s00"] == ("row", None) and where["l0"] == ("replicated", None)
+    text = plan.describe()
+    assert "8 device(s)" in text and "through collectives" in text
+    for name, (p, shard) in where.items():
+        line = next(x for x in text.splitlines() if x.startswith(name + " "))
+        assert (f"table (device {shard})" if p == "table" else p) in line
+    assert "replicated" in repr(plan)
+
+
+def test_table_placement_balances_rows_and_outputs(mesh8):
+    tables = [se.TableSpec(f"t{i}", 100 + 10 * i, 8) for i in range(16)]
+    plan = se.plan([se.FeatureSpec(f"f{i}", t, 64) for i, t in enumerate(tables)], mesh8, placement="table")
+    (s,) = plan.stacks
+    per = np.bincount([t.shard for t in s.tables], minlength=8)
+    assert per.tolist() == [2] * 8  # equal traffic: two tables each
+    assert s.partial_rows == 2 * 64 // 8
+    assert s.rows_per_shard == max(sum(t.padded_rows for t in s.tables if t.shard == d) for d in range(8))
+
+
+def test_bad_placements_name_the_problem(mesh8):
+    feats = _features(opt.SGD(0.1))
+    with pytest.raises(ValueError, match="placement must be one of"):
+        se.plan(feats, mesh8, placement="columns")
+    with pytest.raises(ValueError, match=r"Table 'a': placement must be one of"):
+        se.plan(feats, mesh8, placement={"a": "everywhere"})
+    with pytest.raises(ValueError, match=r"placement names tables \['zzz'\]"):
+        se.plan(feats, mesh8, placement={"zzz": "row"})
+    with pytest.raises(TypeError, match="placement must be a string"):
+        se.plan(feats, mesh8, placement=3)
+    with pytest.raises(ValueError, match=r"Tables 'a' and 'd' cannot be stacked: their placements differ"):
+        se.plan(feats, mesh8, stacking=[["a", "d"]], placement={"a": "table", "d": "row"})
+    raw = se.TableSpec("r", 64, 8, dynamic=se.Dynamic())
+    with pytest.raises(ValueError, match=r"Table 'r' is keyed by raw ids.*only the \"row\" placement"):
+        se.plan({"r1": se.FeatureSpec("r1", raw, B)}, mesh8, placement={"r": "table"})
+    plan = se.plan({"r1": se.FeatureSpec("r1", raw, B)}, mesh8, placement="replicated")
+    assert plan.stacks[0].placement == "row"  # a raw-id table is always "row"
+    with pytest.raises(ValueError, match=r"Feature 'zz': ids_per_sample|unknown features \['zz'\]"):
+        se.plan(feats, mesh8, placement="auto", ids_per_sample={"zz": 2})
+    with pytest.raises(ValueError, match=r"Feature 'a1': ids_per_sample must be a positive number"):
+        se.plan(feats, mesh8, placement="auto", ids_per_sample={"a1": -1})
+
+
+def test_a_batch_for_another_placement_is_rejected(mesh8):
+    feats = _features(opt.SGD(0.1))
+    row, rep = se.plan(feats, mesh8), se.plan(feats, mesh8, placement="replicated")
+    batch, _ = se.preprocess(row, {n: np.zeros((f.batch_size, 1), np.int64) for n, f in feats.items()})
+    with pytest.raises(ValueError, match=r"Stack '.*': batch arrays have shapes .* another plan"):
+        se.lookup(rep, batch, se.init_tables(rep, jax.random.key(0)))
+
+
+def test_stats_size_the_cost_model(mesh8):
+    feats = _mixed_workload(4, 1)
+    row = se.plan(feats, mesh8, stacking=None)
+    rng = np.random.default_rng(0)
+    ids = {f.name: rng.integers(0, f.table.vocabulary_size, (512, 30 if f.name == "fl0" else 1)) for f in feats}
+    _, stats = se.preprocess(row, ids)
+    plain = se.plan(feats, mesh8, placement="auto")
+    seen = se.plan(feats, mesh8, placement="auto", stats=stats)
+    ids_of = lambda p: {t.table.name: t.expected_ids for s in p.stacks for t in s.tables}  # noqa: E731
+    assert ids_of(plain)["l0"] == 64 and ids_of(seen)["l0"] > 20 * 64
