@@ -125,3 +125,25 @@ def measure(prepare: Callable[[], tuple[Runner, dict[str, Any]]], steps: int, wa
     samples = runner.run(steps)
     return {**info, **timing_summary(samples, ids_per_step), "rss_base_bytes": base,
             "rss_peak_steps_bytes": RSS.peak(), "rss_now_bytes": RSS.current(), "loadavg_1min": os.getloadavg()[0]}
+
+
+_HLO_ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8,
+                 "u64": 8}
+
+
+def hlo_collective_bytes(text: str, devices: int) -> float:
+    """Bytes one device receives through the collectives of a compiled HLO module (`compile().as_text()`).
+
+    `(D-1)/D` of each all-to-all's and all-gather's result, twice that for an
+    all-reduce (a ring); read from the program itself, independently of any
+    estimate.
+    """
+    import re
+
+    total = 0.0
+    ops = r"all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute"
+    for shape, op in re.findall(rf"=\s+(\(.*?\)|\S+)\s+({ops})(?:-start)?\(", text):
+        size = sum(_HLO_ITEMSIZE[t] * int(np.prod([int(x) for x in dims.split(",") if x], dtype=np.int64))
+                   for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
+        total += (2 if op == "all-reduce" else 1) * size * (devices - 1) / devices
+    return total

@@ -86,3 +86,15 @@ def test_raw_ids_benchmark_smoke(tmp_path):
     assert "| train step (SGD), ms |" in out and "| map bytes per row | - | 16.2" in out  # 16 + the directory
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["step_ratio"] > 0 and r["preprocess_ratio"] > 0
+
+
+def test_placement_benchmark_smoke(tmp_path):
+    from benchmarks import placement
+
+    out = placement.main(["--small", "6", "--large", "2", "--large_rows", "5000", "--wide_rows", "300", "--wide",
+                          "--batch", "64", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "p.json")])
+    assert "| train step, ms (median) |" in out and "The auto plan:" in out and "table (device" in out
+    r = json.loads((tmp_path / "p.json").read_text())
+    # the plan's estimate of its collectives is what the compiled step holds, for both plans
+    assert r["estimated_bytes"] == pytest.approx(r["hlo_bytes"], abs=1)
+    assert 0 < r["bytes_ratio"] < 1 and r["step_ms"]["auto"] > 0

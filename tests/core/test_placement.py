@@ -4,8 +4,6 @@ against the collectives of the compiled step."""
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 import sparse_embed as se
 from sparse_embed import optimizers as opt
 from sparse_embed.core.placement import TableLoad
+from benchmarks.measuring import hlo_collective_bytes
 from conftest import make_mesh
 import reference as ref
 
@@ -183,21 +182,6 @@ def test_init_tables_is_placement_independent(mesh8, placement):
 
 
 # ---------------------------------------------------------------- the estimate against the compiled step
-_ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
-
-
-def _hlo_collective_bytes(text: str, devices: int) -> float:
-    """Bytes one device receives through the collectives of compiled HLO: (D-1)/D of each all-to-all's and
-    all-gather's result, twice that of an all-reduce (a ring); an independent reading of the program."""
-    total = 0.0
-    ops = r"all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute"
-    for shape, op in re.findall(rf"=\s+(\(.*?\)|\S+)\s+({ops})(?:-start)?\(", text):
-        size = sum(_ITEMSIZE[t] * int(np.prod([int(x) for x in dims.split(",") if x], dtype=np.int64))
-                   for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
-        total += (2 if op == "all-reduce" else 1) * size * (devices - 1) / devices
-    return total
-
-
 @pytest.mark.parametrize("placement", ["row", "table", "replicated", "mixed", "auto"])
 @pytest.mark.parametrize("devices", [2, 8])
 def test_collective_bytes_equal_the_compiled_train_step(placement, devices):
@@ -214,7 +198,7 @@ def test_collective_bytes_equal_the_compiled_train_step(placement, devices):
         return acts, vjp(cts)[0]
 
     text = jax.jit(step).lower(tables, batch, cts).compile().as_text()
-    assert plan.collective_bytes() == pytest.approx(_hlo_collective_bytes(text, devices), abs=1)
+    assert plan.collective_bytes() == pytest.approx(hlo_collective_bytes(text, devices), abs=1)
     assert plan.collective_bytes() > 0
 
 
