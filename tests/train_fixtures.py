@@ -12,7 +12,10 @@ B = 16
 ITEM_OPTIMIZERS = {"adagrad": opt.Adagrad(0.2), "sgd": opt.SGD(0.3), "rowwise": opt.RowwiseAdagrad(0.2)}
 
 
-def make_plan(mesh, items_optimizer="adagrad", axis_name=None) -> se.EmbeddingPlan:
+PLACEMENTS = {"row": "row", "table_replicated": {"items": "table", "users": "replicated"}}
+
+
+def make_plan(mesh, items_optimizer="adagrad", axis_name=None, placement="row") -> se.EmbeddingPlan:
     """items (pooled + sequence features) and users (Adam, needs the step): two stacks."""
     items = se.TableSpec("items", 61, 8, optimizer=ITEM_OPTIMIZERS[items_optimizer], combiner="mean")
     users = se.TableSpec("users", 37, 8, optimizer=opt.Adam(0.05), combiner="sum")
@@ -21,7 +24,7 @@ def make_plan(mesh, items_optimizer="adagrad", axis_name=None) -> se.EmbeddingPl
         "history": se.FeatureSpec("history", items, B, max_sequence_length=3),
         "user": se.FeatureSpec("user", users, B),
     }
-    return se.plan(feats, mesh, axis_name=axis_name)
+    return se.plan(feats, mesh, axis_name=axis_name, placement=PLACEMENTS[placement])
 
 
 def make_batch(plan: se.EmbeddingPlan, seed: int):

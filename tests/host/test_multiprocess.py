@@ -36,8 +36,11 @@ def reference(tmp_path_factory):
     drop_plan = scenario.make_plan(make_mesh(8), capacity=8, on_overflow="drop")
     drop_batch, drop_stats = se.preprocess(drop_plan, scenario.global_ids(drop_plan, scenario.GROW_AT),
                                            device_put=False)
+    placed = scenario.make_plan(make_mesh(8), placement=scenario.PLACEMENT)
+    placed_tables, placed_losses, _, _ = scenario.train(placed)
     return dict(tables=se.unstack_tables(plan, tables), losses=np.array(losses), stats=scenario.stats_array(stats),
-                programs=programs, ckpt=ckpt, drop_batch=drop_batch, drop_stats=scenario.stats_array(drop_stats))
+                programs=programs, ckpt=ckpt, drop_batch=drop_batch, drop_stats=scenario.stats_array(drop_stats),
+                placed=se.unstack_tables(placed, placed_tables), placed_losses=np.array(placed_losses))
 
 
 def test_reference_grows_capacity_once(reference):
@@ -63,6 +66,13 @@ def test_multiprocess_run_equals_single_process(reference, tmp_path, num_process
     # checkpoint 1 process -> N processes, and N processes -> 1 process (on a 4-device sub-mesh)
     for name, want in reference["tables"].items():
         np.testing.assert_array_equal(got[f"restored/{name}"], want, err_msg=name)
+        np.testing.assert_array_equal(got[f"placed_restored/{name}"], want, err_msg=name)  # into other placements
+
+    # placements ("table", "replicated", "row"): the same training as in one process, and as row-wise
+    for name, want in reference["placed"].items():
+        np.testing.assert_allclose(got[f"placed/{name}"], want, rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(want, reference["tables"][name], rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(got["placed_losses"], reference["placed_losses"], rtol=1e-6, atol=1e-5)
     plan4 = scenario.make_plan(make_mesh(4))
     restored = se.CheckpointManager(str(tmp_path / "ckpt")).restore(plan4)
     assert restored.step == scenario.STEPS

@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import sparse_embed as se
 from sparse_embed.flax import linen as sel
-from train_fixtures import B, assert_trees_equal, features_vector, make_batch, make_plan
+from train_fixtures import PLACEMENTS, B, assert_trees_equal, features_vector, make_batch, make_plan
 
 
 class Head(nn.Module):
@@ -57,8 +58,9 @@ def _params(plan):
             "head": Head().init(jax.random.key(1), acts)["params"]}
 
 
-def test_activations_and_updated_tables_equal_lookup(mesh8):
-    plan = make_plan(mesh8, "sgd")  # test_flax_nnx covers adagrad and rowwise
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_activations_and_updated_tables_equal_lookup(mesh8, placement):
+    plan = make_plan(mesh8, "sgd", placement=placement)  # test_flax_nnx covers adagrad and rowwise
     batch, step = make_batch(plan, 0), jnp.int32(3)
     params = _params(plan)
     tables = params["embed"]["tables"]

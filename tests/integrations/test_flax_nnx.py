@@ -11,7 +11,7 @@ import pytest
 
 import sparse_embed as se
 from sparse_embed.flax import nnx as sen
-from train_fixtures import B, assert_trees_equal, features_vector, make_batch, make_plan
+from train_fixtures import PLACEMENTS, B, assert_trees_equal, features_vector, make_batch, make_plan
 
 LABELS = np.random.default_rng(3).normal(size=B).astype(np.float32)
 
@@ -56,9 +56,10 @@ def _embedding_grads(grads: nnx.State, plan) -> dict[str, se.EmbeddingVariables]
             for s in plan.stack_names}
 
 
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("items_optimizer", ["adagrad", "rowwise"])
-def test_activations_and_updated_tables_equal_lookup(mesh8, items_optimizer):
-    plan = make_plan(mesh8, items_optimizer)
+def test_activations_and_updated_tables_equal_lookup(mesh8, items_optimizer, placement):
+    plan = make_plan(mesh8, items_optimizer, placement=placement)
     batch, step = make_batch(plan, 0), jnp.int32(2)
     model = Tower(plan, nnx.Rngs(0))
     tables = model.embed.embedding_variables()

@@ -47,6 +47,14 @@ with se.CheckpointManager(os.path.join(out_dir, "ckpt")) as ckpt:
 restored = se.CheckpointManager(ref_ckpt).restore(plan)
 results.update({f"restored/{k}": v for k, v in gathered_tables(plan, restored.tables).items()})
 
+# 2b. the same run with a table on one device, one replicated, one row-wise; the checkpoint restored into it
+placed = scenario.make_plan(mesh, placement=scenario.PLACEMENT)
+tables_p, losses_p, _, _ = scenario.train(placed, feed)
+results.update({f"placed/{k}": v for k, v in gathered_tables(placed, tables_p).items()})
+results["placed_losses"] = np.array(losses_p)
+restored = se.CheckpointManager(ref_ckpt).restore(placed)
+results.update({f"placed_restored/{k}": v for k, v in gathered_tables(placed, restored.tables).items()})
+
 # 3. explicit capacity with drops: global stats and the assembled batch
 drop_plan = scenario.make_plan(mesh, capacity=8, on_overflow="drop")
 ids = scenario.global_ids(drop_plan, scenario.GROW_AT)
