@@ -1,17 +1,22 @@
-"""`sparse-embed`: inspect, verify and convert checkpoints from the command line.
+"""`sparse-embed`: inspect, verify and convert checkpoints, and print plans, from the command line.
 
     sparse-embed inspect CKPT
     sparse-embed verify CKPT [--step N]
     sparse-embed convert SRC DST [--devices N] [--serving] [--dtype bf16]
+    sparse-embed plan MODULE:NAME [--devices 8] [--placement auto] [--memory-budget 2GiB]
 
 CKPT / SRC is a checkpoint manager directory (its latest complete step is
-used) or one step directory. Errors print one line to stderr and exit 1;
-`verify` exits 1 when any array is corrupt.
+used) or one step directory. `plan` prints `EmbeddingPlan.describe()` for
+the FeatureSpecs that `MODULE.NAME` holds (or returns, if callable), on N
+simulated devices. Errors print one line to stderr and exit 1; `verify`
+exits 1 when any array is corrupt.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 
 
@@ -84,8 +89,44 @@ def _convert(args) -> None:
     print(f"wrote {out}")
 
 
+def _bytes(text: str) -> int:
+    """"2GiB", "512 MiB", "1e9" -> bytes."""
+    m = re.fullmatch(r"\s*([\d.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1e9)")
+    unit = (m.group(2) or "B").replace("i", "")
+    return int(float(m.group(1)) * 1024 ** "BKMGT".index(unit[0]))
+
+
+def _plan(args) -> None:
+    if "jax" not in sys.modules:  # simulated devices, before JAX starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={args.devices}").strip()
+    import importlib
+
+    import jax
+    import numpy as np
+
+    import sparse_embed as se
+
+    module, _, name = args.features.partition(":")
+    sys.path.insert(0, os.getcwd())
+    try:
+        obj = getattr(importlib.import_module(module), name or "features")
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load the features {args.features!r}: {e}") from None
+    devices = jax.devices()
+    if len(devices) < args.devices:
+        raise ValueError(f"--devices {args.devices}, but JAX has {len(devices)} devices")
+    mesh = jax.sharding.Mesh(np.array(devices[: args.devices]), ("device",))
+    plan = se.plan(obj() if callable(obj) else obj, mesh, placement=args.placement, memory_budget=args.memory_budget,
+                   ids_per_sample=args.ids_per_sample)
+    print(plan.describe())
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparse-embed", description="Inspect, verify and convert sparse_embed checkpoints.")
+    p = argparse.ArgumentParser(prog="sparse-embed",
+                                description="Inspect, verify and convert sparse_embed checkpoints; print plans.")
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("inspect", help="tables, shapes, dtypes, stacking and memory of a checkpoint")
     i.add_argument("ckpt")
@@ -104,6 +145,13 @@ def parser() -> argparse.ArgumentParser:
                    help="table dtype of a serving export")
     c.add_argument("--step", type=int, default=None, help="step to read (default: the latest complete one)")
     c.set_defaults(fn=_convert)
+    pl = sub.add_parser("plan", help="where each table of a model's features lives, its memory and traffic")
+    pl.add_argument("features", help="MODULE:NAME of a list or dict of FeatureSpecs, or of a function returning one")
+    pl.add_argument("--devices", type=int, default=8, help="devices of the mesh (simulated on CPU)")
+    pl.add_argument("--placement", default="auto", choices=["auto", "row", "table", "replicated"])
+    pl.add_argument("--memory-budget", type=_bytes, default=None, help="bytes per device, e.g. 2GiB")
+    pl.add_argument("--ids-per-sample", type=float, default=None, help="the cost model's ids per sample")
+    pl.set_defaults(fn=_plan)
     return p
 
 

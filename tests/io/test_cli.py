@@ -99,3 +99,26 @@ def test_console_script_runs(ckpt):
         pytest.skip("console script not installed (pip install -e .)")
     p = subprocess.run([exe, "inspect", str(ckpt[0]) + "_missing"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "does not exist" in p.stderr
+
+
+def test_plan_prints_each_tables_placement(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_model.py").write_text(
+        "import sparse_embed as se\n"
+        "def features():\n"
+        "    small = se.TableSpec('small', 20, 8)\n"
+        "    big = se.TableSpec('big', 100000, 8)\n"
+        "    return [se.FeatureSpec('s', small, 4096), se.FeatureSpec('b', big, 4096)]\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", "my_model:features", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "EmbeddingPlan on 8 device(s)" in out
+    assert next(x for x in out.splitlines() if x.startswith("small ")).split()[2] == "replicated"
+    assert "table (device" in next(x for x in out.splitlines() if x.startswith("big "))
+    assert cli.main(["plan", "my_model:features", "--placement", "row", "--memory-budget", "1MiB"]) == 0
+    assert "row" in next(x for x in capsys.readouterr().out.splitlines() if x.startswith("big "))
+    assert cli.main(["plan", "my_model:features", "--memory-budget", "1KiB"]) == 1
+    assert "No placement fits memory_budget=1024 bytes" in capsys.readouterr().err
+    assert cli.main(["plan", "my_model:nothing"]) == 1
+    assert "cannot load the features 'my_model:nothing'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "my_model:features", "--memory-budget", "lots"])
