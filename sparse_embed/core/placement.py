@@ -19,7 +19,7 @@ plan, exactly, and a test checks it against the compiled program):
   (dim + 1)` bytes; every device holds the whole table.
 
 `cheapest` takes the least; ties go to the earlier of row, table,
-replicated. Memory per device (`row_bytes` per row: the table's and its
+replicated; `choose` then corrects "table" for the stacks it makes. Memory per device (`row_bytes` per row: the table's and its
 slots') decides what a `memory_budget` demotes.
 """
 
@@ -44,8 +44,13 @@ class TableLoad:
     rows: int  # output rows of its features on one device
     ids: float  # ids of its features on one device
 
-    def traffic(self, placement: str, num_devices: int) -> float:
-        """Bytes one device receives through collectives per train step (see the module docstring)."""
+    def traffic(self, placement: str, num_devices: int, share: float | None = None) -> float:
+        """Bytes one device receives through collectives per train step (see the module docstring).
+
+        `share`: "table", the part of the stack's activation rows this
+        table's device adds to every shard's (default `1/D`, tables spread
+        evenly; 1 for a table alone in its stack).
+        """
         D = num_devices
         if D == 1:
             return 0.0
@@ -53,12 +58,14 @@ class TableLoad:
         if placement == "replicated":
             return 8.0 * self.vocab * (self.dim + 1) * f
         activations = 8.0 * self.rows * self.dim * (D - 1)
-        return 12.0 * self.ids * f + (activations / D if placement == "table" else activations)
+        if placement == "table":
+            activations *= 1.0 / D if share is None else share
+        return 12.0 * self.ids * f + activations
 
-    def cost(self, placement: str, num_devices: int) -> float:
+    def cost(self, placement: str, num_devices: int, share: float | None = None) -> float:
         """Traffic, plus the dense gradient pass of a replicated table."""
         work = 12.0 * self.vocab * (self.dim + 1) if placement == "replicated" and num_devices > 1 else 0.0
-        return self.traffic(placement, num_devices) + work
+        return self.traffic(placement, num_devices, share) + work
 
     def memory(self, placement: str, num_devices: int) -> float:
         """Bytes of the table and its slots on the devices that hold it."""
@@ -83,9 +90,32 @@ def table_loads(feats: dict, tables: dict, num_devices: int, ids_per_sample: dic
     return out
 
 
-def cheapest(load: TableLoad, num_devices: int) -> str:
+def cheapest(load: TableLoad, num_devices: int, share: float | None = None) -> str:
     """The placement with the least `cost` (ties: row, then table, then replicated)."""
-    return min(ORDER, key=lambda p: (load.cost(p, num_devices), ORDER.index(p)))
+    return min(ORDER, key=lambda p: (load.cost(p, num_devices, share), ORDER.index(p)))
+
+
+def choose(loads: dict[str, TableLoad], fixed: dict[str, str], stack_of, num_devices: int) -> dict[str, str]:
+    """Each table's cheapest placement, then again with the stacks the "table" choices make.
+
+    A stack of k tables placed "table" sends every shard `ceil(k/D)` tables'
+    activation rows, not `k/D`: `stack_of(chosen)` (`{table: stack key}`)
+    gives the k of each table's stack, and a table whose stack is too small
+    to spread goes back to its cheapest other placement.
+    """
+    D = num_devices
+    chosen = {n: fixed.get(n) or cheapest(load, D) for n, load in loads.items()}
+    keys = stack_of(chosen)
+    together = {}
+    for n, p in chosen.items():
+        if p == "table":
+            together.setdefault(keys[n], []).append(n)
+    for group in together.values():
+        share = -(-len(group) // D) / len(group)
+        for n in group:
+            if n not in fixed:
+                chosen[n] = cheapest(loads[n], D, share)
+    return chosen
 
 
 def to_demote(chosen: dict[str, str], fixed: dict[str, str], loads: dict[str, TableLoad], num_devices: int) -> str | None:

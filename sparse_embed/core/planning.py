@@ -532,7 +532,8 @@ def plan(
                              f"{num_shards} devices of mesh axis {axis!r}; use a multiple of {num_shards}.")
     fixed = _fixed_placements(tables, placement)
     loads = placement_lib.table_loads(feats, tables, num_shards, _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats))
-    chosen = {n: fixed.get(n) or placement_lib.cheapest(loads[n], num_shards) for n in tables}
+    groups = lambda chosen: {n: i for i, g in enumerate(_group_tables(tables, stacking, chosen)) for n in g}  # noqa: E731
+    chosen = placement_lib.choose(loads, fixed, groups, num_shards)
     while True:
         stacks = _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads)
         need = sum(s.memory_per_device() for s in stacks)

@@ -223,8 +223,14 @@ def test_auto_replicates_small_tables_and_cuts_traffic(mesh8):
     # every choice is the cheapest of the cost model, table by table
     loads = {f.table.name: TableLoad(f.table.vocabulary_size, f.table.embedding_dim, 1, 512 // 8,
                                      (8 if f.name in ("fl0", "fl1") else 1) * 512 / 8) for f in feats}
+    stacks = {t.table.name: s for s in auto.stacks for t in s.tables}
     for name, p in placements.items():
-        assert p == min(("row", "table", "replicated"), key=lambda q: loads[name].cost(q, 8)), name
+        load = loads[name]
+        if p == "table":  # its stack's k tables send ceil(k/8) tables' rows to every shard
+            k = len(stacks[name].tables)
+            assert load.cost("table", 8, -(-k // 8) / k) <= min(load.cost("row", 8), load.cost("replicated", 8)), name
+        else:
+            assert load.cost(p, 8) <= min(load.cost(q, 8) for q in ("row", "replicated")), name
     # "table" tables are balanced: no device holds two large tables
     owners = [t.shard for s in auto.stacks for t in s.tables if t.table.name.startswith("l")]
     assert len(set(owners)) == len(owners)
@@ -317,3 +323,11 @@ def test_stats_size_the_cost_model(mesh8):
     seen = se.plan(feats, mesh8, placement="auto", stats=stats)
     ids_of = lambda p: {t.table.name: t.expected_ids for s in p.stacks for t in s.tables}  # noqa: E731
     assert ids_of(plain)["l0"] == 64 and ids_of(seen)["l0"] > 20 * 64
+
+
+def test_a_table_alone_in_its_stack_is_not_placed_whole(mesh8):
+    """Alone, a "table" table sends as many activation rows to every shard as row-wise, with D times the memory."""
+    feats = _mixed_workload(3, 2)
+    assert {s.placement for s in se.plan(feats, mesh8, placement="auto", stacking=None).stacks} <= {"row", "replicated"}
+    together = se.plan(feats, mesh8, placement="auto")
+    assert {s.placement for s in together.stacks if s.first.name.startswith("l")} == {"table"}

@@ -106,16 +106,16 @@ def test_plan_prints_each_tables_placement(tmp_path, monkeypatch, capsys):
         "import sparse_embed as se\n"
         "def features():\n"
         "    small = se.TableSpec('small', 20, 8)\n"
-        "    big = se.TableSpec('big', 100000, 8)\n"
-        "    return [se.FeatureSpec('s', small, 4096), se.FeatureSpec('b', big, 4096)]\n")
+        "    big = [se.TableSpec(f'big{i}', 100000, 8) for i in range(2)]\n"
+        "    return [se.FeatureSpec('s', small, 4096)] + [se.FeatureSpec(f'b{i}', t, 4096) for i, t in enumerate(big)]\n")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["plan", "my_model:features", "--devices", "8"]) == 0
     out = capsys.readouterr().out
     assert "EmbeddingPlan on 8 device(s)" in out
     assert next(x for x in out.splitlines() if x.startswith("small ")).split()[2] == "replicated"
-    assert "table (device" in next(x for x in out.splitlines() if x.startswith("big "))
+    assert "table (device" in next(x for x in out.splitlines() if x.startswith("big0 "))
     assert cli.main(["plan", "my_model:features", "--placement", "row", "--memory-budget", "1MiB"]) == 0
-    assert "row" in next(x for x in capsys.readouterr().out.splitlines() if x.startswith("big "))
+    assert "row" in next(x for x in capsys.readouterr().out.splitlines() if x.startswith("big1 "))
     assert cli.main(["plan", "my_model:features", "--memory-budget", "1KiB"]) == 1
     assert "No placement fits memory_budget=1024 bytes" in capsys.readouterr().err
     assert cli.main(["plan", "my_model:nothing"]) == 1
