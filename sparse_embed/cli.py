@@ -148,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="where each table of a model's features lives, its memory and traffic")
     pl.add_argument("features", help="MODULE:NAME of a list or dict of FeatureSpecs, or of a function returning one")
     pl.add_argument("--devices", type=int, default=8, help="devices of the mesh (simulated on CPU)")
-    pl.add_argument("--placement", default="auto", choices=["auto", "row", "table", "replicated"])
+    pl.add_argument("--placement", default="auto", choices=["auto", "row", "table", "replicated", "column"])
     pl.add_argument("--memory-budget", type=_bytes, default=None, help="bytes per device, e.g. 2GiB")
     pl.add_argument("--ids-per-sample", type=float, default=None, help="the cost model's ids per sample")
     pl.set_defaults(fn=_plan)

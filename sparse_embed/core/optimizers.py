@@ -147,6 +147,14 @@ class Optimizer:
         return new_rows, new_slots
 
     @property
+    def elementwise(self) -> bool:
+        """True if each element of a row updates from its own gradient and slot elements only.
+
+        Then a row's columns can live on different devices ("column" placement).
+        """
+        return True
+
+    @property
     def is_linear(self) -> bool:
         """True if the update is `rows + linear_delta(g)`, linear in g, with no slots.
 
@@ -213,6 +221,10 @@ class RowwiseAdagrad(Optimizer):
 
     def slots(self, dim):
         return {"accumulator": SlotSpec(1, self.initial_accumulator_value)}
+
+    @property
+    def elementwise(self) -> bool:
+        return False  # the accumulator averages over the whole row
 
     def rule(self, rows, slots, grads, step, lr):
         acc = slots["accumulator"] + jnp.mean(grads * grads, axis=-1, keepdims=True)
@@ -379,6 +391,10 @@ class Custom(Optimizer):
 
     def slots(self, dim):
         return dict(self.slot_specs)
+
+    @property
+    def elementwise(self) -> bool:
+        return False  # fn sees whole rows
 
     def rule(self, rows, slots, grads, step, lr):
         new_rows, new_slots = self.fn(rows, slots, grads, step)

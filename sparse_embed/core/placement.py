@@ -17,10 +17,15 @@ plan, exactly, and a test checks it against the compiled program):
   touch counts over the devices (an all-reduce of `vocab x (dim + 1)` f32):
   `8 vocab (dim + 1) (D-1)/D`, plus the work of that dense pass, `12 vocab
   (dim + 1)` bytes; every device holds the whole table.
+- "column": every device's ids to every device, and each device's share
+  of the columns of every activation and gradient:
+  `12 ids (D-1) + 8 rows ceil(dim/D) (D-1)`; each device holds all rows,
+  `dim/D` columns wide. Only for elementwise optimizers without max_norm.
 
 `cheapest` takes the least; ties go to the earlier of row, table,
-replicated; `choose` then corrects "table" for the stacks it makes. Memory per device (`row_bytes` per row: the table's and its
-slots') decides what a `memory_budget` demotes.
+replicated, column; `choose` then corrects "table" for the stacks it
+makes. Memory per device (`row_bytes` per row: the table's and its slots')
+decides what a `memory_budget` demotes.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import dataclasses
 
 import numpy as np
 
-ORDER = ("row", "table", "replicated")
+ORDER = ("row", "table", "replicated", "column")
 DEMOTION = {"replicated": "table", "table": "row"}  # what a table moves to when the plan needs less memory
 SLOT_ITEMSIZE = 4  # optimizer slots are float32 (`core.state.SLOT_DTYPE`)
 
@@ -43,6 +48,7 @@ class TableLoad:
     row_bytes: int  # bytes of one row of the table and its slots
     rows: int  # output rows of its features on one device
     ids: float  # ids of its features on one device
+    columnable: bool = True  # may its columns live on different devices (elementwise optimizer, no max_norm)?
 
     def traffic(self, placement: str, num_devices: int, share: float | None = None) -> float:
         """Bytes one device receives through collectives per train step (see the module docstring).
@@ -57,6 +63,8 @@ class TableLoad:
         f = (D - 1) / D
         if placement == "replicated":
             return 8.0 * self.vocab * (self.dim + 1) * f
+        if placement == "column":
+            return 12.0 * self.ids * (D - 1) + 8.0 * self.rows * -(-self.dim // D) * (D - 1)
         activations = 8.0 * self.rows * self.dim * (D - 1)
         if placement == "table":
             activations *= 1.0 / D if share is None else share
@@ -69,8 +77,8 @@ class TableLoad:
 
     def memory(self, placement: str, num_devices: int) -> float:
         """Bytes of the table and its slots on the devices that hold it."""
-        rows = self.vocab if placement != "row" else -(-self.vocab // num_devices)
-        return float(rows * self.row_bytes)
+        spread = placement in ("row", "column")  # a share of the rows, or of every row
+        return float(self.vocab * self.row_bytes / (num_devices if spread else 1))
 
 
 def row_bytes(table) -> int:
@@ -86,13 +94,15 @@ def table_loads(feats: dict, tables: dict, num_devices: int, ids_per_sample: dic
         users = [f for f in feats.values() if f.table.name == name]
         rows = sum(f.batch_size // num_devices * max(f.max_sequence_length, 1) for f in users)
         ids = sum(f.batch_size / num_devices * ids_per_sample[f.name] for f in users)
-        out[name] = TableLoad(t.vocabulary_size, t.embedding_dim, row_bytes(t), rows, ids)
+        columnable = t.max_norm is None and t.resolved_optimizer.elementwise and not t.dynamic
+        out[name] = TableLoad(t.vocabulary_size, t.embedding_dim, row_bytes(t), rows, ids, columnable)
     return out
 
 
 def cheapest(load: TableLoad, num_devices: int, share: float | None = None) -> str:
-    """The placement with the least `cost` (ties: row, then table, then replicated)."""
-    return min(ORDER, key=lambda p: (load.cost(p, num_devices, share), ORDER.index(p)))
+    """The placement with the least `cost` (ties: row, table, replicated, column)."""
+    allowed = [p for p in ORDER if p != "column" or load.columnable]
+    return min(allowed, key=lambda p: (load.cost(p, num_devices, share), ORDER.index(p)))
 
 
 def choose(loads: dict[str, TableLoad], fixed: dict[str, str], stack_of, num_devices: int) -> dict[str, str]:
@@ -120,7 +130,7 @@ def choose(loads: dict[str, TableLoad], fixed: dict[str, str], stack_of, num_dev
 
 def to_demote(chosen: dict[str, str], fixed: dict[str, str], loads: dict[str, TableLoad], num_devices: int) -> str | None:
     """The table to move to a placement that needs less memory: the largest that is not "row" nor fixed."""
-    movable = [n for n, p in chosen.items() if p != "row" and n not in fixed]
+    movable = [n for n, p in chosen.items() if p in DEMOTION and n not in fixed]
     return max(movable, key=lambda n: (loads[n].memory(chosen[n], num_devices), n), default=None)
 
 

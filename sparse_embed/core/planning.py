@@ -19,6 +19,9 @@ Placements (`StackPlan.placement`; docs/placement.md), with S devices:
   row of the array.
 - "replicated": every device holds all `total_rows` rows; the array is S
   copies one after the other.
+- "column": every device holds all `total_rows` rows but only its
+  `shard_dim` columns (the dim split over the S devices, padded to a
+  multiple of S); the array is the S column blocks one after the other.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ OVERFLOW_POLICIES = ("error", "drop")
 KERNELS = ("auto", "generic", "native")  # implementations of the lookup's per-shard work (`core.kernels`)
 KERNEL_ENV = "SPARSE_EMBED_KERNEL"  # overrides kernel="auto" when a plan is made
 NONFINITE_POLICIES = ("skip", "apply")
-PLACEMENTS = ("row", "table", "replicated")
+PLACEMENTS = ("row", "table", "replicated", "column")
 CAPACITY_ALIGNMENT = 8
 
 
@@ -125,7 +128,16 @@ class StackPlan:
         """Rows each device holds."""
         if self.placement == "table":
             return self.shard_rows
-        return self.total_rows if self.placement == "replicated" else self.total_rows // self.num_shards
+        return self.total_rows // self.num_shards if self.placement == "row" else self.total_rows
+
+    @property
+    def array_dim(self) -> int:
+        """Columns of the stacked arrays: `embedding_dim`, or "column", each device's share of it."""
+        return -(-self.embedding_dim // self.num_shards) if self.placement == "column" else self.embedding_dim
+
+    def slot_widths(self) -> dict[str, int]:
+        """Columns of each optimizer slot's stacked array (a "column" device holds its share)."""
+        return {k: v.width for k, v in self.optimizer.slots(self.array_dim).items()}
 
     @property
     def array_rows(self) -> int:
@@ -134,8 +146,9 @@ class StackPlan:
 
     @property
     def segments(self) -> int:
-        """Destination segments of each device's COO batch: the devices ids go to (1: "replicated", local)."""
-        return 1 if self.placement == "replicated" else self.num_shards
+        """Destination segments of each device's COO batch: the devices ids go to (1: the device's own ids,
+        which "replicated" reads locally and "column" gathers from every device)."""
+        return self.num_shards if self.placement in ("row", "table") else 1
 
     @property
     def rows_per_device(self) -> int:
@@ -183,15 +196,23 @@ class StackPlan:
         if self.placement == "replicated":
             return 2 * (D - 1) * self.total_rows * (dim + 1) * 4 // D
         C = self.expected_capacity() if capacity is None else capacity
+        if self.placement == "column":  # every device's entries to every device; activations by columns
+            return (D - 1) * (12 * C + 2 * 4 * self.rows_per_device * self.array_dim)
         return (D - 1) * (12 * self.segments * C + 2 * 4 * self.partial_rows * dim * D) // D
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of the stacked table and slots, as one device holds it."""
+        return (self.array_dim * np.dtype(self.dtype).itemsize
+                + sum(self.slot_widths().values()) * placement_lib.SLOT_ITEMSIZE)
 
     def memory_per_device(self) -> int:
         """Bytes of this stack's table and slots on each device."""
-        return self.rows_per_shard * placement_lib.row_bytes(self.first)
+        return self.rows_per_shard * self.row_bytes
 
     def kernel_view(self, sources: int | None = None, out_rows: int | None = None) -> "KernelStack":
         """What a kernel sees of this stack: sources of entries, their output rows and the local rows."""
-        return KernelStack(self.name, self.optimizer, self.max_norm, self.dtype, self.embedding_dim,
+        return KernelStack(self.name, self.optimizer, self.max_norm, self.dtype, self.array_dim,
                            self.num_shards if sources is None else sources,
                            self.partial_rows if out_rows is None else out_rows, self.rows_per_shard)
 
@@ -278,7 +299,7 @@ class EmbeddingPlan:
             stack_bytes = _size(s.collective_bytes(caps.get(s.name)))
             for p in s.tables:
                 where = s.placement if p.shard is None else f"table (device {p.shard})"
-                per_device = p.padded_rows // (D if s.placement == "row" else 1) * placement_lib.row_bytes(p.table)
+                per_device = p.padded_rows // (D if s.placement == "row" else 1) * s.row_bytes
                 stack = s.name if len(s.name) <= 24 else s.name[:23] + "…"
                 lines.append(f"{p.table.name:<24} {stack:<24} {where:<16} "
                              f"{f'{p.table.vocabulary_size} x {p.table.embedding_dim}':>16} "
@@ -477,47 +498,37 @@ def plan(
     ids_per_sample: float | Mapping[str, float] | None = None,
     stats: Any = None,
 ) -> EmbeddingPlan:
-    """Plans the stacked, sharded layout of the tables that `features` read.
+    """The `EmbeddingPlan`: the stacked, sharded layout of the tables `features` read.
+
+    Stacks are named by their tables' names, sorted and joined with "_".
 
     Args:
       features: name -> FeatureSpec (or a sequence of FeatureSpecs).
-      mesh: the device mesh; default, a 1-D mesh over all devices (axis "device").
-      axis_name: the mesh axis the tables are sharded over and the batch is
-        split over; default, the mesh's only axis.
+      mesh: the device mesh; default, a 1-D mesh over all devices ("device").
+      axis_name: the mesh axis that shards the tables and splits the batch;
+        default, the mesh's only axis.
       stacking: "auto" (stack tables with equal dim, optimizer, combiner,
-        max_norm and dtype), None (one stack per table), or a list of lists of
-        table names (unlisted tables get their own stack). A table keyed by
-        raw ids (`dynamic=`) is always a stack of its own.
+        max_norm and dtype), None (one stack per table), or lists of table
+        names. A raw-id table (`dynamic=`) is always a stack of its own.
       capacity: static COO entries per (source device, destination shard)
-        partition, an int for all stacks or {stack_name: int}. None (the
-        default) sizes each stack from the first batch and grows it (one
-        recompile) when a later batch needs more.
-      on_overflow: with an explicit capacity, what a batch that needs more
-        does: "error" (ValueError) or "drop" (excess ids dropped
-        deterministically, the last ones in sample order, counted in Stats).
-      nonfinite_gradients: what the backward does with a row whose gradient
-        is NaN or inf: "skip" (the row and its slots keep their old values;
-        `nonfinite_rows` counts such rows) or "apply" (update it anyway).
-      kernel: the implementation of `lookup`'s per-shard work: "auto" (the
-        fastest for the platform and optimizer; `$SPARSE_EMBED_KERNEL`
-        overrides it), "generic" (jnp, the reference; GPU and TPU), "native"
-        (C++, CPU) or a kernel from `sparse_embed.core.kernels`.
-      placement: where each table lives (docs/placement.md): "row" (rows
-        spread over every device, the default), "table" (each table whole on
-        one device), "replicated" (on every device), "auto" (chosen per table
-        by the cost model in `core.placement`), or `{table: placement}` (the
-        named tables fixed, the others "auto"). A raw-id table is "row".
-      memory_budget: bytes of tables and slots one device may hold; "auto"
-        moves tables to cheaper-in-memory placements until the plan fits, and
-        a plan that cannot fit raises a ValueError.
-      ids_per_sample: the cost model's ids per sample, for every feature or
+        partition, an int or {stack_name: int}; None sizes each stack from
+        the first batch and grows it (one recompile) when a batch needs more.
+      on_overflow: with an explicit capacity, "error" (ValueError) or "drop"
+        (the last ids in sample order dropped, counted in Stats).
+      nonfinite_gradients: "skip" (a row with a NaN/inf gradient keeps its
+        values, counted in `nonfinite_rows`) or "apply".
+      kernel: "auto" (fastest for the platform and optimizer;
+        `$SPARSE_EMBED_KERNEL` overrides it), "generic" (jnp, the reference),
+        "native" (C++, CPU) or a kernel from `sparse_embed.core.kernels`.
+      placement: "row" (the default), "column", "table", "replicated",
+        "auto" (the cost model of `core.placement` chooses per table) or
+        `{table: placement}` (others "auto"); see docs/placement.md.
+      memory_budget: bytes of tables and slots per device; "auto" moves tables
+        to placements cheaper in memory until they fit (else a ValueError).
+      ids_per_sample: the cost model's ids per sample, one number or
         `{feature: ids}` (default 1, or what `stats` observed).
-      stats: `Stats` of earlier batches: its ids per partition size the cost
-        model's traffic for the stacks it names.
-
-    Returns:
-      The `EmbeddingPlan`. Stacks are named by their tables' names joined
-      with "_" (sorted), or the table's own name.
+      stats: `Stats` of earlier batches, whose ids per partition size the
+        cost model's traffic for the stacks it names.
     """
     feats = _normalise_features(features)
     tables = _collect_tables(feats)
@@ -525,20 +536,33 @@ def plan(
     axis = _resolve_axis(mesh, axis_name)
     num_shards = mesh.shape[axis]
     _check_policies(on_overflow, nonfinite_gradients)
-    kernel = _check_kernel(kernel)
+    _check_batch_sizes(feats, num_shards, axis)
+    fixed = _fixed_placements(tables, placement)
+    loads = placement_lib.table_loads(feats, tables, num_shards,
+                                      _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats))
+    stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads),
+                         fixed, loads, num_shards, memory_budget)
+    return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, _check_kernel(kernel))
+
+
+def _check_batch_sizes(feats: dict[str, FeatureSpec], num_shards: int, axis: str) -> None:
     for f in feats.values():
         if f.batch_size % num_shards:
             raise ValueError(f"Feature {f.name!r}: batch_size {f.batch_size} does not divide evenly over the "
                              f"{num_shards} devices of mesh axis {axis!r}; use a multiple of {num_shards}.")
-    fixed = _fixed_placements(tables, placement)
-    loads = placement_lib.table_loads(feats, tables, num_shards, _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats))
-    groups = lambda chosen: {n: i for i, g in enumerate(_group_tables(tables, stacking, chosen)) for n in g}  # noqa: E731
+
+
+def _fit_budget(make, fixed: dict[str, str], loads: dict, num_shards: int,
+                memory_budget: int | None) -> tuple[StackPlan, ...]:
+    """`make(placements)` of the cost model's choice, with tables moved to placements cheaper in memory
+    until the stacks fit the budget."""
+    groups = lambda chosen: {t.table.name: s.name for s in make(chosen) for t in s.tables}  # noqa: E731
     chosen = placement_lib.choose(loads, fixed, groups, num_shards)
     while True:
-        stacks = _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads)
+        stacks = make(chosen)
         need = sum(s.memory_per_device() for s in stacks)
         if memory_budget is None or need <= memory_budget:
-            return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, kernel)
+            return stacks
         demote = placement_lib.to_demote(chosen, fixed, loads, num_shards)
         if demote is None:
             raise ValueError(
@@ -555,7 +579,10 @@ def _fixed_placements(tables: dict[str, TableSpec], placement: Any) -> dict[str,
             raise ValueError(f"placement must be one of {(*PLACEMENTS, 'auto')} or {{table: placement}}, "
                              f"got {placement!r}.")
         fixed = {} if placement == "auto" else dict.fromkeys(tables, placement)
-        return {n: "row" if tables[n].dynamic else p for n, p in fixed.items()}  # raw ids: always row
+        fixed.update({n: "row" for n, t in tables.items() if t.dynamic})  # raw ids: always row
+        for n, p in fixed.items():
+            _check_placement(tables[n], p)
+        return fixed
     if not isinstance(placement, Mapping):
         raise TypeError(f"placement must be a string or a {{table: placement}} mapping, got {type(placement).__name__}.")
     unknown = sorted(set(placement) - set(tables))
@@ -564,10 +591,20 @@ def _fixed_placements(tables: dict[str, TableSpec], placement: Any) -> dict[str,
     for n, p in placement.items():
         if p not in PLACEMENTS:
             raise ValueError(f"Table {n!r}: placement must be one of {PLACEMENTS}, got {p!r}.")
-        if tables[n].dynamic and p != "row":
-            raise ValueError(f"Table {n!r} is keyed by raw ids (dynamic=...), which only the \"row\" placement "
-                             f"supports; got {p!r}.")
+        _check_placement(tables[n], p)
     return {**{n: "row" for n, t in tables.items() if t.dynamic}, **placement}
+
+
+def _check_placement(t: TableSpec, placement: str) -> None:
+    """Raises a ValueError naming the table if it cannot have this placement."""
+    if t.dynamic and placement != "row":
+        raise ValueError(f"Table {t.name!r} is keyed by raw ids (dynamic=...), which only the \"row\" placement "
+                         f"supports; got {placement!r}.")
+    if placement == "column" and (t.max_norm is not None or not t.resolved_optimizer.elementwise):
+        why = (f"max_norm={t.max_norm}" if t.max_norm is not None
+               else f"its {type(t.resolved_optimizer).__name__} optimizer")
+        raise ValueError(f"Table {t.name!r} cannot be placed \"column\": {why} needs whole rows on one device "
+                         "(column placement takes optimizers that update each element alone, and no max_norm).")
 
 
 def _ids_per_sample(feats: dict[str, FeatureSpec], tables: dict[str, TableSpec], num_devices: int, given: Any,

@@ -17,7 +17,10 @@ Between MOD and either is one `all_to_all` per array (or chunk) under
 never a whole table. Stacks placed "table" or "replicated" (see
 `planning`) hold whole tables: a stack row is a global row of the array
 ("table"), or of its first copy ("replicated"), and their conversions gather
-a table's natural rows onto the devices that hold it.
+a table's natural rows onto the devices that hold it. A "column" stack
+holds every row on every device, each device `w` columns of it (the array
+is the column blocks one after the other); its conversions move columns
+with one all_to_all.
 """
 
 from __future__ import annotations
@@ -41,12 +44,23 @@ def stored_rows(vocabulary_size: int, num_shards: int) -> int:
     return round_up(vocabulary_size, num_shards * num_shards)
 
 
-def from_shard_major(stack: StackPlan, array: np.ndarray) -> np.ndarray:
-    """A stacked global array (host) -> `[total_rows, w]` in stack-row order."""
+def natural_width(stack: StackPlan, key: str) -> int:
+    """Columns of the table (`key` = TABLE_KEY) or slot `key` in id order: what a checkpoint stores."""
+    return stack.embedding_dim if key == TABLE_KEY else stack.optimizer.slots(stack.embedding_dim)[key].width
+
+
+def from_shard_major(stack: StackPlan, array: np.ndarray, width: int | None = None) -> np.ndarray:
+    """A stacked global array (host) -> `[total_rows, width]` in stack-row order.
+
+    `width`: the array's natural columns ("column" placement; see `natural_width`).
+    """
     if stack.placement == "table":
         return array
     if stack.placement == "replicated":
         return array[: stack.total_rows]  # the first copy
+    if stack.placement == "column":  # the column blocks side by side
+        D, w = stack.num_shards, array.shape[-1]
+        return array.reshape(D, stack.total_rows, w).transpose(1, 0, 2).reshape(stack.total_rows, D * w)[:, :width]
     s, w = stack.num_shards, array.shape[-1]
     return array.reshape(s, stack.rows_per_shard, w).transpose(1, 0, 2).reshape(-1, w)
 
@@ -55,7 +69,7 @@ def stack_rows(stack: StackPlan, global_rows):
     """The stack row held at each global row of a stacked array (numpy or jnp; inverse of `from_shard_major`)."""
     if stack.placement == "table":
         return global_rows
-    if stack.placement == "replicated":
+    if stack.placement in ("replicated", "column"):
         return global_rows % stack.total_rows
     rps = stack.rows_per_shard
     return (global_rows % rps) * stack.num_shards + global_rows // rps
@@ -81,9 +95,20 @@ def blocks_to_mod(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.A
     return jnp.concatenate(out, axis=0)
 
 
+def columns(x: jax.Array, num_shards: int, block) -> jax.Array:
+    """Column block `block` of `x [n, width]`: `ceil(width / S)` columns, zero past `width`."""
+    w = -(-x.shape[1] // num_shards)
+    x = jnp.pad(x, ((0, 0), (0, num_shards * w - x.shape[1])))
+    return jax.lax.dynamic_slice_in_dim(x, block * w, w, axis=1)
+
+
 def _blocks_to_whole(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.Array:
-    """Inside shard_map, "table" or "replicated": every table's blocks gathered whole, placed in this device's rows."""
+    """Inside shard_map, "table", "replicated" or "column": every table's blocks gathered whole, placed in
+    this device's rows (and columns)."""
     whole = [jax.lax.all_gather(b, axis, tiled=True)[: p.padded_rows] for p, b in zip(stack.tables, blocks)]
+    if stack.placement == "column":
+        me = jax.lax.axis_index(axis)
+        return jnp.concatenate([columns(x, stack.num_shards, me) for x in whole], axis=0)
     if stack.placement == "replicated":
         return jnp.concatenate(whole, axis=0)
     me, R = jax.lax.axis_index(axis), stack.rows_per_shard
@@ -169,15 +194,17 @@ def table_range(stack: StackPlan, i: int) -> tuple[int, int]:
     return p.row_offset // stack.num_shards, p.padded_rows // stack.num_shards
 
 
-def mod_to_natural_chunk(stack: StackPlan, local: jax.Array, where: jax.Array, m: int, axis: str) -> jax.Array:
+def mod_to_natural_chunk(stack: StackPlan, local: jax.Array, where: jax.Array, m: int, axis: str,
+                         width: int) -> jax.Array:
     """Inside shard_map: local rows `[c0, c0 + m)` of one table on every shard -> this device's natural rows.
 
     `where` = `[c0, start, count]` (int32): the chunk's first row, and the table's `table_range`. Local row
     j of shard s is id `j * S + s`; one all_to_all of `[S, m / S, w]` gives device d the ids
-    `[c0 * S + d * m, c0 * S + (d + 1) * m)`, in order. Local rows past the table read as zeros.
+    `[c0 * S + d * m, c0 * S + (d + 1) * m)`, in order. Local rows past the table read as zeros. `width`:
+    the natural columns (`natural_width`).
     """
     if stack.placement != "row":
-        return _whole_to_natural_chunk(stack, local, where, m, axis)
+        return _whole_to_natural_chunk(stack, local, where, m, axis, width)
     S, n = stack.num_shards, m // stack.num_shards
     c0, start, count = where[0], where[1], where[2]
     j = c0 + jnp.arange(m)
@@ -187,13 +214,14 @@ def mod_to_natural_chunk(stack: StackPlan, local: jax.Array, where: jax.Array, m
 
 
 def _whole_start(stack: StackPlan, start: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """"table"/"replicated": a table's stack row of id 0 -> (its device, its first local row)."""
-    if stack.placement == "replicated":
+    """"table"/"replicated"/"column": a table's stack row of id 0 -> (its device, its first local row)."""
+    if stack.placement != "table":
         return jnp.int32(0), start
     return start // stack.rows_per_shard, start % stack.rows_per_shard
 
 
-def _whole_to_natural_chunk(stack: StackPlan, local: jax.Array, where: jax.Array, m: int, axis: str) -> jax.Array:
+def _whole_to_natural_chunk(stack: StackPlan, local: jax.Array, where: jax.Array, m: int, axis: str,
+                            width: int) -> jax.Array:
     """`mod_to_natural_chunk` for a table held whole: device d's ids `[c0 * S + d * m, +m)` read where they lie
     ("table": on its device, which sends every device its piece in one all_to_all)."""
     S = stack.num_shards
@@ -205,8 +233,11 @@ def _whole_to_natural_chunk(stack: StackPlan, local: jax.Array, where: jax.Array
 
     if stack.placement == "replicated":
         return rows(c0 + jax.lax.axis_index(axis) * m + jnp.arange(m))
-    x = rows(c0 + jnp.arange(S * m).reshape(S, m))  # [S (destination d), m, w], real on the owner only
-    return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)[owner]
+    x = rows(c0 + jnp.arange(S * m).reshape(S, m))  # [S (destination d), m, w]: "table", real on the owner only
+    x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True)  # [S (source), m, w]
+    if stack.placement == "column":  # every source sent its columns of the rows: side by side
+        return x.transpose(1, 0, 2).reshape(m, -1)[:, :width]
+    return x[owner]
 
 
 def natural_chunk_to_mod(stack: StackPlan, local: jax.Array, chunk: jax.Array, where: jax.Array,
@@ -216,11 +247,16 @@ def natural_chunk_to_mod(stack: StackPlan, local: jax.Array, chunk: jax.Array, w
     `where` = `[c0, start, count, valid]`: rows of ids `>= valid` are left as they are.
     """
     S, m = stack.num_shards, chunk.shape[0]
-    if stack.placement != "row":  # every device gathers the chunk; the ones that hold the table write it
+    if stack.placement != "row":  # every device gathers the chunk (its columns); those that hold the table write it
         c0, (owner, start), count, valid = where[0] * S, _whole_start(stack, where[1]), where[2], where[3]
         ids = c0 + jnp.arange(S * m)
         keep = (ids < count) & (ids < valid) & (jax.lax.axis_index(axis) == owner if stack.placement == "table" else True)
-        x = jax.lax.all_gather(chunk, axis, tiled=True)
+        if stack.placement == "column":  # [S (column block), m, w] -> each device its columns of every source's rows
+            w = local.shape[1]
+            x = jnp.pad(chunk, ((0, 0), (0, S * w - chunk.shape[1]))).reshape(m, S, w).transpose(1, 0, 2)
+            x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(S * m, w)
+        else:
+            x = jax.lax.all_gather(chunk, axis, tiled=True)
         return local.at[jnp.where(keep, start + ids, local.shape[0])].set(x.astype(local.dtype), mode="drop")
     n = m // S
     c0, start, count, valid = where[0], where[1], where[2], where[3]
@@ -232,12 +268,13 @@ def natural_chunk_to_mod(stack: StackPlan, local: jax.Array, chunk: jax.Array, w
 
 
 @functools.lru_cache(maxsize=256)
-def natural_chunk_fn(plan: EmbeddingPlan, stack: StackPlan, m: int) -> Callable:
-    """`(stacked array, where) -> [S * m, w]`: natural rows `[c0 * S, (c0 + m) * S)` of a table, row-sharded.
+def natural_chunk_fn(plan: EmbeddingPlan, stack: StackPlan, m: int, width: int) -> Callable:
+    """`(stacked array, where) -> [S * m, width]`: natural rows `[c0 * S, (c0 + m) * S)` of a table, row-sharded.
 
-    One compile per stack and chunk size, shared by its tables (`where`: see `mod_to_natural_chunk`).
+    One compile per stack, chunk size and width, shared by its tables (`where`: see `mod_to_natural_chunk`).
     """
-    fn = jax.shard_map(lambda x, where: mod_to_natural_chunk(stack, x, where, m, plan.axis_name), mesh=plan.mesh,
+    fn = jax.shard_map(lambda x, where: mod_to_natural_chunk(stack, x, where, m, plan.axis_name, width),
+                       mesh=plan.mesh,
                        in_specs=(P(plan.axis_name), P()), out_specs=P(plan.axis_name))
     return jax.jit(fn, out_shardings=plan.table_sharding())
 

@@ -39,10 +39,12 @@ from sparse_embed.core.state import EmbeddingVariables, check_state, check_train
 def _exchange(stack: StackPlan, axis: str, coo: ShardedCooMatrix) -> Received:
     """Sends segment s of this device's batch to shard s (inside shard_map): `[D, C]` from each source.
 
-    "replicated": the device keeps its one segment, `[1, C]`.
+    "replicated": the device keeps its one segment, `[1, C]`. "column": every device gets every segment.
     """
     if stack.placement == "replicated":
         return Received(*(x.reshape(1, -1) for x in (coo.col_ids, coo.row_ids, coo.values)))
+    if stack.placement == "column":  # every device's entries, on every device
+        return Received(*(jax.lax.all_gather(x, axis, tiled=False) for x in (coo.col_ids, coo.row_ids, coo.values)))
     S = stack.segments
 
     def send(x):
@@ -58,6 +60,8 @@ def _activations(stack: StackPlan, axis: str, partials: jax.Array) -> jax.Array:
     pooled = jax.lax.all_to_all(partials, axis, 0, 0, tiled=True)  # [S, partial_rows, dim], from each shard
     if stack.placement == "row":
         return pooled.sum(axis=0)
+    if stack.placement == "column":  # each shard's columns, side by side
+        return pooled.transpose(1, 0, 2).reshape(pooled.shape[1], -1)[:, :stack.embedding_dim]
     return jnp.concatenate([pooled[f.shard, f.partial_offset:f.partial_offset + f.rows_per_device]
                             for f in stack.features])  # "table": each feature from its table's shard
 
@@ -72,6 +76,17 @@ def _to_owners(stack: StackPlan, axis: str, grads: jax.Array) -> jax.Array:
         block = jnp.concatenate(mine) if mine else jnp.zeros((0, dim), grads.dtype)
         send.append(jnp.pad(block, ((0, P - block.shape[0]), (0, 0))))
     return jax.lax.all_to_all(jnp.stack(send), axis, 0, 0, tiled=True)
+
+
+def _to_columns(stack: StackPlan, axis: str, grads: jax.Array, poison: bool) -> jax.Array:
+    """"column": this device's activation gradients `[rows_per_device, dim]` -> each shard's columns of every
+    source's, `[D, rows_per_device, w]`. With `poison`, a row with a NaN/inf anywhere becomes NaN in every
+    column, so every shard skips the table rows it reaches (as one device holding whole rows would)."""
+    D, w = stack.num_shards, stack.array_dim
+    if poison:
+        grads = jnp.where(jnp.isfinite(grads).all(axis=-1, keepdims=True), grads, jnp.nan)
+    g = jnp.pad(grads, ((0, 0), (0, D * w - grads.shape[1]))).reshape(grads.shape[0], D, w).transpose(1, 0, 2)
+    return jax.lax.all_to_all(g, axis, 0, 0, tiled=True)
 
 
 def _combined(stack: StackPlan, axis: str, rec: Received, grads: jax.Array) -> tuple[Received, jax.Array]:
@@ -144,6 +159,8 @@ def _backward(plan: EmbeddingPlan, recs, saved, tables, grads, step):
                 continue
             if s.placement == "table":
                 g = _to_owners(s, axis, grads[s.name])
+            elif s.placement == "column":
+                g = _to_columns(s, axis, grads[s.name], skip)
             else:
                 g = jax.lax.all_gather(grads[s.name], axis, tiled=False)  # [D, rpd, dim] of every source
             out[s.name] = kernel.backward(s.kernel_view(), rec, _local(saved[s.name]), state, g, step, skip)
@@ -280,6 +297,10 @@ def _nonfinite_rows_jit(plan: EmbeddingPlan, batch, grads) -> dict[str, jax.Arra
                 rec, g = _combined(s, axis, rec, grads[s.name])
                 out[s.name] = jax.lax.pmax(nonfinite_row_count(s.kernel_view(sources=1, out_rows=s.total_rows), rec, g),
                                            axis)
+                continue
+            if s.placement == "column":  # every shard counts the same rows
+                count = nonfinite_row_count(s.kernel_view(), rec, _to_columns(s, axis, grads[s.name], True))
+                out[s.name] = jax.lax.pmax(count, axis)
                 continue
             g = _to_owners(s, axis, grads[s.name]) if s.placement == "table" else jax.lax.all_gather(
                 grads[s.name], axis, tiled=False)

@@ -31,19 +31,19 @@ def check_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -
     for s in plan.stacks:
         v = tables[s.name]
         shape = tuple(v.table.shape)
-        if shape != (s.array_rows, s.embedding_dim):
-            raise ValueError(f"Stack {s.name!r}: table has shape {shape}, the plan expects {(s.array_rows, s.embedding_dim)}.")
-        specs = s.optimizer.slots(s.embedding_dim)
+        if shape != (s.array_rows, s.array_dim):
+            raise ValueError(f"Stack {s.name!r}: table has shape {shape}, the plan expects {(s.array_rows, s.array_dim)}.")
+        specs = s.slot_widths()
         if v.slots and set(v.slots) != set(specs):
             raise ValueError(
                 f"Stack {s.name!r}: slots {sorted(v.slots)} do not match its {type(s.optimizer).__name__} "
                 f"optimizer's {sorted(specs)}."
             )
         for name, a in v.slots.items():
-            if tuple(a.shape) != (s.array_rows, specs[name].width):
+            if tuple(a.shape) != (s.array_rows, specs[name]):
                 raise ValueError(
                     f"Stack {s.name!r}: slot {name!r} has shape {tuple(a.shape)}, "
-                    f"the plan expects {(s.array_rows, specs[name].width)}."
+                    f"the plan expects {(s.array_rows, specs[name])}."
                 )
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from sparse_embed.core.initializers import TruncatedNormal, seeds, truncated_normal_rows
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
-from sparse_embed.core.relayout import blocks_to_mod, from_shard_major, stack_rows, stored_rows
+from sparse_embed.core.relayout import blocks_to_mod, from_shard_major, natural_width, stack_rows, stored_rows
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state
 
 
@@ -41,7 +41,7 @@ def natural_table(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array, i: int)
 def _slot_arrays(stack: StackPlan) -> dict[str, jax.Array]:
     return {
         name: jnp.full((stack.array_rows, spec.width), spec.init, SLOT_DTYPE)
-        for name, spec in stack.optimizer.slots(stack.embedding_dim).items()
+        for name, spec in stack.optimizer.slots(stack.array_dim).items()
     }
 
 
@@ -86,6 +86,10 @@ def _positional_stack(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array) -> 
     keys = jnp.stack([seeds(table_key(rng, p.table.name)) for p in tables])[which]
     stddev = jnp.asarray(np.array([p.table.resolved_initializer.stddev for p in tables], np.float32))[which]
     values = truncated_normal_rows(keys, ids, stack.embedding_dim, stddev, stack.dtype)
+    if stack.placement == "column":  # each global row holds one column block of its stack row
+        D, w = stack.num_shards, stack.array_dim
+        values = jnp.pad(values, ((0, 0), (0, D * w - values.shape[1]))).reshape(-1, D, w)
+        values = jnp.take_along_axis(values, (g // stack.total_rows).astype(jnp.int32)[:, None, None], axis=1)[:, 0]
     return jnp.where((ids < vocab)[:, None], values, jnp.zeros((), stack.dtype))
 
 
@@ -105,17 +109,24 @@ def _check_arrays(plan: EmbeddingPlan, arrays: Mapping[str, np.ndarray], what: s
 
 
 def _stacked_global(plan: EmbeddingPlan, stack: StackPlan, per_table: dict[str, np.ndarray], width: int, fill, dtype):
-    """Builds a sharded global array from per-table `[vocab, width]` host arrays, shard by shard."""
+    """Builds a sharded global array from per-table `[vocab, width]` host arrays, shard by shard ("column":
+    each device's columns of them)."""
+    D, column = stack.num_shards, stack.placement == "column"
+    w = -(-width // D) if column else width  # the array's columns
+
     def shard(index):
-        rows = stack_rows(stack, np.arange(stack.array_rows)[index[0]])
-        out = np.full((rows.size, width), fill, dtype)
+        g = np.arange(stack.array_rows)[index[0]]
+        rows = stack_rows(stack, g)
+        out = np.full((rows.size, D * w if column else w), fill, dtype)
         for p in stack.tables:
             ids = rows - p.row_offset
             hit = (ids >= 0) & (ids < p.table.vocabulary_size)
-            out[hit] = per_table[p.table.name][ids[hit]]
+            out[hit, :width] = per_table[p.table.name][ids[hit]]
+        if column:  # global row g holds column block g // total_rows of its row
+            out = out.reshape(rows.size, D, w)[np.arange(rows.size), g // stack.total_rows]
         return out[:, index[1]]
 
-    return jax.make_array_from_callback((stack.array_rows, width), plan.table_sharding(), shard, dtype=dtype)
+    return jax.make_array_from_callback((stack.array_rows, w), plan.table_sharding(), shard, dtype=dtype)
 
 
 def _host_array(name: str, what: str, a, shape: tuple[int, int]) -> np.ndarray:
@@ -180,7 +191,7 @@ def unstack_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables])
     out: dict[str, dict[str, np.ndarray]] = {}
     for s in plan.stacks:
         v = tables[s.name]
-        rows = {k: from_shard_major(s, to_host(a)) for k, a in {"table": v.table, **v.slots}.items()}
+        rows = {k: from_shard_major(s, to_host(a), natural_width(s, k)) for k, a in {"table": v.table, **v.slots}.items()}
         for p in s.tables:
             sl = slice(p.row_offset, p.row_offset + p.table.vocabulary_size)
             out[p.table.name] = {k: r[sl] for k, r in rows.items()}
@@ -194,6 +205,6 @@ def empty_tables(plan: EmbeddingPlan, *, with_slots: bool = True) -> dict[str, E
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _empty_jit(plan: EmbeddingPlan, with_slots: bool) -> dict[str, EmbeddingVariables]:
-    out = {s.name: EmbeddingVariables(jnp.zeros((s.array_rows, s.embedding_dim), s.dtype),
+    out = {s.name: EmbeddingVariables(jnp.zeros((s.array_rows, s.array_dim), s.dtype),
                                       _slot_arrays(s) if with_slots else {}) for s in plan.stacks}
     return jax.lax.with_sharding_constraint(out, plan.table_sharding())

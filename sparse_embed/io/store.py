@@ -30,7 +30,7 @@ import numpy as np
 import tensorstore as ts
 
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
-from sparse_embed.core.relayout import TABLE_KEY, chunk_rows, natural_chunk_fn, table_range, write_chunk_fn
+from sparse_embed.core.relayout import TABLE_KEY, chunk_rows, natural_chunk_fn, natural_width, table_range, write_chunk_fn
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.io.integrity import combine, partial_sums, words_per_value
 
@@ -104,11 +104,11 @@ def write_state(directory: str, plan: EmbeddingPlan, tables: Mapping[str, Embedd
     its own devices. Returns once every row is on disk.
     """
     context, sums, multi = _context(), {}, jax.process_count() > 1
-    arrays = [(s, i, p.table.name, key, a, chunk_rows(s, a.shape[1] * a.dtype.itemsize, CHUNK_BYTES))
+    arrays = [(s, i, p.table.name, key, a, chunk_rows(s, natural_width(s, key) * a.dtype.itemsize, CHUNK_BYTES))
               for s in plan.stacks for key, a in _keys(tables[s.name]).items() for i, p in enumerate(s.tables)]
     if jax.process_index() == 0:
         stores = {(name, key): _create(array_path(directory, name, key), (s.tables[i].table.vocabulary_size,
-                                       a.shape[1]), a.dtype, m, context) for s, i, name, key, a, m in arrays}
+                                       natural_width(s, key)), a.dtype, m, context) for s, i, name, key, a, m in arrays}
     if multi:
         from jax.experimental import multihost_utils
 
@@ -122,9 +122,9 @@ def write_state(directory: str, plan: EmbeddingPlan, tables: Mapping[str, Embedd
 def _write_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: ts.TensorStore,
                  m: int) -> tuple[int, int]:
     """Writes table i's rows of the stacked array `a` chunk by chunk; returns this process's checksum sums."""
-    fn, vocab, S = natural_chunk_fn(plan, s, m), store.shape[0], s.num_shards
+    fn, vocab, S = natural_chunk_fn(plan, s, m, store.shape[1]), store.shape[0], s.num_shards
     start, count = table_range(s, i)
-    row_words = a.shape[1] * words_per_value(a.dtype)
+    row_words = store.shape[1] * words_per_value(a.dtype)
     starts = range(0, -(-vocab // S), m)  # c0: a chunk's first local row
     sa = sb = 0
     pending, chunks = [], iter(starts)
@@ -194,15 +194,16 @@ def read_into_state(directory: str, plan: EmbeddingPlan, state: dict[str, Embedd
             for i, p in enumerate(s.tables):
                 store = open_array(directory, p.table.name, key, context)
                 arrays[key], sums[f"{p.table.name}/{key}"] = _read_table(
-                    plan, s, i, arrays[key], store, valid_rows[p.table.name], (p.table.name, key))
+                    plan, s, i, arrays[key], store, valid_rows[p.table.name], (p.table.name, key), natural_width(s, key))
         out[s.name] = EmbeddingVariables(arrays.pop(TABLE_KEY), arrays)
     return out, {k: combine([v], multi) for k, v in sums.items()}
 
 
 def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: ts.TensorStore, valid: int,
-                name: tuple[str, str]) -> tuple[jax.Array, tuple[int, int]]:
-    """Writes ids `< valid` of table i from `store` into the stacked array `a` (donated), chunk by chunk."""
-    S, width = s.num_shards, a.shape[1]
+                name: tuple[str, str], width: int) -> tuple[jax.Array, tuple[int, int]]:
+    """Writes ids `< valid` of table i (`width` columns in id order) from `store` into the stacked array `a`
+    (donated), chunk by chunk."""
+    S = s.num_shards
     if store.shape[1] != width or store.shape[0] < valid:
         raise StoreReadError(name, ValueError(f"stored shape {tuple(store.shape)}, expected [>= {valid}, {width}]"))
     m = chunk_rows(s, width * a.dtype.itemsize, CHUNK_BYTES)

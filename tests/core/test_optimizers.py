@@ -71,7 +71,7 @@ def _samples(rng, f, step):
     return ref.random_samples(rng, f.batch_size, vocab, 4, weighted=True)
 
 
-@pytest.mark.parametrize("placement", ["row", "table", "replicated"])
+@pytest.mark.parametrize("placement", ["row", "table", "replicated", "column"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_training_matches_numpy(mesh8, case, placement, each_kernel):
     if case == "custom" and each_kernel == "native":
@@ -80,6 +80,10 @@ def test_training_matches_numpy(mesh8, case, placement, each_kernel):
     a = se.TableSpec("a", 40, 4, combiner="sum", optimizer=o)
     b = se.TableSpec("b", 19, 4, combiner="mean", optimizer=o)
     feats = {"a1": se.FeatureSpec("a1", a, B), "a2": se.FeatureSpec("a2", a, B), "b1": se.FeatureSpec("b1", b, B)}
+    if placement == "column" and not o.elementwise:  # row-wise state needs whole rows on one device
+        with pytest.raises(ValueError, match=r"Table 'a' cannot be placed \"column\": its .* optimizer needs whole rows"):
+            se.plan(feats, mesh8, placement=placement)
+        return
     plan = se.plan(feats, mesh8, placement=placement)
     tables = se.init_tables(plan, jax.random.key(0))
     state = {n: {k: v.astype(np.float64) for k, v in s.items()} for n, s in se.unstack_state(plan, tables).items()}

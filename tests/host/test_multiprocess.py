@@ -68,7 +68,7 @@ def test_multiprocess_run_equals_single_process(reference, tmp_path, num_process
         np.testing.assert_array_equal(got[f"restored/{name}"], want, err_msg=name)
         np.testing.assert_array_equal(got[f"placed_restored/{name}"], want, err_msg=name)  # into other placements
 
-    # placements ("table", "replicated", "row"): the same training as in one process, and as row-wise
+    # placements ("table", "replicated", "column"): the same training as in one process, and as row-wise
     for name, want in reference["placed"].items():
         np.testing.assert_allclose(got[f"placed/{name}"], want, rtol=0, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(want, reference["tables"][name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -12,7 +12,7 @@ from sparse_embed import optimizers as opt
 B = 32
 STEPS = 5
 GROW_AT = 3  # batches from this step on carry more ids: the auto capacity grows once
-PLACEMENT = {"items": "table", "tags": "replicated", "users": "row"}  # one of each
+PLACEMENT = {"items": "table", "tags": "replicated", "users": "column"}  # and row-wise: the plain plan
 
 
 def make_plan(mesh, **kw) -> se.EmbeddingPlan:

@@ -47,7 +47,7 @@ with se.CheckpointManager(os.path.join(out_dir, "ckpt")) as ckpt:
 restored = se.CheckpointManager(ref_ckpt).restore(plan)
 results.update({f"restored/{k}": v for k, v in gathered_tables(plan, restored.tables).items()})
 
-# 2b. the same run with a table on one device, one replicated, one row-wise; the checkpoint restored into it
+# 2b. the same run with a table on one device, one replicated, one by columns; the checkpoint restored into it
 placed = scenario.make_plan(mesh, placement=scenario.PLACEMENT)
 tables_p, losses_p, _, _ = scenario.train(placed, feed)
 results.update({f"placed/{k}": v for k, v in gathered_tables(placed, tables_p).items()})
