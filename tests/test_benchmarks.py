@@ -97,4 +97,4 @@ def test_placement_benchmark_smoke(tmp_path):
     r = json.loads((tmp_path / "p.json").read_text())
     # the plan's estimate of its collectives is what the compiled step holds, for both plans
     assert r["estimated_bytes"] == pytest.approx(r["hlo_bytes"], abs=1)
-    assert 0 < r["bytes_ratio"] < 1 and r["step_ms"]["auto"] > 0
+    assert 0 < r["bytes_ratio"] < 1 and r["step_ms"]["auto"] > 0 and r["step_ms"]["auto, w row"] > 0
