@@ -5,9 +5,11 @@ jit-static plan) with two pure pieces:
 
 - `slots(dim)`: `{name: SlotSpec(width, init)}`, the per-row state it keeps
   (`[rows, width]`, same row layout and sharding as the table);
-- `rule(rows, slots, grads, step, lr)`: its math on the `[U, dim]` rows the
-  step touched, where `grads[u]` is row u's gradient summed over all its
-  occurrences in the step. Returns `(rows', slots')`.
+- `rule(rows, slots, grads, step, lr, row_mean)`: its math on the
+  `[U, dim]` rows the step touched, where `grads[u]` is row u's gradient
+  summed over all its occurrences in the step. Returns `(rows', slots')`.
+  A rule that needs a statistic of a whole row takes it from `row_mean`,
+  so a row whose columns live on several devices updates as one.
 
 `update(rows, slots, grads, step)` wraps `rule` with the options every
 optimizer has, in this order:
@@ -46,6 +48,11 @@ Schedule = Callable[[jax.Array], jax.Array]
 LearningRate = Union[float, Schedule]
 Slots = dict[str, jax.Array]
 Range = tuple[float, float]
+RowMean = Callable[[jax.Array], jax.Array]  # [U, dim] -> [U, 1]: the mean over each whole row
+
+
+def _local_mean(x: jax.Array) -> jax.Array:
+    return jnp.mean(x, axis=-1, keepdims=True)
 
 
 class SlotSpec(NamedTuple):
@@ -131,15 +138,21 @@ class Optimizer:
     def slots(self, dim: int) -> dict[str, SlotSpec]:
         return {}
 
-    def rule(self, rows: jax.Array, slots: Slots, grads: jax.Array, step, lr: jax.Array) -> tuple[jax.Array, Slots]:
+    def rule(self, rows: jax.Array, slots: Slots, grads: jax.Array, step, lr: jax.Array,
+             row_mean: RowMean) -> tuple[jax.Array, Slots]:
         raise NotImplementedError
 
-    def update(self, rows: jax.Array, slots: Slots, grads: jax.Array, step) -> tuple[jax.Array, Slots]:
-        """The full row update: `rows [U, dim]`, `slots {name: [U, width]}`, summed `grads [U, dim]`."""
+    def update(self, rows: jax.Array, slots: Slots, grads: jax.Array, step,
+               row_mean: RowMean | None = None) -> tuple[jax.Array, Slots]:
+        """The full row update: `rows [U, dim]`, `slots {name: [U, width]}`, summed `grads [U, dim]`.
+
+        `row_mean(x [U, dim]) -> [U, 1]`: the mean over each whole row (default: over the last axis; a
+        "column" kernel's also sums over the devices that hold the row's other columns).
+        """
         if self.clip_gradient is not None:
             grads = jnp.clip(grads, *self.clip_gradient)
         lr = self.learning_rate_at(step)
-        new_rows, new_slots = self.rule(rows, slots, grads, step, lr)
+        new_rows, new_slots = self.rule(rows, slots, grads, step, lr, row_mean or _local_mean)
         if self.weight_decay:
             new_rows = new_rows - lr * self.weight_decay * rows
         if self.clip_weight is not None:
@@ -148,9 +161,15 @@ class Optimizer:
 
     @property
     def elementwise(self) -> bool:
-        """True if each element of a row updates from its own gradient and slot elements only.
+        """True if each element of a row updates from its own gradient and slot elements only."""
+        return True
 
-        Then a row's columns can live on different devices ("column" placement).
+    @property
+    def splits_columns(self) -> bool:
+        """True if the rule reads across a row only through `row_mean`.
+
+        Then a row's columns can live on different devices ("column"
+        placement): the kernel sums the mean's partial sums across them.
         """
         return True
 
@@ -173,7 +192,7 @@ class SGD(Optimizer):
 
     learning_rate: LearningRate = 0.01
 
-    def rule(self, rows, slots, grads, step, lr):
+    def rule(self, rows, slots, grads, step, lr, row_mean):
         return rows - lr * grads, slots
 
     @property
@@ -197,7 +216,7 @@ class Adagrad(Optimizer):
     def slots(self, dim):
         return {"accumulator": SlotSpec(dim, self.initial_accumulator_value)}
 
-    def rule(self, rows, slots, grads, step, lr):
+    def rule(self, rows, slots, grads, step, lr, row_mean):
         acc = slots["accumulator"] + grads * grads
         return rows - lr * grads * jax.lax.rsqrt(acc), {"accumulator": acc}
 
@@ -226,8 +245,8 @@ class RowwiseAdagrad(Optimizer):
     def elementwise(self) -> bool:
         return False  # the accumulator averages over the whole row
 
-    def rule(self, rows, slots, grads, step, lr):
-        acc = slots["accumulator"] + jnp.mean(grads * grads, axis=-1, keepdims=True)
+    def rule(self, rows, slots, grads, step, lr, row_mean):
+        acc = slots["accumulator"] + row_mean(grads * grads)
         return rows - lr * grads / (jnp.sqrt(acc) + self.epsilon), {"accumulator": acc}
 
 
@@ -253,7 +272,7 @@ class Adam(Optimizer):
         c2 = jnp.sqrt(1.0 - self.b2**t1)
         return lr * c2 / (1.0 - self.b1**t1), self.eps * c2
 
-    def rule(self, rows, slots, grads, step, lr):
+    def rule(self, rows, slots, grads, step, lr, row_mean):
         alpha, eps_hat = self.bias_corrected(step, lr)
         m = slots["momentum"] + (1.0 - self.b1) * (grads - slots["momentum"])
         v = slots["velocity"] + (1.0 - self.b2) * (grads * grads - slots["velocity"])
@@ -283,7 +302,7 @@ class AdagradMomentum(Optimizer):
     def slots(self, dim):
         return {"accumulator": SlotSpec(dim, self.initial_accumulator_value), "momentum": SlotSpec(dim, 0.0)}
 
-    def rule(self, rows, slots, grads, step, lr):
+    def rule(self, rows, slots, grads, step, lr, row_mean):
         g2 = grads * grads
         acc = slots["accumulator"]
         acc = acc + g2 if self.beta2 == 1.0 else self.beta2 * acc + (1.0 - self.beta2) * g2
@@ -324,7 +343,7 @@ class FTRL(Optimizer):
     def slots(self, dim):
         return {"accumulator": SlotSpec(dim, self.initial_accumulator_value), "linear": SlotSpec(dim, 0.0)}
 
-    def rule(self, rows, slots, grads, step, lr):
+    def rule(self, rows, slots, grads, step, lr, row_mean):
         k = -self.learning_rate_power
         acc = slots["accumulator"]
         acc_new = acc + grads * grads
@@ -360,7 +379,7 @@ class LaProp(Optimizer):
         t = _require_step("LaProp", step)
         return self.b2 * (1.0 - self.b2**t) / (1.0 - self.b2 ** (t + 1.0))
 
-    def rule(self, rows, slots, grads, step, lr):
+    def rule(self, rows, slots, grads, step, lr, row_mean):
         d = self.nu_decay(step)
         nu = d * slots["nu"] + (1.0 - d) * (grads * grads + self.eps)
         mu = self.b1 * slots["mu"] + jnp.sqrt(1.0 - self.b1**2) * grads * jax.lax.rsqrt(nu)
@@ -396,7 +415,11 @@ class Custom(Optimizer):
     def elementwise(self) -> bool:
         return False  # fn sees whole rows
 
-    def rule(self, rows, slots, grads, step, lr):
+    @property
+    def splits_columns(self) -> bool:
+        return False  # fn sees whole rows, which "column" placement does not have
+
+    def rule(self, rows, slots, grads, step, lr, row_mean):
         new_rows, new_slots = self.fn(rows, slots, grads, step)
         if set(new_slots) != set(slots):
             raise ValueError(f"Custom optimizer {self.fn!r} returned slots {sorted(new_slots)}, expected {sorted(slots)}.")

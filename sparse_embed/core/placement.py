@@ -19,8 +19,10 @@ plan, exactly, and a test checks it against the compiled program):
   (dim + 1)` bytes; every device holds the whole table.
 - "column": every device's ids to every device, and each device's share
   of the columns of every activation and gradient:
-  `12 ids (D-1) + 8 rows ceil(dim/D) (D-1)`; each device holds all rows,
-  `dim/D` columns wide. Only for elementwise optimizers without max_norm.
+  `12 ids (D-1) + 8 rows ceil(dim/D) (D-1)`, plus `8 ids (D-1)` for each
+  whole-row statistic summed over the devices (`column_row_sums`: max_norm,
+  RowwiseAdagrad); each device holds all rows, `dim/D` columns wide (a
+  per-row slot whole). Not for `Custom` optimizers or raw-id tables.
 
 `cheapest` takes the least; ties go to the earlier of row, table,
 replicated, column; `choose` then corrects "table" for the stacks it
@@ -35,8 +37,20 @@ import dataclasses
 import numpy as np
 
 ORDER = ("row", "table", "replicated", "column")
-DEMOTION = {"replicated": "table", "table": "row"}  # what a table moves to when the plan needs less memory
+DEMOTION = {"replicated": "table", "table": "row", "column": "row"}  # where a table moves to need less memory
 SLOT_ITEMSIZE = 4  # optimizer slots are float32 (`core.state.SLOT_DTYPE`)
+
+
+def column_row_sums(max_norm: bool, elementwise: bool, skip_nonfinite: bool = True) -> int:
+    """f32 per id that a "column" table all-reduces per train step for statistics of whole rows.
+
+    A row's norm (max_norm: 1 in the forward, 2 in the backward), a
+    row-wise optimizer's mean (1), and on that path, under the "skip"
+    policy, whether any device's columns of a row's summed gradient are
+    non-finite (1), so every device skips the same rows.
+    """
+    n = 3 * max_norm + (not elementwise)
+    return n + (skip_nonfinite and n > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +62,8 @@ class TableLoad:
     row_bytes: int  # bytes of one row of the table and its slots
     rows: int  # output rows of its features on one device
     ids: float  # ids of its features on one device
-    columnable: bool = True  # may its columns live on different devices (elementwise optimizer, no max_norm)?
+    row_sums: int | None = 0  # "column": whole-row statistics all-reduced per id (None: it cannot be split)
+    whole_bytes: int = 0  # bytes of a row that "column" keeps whole on every device (per-row slots)
 
     def traffic(self, placement: str, num_devices: int, share: float | None = None) -> float:
         """Bytes one device receives through collectives per train step (see the module docstring).
@@ -64,7 +79,7 @@ class TableLoad:
         if placement == "replicated":
             return 8.0 * self.vocab * (self.dim + 1) * f
         if placement == "column":
-            return 12.0 * self.ids * (D - 1) + 8.0 * self.rows * -(-self.dim // D) * (D - 1)
+            return (12.0 + 8.0 * self.row_sums) * self.ids * (D - 1) + 8.0 * self.rows * -(-self.dim // D) * (D - 1)
         activations = 8.0 * self.rows * self.dim * (D - 1)
         if placement == "table":
             activations *= 1.0 / D if share is None else share
@@ -77,8 +92,9 @@ class TableLoad:
 
     def memory(self, placement: str, num_devices: int) -> float:
         """Bytes of the table and its slots on the devices that hold it."""
-        spread = placement in ("row", "column")  # a share of the rows, or of every row
-        return float(self.vocab * self.row_bytes / (num_devices if spread else 1))
+        if placement == "column":  # a share of every row's columns, its per-row slots whole
+            return self.vocab * ((self.row_bytes - self.whole_bytes) / num_devices + self.whole_bytes)
+        return float(self.vocab * self.row_bytes / (num_devices if placement == "row" else 1))
 
 
 def row_bytes(table) -> int:
@@ -94,14 +110,16 @@ def table_loads(feats: dict, tables: dict, num_devices: int, ids_per_sample: dic
         users = [f for f in feats.values() if f.table.name == name]
         rows = sum(f.batch_size // num_devices * max(f.max_sequence_length, 1) for f in users)
         ids = sum(f.batch_size / num_devices * ids_per_sample[f.name] for f in users)
-        columnable = t.max_norm is None and t.resolved_optimizer.elementwise and not t.dynamic
-        out[name] = TableLoad(t.vocabulary_size, t.embedding_dim, row_bytes(t), rows, ids, columnable)
+        o = t.resolved_optimizer
+        sums = column_row_sums(t.max_norm is not None, o.elementwise) if o.splits_columns and not t.dynamic else None
+        whole = sum(s.width for s in o.slots(t.embedding_dim).values() if s.width != t.embedding_dim) * SLOT_ITEMSIZE
+        out[name] = TableLoad(t.vocabulary_size, t.embedding_dim, row_bytes(t), rows, ids, sums, whole)
     return out
 
 
 def cheapest(load: TableLoad, num_devices: int, share: float | None = None) -> str:
     """The placement with the least `cost` (ties: row, table, replicated, column)."""
-    allowed = [p for p in ORDER if p != "column" or load.columnable]
+    allowed = [p for p in ORDER if p != "column" or load.row_sums is not None]
     return min(allowed, key=lambda p: (load.cost(p, num_devices, share), ORDER.index(p)))
 
 
@@ -129,8 +147,9 @@ def choose(loads: dict[str, TableLoad], fixed: dict[str, str], stack_of, num_dev
 
 
 def to_demote(chosen: dict[str, str], fixed: dict[str, str], loads: dict[str, TableLoad], num_devices: int) -> str | None:
-    """The table to move to a placement that needs less memory: the largest that is not "row" nor fixed."""
-    movable = [n for n, p in chosen.items() if p in DEMOTION and n not in fixed]
+    """The table to move to a placement that needs less memory: the largest that can be and is not fixed."""
+    saves = lambda n, p: p != "column" or loads[n].memory("row", num_devices) < loads[n].memory(p, num_devices)  # noqa: E731
+    movable = [n for n, p in chosen.items() if p in DEMOTION and n not in fixed and saves(n, p)]
     return max(movable, key=lambda n: (loads[n].memory(chosen[n], num_devices), n), default=None)
 
 

@@ -22,6 +22,8 @@ Placements (`StackPlan.placement`; docs/placement.md), with S devices:
 - "column": every device holds all `total_rows` rows but only its
   `shard_dim` columns (the dim split over the S devices, padded to a
   multiple of S); the array is the S column blocks one after the other.
+  A per-row slot (RowwiseAdagrad's) is whole on every device; statistics
+  of whole rows (norms, row means) are summed over the devices.
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ class StackPlan:
             most = sum(t.expected_ids for t in self.tables) / self.segments
         return round_up(max(1, math.ceil(most)), CAPACITY_ALIGNMENT)
 
-    def collective_bytes(self, capacity: int | None = None) -> int:
+    def collective_bytes(self, capacity: int | None = None, skip_nonfinite: bool = True) -> int:
         """Bytes one device receives through the collectives of one train step of `lookup` for this stack.
 
         Forward and backward (the exchanged COO entries, the partial
@@ -197,7 +199,8 @@ class StackPlan:
             return 2 * (D - 1) * self.total_rows * (dim + 1) * 4 // D
         C = self.expected_capacity() if capacity is None else capacity
         if self.placement == "column":  # every device's entries to every device; activations by columns
-            return (D - 1) * (12 * C + 2 * 4 * self.rows_per_device * self.array_dim)
+            sums = 8 * C * self.row_sums(skip_nonfinite)  # each an all-reduce of D*C f32: 2 (D-1)/D * 4 D C
+            return (D - 1) * (12 * C + 2 * 4 * self.rows_per_device * self.array_dim + sums)
         return (D - 1) * (12 * self.segments * C + 2 * 4 * self.partial_rows * dim * D) // D
 
     @property
@@ -210,11 +213,31 @@ class StackPlan:
         """Bytes of this stack's table and slots on each device."""
         return self.rows_per_shard * self.row_bytes
 
-    def kernel_view(self, sources: int | None = None, out_rows: int | None = None) -> "KernelStack":
-        """What a kernel sees of this stack: sources of entries, their output rows and the local rows."""
+    def kernel_view(self, sources: int | None = None, out_rows: int | None = None,
+                    axis: str | None = None) -> "KernelStack":
+        """What a kernel sees of this stack: sources of entries, their output rows and the local rows.
+
+        `axis`: the mesh axis (inside shard_map); "column" stacks sum a row's statistics over it.
+        """
         return KernelStack(self.name, self.optimizer, self.max_norm, self.dtype, self.array_dim,
                            self.num_shards if sources is None else sources,
-                           self.partial_rows if out_rows is None else out_rows, self.rows_per_shard)
+                           self.partial_rows if out_rows is None else out_rows, self.rows_per_shard,
+                           self.embedding_dim, axis if self.placement == "column" else None)
+
+    def splits(self, width: int) -> bool:
+        """Is an array of `width` natural columns split over the devices ("column": the table and the slots
+        as wide as it), rather than held whole where its rows are (every other array, e.g. a per-row slot)?"""
+        return self.placement == "column" and width == self.embedding_dim
+
+    def row_sums(self, skip_nonfinite: bool = True) -> int:
+        """"column": f32 all-reduced per received entry in a train step for whole-row statistics (0 otherwise).
+
+        A row's norm (max_norm: 1 forward, 2 backward), a row-wise optimizer's mean (1) and, when either
+        needs them, whether any column's summed gradient is non-finite (1, under `skip_nonfinite`).
+        """
+        if self.placement != "column":
+            return 0
+        return placement_lib.column_row_sums(self.max_norm is not None, self.optimizer.elementwise, skip_nonfinite)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,10 +253,27 @@ class KernelStack:
     optimizer: Any
     max_norm: float | None
     dtype: Any
-    embedding_dim: int
+    embedding_dim: int  # columns of the local arrays
     num_shards: int
     rows_per_device: int
     rows_per_shard: int
+    row_width: int = 0  # elements of a whole row (past embedding_dim when its columns are split)
+    row_axis: str | None = None  # the mesh axis a row's columns are split over ("column"), else None
+
+    def row_sum(self, partial: jax.Array) -> jax.Array:
+        """Per-row partial sums `[..., k]` -> the whole rows' sums (a psum over `row_axis` if split)."""
+        return partial if self.row_axis is None else jax.lax.psum(partial, self.row_axis)
+
+    def row_mean(self, x: jax.Array) -> jax.Array:
+        """`x [U, embedding_dim]` -> the mean over each whole row `[U, 1]`."""
+        if self.row_axis is None:
+            return x.mean(axis=-1, keepdims=True)
+        return self.row_sum(x.sum(axis=-1, keepdims=True)) / self.row_width
+
+    @property
+    def needs_row_sums(self) -> bool:
+        """Are this stack's rows split over devices and does it need statistics of whole rows?"""
+        return self.row_axis is not None and (self.max_norm is not None or not self.optimizer.elementwise)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -276,7 +316,8 @@ class EmbeddingPlan:
     def collective_bytes(self, capacities: Mapping[str, int] | None = None) -> int:
         """Bytes one device receives through collectives in one train step of `lookup` (see
         `StackPlan.collective_bytes`); `capacities` (e.g. `Stats.capacity`) for stacks of auto capacity."""
-        return sum(s.collective_bytes((capacities or {}).get(s.name)) for s in self.stacks)
+        skip = self.nonfinite_gradients == "skip"
+        return sum(s.collective_bytes((capacities or {}).get(s.name), skip) for s in self.stacks)
 
     def memory_per_device(self) -> int:
         """Bytes of tables and optimizer slots on each device."""
@@ -600,11 +641,9 @@ def _check_placement(t: TableSpec, placement: str) -> None:
     if t.dynamic and placement != "row":
         raise ValueError(f"Table {t.name!r} is keyed by raw ids (dynamic=...), which only the \"row\" placement "
                          f"supports; got {placement!r}.")
-    if placement == "column" and (t.max_norm is not None or not t.resolved_optimizer.elementwise):
-        why = (f"max_norm={t.max_norm}" if t.max_norm is not None
-               else f"its {type(t.resolved_optimizer).__name__} optimizer")
-        raise ValueError(f"Table {t.name!r} cannot be placed \"column\": {why} needs whole rows on one device "
-                         "(column placement takes optimizers that update each element alone, and no max_norm).")
+    if placement == "column" and not t.resolved_optimizer.splits_columns:
+        raise ValueError(f"Table {t.name!r} cannot be placed \"column\": its {type(t.resolved_optimizer).__name__} "
+                         "optimizer sees whole rows (column placement takes the built-in optimizers).")
 
 
 def _ids_per_sample(feats: dict[str, FeatureSpec], tables: dict[str, TableSpec], num_devices: int, given: Any,

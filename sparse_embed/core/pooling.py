@@ -31,15 +31,26 @@ def gains(combiner: str, weights, rows, num_rows: int, segment_sum: SegmentSum, 
     return xp.where(nonzero, weights / xp.where(nonzero, denom, 1.0), 0.0)
 
 
-def max_norm_scale(rows, max_norm: float, xp):
-    """`(scale, norm)`, `[..., 1]` each: the factor that brings each row's L2 norm to at most max_norm."""
-    norm = xp.sqrt(xp.sum(rows * rows, axis=-1, keepdims=True))
+def max_norm_scale(rows, max_norm: float, xp, total=None):
+    """`(scale, norm)`, `[..., 1]` each: the factor that brings each row's L2 norm to at most max_norm.
+
+    `total`: adds a row's partial sums `[..., 1]` across the devices that hold its other columns
+    ("column" placement); by default a row is all here.
+    """
+    norm = xp.sqrt(_total(total, xp.sum(rows * rows, axis=-1, keepdims=True)))
     return xp.where(norm > max_norm, max_norm / xp.where(norm > 0, norm, 1.0), 1.0), norm
 
 
-def max_norm_vjp(rows, grads, max_norm: float, xp):
+def max_norm_vjp(rows, grads, max_norm: float, xp, total=None):
     """The gradient w.r.t. rows `[N, dim]` through `rows * max_norm_scale(rows)`, given `grads [N, dim]`."""
-    scale, norm = max_norm_scale(rows, max_norm, xp)
+    sums = _total(total, xp.concatenate([xp.sum(rows * rows, axis=-1, keepdims=True),
+                                         xp.sum(rows * grads, axis=-1, keepdims=True)], axis=-1))
+    norm = xp.sqrt(sums[..., :1])
     clipped = norm > max_norm
-    radial = xp.sum(rows * grads, axis=-1, keepdims=True) / xp.where(clipped, norm * norm, 1.0)
+    scale = xp.where(clipped, max_norm / xp.where(norm > 0, norm, 1.0), 1.0)
+    radial = sums[..., 1:] / xp.where(clipped, norm * norm, 1.0)
     return scale * (grads - xp.where(clipped, radial * rows, 0.0))
+
+
+def _total(total, partial):
+    return partial if total is None else total(partial)

@@ -19,8 +19,9 @@ never a whole table. Stacks placed "table" or "replicated" (see
 ("table"), or of its first copy ("replicated"), and their conversions gather
 a table's natural rows onto the devices that hold it. A "column" stack
 holds every row on every device, each device `w` columns of it (the array
-is the column blocks one after the other); its conversions move columns
-with one all_to_all.
+is the column blocks one after the other; a per-row slot, e.g.
+RowwiseAdagrad's, is held whole, as "replicated"); its conversions move
+columns with one all_to_all.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def from_shard_major(stack: StackPlan, array: np.ndarray, width: int | None = No
         return array
     if stack.placement == "replicated":
         return array[: stack.total_rows]  # the first copy
-    if stack.placement == "column":  # the column blocks side by side
+    if stack.placement == "column":  # the column blocks side by side (a per-row slot: D copies; the first)
         D, w = stack.num_shards, array.shape[-1]
         return array.reshape(D, stack.total_rows, w).transpose(1, 0, 2).reshape(stack.total_rows, D * w)[:, :width]
     s, w = stack.num_shards, array.shape[-1]
@@ -104,12 +105,12 @@ def columns(x: jax.Array, num_shards: int, block) -> jax.Array:
 
 def _blocks_to_whole(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.Array:
     """Inside shard_map, "table", "replicated" or "column": every table's blocks gathered whole, placed in
-    this device's rows (and columns)."""
+    this device's rows (and columns, unless they are a per-row slot's: `StackPlan.splits`)."""
     whole = [jax.lax.all_gather(b, axis, tiled=True)[: p.padded_rows] for p, b in zip(stack.tables, blocks)]
-    if stack.placement == "column":
+    if stack.placement == "column" and stack.splits(whole[0].shape[1]):
         me = jax.lax.axis_index(axis)
         return jnp.concatenate([columns(x, stack.num_shards, me) for x in whole], axis=0)
-    if stack.placement == "replicated":
+    if stack.placement in ("replicated", "column"):
         return jnp.concatenate(whole, axis=0)
     me, R = jax.lax.axis_index(axis), stack.rows_per_shard
     local = jnp.zeros((R, whole[0].shape[1]), whole[0].dtype)
@@ -251,7 +252,7 @@ def natural_chunk_to_mod(stack: StackPlan, local: jax.Array, chunk: jax.Array, w
         c0, (owner, start), count, valid = where[0] * S, _whole_start(stack, where[1]), where[2], where[3]
         ids = c0 + jnp.arange(S * m)
         keep = (ids < count) & (ids < valid) & (jax.lax.axis_index(axis) == owner if stack.placement == "table" else True)
-        if stack.placement == "column":  # [S (column block), m, w] -> each device its columns of every source's rows
+        if stack.splits(chunk.shape[1]):  # [S (column block), m, w] -> each device its columns of every source's rows
             w = local.shape[1]
             x = jnp.pad(chunk, ((0, 0), (0, S * w - chunk.shape[1]))).reshape(m, S, w).transpose(1, 0, 2)
             x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(S * m, w)

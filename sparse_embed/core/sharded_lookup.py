@@ -117,9 +117,9 @@ def _stacked(tree):
     return jax.tree.map(lambda x: x[None], tree)
 
 
-def _view(stack: StackPlan):
+def _view(stack: StackPlan, axis: str):
     """The stack as the forward's kernel sees it ("replicated": one source, this device)."""
-    return stack.kernel_view(sources=1) if stack.placement == "replicated" else stack.kernel_view()
+    return stack.kernel_view(sources=1) if stack.placement == "replicated" else stack.kernel_view(axis=axis)
 
 
 def _forward(plan: EmbeddingPlan, batch, tables):
@@ -134,7 +134,7 @@ def _forward(plan: EmbeddingPlan, batch, tables):
         out = {}
         for s in plan.stacks:
             rec = _exchange(s, axis, _local(batch[s.name]))
-            fwd = kernels.for_stack(plan, s).forward(_view(s), rec, tables[s.name])
+            fwd = kernels.for_stack(plan, s).forward(_view(s, axis), rec, tables[s.name])
             out[s.name] = (_activations(s, axis, fwd.partials), _stacked(rec), fwd.table, _stacked(fwd.saved))
         return out
 
@@ -163,7 +163,7 @@ def _backward(plan: EmbeddingPlan, recs, saved, tables, grads, step):
                 g = _to_columns(s, axis, grads[s.name], skip)
             else:
                 g = jax.lax.all_gather(grads[s.name], axis, tiled=False)  # [D, rpd, dim] of every source
-            out[s.name] = kernel.backward(s.kernel_view(), rec, _local(saved[s.name]), state, g, step, skip)
+            out[s.name] = kernel.backward(_view(s, axis), rec, _local(saved[s.name]), state, g, step, skip)
         return out
 
     in_specs = (P(axis), P(axis), P(axis), P(axis), P())

@@ -110,8 +110,8 @@ def _check_arrays(plan: EmbeddingPlan, arrays: Mapping[str, np.ndarray], what: s
 
 def _stacked_global(plan: EmbeddingPlan, stack: StackPlan, per_table: dict[str, np.ndarray], width: int, fill, dtype):
     """Builds a sharded global array from per-table `[vocab, width]` host arrays, shard by shard ("column":
-    each device's columns of them)."""
-    D, column = stack.num_shards, stack.placement == "column"
+    each device's columns of them, or the whole rows of a per-row slot)."""
+    D, column = stack.num_shards, stack.splits(width)
     w = -(-width // D) if column else width  # the array's columns
 
     def shard(index):

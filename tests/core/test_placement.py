@@ -11,6 +11,7 @@ import pytest
 
 import sparse_embed as se
 from sparse_embed import optimizers as opt
+from sparse_embed.core import kernels
 from sparse_embed.core.placement import TableLoad
 from benchmarks.measuring import hlo_collective_bytes
 from conftest import make_mesh
@@ -19,11 +20,13 @@ import reference as ref
 B = 16
 PLACEMENTS = ["row", "table", "replicated", "column", "mixed", "auto"]
 MIXED = {"a": "table", "b": "replicated", "c": "row", "d": "column"}
-COLUMN = {"a": "column", "b": "column", "d": "column"}  # c has max_norm: whole rows ("auto" for it)
+NATIVE_COLUMN = {"a": "column", "b": "column", "d": "column"}  # c has max_norm: split, it runs on the generic kernel
 
 
-def _placement(name):
-    return {"mixed": MIXED, "column": COLUMN}.get(name, name)
+def _placement(name, kernel="auto"):
+    if name == "column" and kernel == "native":
+        return NATIVE_COLUMN
+    return MIXED if name == "mixed" else name
 
 
 def _features(o):
@@ -78,11 +81,10 @@ def _forward_reference(plan, tables, feats, samples):
                           max_norm=f.table.max_norm) for n, f in feats.items()}
 
 
-@pytest.mark.usefixtures("each_kernel")
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_forward_matches_numpy(mesh, placement):
+def test_forward_matches_numpy(mesh, placement, each_kernel):
     feats = _features(opt.SGD(0.1))
-    plan = se.plan(feats, mesh, placement=_placement(placement), stacking=None if placement == "mixed" else "auto")
+    plan = se.plan(feats, mesh, placement=_placement(placement, each_kernel), stacking=None if placement == "mixed" else "auto")
     tables = se.init_tables(plan, jax.random.key(0))
     rng = np.random.default_rng(0)
     formats = ["dense", "list", "pair", "list", "dense", "pair"]
@@ -94,13 +96,12 @@ def test_forward_matches_numpy(mesh, placement):
         np.testing.assert_allclose(np.asarray(acts[n]), want, rtol=1e-5, atol=1e-6, err_msg=n)
 
 
-@pytest.mark.usefixtures("each_kernel")
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_training_matches_numpy(mesh, placement):
+def test_training_matches_numpy(mesh, placement, each_kernel):
     """Adagrad here; every optimizer and option under every placement: test_optimizers."""
     o, update = opt.Adagrad(0.1, initial_accumulator_value=0.5), ref.adagrad
     feats = _features(o)
-    plan = se.plan(feats, mesh, placement=_placement(placement))
+    plan = se.plan(feats, mesh, placement=_placement(placement, each_kernel))
     got, want = _train_against_numpy(plan, feats, o, update, steps=4)
     for t in want:
         for k in want[t]:
@@ -146,16 +147,86 @@ def test_replicas_stay_bitwise_identical(mesh8, kernel):
             assert np.array_equal(copies[d].view(np.uint32), copies[0].view(np.uint32)), f"replica {d} drifted"
 
 
+# ---------------------------------------------------------------- rows split by columns, statistics of whole rows
+def _wide_features(o):
+    """dim 20 over up to 8 devices: every device holds real columns (3 each, the last 4 padding on 8)."""
+    t = se.TableSpec("t", 37, 20, combiner="sqrtn", optimizer=o, max_norm=0.6)
+    u = se.TableSpec("u", 23, 20, combiner="sum", optimizer=o)
+    return {"t1": se.FeatureSpec("t1", t, B), "t_seq": se.FeatureSpec("t_seq", t, B, max_sequence_length=2),
+            "u1": se.FeatureSpec("u1", u, 2 * B)}
+
+
+@pytest.mark.parametrize("o, update", [(opt.RowwiseAdagrad(0.2, epsilon=1e-3), ref.rowwise_adagrad(1e-3)),
+                                       (opt.Adam(0.05, b1=0.8, b2=0.9, eps=1e-3), ref.adam(0.8, 0.9, 1e-3))],
+                         ids=["rowwise_adagrad", "adam"])
+def test_column_sums_whole_row_statistics_over_devices(mesh, o, update):
+    """max_norm's norm and RowwiseAdagrad's mean(g²) are over whole rows, though each device holds a few columns."""
+    feats = _wide_features(o)
+    plan = se.plan(feats, mesh, placement="column", stacking=None)
+    assert plan.stack("t").row_sums() == (5 if not o.elementwise else 4)  # 3 for max_norm, 1 mean, 1 skip
+    got, want = _train_against_numpy(plan, feats, o, update, steps=4)
+    for t in want:
+        for k in want[t]:
+            np.testing.assert_allclose(got[t][k], want[t][k], rtol=1e-4, atol=1e-5, err_msg=f"{t}/{k}")
+    if mesh.size > 1 and not o.elementwise:  # the per-row accumulator: one copy per device, bitwise equal
+        tables = se.stack_tables(plan, {n: v["table"] for n, v in got.items()},
+                                 {n: {"accumulator": v["accumulator"]} for n, v in got.items()})
+        copies = np.asarray(tables["u"].slots["accumulator"]).reshape(mesh.size, -1)
+        assert (copies == copies[0]).all() and copies.shape[1] == plan.stack("u").total_rows
+
+
+def test_column_skips_a_nonfinite_row_on_every_device(mesh8):
+    o = opt.RowwiseAdagrad(0.2)
+    feats = _wide_features(o)
+    results = {}
+    for placement in ("row", "column"):
+        plan = se.plan(feats, mesh8, placement=placement, stacking=None)
+        tables = se.init_tables(plan, jax.random.key(1))
+        batch, _ = se.preprocess(plan, {n: np.arange(f.batch_size * 2).reshape(f.batch_size, 2) % 7
+                                        for n, f in feats.items()})
+        cts = {n: np.ones(f.output_shape, np.float32) for n, f in feats.items()}
+        cts["u1"][3, 5] = np.nan  # rows 6 and 0 of u (3 * 2 % 7, 7 % 7): skipped, on every device that holds a column
+        grad = jax.jit(jax.grad(lambda t: sum(jnp.sum(a * cts[k]) for k, a in se.lookup(plan, batch, t, 0).items())))
+        new = grad(tables)
+        assert int(se.nonfinite_rows(plan, batch, cts)["u"]) == 2
+        results[placement] = se.unstack_state(plan, new)
+        before = se.unstack_state(plan, tables)
+        for k in ("table", "accumulator"):
+            np.testing.assert_array_equal(results[placement]["u"][k][[0, 6]], before["u"][k][[0, 6]])
+            assert not np.array_equal(results[placement]["u"][k][1], before["u"][k][1])
+        if placement == "column":
+            copies = np.asarray(new["u"].slots["accumulator"]).reshape(8, -1)
+            assert (copies == copies[0]).all()
+    for t in results["row"]:
+        for k in results["row"][t]:
+            np.testing.assert_allclose(results["column"][t][k], results["row"][t][k], rtol=1e-5, atol=1e-6)
+
+
+def test_forcing_the_native_kernel_on_split_rows_that_need_whole_row_statistics_says_so(mesh8):
+    if not kernels.NATIVE.unsupported(se.plan(_features(opt.SGD(0.1)), mesh8).stacks[0]) is None:
+        pytest.skip("the native CPU kernel is not built")
+    feats = _wide_features(opt.RowwiseAdagrad(0.1))
+    auto = se.plan(feats, mesh8, placement="column", stacking=None)
+    assert {kernels.for_stack(auto, s).name for s in auto.stacks} == {"generic"}
+    native = se.plan(feats, mesh8, placement="column", kernel="native", stacking=None)
+    batch, _ = se.preprocess(native, {n: np.zeros((f.batch_size, 1), np.int64) for n, f in feats.items()})
+    with pytest.raises(ValueError, match=r"Stack 't': the native kernel cannot run it: its rows are split by columns "
+                                         r"and it needs statistics of whole rows"):
+        se.lookup(native, batch, se.init_tables(native, jax.random.key(0)))
+
+
 # ---------------------------------------------------------------- checkpoints are placement-free
-@pytest.mark.parametrize("saved, restored", [("row", "table"), ("table", "replicated"), ("replicated", "row"),
-                                             ("mixed", "auto"), ("table", "mixed")])
-def test_checkpoint_restores_exactly_under_another_placement_and_mesh(tmp_path, saved, restored):
-    feats = _features(opt.Adam(0.01))
+@pytest.mark.parametrize("saved, restored, o", [
+    ("row", "table", opt.Adam(0.01)), ("table", "replicated", opt.Adam(0.01)), ("replicated", "row", opt.Adam(0.01)),
+    ("mixed", "auto", opt.Adam(0.01)), ("table", "mixed", opt.Adam(0.01)), ("column", "row", opt.Adam(0.01)),
+    ("column", "replicated", opt.RowwiseAdagrad(0.1)), ("row", "column", opt.RowwiseAdagrad(0.1))])
+def test_checkpoint_restores_exactly_under_another_placement_and_mesh(tmp_path, saved, restored, o):
+    feats = _features(o)
     rng = np.random.default_rng(5)
     tables = {f.table.name: rng.normal(size=(f.table.vocabulary_size, f.table.embedding_dim)).astype(np.float32)
               for f in feats.values()}
     slots = {n: {k: rng.uniform(0.1, 1, (len(w), s.width)).astype(np.float32)
-                 for k, s in opt.Adam(0.01).slots(w.shape[1]).items()} for n, w in tables.items()}
+                 for k, s in o.slots(w.shape[1]).items()} for n, w in tables.items()}
     plan8 = se.plan(feats, make_mesh(8), placement=_placement(saved))
     with se.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(1, plan8, se.stack_tables(plan8, tables, slots))
@@ -183,10 +254,12 @@ def test_init_tables_is_placement_independent(mesh8, placement):
 
 
 # ---------------------------------------------------------------- the estimate against the compiled step
-@pytest.mark.parametrize("placement", ["row", "table", "replicated", "mixed", "auto"])
+@pytest.mark.parametrize("placement, o", [(p, opt.Adagrad(0.1)) for p in ("row", "table", "replicated", "mixed", "auto",
+                                                                           "column")]
+                         + [("column", opt.RowwiseAdagrad(0.1))])  # row statistics of c (max_norm) and of every row
 @pytest.mark.parametrize("devices", [2, 8])
-def test_collective_bytes_equal_the_compiled_train_step(placement, devices):
-    feats = _features(opt.Adagrad(0.1))
+def test_collective_bytes_equal_the_compiled_train_step(placement, o, devices):
+    feats = _features(o)
     plan = se.plan(feats, make_mesh(devices), placement=_placement(placement), capacity=80)
     tables = se.init_tables(plan, jax.random.key(0))
     rng = np.random.default_rng(0)
@@ -244,22 +317,27 @@ def test_auto_on_one_device_is_row(mesh):
 
 
 def test_memory_budget_demotes_until_the_plan_fits(mesh8):
-    feats = _mixed_workload(large_optimizer=opt.RowwiseAdagrad(0.1))  # not by columns: whole, twice the memory
+    feats = _mixed_workload(large_optimizer=opt.RowwiseAdagrad(0.1))
     free = se.plan(feats, mesh8, placement="auto")
-    budget = int(0.6 * free.memory_per_device())
-    fit = se.plan(feats, mesh8, placement="auto", memory_budget=budget)
-    assert fit.memory_per_device() <= budget < free.memory_per_device()
-    assert {s.placement for s in fit.stacks if any(t.table.name.startswith("l") for t in s.tables)} == {"row"}
+    large = lambda p: {s.placement for s in p.stacks if s.first.name.startswith("l")}  # noqa: E731
+    # by columns, RowwiseAdagrad's per-row accumulator is whole on every device: a little more than row-wise
+    assert large(free) == {"column"}
+    fit = se.plan(feats, mesh8, placement="auto", memory_budget=free.memory_per_device() - 1)
+    assert fit.memory_per_device() < free.memory_per_device()
+    assert "row" in large(fit)
+    # "replicated" -> "table" -> "row", "column" -> "row": the all-row-wise plan's memory always fits
     row = se.plan(feats, mesh8)
+    fit = se.plan(feats, mesh8, placement="auto", memory_budget=row.memory_per_device())
+    assert fit.memory_per_device() <= row.memory_per_device() and large(fit) == {"row"}
     with pytest.raises(ValueError, match=r"No placement fits memory_budget=1000 bytes per device: the plan needs"):
         se.plan(feats, mesh8, placement="auto", memory_budget=1000)
     with pytest.raises(ValueError, match="No placement fits"):  # fixed placements are never moved
         se.plan(feats, mesh8, placement={"l0": "replicated"}, memory_budget=row.memory_per_device())
-    # memory per device is every stack's rows on one device times its row bytes (f32 table, Adagrad's slot
-    # [dim] or RowwiseAdagrad's [1])
-    want = sum(s.rows_per_shard * 4 * (s.embedding_dim + (1 if s.first.name.startswith("l") else s.embedding_dim))
-               for s in fit.stacks)
-    assert fit.memory_per_device() == want
+    # memory per device: every stack's rows on one device times its row bytes (f32 table columns, Adagrad's
+    # slot [dim] or RowwiseAdagrad's [1], whole)
+    want = sum(s.rows_per_shard * 4 * (s.array_dim + (1 if s.first.name.startswith("l") else s.array_dim))
+               for s in free.stacks)
+    assert free.memory_per_device() == want
 
 
 def test_explicit_placements_override_auto_and_describe_prints_them(mesh8):
@@ -328,9 +406,14 @@ def test_stats_size_the_cost_model(mesh8):
     assert ids_of(plain)["l0"] == 64 and ids_of(seen)["l0"] > 20 * 64
 
 
+def _sgd(rows, slots, grads, step):
+    return rows - 0.1 * grads, slots
+
+
 def test_a_table_alone_in_its_stack_is_not_placed_whole(mesh8):
     """Alone, a "table" table sends as many activation rows to every shard as row-wise, with D times the memory."""
-    feats = _mixed_workload(3, 2, large_optimizer=opt.RowwiseAdagrad(0.1))
+    whole_rows = opt.Custom(_sgd, ())  # never "column": the choice is between row and table
+    feats = _mixed_workload(3, 2, large_optimizer=whole_rows)
     assert "table" not in {s.placement for s in se.plan(feats, mesh8, placement="auto", stacking=None).stacks}
     together = se.plan(feats, mesh8, placement="auto")
     assert {s.placement for s in together.stacks if s.first.name.startswith("l")} == {"table"}

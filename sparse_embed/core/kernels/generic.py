@@ -14,6 +14,10 @@ Backward, by optimizer:
   representative entry per row (`_representatives`), then each touched row
   and its slots are updated once, in chunks.
 - Everything else (bf16 tables, more entries): a sort and a segment sum.
+  So do "column" stacks that need statistics of whole rows (max_norm, a
+  row-wise optimizer): every device then holds each touched row at the same
+  position, and a psum over the mesh axis (`KernelStack.row_sum`) adds its
+  columns' partial sums.
 
 Tricks this kernel owns: the forward saves element 0 of each row for the
 representatives, and returns the table tied after its reads (`_after`) so
@@ -187,9 +191,11 @@ def _update_rows(stack: StackPlan, state: EmbeddingVariables, cols, rows, slots,
     """Applies the optimizer to `rows [C, dim]` and their `slots` at distinct `cols` and writes them
     back (out-of-range cols write nothing). With `skip_nonfinite`, a row whose summed gradient is
     non-finite (if any of its terms is, or if it overflows) keeps its values and slots."""
-    new_rows, new_slots = stack.optimizer.update(rows, slots, grads, step)
+    new_rows, new_slots = stack.optimizer.update(rows, slots, grads, step, stack.row_mean)
     if skip_nonfinite:
         skipped = _nonfinite(grads)[:, None]
+        if stack.needs_row_sums:  # skipped on every device that holds some of its columns
+            skipped = stack.row_sum(skipped.astype(jnp.float32)) > 0
         new_rows = jnp.where(skipped, rows, new_rows)
         new_slots = {k: jnp.where(skipped, slots[k], v) for k, v in new_slots.items()}
     put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
@@ -241,7 +247,9 @@ class GenericKernel:
         f32 = dtype == jnp.float32
         if stack.optimizer.is_linear and stack.max_norm is None and f32:
             return "linear"
-        return "deduped" if f32 and num_entries <= self.exact_index_limit else "sorted"
+        # Statistics of rows split over devices are summed in one order on every device: the sort's.
+        deduped = f32 and num_entries <= self.exact_index_limit and not stack.needs_row_sums
+        return "deduped" if deduped else "sorted"
 
     # ------------------------------------------------------------ forward
     def forward(self, stack: StackPlan, rec: Received, table: jax.Array) -> Forward:
@@ -254,7 +262,7 @@ class GenericKernel:
             # A gather of its own: slicing `rows` would materialise them, which XLA:CPU does slowly.
             first = table.at[cols, 0].get(mode="fill", fill_value=0) if keep_first else None
             if stack.max_norm is not None:
-                rows = rows * pooling.max_norm_scale(rows, stack.max_norm, jnp)[0]
+                rows = rows * pooling.max_norm_scale(rows, stack.max_norm, jnp, stack.row_sum)[0]
             return acc.at[out].add(rows * values[:, None], mode="drop"), first
 
         zeros = jnp.zeros_like(rec.values, shape=(D * (rpd + 1), dim))  # varying over the mesh axis, like rec
@@ -333,7 +341,7 @@ class GenericKernel:
         grads = e.grads(e.src, e.values)
         if stack.max_norm is not None:
             rows = table.at[e.cols].get(mode="fill", fill_value=0).astype(jnp.float32)
-            grads = pooling.max_norm_vjp(rows, grads, stack.max_norm, jnp)
+            grads = pooling.max_norm_vjp(rows, grads, stack.max_norm, jnp, stack.row_sum)
         cols, grads = _dedup(e.cols, grads, stack.rows_per_shard)
         rows = table.at[cols].get(mode="fill", fill_value=0).astype(jnp.float32)
         slots = {k: v.at[cols].get(mode="fill", fill_value=0) for k, v in variables.slots.items()}

@@ -147,6 +147,9 @@ class NativeCpuKernel:
                     "headers are there)")
         if type(stack.optimizer) not in _OPTIMIZERS:
             return f"{type(stack.optimizer).__name__} optimizers run on the generic kernel"
+        if stack.placement == "column" and (stack.max_norm is not None or not stack.optimizer.elementwise):
+            return ("its rows are split by columns and it needs statistics of whole rows (max_norm or a row-wise "
+                    "optimizer), which the generic kernel sums across devices")
         if stack.dtype not in (jnp.float32, jnp.bfloat16):
             return f"its tables are {stack.dtype}, not float32 or bfloat16"
         return None

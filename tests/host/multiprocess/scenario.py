@@ -16,10 +16,11 @@ PLACEMENT = {"items": "table", "tags": "replicated", "users": "column"}  # and r
 
 
 def make_plan(mesh, **kw) -> se.EmbeddingPlan:
-    """Two stacks: items + tags (stacked), users; a pooled, a sequence and a multi-hot feature; Adagrad."""
+    """Two stacks: items + tags (stacked), users; a pooled, a sequence and a multi-hot feature; Adagrad, and
+    RowwiseAdagrad with max_norm for users (by columns: whole-row statistics summed across processes)."""
     items = se.TableSpec("items", 101, 8, optimizer=opt.Adagrad(0.1), combiner="mean")
     tags = se.TableSpec("tags", 53, 8, optimizer=opt.Adagrad(0.1), combiner="mean")
-    users = se.TableSpec("users", 37, 4, optimizer=opt.Adagrad(0.05), combiner="sum")
+    users = se.TableSpec("users", 37, 4, optimizer=opt.RowwiseAdagrad(0.05), combiner="sum", max_norm=0.5)
     feats = [
         se.FeatureSpec("clicked", items, B),
         se.FeatureSpec("history", items, B, max_sequence_length=4),
