@@ -169,7 +169,8 @@ class Optimizer:
         """True if the rule reads across a row only through `row_mean`.
 
         Then a row's columns can live on different devices ("column"
-        placement): the kernel sums the mean's partial sums across them.
+        placement) and the kernel sums the mean's partial sums across them;
+        otherwise ("Custom") it gathers each touched row whole for the rule.
         """
         return True
 
@@ -417,7 +418,7 @@ class Custom(Optimizer):
 
     @property
     def splits_columns(self) -> bool:
-        return False  # fn sees whole rows, which "column" placement does not have
+        return False  # fn sees whole rows: "column" placement gathers them for it
 
     def rule(self, rows, slots, grads, step, lr, row_mean):
         new_rows, new_slots = self.fn(rows, slots, grads, step)

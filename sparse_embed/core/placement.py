@@ -22,7 +22,8 @@ plan, exactly, and a test checks it against the compiled program):
   `12 ids (D-1) + 8 rows ceil(dim/D) (D-1)`, plus `8 ids (D-1)` for each
   whole-row statistic summed over the devices (`column_row_sums`: max_norm,
   RowwiseAdagrad); each device holds all rows, `dim/D` columns wide (a
-  per-row slot whole). Not for `Custom` optimizers or raw-id tables.
+  per-row slot whole). Never chosen for `Custom` optimizers (their rows
+  are gathered whole, `StackPlan.row_gathers`) or raw-id tables.
 
 `cheapest` takes the least; ties go to the earlier of row, table,
 replicated, column; `choose` then corrects "table" for the stacks it

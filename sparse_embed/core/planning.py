@@ -139,7 +139,8 @@ class StackPlan:
 
     def slot_widths(self) -> dict[str, int]:
         """Columns of each optimizer slot's stacked array (a "column" device holds its share)."""
-        return {k: v.width for k, v in self.optimizer.slots(self.array_dim).items()}
+        return {k: self.array_dim if self.splits(v.width) else v.width
+                for k, v in self.optimizer.slots(self.embedding_dim).items()}
 
     @property
     def array_rows(self) -> int:
@@ -200,7 +201,8 @@ class StackPlan:
         C = self.expected_capacity() if capacity is None else capacity
         if self.placement == "column":  # every device's entries to every device; activations by columns
             sums = 8 * C * self.row_sums(skip_nonfinite)  # each an all-reduce of D*C f32: 2 (D-1)/D * 4 D C
-            return (D - 1) * (12 * C + 2 * 4 * self.rows_per_device * self.array_dim + sums)
+            gathers = 4 * D * C * self.array_dim * self.row_gathers()  # (D-1)/D of [D*C, D*array_dim] f32 each
+            return (D - 1) * (12 * C + 2 * 4 * self.rows_per_device * self.array_dim + sums + gathers)
         return (D - 1) * (12 * self.segments * C + 2 * 4 * self.partial_rows * dim * D) // D
 
     @property
@@ -237,7 +239,17 @@ class StackPlan:
         """
         if self.placement != "column":
             return 0
+        if not self.optimizer.splits_columns:  # the update gathers whole rows: only max_norm sums
+            return 3 * (self.max_norm is not None)
         return placement_lib.column_row_sums(self.max_norm is not None, self.optimizer.elementwise, skip_nonfinite)
+
+    def row_gathers(self) -> int:
+        """"column" with an optimizer that sees whole rows: f32 arrays `[D*C, array_dim]` all_gathered whole
+        in a train step (the touched rows, their gradients and the slots as wide as a row; 0 otherwise)."""
+        if self.placement != "column" or self.optimizer.splits_columns:
+            return 0
+        slots = self.optimizer.slots(self.embedding_dim).values()
+        return 2 + sum(s.width == self.embedding_dim for s in slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +286,25 @@ class KernelStack:
     def needs_row_sums(self) -> bool:
         """Are this stack's rows split over devices and does it need statistics of whole rows?"""
         return self.row_axis is not None and (self.max_norm is not None or not self.optimizer.elementwise)
+
+    @property
+    def gathers_rows(self) -> bool:
+        """Are this stack's rows split over devices and does its optimizer see whole rows (`Custom`)?"""
+        return self.row_axis is not None and not self.optimizer.splits_columns
+
+    def splits_slot(self, name: str) -> bool:
+        """Is slot `name` split by columns like the table (as wide as a row), or whole on every device?"""
+        return self.optimizer.slots(self.row_width)[name].width == self.row_width
+
+    def whole(self, x: jax.Array) -> jax.Array:
+        """This device's columns `[U, embedding_dim]` -> whole rows `[U, row_width]` (an all_gather)."""
+        return jax.lax.all_gather(x, self.row_axis, axis=1, tiled=True)[:, :self.row_width]
+
+    def own(self, x: jax.Array) -> jax.Array:
+        """Whole rows `[U, row_width]` -> this device's columns `[U, embedding_dim]` (the inverse of `whole`)."""
+        w = self.embedding_dim
+        x = jax.lax.pad(x, jax.numpy.zeros((), x.dtype), ((0, 0, 0), (0, self.num_shards * w - x.shape[1], 0)))
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.row_axis) * w, w, axis=1)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -641,9 +672,6 @@ def _check_placement(t: TableSpec, placement: str) -> None:
     if t.dynamic and placement != "row":
         raise ValueError(f"Table {t.name!r} is keyed by raw ids (dynamic=...), which only the \"row\" placement "
                          f"supports; got {placement!r}.")
-    if placement == "column" and not t.resolved_optimizer.splits_columns:
-        raise ValueError(f"Table {t.name!r} cannot be placed \"column\": its {type(t.resolved_optimizer).__name__} "
-                         "optimizer sees whole rows (column placement takes the built-in optimizers).")
 
 
 def _ids_per_sample(feats: dict[str, FeatureSpec], tables: dict[str, TableSpec], num_devices: int, given: Any,

@@ -39,10 +39,9 @@ def natural_table(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array, i: int)
 
 
 def _slot_arrays(stack: StackPlan) -> dict[str, jax.Array]:
-    return {
-        name: jnp.full((stack.array_rows, spec.width), spec.init, SLOT_DTYPE)
-        for name, spec in stack.optimizer.slots(stack.array_dim).items()
-    }
+    widths = stack.slot_widths()
+    return {name: jnp.full((stack.array_rows, widths[name]), spec.init, SLOT_DTYPE)
+            for name, spec in stack.optimizer.slots(stack.embedding_dim).items()}
 
 
 def init_tables(plan: EmbeddingPlan, rng: jax.Array, *, with_slots: bool = True) -> dict[str, EmbeddingVariables]:

@@ -80,10 +80,6 @@ def test_training_matches_numpy(mesh8, case, placement, each_kernel):
     a = se.TableSpec("a", 40, 4, combiner="sum", optimizer=o)
     b = se.TableSpec("b", 19, 4, combiner="mean", optimizer=o)
     feats = {"a1": se.FeatureSpec("a1", a, B), "a2": se.FeatureSpec("a2", a, B), "b1": se.FeatureSpec("b1", b, B)}
-    if placement == "column" and not o.splits_columns:  # fn sees whole rows
-        with pytest.raises(ValueError, match=r"Table 'a' cannot be placed \"column\": its Custom optimizer sees whole"):
-            se.plan(feats, mesh8, placement=placement)
-        return
     if placement == "column" and not o.elementwise and each_kernel == "native":
         pytest.skip("a row-wise optimizer on rows split by columns runs on the generic kernel (test_placement checks "
                     "that forcing native says so)")

@@ -156,22 +156,39 @@ def _wide_features(o):
             "u1": se.FeatureSpec("u1", u, 2 * B)}
 
 
-@pytest.mark.parametrize("o, update", [(opt.RowwiseAdagrad(0.2, epsilon=1e-3), ref.rowwise_adagrad(1e-3)),
-                                       (opt.Adam(0.05, b1=0.8, b2=0.9, eps=1e-3), ref.adam(0.8, 0.9, 1e-3))],
-                         ids=["rowwise_adagrad", "adam"])
-def test_column_sums_whole_row_statistics_over_devices(mesh, o, update):
-    """max_norm's norm and RowwiseAdagrad's mean(g²) are over whole rows, though each device holds a few columns."""
+def _normalized_step(rows, slots, grads, step):
+    """A Custom rule that needs whole rows: the step is the gradient's direction (its norm over the row)."""
+    g = grads / (np.float32(1e-3) + jnp.sqrt(jnp.sum(grads * grads, axis=-1, keepdims=True)))
+    return rows - 0.1 * g - 0.01 * slots["seen"], {"seen": slots["seen"] + 1.0, "m": 0.5 * slots["m"] + g}
+
+
+def _ref_normalized_step(w, slots, g, lr, step):
+    d = g / (1e-3 + np.sqrt(np.sum(g * g)))
+    return w - 0.1 * d - 0.01 * slots["seen"], {"seen": slots["seen"] + 1.0, "m": 0.5 * slots["m"] + d}
+
+
+CUSTOM = opt.Custom(_normalized_step, {"seen": opt.SlotSpec(1, 0.5), "m": opt.SlotSpec(20, 0.0)})
+
+
+@pytest.mark.parametrize("o, update, sums", [
+    (opt.RowwiseAdagrad(0.2, epsilon=1e-3), ref.rowwise_adagrad(1e-3), 5),  # 3 max_norm, 1 mean, 1 skip
+    (opt.Adam(0.05, b1=0.8, b2=0.9, eps=1e-3), ref.adam(0.8, 0.9, 1e-3), 4),
+    (CUSTOM, _ref_normalized_step, 3)], ids=["rowwise_adagrad", "adam", "custom"])  # rows gathered whole
+def test_column_sums_whole_row_statistics_over_devices(mesh, o, update, sums):
+    """max_norm's norm and RowwiseAdagrad's mean(g²) are over whole rows, though each device holds a few columns;
+    a Custom rule sees whole rows."""
     feats = _wide_features(o)
     plan = se.plan(feats, mesh, placement="column", stacking=None)
-    assert plan.stack("t").row_sums() == (5 if not o.elementwise else 4)  # 3 for max_norm, 1 mean, 1 skip
+    assert plan.stack("t").row_sums() == sums
     got, want = _train_against_numpy(plan, feats, o, update, steps=4)
     for t in want:
         for k in want[t]:
             np.testing.assert_allclose(got[t][k], want[t][k], rtol=1e-4, atol=1e-5, err_msg=f"{t}/{k}")
-    if mesh.size > 1 and not o.elementwise:  # the per-row accumulator: one copy per device, bitwise equal
+    if mesh.size > 1 and not o.elementwise:  # a per-row slot: one copy per device, bitwise equal
+        name = "accumulator" if "accumulator" in got["u"] else "seen"
         tables = se.stack_tables(plan, {n: v["table"] for n, v in got.items()},
-                                 {n: {"accumulator": v["accumulator"]} for n, v in got.items()})
-        copies = np.asarray(tables["u"].slots["accumulator"]).reshape(mesh.size, -1)
+                                 {n: {name: v[name]} for n, v in got.items()})
+        copies = np.asarray(tables["u"].slots[name]).reshape(mesh.size, -1)
         assert (copies == copies[0]).all() and copies.shape[1] == plan.stack("u").total_rows
 
 
@@ -219,7 +236,8 @@ def test_forcing_the_native_kernel_on_split_rows_that_need_whole_row_statistics_
 @pytest.mark.parametrize("saved, restored, o", [
     ("row", "table", opt.Adam(0.01)), ("table", "replicated", opt.Adam(0.01)), ("replicated", "row", opt.Adam(0.01)),
     ("mixed", "auto", opt.Adam(0.01)), ("table", "mixed", opt.Adam(0.01)), ("column", "row", opt.Adam(0.01)),
-    ("column", "replicated", opt.RowwiseAdagrad(0.1)), ("row", "column", opt.RowwiseAdagrad(0.1))])
+    ("column", "replicated", opt.RowwiseAdagrad(0.1)), ("row", "column", opt.RowwiseAdagrad(0.1)),
+    ("column", "table", CUSTOM)])
 def test_checkpoint_restores_exactly_under_another_placement_and_mesh(tmp_path, saved, restored, o):
     feats = _features(o)
     rng = np.random.default_rng(5)
@@ -256,10 +274,10 @@ def test_init_tables_is_placement_independent(mesh8, placement):
 # ---------------------------------------------------------------- the estimate against the compiled step
 @pytest.mark.parametrize("placement, o", [(p, opt.Adagrad(0.1)) for p in ("row", "table", "replicated", "mixed", "auto",
                                                                            "column")]
-                         + [("column", opt.RowwiseAdagrad(0.1))])  # row statistics of c (max_norm) and of every row
+                         + [("column", opt.RowwiseAdagrad(0.1)), ("column", CUSTOM)])  # row statistics; whole rows
 @pytest.mark.parametrize("devices", [2, 8])
 def test_collective_bytes_equal_the_compiled_train_step(placement, o, devices):
-    feats = _features(o)
+    feats = _wide_features(o) if o is CUSTOM else _features(o)
     plan = se.plan(feats, make_mesh(devices), placement=_placement(placement), capacity=80)
     tables = se.init_tables(plan, jax.random.key(0))
     rng = np.random.default_rng(0)

@@ -11,7 +11,6 @@ import json
 import os
 import sys
 
-import jax
 import numpy as np
 import pytest
 

@@ -17,7 +17,8 @@ Backward, by optimizer:
   So do "column" stacks that need statistics of whole rows (max_norm, a
   row-wise optimizer): every device then holds each touched row at the same
   position, and a psum over the mesh axis (`KernelStack.row_sum`) adds its
-  columns' partial sums.
+  columns' partial sums; a `Custom` optimizer there gets the touched rows
+  whole (an all_gather of their columns) and each device keeps its own.
 
 Tricks this kernel owns: the forward saves element 0 of each row for the
 representatives, and returns the table tied after its reads (`_after`) so
@@ -191,15 +192,29 @@ def _update_rows(stack: StackPlan, state: EmbeddingVariables, cols, rows, slots,
     """Applies the optimizer to `rows [C, dim]` and their `slots` at distinct `cols` and writes them
     back (out-of-range cols write nothing). With `skip_nonfinite`, a row whose summed gradient is
     non-finite (if any of its terms is, or if it overflows) keeps its values and slots."""
-    new_rows, new_slots = stack.optimizer.update(rows, slots, grads, step, stack.row_mean)
-    if skip_nonfinite:
+    if stack.gathers_rows:  # an optimizer that sees whole rows, on rows split by columns
+        new_rows, new_slots, skipped = _update_whole_rows(stack, rows, slots, grads, step)
+    else:
+        new_rows, new_slots = stack.optimizer.update(rows, slots, grads, step, stack.row_mean)
         skipped = _nonfinite(grads)[:, None]
-        if stack.needs_row_sums:  # skipped on every device that holds some of its columns
+    if skip_nonfinite:
+        if stack.needs_row_sums and not stack.gathers_rows:  # skipped on every device that holds its columns
             skipped = stack.row_sum(skipped.astype(jnp.float32)) > 0
         new_rows = jnp.where(skipped, rows, new_rows)
         new_slots = {k: jnp.where(skipped, slots[k], v) for k, v in new_slots.items()}
     put = lambda dst, vals: dst.at[cols].set(vals.astype(dst.dtype), mode="drop", unique_indices=True)
     return EmbeddingVariables(put(state.table, new_rows), {k: put(state.slots[k], new_slots[k]) for k in slots})
+
+
+def _update_whole_rows(stack: StackPlan, rows, slots, grads, step):
+    """The update of rows split by columns, applied to the whole rows (gathered from every device) on every
+    device, which keeps its columns: `(rows', slots', non-finite flags [U, 1])`."""
+    split = {k for k in slots if stack.splits_slot(k)}
+    whole = lambda d: {k: stack.whole(v) if k in split else v for k, v in d.items()}  # noqa: E731
+    grads = stack.whole(grads)
+    new_rows, new_slots = stack.optimizer.update(stack.whole(rows), whole(slots), grads, step)
+    own = {k: stack.own(v) if k in split else v for k, v in new_slots.items()}
+    return stack.own(new_rows), own, _nonfinite(grads)[:, None]
 
 
 @dataclasses.dataclass(frozen=True)
