@@ -34,6 +34,7 @@ import os
 from typing import Any, Iterable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -303,7 +304,7 @@ class KernelStack:
     def own(self, x: jax.Array) -> jax.Array:
         """Whole rows `[U, row_width]` -> this device's columns `[U, embedding_dim]` (the inverse of `whole`)."""
         w = self.embedding_dim
-        x = jax.lax.pad(x, jax.numpy.zeros((), x.dtype), ((0, 0, 0), (0, self.num_shards * w - x.shape[1], 0)))
+        x = jnp.pad(x, ((0, 0), (0, self.num_shards * w - x.shape[1])))
         return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.row_axis) * w, w, axis=1)
 
 
