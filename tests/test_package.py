@@ -97,3 +97,16 @@ def test_no_function_over_60_lines_outside_tests():
     paths = [*ROOT.rglob("*.py"), *(ROOT.parent / "benchmarks").rglob("*.py")]
     long = [f for p in paths for f in _long_functions(p)]
     assert not long, long
+
+
+@pytest.mark.parametrize("python, want", [("3.11", "==0.1.0"), ("3.12", ">=0.2.0"), ("3.13", ">=0.2.0")])
+def test_the_tpu_extra_picks_the_jax_tpu_embedding_that_has_wheels_for_the_python(python, want):
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    env = {"python_version": python, "platform_machine": "x86_64"}
+    picked = [Requirement(r) for r in project["optional-dependencies"]["tpu"]]
+    picked = [str(r.specifier) for r in picked if r.name == "jax-tpu-embedding" and r.marker.evaluate(env)]
+    assert picked == [want]
+    assert not any(Requirement(r).name == "jax-tpu-embedding" for r in project["dependencies"])  # core: not needed
