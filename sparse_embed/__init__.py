@@ -15,7 +15,7 @@ type annotations); importing it has no side effects.
 """
 
 from sparse_embed import distributed, initializers, optimizers
-from sparse_embed.core.batch import ShardedCooMatrix, Stats
+from sparse_embed.core.batch import CsrBatch, ShardedCooMatrix, Stats
 from sparse_embed.core.id_maps import IdMap, IdMapStats, init_id_maps, map_ids
 from sparse_embed.core.kernels.generic import configure_xla_cpu
 from sparse_embed.core.planning import EmbeddingPlan, FeatureLayout, StackPlan, TablePlacement, grow_capacity, plan
@@ -28,6 +28,7 @@ from sparse_embed.host.prefetching import Prefetched, Prefetcher, prefetch
 from sparse_embed.host.preprocessing import preprocess
 from sparse_embed.integrations.jte import JteTableLayout, from_jte, jte_layout, jte_layout_from_specs, to_jte
 from sparse_embed.integrations.layout_map import LayoutMap
+from sparse_embed.integrations.sparsecore import sparsecore_csr
 from sparse_embed.integrations.optax_utils import apply_updates, optax_tx, param_labels
 from sparse_embed.io.checkpoint import (
     CheckpointError,
@@ -97,9 +98,11 @@ __all__ = [
     "restore_embeddings",
     "serving_lookup",
     "verify_checkpoint",
-    # jax-tpu-embedding's layout
+    # jax-tpu-embedding's layout and SparseCore input
+    "CsrBatch",
     "from_jte",
     "jte_layout",
     "jte_layout_from_specs",
+    "sparsecore_csr",
     "to_jte",
 ]

@@ -32,6 +32,7 @@ class ShardedCooMatrix(NamedTuple):
     values: Any
     keys: Any = None
     defaults: Any = None  # [D, rows_per_device] f32 after `map_ids` with a `Dynamic.default`: gains of ids without a row
+    csr: Any = None  # a SparseCore stack's `CsrBatch` (each field `[D, ...]`): the same entries, for the TPU
 
     @property
     def capacity(self) -> int:
@@ -52,6 +53,8 @@ class Stats:
     dropped_ids: dict[str, int]
     num_ids: dict[str, int]
     capacity: dict[str, int]
+    sparsecore_ids_per_partition: dict[str, int] = dataclasses.field(default_factory=dict)
+    """SparseCore stacks: the most ids a SparseCore partition got from one slice (before merging duplicates)."""
 
     def merge(self, other: "Stats") -> "Stats":
         """Combines the stats of two batches (max of maxima, sum of counts)."""
@@ -63,4 +66,20 @@ class Stats:
             sm(self.dropped_ids, other.dropped_ids),
             sm(self.num_ids, other.num_ids),
             mx(self.capacity, other.capacity),
+            mx(self.sparsecore_ids_per_partition, other.sparsecore_ids_per_partition),
         )
+
+
+PAD_ID = 2**31 - 1  # a CSR's embedding and sample ids in its alignment gaps (jax-tpu-embedding's PADDING_VALUE)
+
+
+class CsrBatch(NamedTuple):
+    """A SparseCore stack's input in the CSR format of jax-tpu-embedding's primitives (`host.csr`).
+
+    Every SparseCore's slice, one after the other (device d's S slices together).
+    """
+
+    row_pointers: Any  # int32 [num_slices * max(num_sc, 8)]
+    embedding_ids: Any  # int32 [num_slices * round_up(max_ids_per_partition, 8) * num_sc]
+    sample_ids: Any  # int32, like embedding_ids
+    gains: Any  # float32, like embedding_ids

@@ -143,15 +143,16 @@ class Optimizer:
         raise NotImplementedError
 
     def update(self, rows: jax.Array, slots: Slots, grads: jax.Array, step,
-               row_mean: RowMean | None = None) -> tuple[jax.Array, Slots]:
+               row_mean: RowMean | None = None, lr: jax.Array | None = None) -> tuple[jax.Array, Slots]:
         """The full row update: `rows [U, dim]`, `slots {name: [U, width]}`, summed `grads [U, dim]`.
 
         `row_mean(x [U, dim]) -> [U, 1]`: the mean over each whole row (default: over the last axis; a
-        "column" kernel's also sums over the devices that hold the row's other columns).
+        "column" kernel's also sums over the devices that hold the row's other columns). `lr`: the
+        learning rate at `step`, if the caller has it (default `learning_rate_at(step)`).
         """
         if self.clip_gradient is not None:
             grads = jnp.clip(grads, *self.clip_gradient)
-        lr = self.learning_rate_at(step)
+        lr = self.learning_rate_at(step) if lr is None else lr
         new_rows, new_slots = self.rule(rows, slots, grads, step, lr, row_mean or _local_mean)
         if self.weight_decay:
             new_rows = new_rows - lr * self.weight_decay * rows

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sparse_embed.core import placement as placement_lib
+from sparse_embed.core import sparsecore as sparsecore_lib
 from sparse_embed.core.specs import FeatureSpec, TableSpec
 
 OVERFLOW_POLICIES = ("error", "drop")
@@ -93,6 +94,7 @@ class StackPlan:
     capacity: int | None  # COO entries per (device, shard) partition; None = auto
     placement: str = "row"  # see the module docstring
     shard_rows: int = 0  # "table": rows each device holds (its tables', padded to the most on one device)
+    sparsecores: int = 0  # SparseCores per device that run it on TPU (0: none; `core.sparsecore`)
 
     @property
     def first(self) -> TableSpec:
@@ -132,6 +134,11 @@ class StackPlan:
         if self.placement == "table":
             return self.shard_rows
         return self.total_rows // self.num_shards if self.placement == "row" else self.total_rows
+
+    @property
+    def slice_rows(self) -> int:
+        """SparseCore stacks: output rows of one SparseCore's slice (a device's rows over its SparseCores)."""
+        return -(-self.rows_per_device // self.sparsecores)
 
     @property
     def array_dim(self) -> int:
@@ -340,7 +347,8 @@ class EmbeddingPlan:
                 f.feature.name + (f"[seq {f.feature.max_sequence_length}]" if f.feature.is_sequence else "")
                 for f in s.features)
             raw = f", raw ids {s.dynamic}" if s.dynamic else ""
-            where = "" if s.placement == "row" else f", {s.placement}"
+            where = ("" if s.placement == "row" else f", {s.placement}") + (
+                f", {s.sparsecores} SparseCores per device" if s.sparsecores else "")
             lines.append(f"  stack {s.name!r}: [{s.array_rows}, {s.embedding_dim}] {type(s.optimizer).__name__}, "
                          f"tables {tables}; features {feats}; capacity {s.capacity or 'auto'}{raw}{where}")
         return "\n".join(lines)
@@ -570,6 +578,7 @@ def plan(
     memory_budget: int | None = None,
     ids_per_sample: float | Mapping[str, float] | None = None,
     stats: Any = None,
+    sparsecores: int | None = None,
 ) -> EmbeddingPlan:
     """The `EmbeddingPlan`: the stacked, sharded layout of the tables `features` read.
 
@@ -600,21 +609,20 @@ def plan(
         to placements cheaper in memory until they fit (else a ValueError).
       ids_per_sample: the cost model's ids per sample, one number or
         `{feature: ids}` (default 1, or what `stats` observed).
-      stats: `Stats` of earlier batches, whose ids per partition size the
-        cost model's traffic for the stacks it names.
+      stats: `Stats` of earlier batches (their stacks' traffic, for the cost model).
+      sparsecores: SparseCores per device (default: detected; 0 off TPU): on
+        TPU, the stacks they can run do (docs/sparsecore.md).
     """
-    feats = _normalise_features(features)
-    tables = _collect_tables(feats)
+    tables = _collect_tables(feats := _normalise_features(features))
     mesh = Mesh(np.array(jax.devices()), ("device",)) if mesh is None else mesh
     axis = _resolve_axis(mesh, axis_name)
-    num_shards = mesh.shape[axis]
+    num_shards, sc = mesh.shape[axis], sparsecore_lib.count(sparsecores, mesh.devices.flat)
     _check_policies(on_overflow, nonfinite_gradients)
     _check_batch_sizes(feats, num_shards, axis)
-    fixed = _fixed_placements(tables, placement)
     loads = placement_lib.table_loads(feats, tables, num_shards,
                                       _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats))
-    stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads),
-                         fixed, loads, num_shards, memory_budget)
+    stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sc),
+                         _fixed_placements(tables, placement), loads, num_shards, memory_budget)
     return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, _check_kernel(kernel))
 
 
@@ -702,7 +710,7 @@ def _ids_per_sample(feats: dict[str, FeatureSpec], tables: dict[str, TableSpec],
     return {k: float(v) for k, v in out.items()}
 
 
-def _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads) -> tuple[StackPlan, ...]:
+def _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sparsecores) -> tuple[StackPlan, ...]:
     """The stacks of one choice of placements; "table" stacks balanced over the devices together."""
     groups = _group_tables(tables, stacking, chosen)
     names = ["_".join(g) for g in groups]
@@ -711,7 +719,9 @@ def _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads) -> tup
     caps = _capacities(names, capacity)
     device_load = [0.0] * num_shards  # "table" stacks: bytes of tables already on each device
     return tuple(_stack_plan(name, [tables[n] for n in group], feats, num_shards, caps[name], chosen[group[0]],
-                             loads, device_load) for name, group in zip(names, groups))
+                             loads, device_load,
+                             sparsecore_lib.resolve([tables[n] for n in group], chosen[group[0]], name, sparsecores))
+                 for name, group in zip(names, groups))
 
 
 def _capacities(names: list[str], capacity: int | Mapping[str, int] | None) -> dict[str, int | None]:
@@ -727,8 +737,10 @@ def _capacities(names: list[str], capacity: int | Mapping[str, int] | None) -> d
 
 
 def _stack_plan(name: str, tables: list[TableSpec], feats: dict[str, FeatureSpec], num_shards: int,
-                capacity: int | None, placement: str, loads: dict, device_load: list) -> StackPlan:
-    """Tables one after the other (each padded to a multiple of S rows); the features that read them, by name.
+                capacity: int | None, placement: str, loads: dict, device_load: list, sparsecores: int = 0
+                ) -> StackPlan:
+    """Tables one after the other (each padded to a multiple of S rows, `8 * sparsecores * S` on SparseCores);
+    the features that read them, by name.
 
     "table": each table goes to the device with the least traffic so far in
     this stack (ties: the least memory of earlier "table" stacks,
@@ -747,9 +759,9 @@ def _stack_plan(name: str, tables: list[TableSpec], feats: dict[str, FeatureSpec
             placements[t.name] = TablePlacement(t, d * shard_rows + fill[d], padded, d, loads[t.name].ids)
             fill[d] += padded
     else:
-        shard_rows, offset = 0, 0
+        shard_rows, offset, align = 0, 0, num_shards * (8 * sparsecores or 1)
         for t in tables:
-            placements[t.name] = TablePlacement(t, offset, round_up(t.vocabulary_size, num_shards), None,
+            placements[t.name] = TablePlacement(t, offset, round_up(t.vocabulary_size, align), None,
                                                 loads[t.name].ids)
             offset += placements[t.name].padded_rows
     layouts, row, partial = [], 0, [0] * num_shards
@@ -763,7 +775,8 @@ def _stack_plan(name: str, tables: list[TableSpec], feats: dict[str, FeatureSpec
             row += lay.rows_per_device
             if p.shard is not None:
                 partial[p.shard] += lay.rows_per_device
-    return StackPlan(name, tuple(placements.values()), tuple(layouts), num_shards, capacity, placement, shard_rows)
+    return StackPlan(name, tuple(placements.values()), tuple(layouts), num_shards, capacity, placement, shard_rows,
+                     sparsecores)
 
 
 def grow_capacity(plan: EmbeddingPlan, stats, *, headroom: float = 1.0) -> EmbeddingPlan:

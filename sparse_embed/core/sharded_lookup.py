@@ -16,7 +16,9 @@ gradient is NaN/inf keeps its values and slots; `nonfinite_rows` counts such
 rows.
 
 The per-shard work is a `core.kernels` implementation; this module only
-moves data between devices and knows nothing of how a kernel works.
+moves data between devices and knows nothing of how a kernel works. A
+SparseCore stack (`plan(sparsecores=S)`) runs `kernels.sparsecore` instead
+on TPU, which does the exchange itself (`jax.lax.platform_dependent`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from sparse_embed.core import kernels
 from sparse_embed.core.batch import ShardedCooMatrix
 from sparse_embed.core.kernels import Received
+from sparse_embed.core.kernels import sparsecore
 from sparse_embed.core.kernels.generic import nonfinite_row_count, warn_if_slow_on_cpu
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import EmbeddingVariables, check_state, check_trainable
@@ -122,52 +125,91 @@ def _view(stack: StackPlan, axis: str):
     return stack.kernel_view(sources=1) if stack.placement == "replicated" else stack.kernel_view(axis=axis)
 
 
+def _on_tpu_sparsecores(stack: StackPlan, axis: str, tpu, default, *args):
+    """`default(*args)`, or on TPU `tpu(*args)` for a SparseCore stack (`default`'s outputs' shapes and types)."""
+    if not stack.sparsecores:
+        return default(*args)
+
+    def on_sparsecores(*args):
+        out, likes = tpu(*args), jax.eval_shape(default, *args)
+        if type(out) is tuple:  # None: what the TPU does not need; zeros shaped like the default's
+            out = tuple(jax.tree.map(lambda like: jnp.zeros(like.shape, like.dtype), like) if x is None else x
+                        for x, like in zip(out, likes))
+        # Typed as varying over the axis where the default's outputs are (the primitives' never are).
+        varying = lambda x: axis in jax.typeof(x).manual_axis_type.varying
+        return jax.tree.map(lambda x, like: jax.lax.pcast(x, axis, to="varying")
+                            if axis in like.manual_axis_type.varying and not varying(x) else x, out, likes)
+
+    return jax.lax.platform_dependent(*args, tpu=on_sparsecores, default=default)
+
+
 def _forward(plan: EmbeddingPlan, batch, tables):
     """Per stack: `(activations [D * rows_per_device, dim], received, table for the backward, saved)`.
 
     Every input and output is row-sharded over the plan's axis (the batch
-    and residuals with a leading device axis).
+    and residuals with a leading device axis). On TPU a SparseCore stack
+    saves nothing (zeros of the same shapes) but its CSR.
     """
     axis = plan.axis_name
 
     def body(batch, tables):
         out = {}
         for s in plan.stacks:
-            rec = _exchange(s, axis, _local(batch[s.name]))
-            fwd = kernels.for_stack(plan, s).forward(_view(s, axis), rec, tables[s.name])
-            out[s.name] = (_activations(s, axis, fwd.partials), _stacked(rec), fwd.table, _stacked(fwd.saved))
+            def usual(coo, table, s=s):
+                rec = _exchange(s, axis, coo)
+                fwd = kernels.for_stack(plan, s).forward(_view(s, axis), rec, table)
+                return _activations(s, axis, fwd.partials), _stacked(rec), fwd.table, _stacked(fwd.saved)
+
+            def on_sparsecores(coo, table, s=s):
+                return sparsecore.forward(s, coo.csr, table), None, table, None
+
+            out[s.name] = _on_tpu_sparsecores(s, axis, on_sparsecores, usual, _local(batch[s.name]), tables[s.name])
         return out
 
     return jax.shard_map(body, mesh=plan.mesh, in_specs=P(axis), out_specs=P(axis))(batch, tables)
 
 
-def _backward(plan: EmbeddingPlan, recs, saved, tables, grads, step):
+def _kernel_backward(plan: EmbeddingPlan, s: StackPlan, rec: Received, saved, state: EmbeddingVariables,
+                     grads: jax.Array, step, skip: bool) -> EmbeddingVariables:
+    """Inside shard_map: a stack's update by its kernel, from this device's activation gradients."""
+    axis, kernel = plan.axis_name, kernels.for_stack(plan, s)
+    if s.placement == "replicated":  # every replica applies the same update: the summed gradients
+        rec, g = _combined(s, axis, rec, grads)
+        view = s.kernel_view(sources=1, out_rows=s.total_rows)
+        fwd = kernel.forward(view, rec, state.table)  # what the kernel's backward needs of its forward
+        return kernel.backward(view, rec, fwd.saved, state._replace(table=fwd.table), g, step, skip)
+    if s.placement == "table":
+        g = _to_owners(s, axis, grads)
+    elif s.placement == "column":
+        g = _to_columns(s, axis, grads, skip)
+    else:
+        g = jax.lax.all_gather(grads, axis, tiled=False)  # [D, rpd, dim] of every source
+    return kernel.backward(_view(s, axis), rec, saved, state, g, step, skip)
+
+
+def _backward(plan: EmbeddingPlan, recs, saved, csrs, tables, grads, step):
     """Per stack: the updated `EmbeddingVariables` (the kernels' backward on every shard)."""
     axis = plan.axis_name
     skip = plan.nonfinite_gradients == "skip"
 
-    def body(recs, saved, tables, grads, step):
+    def body(recs, saved, csrs, tables, grads, step):
         out = {}
         for s in plan.stacks:
             check_trainable(s, tables[s.name])
-            kernel, rec, state = kernels.for_stack(plan, s), _local(recs[s.name]), tables[s.name]
-            if s.placement == "replicated":  # every replica applies the same update: the summed gradients
-                rec, g = _combined(s, axis, rec, grads[s.name])
-                view = s.kernel_view(sources=1, out_rows=s.total_rows)
-                fwd = kernel.forward(view, rec, state.table)  # what the kernel's backward needs of its forward
-                out[s.name] = kernel.backward(view, rec, fwd.saved, state._replace(table=fwd.table), g, step, skip)
-                continue
-            if s.placement == "table":
-                g = _to_owners(s, axis, grads[s.name])
-            elif s.placement == "column":
-                g = _to_columns(s, axis, grads[s.name], skip)
-            else:
-                g = jax.lax.all_gather(grads[s.name], axis, tiled=False)  # [D, rpd, dim] of every source
-            out[s.name] = kernel.backward(_view(s, axis), rec, _local(saved[s.name]), state, g, step, skip)
+
+            def usual(csr, state, g, s=s):
+                return _kernel_backward(plan, s, _local(recs[s.name]), _local(saved[s.name]), state, g, step, skip)
+
+            def on_sparsecores(csr, state, g, s=s):
+                return sparsecore.backward(s, csr, state, g, step, skip)
+
+            out[s.name] = _on_tpu_sparsecores(s, axis, on_sparsecores, usual, _local(csrs.get(s.name)),
+                                              tables[s.name], grads[s.name])
         return out
 
-    in_specs = (P(axis), P(axis), P(axis), P(axis), P())
-    return jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=P(axis))(recs, saved, tables, grads, step)
+    in_specs = (P(axis), P(axis), P(axis), P(axis), P(axis), P())
+    return jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=P(axis))(recs, saved, csrs, tables,
+                                                                                       grads, step)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -181,16 +223,17 @@ def _lookup_fwd(plan, batch, tables, step):
     acts = {k: v[0] for k, v in out.items()}
     recs = {k: v[1] for k, v in out.items()}
     saved = {k: v[3] for k, v in out.items()}
+    csrs = {s.name: batch[s.name].csr for s in plan.stacks if s.sparsecores}
     tables = {k: EmbeddingVariables(out[k][2], v.slots) for k, v in tables.items()}
-    return acts, (recs, saved, tables, step)
+    return acts, (recs, saved, csrs, tables, step)
 
 
 def _lookup_bwd(plan, residuals, grads):
-    recs, saved, tables, step = residuals
+    recs, saved, csrs, tables, step = residuals
     warn_if_slow_on_cpu(plan, [s.name for s in plan.stacks if isinstance(kernels.for_stack(plan, s),
                                                                            kernels.GenericKernel)])
     grads = {k: g.astype(jnp.float32) for k, g in grads.items()}
-    return None, _backward(plan, recs, saved, tables, grads, step), None
+    return None, _backward(plan, recs, saved, csrs, tables, grads, step), None
 
 
 _lookup_stacks.defvjp(_lookup_fwd, _lookup_bwd)
@@ -213,6 +256,9 @@ def _check_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix]) -> 
         for x in (coo.row_ids, coo.values):
             if x.shape != n:
                 raise ValueError(f"Stack {name!r}: col_ids, row_ids and values must have equal shapes.")
+        if plan.stack(name).sparsecores and coo.csr is None:
+            raise ValueError(f"Stack {name!r} runs on SparseCores but its batch has no CSR input; build the batch "
+                             "with sparse_embed.preprocess(plan, ...) for this plan.")
         if coo.keys is not None:
             raise ValueError(f"Stack {name!r}: the batch holds raw ids (its table is dynamic); map them to rows "
                              "first: batch, tables, id_maps, stats = sparse_embed.map_ids(plan, batch, tables, "

@@ -745,6 +745,139 @@ static PyObject *py_checksum(PyObject *self, PyObject *args)
     return Py_BuildValue("(kk)", (unsigned long)a, (unsigned long)b);
 }
 
+/* ------------------------------------------------------------------ SparseCore CSR (host/csr.py from_coo) */
+typedef struct {
+    uint32_t eid, sid; /* embedding_id, sample_id */
+    float gain;
+} CsrEntry;
+
+/* Stable LSD radix sort of x[0..n) by eid (< 2^bits), 8 bits a pass, through `aux` [n]. Returns the sorted copy. */
+static CsrEntry *csr_sort(CsrEntry *x, CsrEntry *aux, i64 n, int bits)
+{
+    i64 count[257];
+    for (int shift = 0; shift < bits; shift += 8) {
+        memset(count, 0, sizeof(count));
+        for (i64 i = 0; i < n; i++)
+            count[((x[i].eid >> shift) & 255) + 1]++;
+        for (int d = 0; d < 256; d++)
+            count[d + 1] += count[d];
+        for (i64 i = 0; i < n; i++)
+            aux[count[(x[i].eid >> shift) & 255]++] = x[i];
+        CsrEntry *t = x;
+        x = aux;
+        aux = t;
+    }
+    return x;
+}
+
+/* Entries of one device per (slice, partition) bucket, before merging duplicates, into count [S * N]. */
+static void csr_count(const int32_t *cols, const int32_t *rows, const int32_t *ends, i64 G, i64 S, i64 N, i64 R,
+                      i64 b, i64 cap, i64 *count)
+{
+    memset(count, 0, (size_t)(S * N) * sizeof(i64));
+    for (i64 e = 0; e < G; e++)
+        for (i64 k = e * cap; k < ends[e]; k++)
+            count[rows[k] / b * N + e * S + cols[k] / R]++;
+}
+
+/* One device's CSR slices from its COO rows (see csr.py `from_coo`): entries bucketed by (slice, partition) in COO
+   order (so by sample: a bucket comes from one segment, in row order), sorted stably by embedding_id, duplicates
+   merged (gains summed in double, in COO order). */
+static void csr_device(const int32_t *cols, const int32_t *rows, const float *vals, const int32_t *ends, i64 G,
+                       i64 S, i64 N, i64 R, i64 b, i64 cap, i64 limit, i64 *count, i64 *offset, CsrEntry *tmp,
+                       CsrEntry *aux, int32_t *rp, int32_t *eid, int32_t *sid, float *gain)
+{
+    const i64 rp_len = N > 8 ? N : 8, per_slice = (limit + 7) / 8 * 8 * N;
+    int bits = 0;
+    while (bits < 32 && (R - 1) >> bits)
+        bits += 8;
+    csr_count(cols, rows, ends, G, S, N, R, b, cap, count);
+    for (i64 i = 0, o = 0; i < S * N; o += count[i++])
+        offset[i] = o;
+    for (i64 e = 0; e < G; e++)
+        for (i64 k = e * cap; k < ends[e]; k++) {
+            CsrEntry *x = &tmp[offset[rows[k] / b * N + e * S + cols[k] / R]++];
+            x->eid = (uint32_t)(cols[k] % R);
+            x->sid = (uint32_t)(rows[k] % b);
+            x->gain = vals[k];
+        }
+    for (i64 s = 0; s < S; s++) {
+        i64 start = 0, base = s * per_slice;
+        for (i64 p = 0; p < N; p++) {
+            i64 n = count[s * N + p], end = start, first = offset[s * N + p] - n;
+            CsrEntry *x = csr_sort(tmp + first, aux + first, n, bits);
+            for (i64 i = 0; i < n;) {
+                double g = 0.0;
+                i64 j = i;
+                for (; j < n && x[j].eid == x[i].eid && x[j].sid == x[i].sid; j++)
+                    g += (double)x[j].gain;
+                eid[base + end] = (int32_t)x[i].eid;
+                sid[base + end] = (int32_t)x[i].sid;
+                gain[base + end++] = (float)g;
+                i = j;
+            }
+            rp[s * rp_len + p] = (int32_t)end;
+            start = (end + 7) / 8 * 8;
+        }
+        for (i64 p = N; p < rp_len; p++)
+            rp[s * rp_len + p] = (int32_t)start;
+    }
+}
+
+/* csr(cols, rows, vals, ends, sparsecores, partitions, shard_rows, slice_rows, cap, limit, rp, eid, sid, gain)
+   -> the most entries in a (slice, partition) bucket before merging duplicates. A SparseCore stack's CSR from its
+   COO batch of D devices (cols/rows/vals [D, G * cap], ends [D, G]), written into outputs [D * S * max(N, 8)] and
+   [D * S * round_up(limit, 8) * N] that hold the padding (PAD / NaN) already, unless a bucket has more than
+   `limit` entries (then nothing is written; limit 0 only counts). */
+static PyObject *py_csr(PyObject *self, PyObject *args)
+{
+    PyObject *obj[8];
+    Py_buffer v[8] = {{0}};
+    i64 S, N, R, b, cap, limit;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOLLLLLLOOOO", &obj[0], &obj[1], &obj[2], &obj[3], &S, &N, &R, &b, &cap, &limit,
+                          &obj[4], &obj[5], &obj[6], &obj[7]))
+        return NULL;
+    static const char kinds[8] = {'i', 'i', 'f', 'i', 'i', 'i', 'i', 'f'};
+    for (int j = 0; j < 8; j++)
+        if (get_buffer(obj[j], &v[j], kinds[j], j >= 4, j < 4 ? "coo" : "csr outputs") < 0)
+            goto done;
+    i64 n = v[0].len / 4, G = N / (S > 0 ? S : 1), D = v[3].len / 4 / (G > 0 ? G : 1);
+    i64 rp_len = N > 8 ? N : 8, per_slice = (limit + 7) / 8 * 8 * N;
+    if (S <= 0 || N % S || R <= 0 || b <= 0 || cap <= 0 || limit < 0 || n != D * G * cap || v[1].len != v[0].len
+        || v[2].len != v[0].len || (limit && (v[4].len / 4 != D * S * rp_len || v[5].len / 4 != D * S * per_slice
+                                              || v[6].len != v[5].len || v[7].len != v[5].len))) {
+        PyErr_SetString(PyExc_ValueError, "csr: arrays do not fit the sizes");
+        goto done;
+    }
+    i64 *count = malloc((size_t)(2 * S * N) * sizeof(i64)), most = 0;
+    CsrEntry *tmp = malloc((size_t)(2 * G * cap + 1) * sizeof(CsrEntry));
+    if (count && tmp) {
+        Py_BEGIN_ALLOW_THREADS
+        for (i64 d = 0; d < D; d++) {
+            csr_count((int32_t *)v[0].buf + d * G * cap, (int32_t *)v[1].buf + d * G * cap, (int32_t *)v[3].buf + d * G,
+                      G, S, N, R, b, cap, count);
+            for (i64 i = 0; i < S * N; i++)
+                most = count[i] > most ? count[i] : most;
+        }
+        for (i64 d = 0; limit > 0 && most <= limit && d < D; d++)
+            csr_device((int32_t *)v[0].buf + d * G * cap, (int32_t *)v[1].buf + d * G * cap,
+                       (float *)v[2].buf + d * G * cap, (int32_t *)v[3].buf + d * G, G, S, N, R, b, cap, limit, count,
+                       count + S * N, tmp, tmp + G * cap, (int32_t *)v[4].buf + d * S * rp_len, (int32_t *)v[5].buf + d * S * per_slice,
+                       (int32_t *)v[6].buf + d * S * per_slice, (float *)v[7].buf + d * S * per_slice);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromLongLong(most);
+    } else {
+        PyErr_NoMemory();
+    }
+    free(count);
+    free(tmp);
+done:
+    for (int j = 0; j < 8; j++)
+        PyBuffer_Release(&v[j]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"validate", py_validate, METH_VARARGS,
      "validate(ids, weights|None, vocab, padding) -> (first bad id index, first non-finite weight index), -1 = none"},
@@ -754,6 +887,8 @@ static PyMethodDef methods[] = {
      "fill(features, devices, shards, total_rows, cap, rows_per_device, cols, rows, vals): the padded COO buffers"},
     {"concat_rows", py_concat_rows, METH_VARARGS,
      "concat_rows(rows, formats) -> (format, data, int64 lengths) as bytes, or None if a row does not fit"},
+    {"csr", py_csr, METH_VARARGS,
+     "csr(cols, rows, vals, ends, S, N, R, slice_rows, cap, limit, rp, eid, sid, gain) -> most entries in a partition"},
     {"checksum", py_checksum, METH_VARARGS,
      "checksum(buffer, itemsize, start) -> (a, b): sparse_embed.io.integrity's two sums, first word at start"},
     {NULL, NULL, 0, NULL},

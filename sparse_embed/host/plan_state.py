@@ -9,6 +9,8 @@ dropped when the plan is garbage-collected:
   (with headroom, on a coarse grid) and grows, never shrinks, when a later
   batch needs more. The batch carries the capacity it was built with in its
   shapes, so a jitted step recompiles once per growth.
+- A SparseCore stack's `max_ids_per_partition` (the size of its CSR input)
+  grows the same way, from what its batches need.
 - Under `jax.distributed`, the processes' preprocess exchanges are matched
   by their count.
 
@@ -45,6 +47,7 @@ class PlanState:
         self.tag = tag  # names this plan's exchanges between processes (the same on every process)
         self._lock = threading.Lock()
         self._marks: dict[str, int] = {}
+        self._limits: dict[str, int] = {}  # SparseCore stacks: max_ids_per_partition
         self._exchanges = 0
 
     def capacity(self, stack: StackPlan, needed: int) -> int:
@@ -55,6 +58,15 @@ class PlanState:
             current = self._marks.get(stack.name, 0)
             if needed > current:
                 current = self._marks[stack.name] = auto_capacity_for(needed)
+            return current
+
+    def sparsecore_limit(self, stack: StackPlan, needed: int, capacity: int) -> int:
+        """A SparseCore stack's `max_ids_per_partition` for its next batch: a high-water mark grown to `needed`
+        like an auto capacity, at most `capacity` (which bounds every SparseCore partition)."""
+        with self._lock:
+            current = self._limits.get(stack.name, 0)
+            if needed > current or not current:
+                current = self._limits[stack.name] = min(auto_capacity_for(needed), capacity)
             return current
 
     def marks(self) -> dict[str, int]:

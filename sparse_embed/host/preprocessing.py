@@ -17,7 +17,7 @@ import numpy as np
 
 from sparse_embed.core.batch import ShardedCooMatrix, Stats
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
-from sparse_embed.host import distributed, native, plan_state
+from sparse_embed.host import csr, distributed, native, plan_state
 from sparse_embed.host.ids import CanonicalIds, FlatIds, checked, error, flatten
 from sparse_embed.host.partition import Partitioned, partition
 from sparse_embed.host.raw_ids import checked_raw, flatten_raw, partition_raw
@@ -199,8 +199,25 @@ def preprocess(
         cap = state.capacity(s, max(numbers.needed, 1))  # the same on every process: the same numbers
         if numbers.needed > cap and plan.on_overflow == "error":
             raise _overflow_error(s, part, numbers, cap, positions)
-        coo = part.fill(s, cap)
-        batch[s.name] = _place(plan, coo, several) if device_put else coo
+        batch[s.name] = part.fill(s, cap)
         for k, v in zip(fields, (numbers.needed, numbers.max_unique, numbers.dropped, numbers.num_ids, cap)):
             fields[k][s.name] = v
+    fields["sparsecore_ids_per_partition"] = _add_sparsecore_inputs(plan, batch, state, several)
+    if device_put:
+        batch = {k: _place(plan, v, several) for k, v in batch.items()}
     return batch, Stats(**fields)
+
+
+def _add_sparsecore_inputs(plan: EmbeddingPlan, batch: dict, state, several: bool) -> dict[str, int]:
+    """Adds each SparseCore stack's CSR to its batch, its limit agreed by every process; returns what they needed."""
+    stacks = [s for s in plan.stacks if s.sparsecores]
+    if not stacks:
+        return {}
+    needs = [csr.needed(s, batch[s.name]) for s in stacks]
+    if several:
+        needs = distributed.allgather_ints(distributed.mesh_processes(plan.mesh), needs, name=state.tag,
+                                           n=state.next_exchange()).max(axis=0).tolist()
+    for s, need in zip(stacks, needs):
+        coo = batch[s.name]
+        batch[s.name] = coo._replace(csr=csr.from_coo(s, coo, state.sparsecore_limit(s, need, coo.capacity)))
+    return {s.name: int(n) for s, n in zip(stacks, needs)}

@@ -22,6 +22,7 @@ sys.path.insert(0, HERE)
 
 import launch  # noqa: E402
 import scenario  # noqa: E402
+from sparse_embed.core import sparsecore  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +38,15 @@ def reference(tmp_path_factory):
                                            device_put=False)
     placed = scenario.make_plan(make_mesh(8), placement=scenario.PLACEMENT)
     placed_tables, placed_losses, _, _ = scenario.train(placed)
+    sparsecore_batches = {}
+    if sparsecore.available():
+        sc_plan = scenario.make_plan(make_mesh(8), sparsecores=2)
+        sparsecore_batches = {step: se.preprocess(sc_plan, scenario.global_ids(sc_plan, step), device_put=False)
+                              for step in (0, scenario.GROW_AT)}
     return dict(tables=se.unstack_tables(plan, tables), losses=np.array(losses), stats=scenario.stats_array(stats),
                 programs=programs, ckpt=ckpt, drop_batch=drop_batch, drop_stats=scenario.stats_array(drop_stats),
-                placed=se.unstack_tables(placed, placed_tables), placed_losses=np.array(placed_losses))
+                placed=se.unstack_tables(placed, placed_tables), placed_losses=np.array(placed_losses),
+                sparsecore=sparsecore_batches)
 
 
 def test_reference_grows_capacity_once(reference):
@@ -85,6 +92,13 @@ def test_multiprocess_run_equals_single_process(reference, tmp_path, num_process
         for field, want in zip(coo._fields, coo):
             if want is not None:  # keys: raw-id tables only
                 np.testing.assert_array_equal(got[f"drop/{name}/{field}"], want, err_msg=f"{name}/{field}")
+
+    # SparseCore stacks: the CSR assembled from every process's devices, and its agreed limit, equal one process's
+    for step, (batch, stats) in reference["sparsecore"].items():
+        assert int(got[f"sparsecore/{step}/needed"]) == stats.sparsecore_ids_per_partition["items_tags"]
+        for field, want in zip(batch["items_tags"].csr._fields, batch["items_tags"].csr):
+            np.testing.assert_array_equal(got[f"sparsecore/{step}/{field}"].view(np.int32), want.view(np.int32),
+                                          err_msg=f"{step}/{field}")
 
     # errors: raised on every process, with the reason on the process that caused it
     msgs = [json.loads((tmp_path / f"messages{i}.json").read_text()) for i in range(num_processes)]

@@ -3,6 +3,9 @@
 - `GenericKernel` ("generic"): jnp/lax code; the reference, used on every
   platform without a faster implementation and for `Custom` optimizers.
 - `NativeCpuKernel` ("native"): C++ through XLA's typed FFI, on CPU.
+- `sparsecore`: TPU SparseCores (`plan(sparsecores=S)`). It owns the
+  exchange too, so `sharded_lookup` calls it for a whole stack, in the TPU
+  branch of `platform_dependent`; the other branch runs the kernel chosen here.
 
 `for_stack` picks the implementation a plan asks for: `plan.kernel` is a
 name ("auto": native on CPU where it supports the stack, else generic) or

@@ -18,6 +18,7 @@ from jax.sharding import Mesh  # noqa: E402
 import sparse_embed as se  # noqa: E402
 from sparse_embed import distributed as sd  # noqa: E402
 import scenario  # noqa: E402
+from sparse_embed.core import sparsecore  # noqa: E402
 
 out_dir, ref_ckpt = sys.argv[1], sys.argv[2]
 mesh = Mesh(np.array(jax.devices()), ("x",))
@@ -64,6 +65,16 @@ for name, coo in batch.items():
     for field, x in zip(coo._fields, multihost_utils.process_allgather(coo, tiled=True)):
         if x is not None:  # keys: raw-id tables only
             results[f"drop/{name}/{field}"] = x
+
+# 3b. SparseCore stacks: each process builds its devices' CSR; the limit is agreed by all
+if sparsecore.available():
+    sc_plan = scenario.make_plan(mesh, sparsecores=2)
+    for step in (0, scenario.GROW_AT):
+        batch, st = se.preprocess(sc_plan, feed(sc_plan, scenario.global_ids(sc_plan, step)))
+        results[f"sparsecore/{step}/needed"] = np.array(sorted(st.sparsecore_ids_per_partition.items())[0][1])
+        for field, x in zip(batch["items_tags"].csr._fields,
+                            multihost_utils.process_allgather(batch["items_tags"].csr, tiled=True)):
+            results[f"sparsecore/{step}/{field}"] = x
 
 # 4. errors are raised on every process (nobody deadlocks in the next step)
 messages = {}

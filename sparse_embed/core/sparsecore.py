@@ -1,0 +1,96 @@
+"""Which stacks run on TPU SparseCores, and how many SparseCores a device has. No jax-tpu-embedding needed.
+
+A plan with `sparsecores=S > 0` (SparseCores per device; detected on TPU)
+runs each stack the SparseCore primitives can run through them on TPU
+(`core.kernels.sparsecore`), and lays it out for them: each device's block
+of a stack is S SparseCore shards of `rows_per_shard / S` rows (every
+table padded to a multiple of `8 * S * devices` rows), and the batch also
+carries the primitives' CSR input (`host.csr`). Elsewhere (CPU, GPU) the
+same plan runs the lookup's usual kernels on the same arrays.
+
+The primitives compute `gain * row` sums and one update per touched row
+through a per-row function (ours, traced: `Optimizer.update` on one row,
+with the non-finite skip as a select), so every elementwise optimizer and
+option maps onto them. What they cannot run falls back to the usual kernels
+for that stack, with a warning that names the stack and the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from typing import Sequence
+
+from sparse_embed.core.specs import TableSpec
+
+# SparseCores per TPU chip by `device_kind` (jax-tpu-embedding's table; other TPUs have none).
+SPARSECORES_PER_DEVICE = {"TPU v5": 4, "TPU v5p": 4, "TPU v6 lite": 2, "TPU7x": 2}
+
+
+def detect(devices: Sequence) -> int:
+    """SparseCores per device of a mesh's devices: 0 unless they are TPUs that have them."""
+    first = devices[0]
+    if first.platform != "tpu":
+        return 0
+    return SPARSECORES_PER_DEVICE.get(getattr(first, "device_kind", ""), 0)
+
+
+def available() -> bool:
+    """True if jax-tpu-embedding (the primitives) is installed: `pip install "sparse-embed[tpu]"`."""
+    return importlib.util.find_spec("jax_tpu_embedding") is not None
+
+
+def count(sparsecores: int | None, devices: Sequence) -> int:
+    """The SparseCores per device a plan uses: `sparsecores` (checked), or detected (None).
+
+    Detected SparseCores without jax-tpu-embedding installed are not used (a warning says so).
+    """
+    if sparsecores is None:
+        found = detect(devices)
+        if found and not available():
+            warnings.warn(f"These TPUs have {found} SparseCores per device, but jax-tpu-embedding is not "
+                          "installed, so every stack runs on the TensorCores: pip install \"sparse-embed[tpu]\".",
+                          stacklevel=3)
+            return 0
+        return found
+    if isinstance(sparsecores, bool) or not isinstance(sparsecores, int) or sparsecores < 0:
+        raise ValueError(f"sparsecores must be an int >= 0 (SparseCores per device; 0 = none), "
+                         f"got {sparsecores!r}.")
+    if sparsecores and not available():
+        raise ImportError(f"plan(sparsecores={sparsecores}) needs jax-tpu-embedding: "
+                          "pip install \"sparse-embed[tpu]\".")
+    return sparsecores
+
+
+def unsupported(tables: Sequence[TableSpec], placement: str) -> str | None:
+    """Why the SparseCore primitives cannot run a stack of `tables` (None if they can)."""
+    t = tables[0]
+    opt = t.resolved_optimizer
+    if placement != "row":
+        return f"it is placed {placement!r}; SparseCores shard rows (placement 'row')"
+    if t.dynamic is not None:
+        return "its table is keyed by raw ids (dynamic=)"
+    if t.max_norm is not None:
+        return "max_norm needs the looked-up rows before pooling, which the primitives do not expose"
+    if str(t.dtype) != "float32":
+        return f"its dtype is {t.dtype}; the primitives take float32 tables"
+    if t.embedding_dim % 8:
+        return f"its dim {t.embedding_dim} is not a multiple of 8 (the SparseCore row tiling)"
+    narrow = sorted(k for k, s in opt.slots(t.embedding_dim).items() if s.width != t.embedding_dim)
+    if narrow:
+        return (f"{type(opt).__name__} keeps slots {narrow} narrower than a row; the primitives keep every "
+                "slot as wide as the table")
+    if not opt.elementwise:
+        return f"{type(opt).__name__} is a user rule; the primitives' per-row computation is traced from built-in rules"
+    return None
+
+
+def resolve(tables: Sequence[TableSpec], placement: str, stack: str, sparsecores: int) -> int:
+    """The SparseCores the stack runs on: `sparsecores`, or 0 with a warning naming the reason."""
+    if not sparsecores:
+        return 0
+    why = unsupported(tables, placement)
+    if why:
+        warnings.warn(f"Stack {stack!r} runs on the usual kernels, not on SparseCores: {why}.", stacklevel=4)
+        return 0
+    return sparsecores
