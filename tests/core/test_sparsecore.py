@@ -308,6 +308,21 @@ def test_the_train_step_lowered_for_cpu_and_tpu_holds_the_sparsecore_calls(name)
     assert not np.array_equal(new["a_b"].table, tables["a_b"].table)
 
 
+def test_two_plans_with_the_same_stack_names_lower_into_one_module():
+    """Each fused update's per-row computation gets its own symbol (a second one is renamed)."""
+    plans = [_plans(make_mesh(2), opt.SGD(0.1), 2, b)[0] for b in (16, 32)]
+    tables = [se.init_tables(p, jax.random.key(0)) for p in plans]
+    batches = [se.preprocess(p, *_ids(p.features, 0))[0] for p in plans]
+
+    def step(tables, batches):
+        return [jax.grad(lambda t, p=p, b=b: sum(jnp.sum(jnp.tanh(a)) for a in se.lookup(p, b, t, 0).values()))(t)
+                for p, t, b in zip(plans, tables, batches)]
+
+    text = jax.jit(step).trace(tables, batches).lower(lowering_platforms=("cpu", "tpu")).as_text()
+    names = re.findall(r"called_computations = \[@(\w+)\]", text)
+    assert len(names) == 4 and len(set(names)) == 4, names
+
+
 def test_flax_linen_and_nnx_train_steps_lower_with_the_sparsecore_calls():
     import flax.nnx as nnx
     from sparse_embed.flax import linen as sel, nnx as sen

@@ -129,6 +129,7 @@ def _grad_update_lowering(ctx, *args, num_hyperparameters: int, stablehlo: str, 
     n_in, n_out = 1 + len(variables) + num_hyperparameters, len(variables)
     wrapper = func_dialect.FuncOp(computation_name, ([row] * n_in, [ir.TupleType.get_tuple([row] * n_out)]),
                                   ip=ctx.module_context.ip, visibility="private")
+    name = ctx.module_context.symbol_table.insert(wrapper).value  # renamed if the name is taken (a second lookup)
     with ir.InsertionPoint(wrapper.add_entry_block()):
         call = func_dialect.CallOp([row] * n_out, ir.FlatSymbolRefAttr.get(callee), list(wrapper.arguments))
         func_dialect.ReturnOp([hlo.tuple(list(call.results))])
@@ -140,7 +141,7 @@ def _grad_update_lowering(ctx, *args, num_hyperparameters: int, stablehlo: str, 
         "SparseDenseMatmulGradOpWithOptimizerUpdate", result_types=[ir.TupleType.get_tuple(
             [v.type for v in variables])],
         backend_config=json.dumps({"sparse_dense_matmul_config": config, "device_type": "DEVICE_TYPE_SPARSECORE"}),
-        called_computations=[computation_name], skip_ffi_layout_processing=True, api_version=1)(ctx, *args)
+        called_computations=[name], skip_ffi_layout_processing=True, api_version=1)(ctx, *args)
     out = []
     for i in range(len(variables)):
         element = hlo.GetTupleElementOp(op[0], i)
