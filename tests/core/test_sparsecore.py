@@ -383,6 +383,22 @@ def test_cpu_devices_have_no_sparsecores_by_default():
     assert plan.stacks[0].sparsecores == 0 and plan.stacks[0].rows_per_shard == 25
 
 
+@pytest.mark.parametrize("kind,want", [("TPU v5p", 4), ("TPU v5", 4), ("TPU v6 lite", 2), ("TPU v4", 0)])
+def test_sparsecores_are_detected_from_the_tpu_kind(kind, want, monkeypatch):
+    from types import SimpleNamespace
+
+    from sparse_embed.core import sparsecore
+
+    tpu = [SimpleNamespace(platform="tpu", device_kind=kind)]
+    assert sparsecore.detect(tpu) == want and sparsecore.count(None, tpu) == want
+    monkeypatch.setattr(sparsecore, "available", lambda: False)
+    if want:
+        with pytest.warns(UserWarning, match=f"have {want} SparseCores per device, but jax-tpu-embedding is not"):
+            assert sparsecore.count(None, tpu) == 0
+    with pytest.raises(ImportError, match=r'pip install "sparse-embed\[tpu\]"'):
+        sparsecore.count(2, tpu)
+
+
 def test_a_batch_without_its_csr_is_an_error():
     plan, _ = _plans(make_mesh(2), opt.SGD(0.1), 2, 16)
     batch, _ = se.preprocess(plan, *_ids(plan.features, 0))
