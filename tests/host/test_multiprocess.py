@@ -40,7 +40,8 @@ def reference(tmp_path_factory):
     placed_tables, placed_losses, _, _ = scenario.train(placed)
     sparsecore_batches = {}
     if sparsecore.available():
-        sc_plan = scenario.make_plan(make_mesh(8), sparsecores=2)
+        with pytest.warns(UserWarning, match="Stack 'users' runs on the usual kernels"):  # max_norm
+            sc_plan = scenario.make_plan(make_mesh(8), sparsecores=2)
         sparsecore_batches = {step: se.preprocess(sc_plan, scenario.global_ids(sc_plan, step), device_put=False)
                               for step in (0, scenario.GROW_AT)}
     return dict(tables=se.unstack_tables(plan, tables), losses=np.array(losses), stats=scenario.stats_array(stats),
