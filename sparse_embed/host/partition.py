@@ -156,17 +156,26 @@ def native_feature(lay: FeatureLayout, ids: CanonicalIds, *, raw: bool = False) 
             -1 if lay.shard is None else lay.shard)
 
 
-def _partition_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_devices: int) -> Partitioned:
-    """One counting pass now, a counting sort into the outputs in `scatter`."""
+def partition_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_devices: int, *,
+                     raw: bool = False) -> Partitioned:
+    """One counting pass now, a counting sort into the outputs in `scatter`.
+
+    `raw`: a raw-id stack (`raw_ids`): the pass also numbers each entry's id among its partition's distinct
+    ids (two scratch arrays), and `scatter` also returns the keys `[D * S * cap, 2]`.
+    """
     ext, D, S = native.extension(), num_devices, stack.segments
-    feats = [native_feature(lay, flats[lay.feature.name]) for lay in stack.features]
+    feats = [native_feature(lay, flats[lay.feature.name], raw=raw) for lay in stack.features]
     counts = np.empty(D * S, np.int64)
-    rows = S * stack.rows_per_shard  # the stack rows the C layout splits over S shards
-    max_unique = ext.count(feats, D, S, rows, counts)
+    n_ids = sum(f[0].size for f in feats)
+    scratch = (np.empty(n_ids, np.int32), np.empty(n_ids, np.int32)) if raw else ()  # partition, id number
+    rows = 0 if raw else S * stack.rows_per_shard  # the stack rows the C layout splits over S shards
+    max_unique = ext.count(feats, D, S, rows, counts, *scratch)
 
     def scatter(cap: int) -> Buffers:
-        out = np.empty(D * S * cap, np.int32), np.empty(D * S * cap, np.int32), np.empty(D * S * cap, np.float32)
-        ext.fill(feats, D, S, rows, cap, stack.partial_rows, *out)
+        n = D * S * cap
+        out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32),
+               *((np.empty((n, 2), np.int32),) if raw else ()))
+        ext.fill(feats, D, S, rows, cap, stack.partial_rows, *out, *scratch)
         return out
 
     return Partitioned(counts, max_unique, scatter)
@@ -176,4 +185,4 @@ def partition(stack: StackPlan, flats: dict[str, FlatIds | CanonicalIds], num_de
     """Counts a stack's entries per partition: in numpy for `FlatIds`, in C for `CanonicalIds`."""
     if isinstance(flats[stack.features[0].feature.name], FlatIds):
         return _partition_numpy(stack, flats, num_devices)
-    return _partition_native(stack, flats, num_devices)
+    return partition_native(stack, flats, num_devices)

@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 
 from sparse_embed.core.planning import StackPlan
-from sparse_embed.host import native
 from sparse_embed.host.ids import CanonicalIds, FlatIds, checked, error, flatten
-from sparse_embed.host.partition import Partitioned, gains, native_feature
+from sparse_embed.host.partition import Partitioned, gains, partition_native
 
 MAX_ID = 2**63 - 1
 
@@ -116,28 +115,10 @@ def _numbered(key: np.ndarray, ids: np.ndarray, num_partitions: int):
     return j, is_first, int(distinct.max()) if distinct.size else 0
 
 
-def _partition_raw_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_devices: int) -> Partitioned:
-    """The C extension's counting pass now, its counting sort (and numbering) into the outputs in `scatter`."""
-    ext, D, S = native.extension(), num_devices, stack.num_shards
-    feats = [native_feature(lay, flats[lay.feature.name], raw=True) for lay in stack.features]
-    counts = np.empty(D * S, np.int64)
-    n_ids = sum(f[0].size for f in feats)
-    scratch = np.empty(n_ids, np.int32), np.empty(n_ids, np.int32)  # each entry's partition and id number
-    max_unique = ext.count(feats, D, S, 0, counts, *scratch)
-
-    def scatter(cap: int):
-        n = D * S * cap
-        out = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32), np.empty((n, 2), np.int32)
-        ext.fill(feats, D, S, 0, cap, stack.rows_per_device, *out, *scratch)
-        return out
-
-    return Partitioned(counts, max_unique, scatter)
-
-
 def partition_raw(stack: StackPlan, flats: dict[str, FlatIds | CanonicalIds], num_devices: int) -> Partitioned:
     """`partition_numpy_raw` for `FlatIds`, the C extension's for `CanonicalIds` (bit for bit the same)."""
     if isinstance(flats[stack.features[0].feature.name], CanonicalIds):
-        return _partition_raw_native(stack, flats, num_devices)
+        return partition_native(stack, flats, num_devices, raw=True)
     return partition_numpy_raw(stack, flats, num_devices)
 
 
