@@ -257,7 +257,7 @@ class StackPlan:
         if self.placement != "column" or self.optimizer.splits_columns:
             return 0
         slots = self.optimizer.slots(self.embedding_dim).values()
-        return 2 + sum(s.width == self.embedding_dim for s in slots)
+        return 2 + sum(self.splits(s.width) for s in slots)
 
 
 @dataclasses.dataclass(frozen=True)

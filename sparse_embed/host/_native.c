@@ -782,16 +782,15 @@ static void csr_count(const int32_t *cols, const int32_t *rows, const int32_t *e
 
 /* One device's CSR slices from its COO rows (see csr.py `from_coo`): entries bucketed by (slice, partition) in COO
    order (so by sample: a bucket comes from one segment, in row order), sorted stably by embedding_id, duplicates
-   merged (gains summed in double, in COO order). */
+   merged (gains summed in double, in COO order). `count` holds its buckets, counted by the caller. */
 static void csr_device(const int32_t *cols, const int32_t *rows, const float *vals, const int32_t *ends, i64 G,
-                       i64 S, i64 N, i64 R, i64 b, i64 cap, i64 limit, i64 *count, i64 *offset, CsrEntry *tmp,
+                       i64 S, i64 N, i64 R, i64 b, i64 cap, i64 limit, const i64 *count, i64 *offset, CsrEntry *tmp,
                        CsrEntry *aux, int32_t *rp, int32_t *eid, int32_t *sid, float *gain)
 {
     const i64 rp_len = N > 8 ? N : 8, per_slice = (limit + 7) / 8 * 8 * N;
     int bits = 0;
     while (bits < 32 && (R - 1) >> bits)
         bits += 8;
-    csr_count(cols, rows, ends, G, S, N, R, b, cap, count);
     for (i64 i = 0, o = 0; i < S * N; o += count[i++])
         offset[i] = o;
     for (i64 e = 0; e < G; e++)
@@ -850,20 +849,21 @@ static PyObject *py_csr(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "csr: arrays do not fit the sizes");
         goto done;
     }
-    i64 *count = malloc((size_t)(2 * S * N) * sizeof(i64)), most = 0;
+    /* count [D * S * N]: every device's buckets (counted once, used to check and to fill); then offsets [S * N] */
+    i64 *count = malloc((size_t)((D + 1) * S * N) * sizeof(i64)), most = 0;
     CsrEntry *tmp = malloc((size_t)(2 * G * cap + 1) * sizeof(CsrEntry));
     if (count && tmp) {
         Py_BEGIN_ALLOW_THREADS
         for (i64 d = 0; d < D; d++) {
             csr_count((int32_t *)v[0].buf + d * G * cap, (int32_t *)v[1].buf + d * G * cap, (int32_t *)v[3].buf + d * G,
-                      G, S, N, R, b, cap, count);
-            for (i64 i = 0; i < S * N; i++)
+                      G, S, N, R, b, cap, count + d * S * N);
+            for (i64 i = d * S * N; i < (d + 1) * S * N; i++)
                 most = count[i] > most ? count[i] : most;
         }
         for (i64 d = 0; limit > 0 && most <= limit && d < D; d++)
             csr_device((int32_t *)v[0].buf + d * G * cap, (int32_t *)v[1].buf + d * G * cap,
-                       (float *)v[2].buf + d * G * cap, (int32_t *)v[3].buf + d * G, G, S, N, R, b, cap, limit, count,
-                       count + S * N, tmp, tmp + G * cap, (int32_t *)v[4].buf + d * S * rp_len, (int32_t *)v[5].buf + d * S * per_slice,
+                       (float *)v[2].buf + d * G * cap, (int32_t *)v[3].buf + d * G, G, S, N, R, b, cap, limit,
+                       count + d * S * N, count + D * S * N, tmp, tmp + G * cap, (int32_t *)v[4].buf + d * S * rp_len, (int32_t *)v[5].buf + d * S * per_slice,
                        (int32_t *)v[6].buf + d * S * per_slice, (float *)v[7].buf + d * S * per_slice);
         Py_END_ALLOW_THREADS
         result = PyLong_FromLongLong(most);

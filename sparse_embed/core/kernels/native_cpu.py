@@ -147,7 +147,7 @@ class NativeCpuKernel:
                     "headers are there)")
         if type(stack.optimizer) not in _OPTIMIZERS:
             return f"{type(stack.optimizer).__name__} optimizers run on the generic kernel"
-        if stack.placement == "column" and (stack.max_norm is not None or not stack.optimizer.elementwise):
+        if stack.row_sums():
             return ("its rows are split by columns and it needs statistics of whole rows (max_norm or a row-wise "
                     "optimizer), which the generic kernel sums across devices")
         if stack.dtype not in (jnp.float32, jnp.bfloat16):
