@@ -1,7 +1,8 @@
 """Builds the optional native code (metadata: pyproject.toml).
 
 - `sparse_embed.host._native` (C, the CPython API only): preprocessing's kernels.
-- `sparse_embed.core.kernels._native_cpu` (C++17, XLA's typed FFI): the native CPU kernel of the lookup.
+- `sparse_embed.core.kernels._native_cpu` (C++17, XLA's typed FFI): the native CPU kernel of the lookup
+  and of the raw-id map's key search.
   Its headers ship with jaxlib (`jaxlib/include`), a build requirement in pyproject.toml.
 
 Both are `optional=True`: without a compiler (or without jaxlib's headers) the install still succeeds,
@@ -37,7 +38,8 @@ if ffi_include_dir() is not None:
     extensions.append(
         Extension(
             "sparse_embed.core.kernels._native_cpu",
-            ["sparse_embed/core/kernels/_native_cpu.cc"],
+            ["sparse_embed/core/kernels/_native_cpu.cc", "sparse_embed/core/kernels/_native_keys.cc"],
+            depends=["sparse_embed/core/kernels/_native_threads.h"],
             include_dirs=[ffi_include_dir()],
             language="c++",
             # no FMA contraction: the same rounding as the generic kernel's XLA code where the order matches

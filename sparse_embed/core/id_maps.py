@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sparse_embed.core import key_set
+from sparse_embed.core import kernels, key_set
 from sparse_embed.core.batch import ShardedCooMatrix
 from sparse_embed.core.initializers import TruncatedNormal, mix32, seeds, truncated_normal_rows
 from sparse_embed.core.key_set import FREE, KeySet
@@ -43,11 +43,11 @@ from sparse_embed.core.tables import table_key
 class IdMap(NamedTuple):
     """One raw-id stack's map, sharded over the plan's axis like its table.
 
-    `rows`: the rows' `KeySet` (`keys [S*R, 2]`, `last [S*R]`, `order [S*R]`
-    local rows in key order, `size [S]`); `pending`/`counts`: ids waiting for
-    admission and their occurrences (`[S*P]`; None with `admit_after == 1`);
-    `seed [S, 2]` uint32: the table's init seed (new rows' values depend on
-    it and the id only).
+    `rows`: the rows' `KeySet` (`sorted_keys [S*R, 2]`, `order [S*R]` the
+    local row of each, `last [S*R]` by row, `size [S]`); `pending`/`counts`:
+    ids waiting for admission and their occurrences (`[S*P]`; None with
+    `admit_after == 1`); `seed [S, 2]` uint32: the table's init seed (new
+    rows' values depend on it and the id only).
     """
 
     rows: KeySet
@@ -98,7 +98,7 @@ def shard_capacity(stack: StackPlan, shard: jax.Array) -> jax.Array:
 
 def _empty_sets(n: int, S: int) -> KeySet:
     one = key_set.empty(n)
-    return KeySet(jnp.tile(one.keys, (S, 1)), jnp.tile(one.last, S), jnp.tile(one.order, S),
+    return KeySet(jnp.tile(one.sorted_keys, (S, 1)), jnp.tile(one.last, S), jnp.tile(one.order, S),
                   jnp.zeros((S,), jnp.int32), jnp.tile(one.directory, S), jnp.tile(one.span, S))
 
 
@@ -154,10 +154,10 @@ class _Mapped(NamedTuple):
     stats: IdMapStats
 
 
-def _wait(stack: StackPlan, m: IdMap, u: jax.Array, miss: jax.Array, occ: jax.Array, step: jax.Array):
+def _wait(stack: StackPlan, m: IdMap, u: jax.Array, miss: jax.Array, occ: jax.Array, step: jax.Array, find):
     """Counts the missing ids' occurrences; returns (admit mask, new pending set, counts, forgotten)."""
     d, pend = stack.dynamic, m.pending
-    pslot = jnp.where(miss, key_set.find(pend, u), -1)
+    pslot = jnp.where(miss, find(pend, u), -1)
     stale = (pslot >= 0) & _expired(d, pend.last, pslot, step)
     known = (pslot >= 0) & ~stale
     cnt = jnp.where(known, m.counts[jnp.maximum(pslot, 0)], 0) + occ
@@ -180,11 +180,14 @@ def _expired(d, last: jax.Array, slot: jax.Array, step: jax.Array) -> jax.Array:
 
 
 def _map_shard(stack: StackPlan, m: IdMap, u: jax.Array, occ: jax.Array, step: jax.Array, shard: jax.Array,
-               train: bool) -> _Mapped:
-    """One shard: the rows of the distinct ids `u [Q, 2]` (any order; FREE = none), and the new map."""
+               train: bool, find) -> _Mapped:
+    """One shard: the rows of the distinct ids `u [Q, 2]` (any order; FREE = none), and the new map.
+
+    `find(key_set, queries)` searches a `KeySet` (`key_set.find`, or the native kernel's).
+    """
     d, rows, R = stack.dynamic, m.rows, stack.rows_per_shard
     valid = u[:, 0] != FREE
-    slot = key_set.find(rows, u)
+    slot = find(rows, u)
     expired = _expired(d, rows.last, slot, step)
     hit = (slot >= 0) & ~expired
     miss = valid & ~hit
@@ -196,7 +199,7 @@ def _map_shard(stack: StackPlan, m: IdMap, u: jax.Array, occ: jax.Array, step: j
     if m.pending is None:
         admit, pend, counts, forgotten = miss, None, None, zero
     else:
-        admit, pend, counts, forgotten = _wait(stack, m, u, miss, occ, step)
+        admit, pend, counts, forgotten = _wait(stack, m, u, miss, occ, step, find)
     removed = None if d.expire_after is None else jnp.zeros((R,), bool).at[jnp.where(expired, slot, R)].set(
         True, mode="drop")
     ins = key_set.insert(rows, shard_capacity(stack, shard), u, admit, removed, step)
@@ -234,7 +237,7 @@ def _stacked(m: IdMap) -> IdMap:
 
 
 def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: EmbeddingVariables, m: IdMap,
-                step: jax.Array, train: bool):
+                step: jax.Array, train: bool, find):
     """Inside shard_map, one stack: exchange the ids, map them, send every segment its rows."""
     S, R = stack.num_shards, stack.rows_per_shard
     C = coo.col_ids.shape[0] // S
@@ -247,7 +250,7 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     if stack.dynamic.admit_after > 1:
         occ = jnp.zeros((S * C,), jnp.int32).at[slot_of].add(1, mode="drop")
         occ = occ if inverse is None else jnp.zeros((S * C,), jnp.int32).at[inverse].add(occ, mode="drop")
-    mapped = _map_shard(stack, m, u, occ, step, jax.lax.axis_index(axis), train)
+    mapped = _map_shard(stack, m, u, occ, step, jax.lax.axis_index(axis), train, find)
     if train:
         v = _reinit(stack, v, m.seed, u, mapped.rows, mapped.new)
     # One source: its ids arrive distinct (preprocessing numbered them), so key slot = distinct id.
@@ -307,7 +310,8 @@ def _map_jit(plan: EmbeddingPlan, train: bool, batch, tables, id_maps, step):
         out = {}
         for s in dyn:
             coo = jax.tree.map(lambda x: x[0], batch[s.name])
-            b, v, m, st = _stack_body(s, axis, coo, tables[s.name], _local(maps[s.name]), step, train)
+            b, v, m, st = _stack_body(s, axis, coo, tables[s.name], _local(maps[s.name]), step, train,
+                                      kernels.key_finder(plan, s))
             out[s.name] = (jax.tree.map(lambda x: x[None], b), v, _stacked(m), st)
         return out
 

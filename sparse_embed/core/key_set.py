@@ -7,15 +7,18 @@ static-shape jnp, so it runs inside `shard_map` on any backend.
 A key is a 64-bit id in `[0, 2**63)` held as two int32 words `(hi, lo)`
 (jax runs without 64-bit integers by default); keys compare as the
 unsigned 64-bit number. A free slot has `hi = -1`, which compares above
-every key. State per slot, 16 bytes: `keys [N, 2]`, `last [N]` (the step it
-was last used, -1 when free), `order [N]` (the slots sorted by key: the
-`size` live slots first, then the free slots by slot index); plus a
+every key. State per slot, 16 bytes: `sorted_keys [N, 2]` (the live keys in
+key order, then free markers), `order [N]` (the slot of each of those
+positions: the `size` live slots first, then the free slots by slot index)
+and `last [N]` by slot (the step it was last used, -1 when free); plus a
 directory of `N / 16` buckets (a quarter byte per slot): the keys' values
 scaled into buckets between the smallest and the largest key, and where
-each bucket starts in `order`. A lookup searches its bucket only (a few
-steps for keys spread over a range, `log N` at worst); an insert merges the
-new keys into `order` and rebuilds the directory in linear passes,
-`O(N + Q log N)`, without a sort of the set.
+each bucket starts among the positions. A lookup searches its bucket only
+(a few steps for keys spread over a range, `log N` at worst), whose keys
+lie side by side in memory (one or two cache lines: what makes a lookup
+cheap on a set far larger than the caches); an insert merges the new keys
+in and rebuilds the directory in linear passes, `O(N + Q log N)`, without a
+sort of the set.
 """
 
 from __future__ import annotations
@@ -25,15 +28,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-FREE = -1  # keys[:, 0] of a free slot; last of a free slot
+FREE = -1  # sorted_keys[:, 0] of a free position; last of a free slot
 
 
 class KeySet(NamedTuple):
-    """One shard's key set. `keys [N, 2]` int32, `last [N]` int32, `order [N]` int32, `size []` int32,
-    `directory [B + 1]` int32 (bucket b's keys are `order[directory[b]:directory[b + 1]]`), `span [2]`
-    float32 (the smallest key as a float, and buckets per unit of it)."""
+    """One shard's key set. `sorted_keys [N, 2]` int32, `last [N]` int32 (by slot), `order [N]` int32 (slot of
+    each position), `size []` int32, `directory [B + 1]` int32 (bucket b's keys are at positions
+    `directory[b]:directory[b + 1]`), `span [2]` float32 (the smallest key as a float, and buckets per unit of
+    it)."""
 
-    keys: jax.Array
+    sorted_keys: jax.Array
     last: jax.Array
     order: jax.Array
     size: jax.Array
@@ -67,13 +71,13 @@ def _bucket(s: KeySet, q: jax.Array) -> jax.Array:
 
 
 def with_directory(s: KeySet) -> KeySet:
-    """`s` with its directory rebuilt from `keys`, `order` and `size` (linear)."""
+    """`s` with its directory rebuilt from `sorted_keys` and `size` (linear)."""
     n, b = s.order.shape[0], s.directory.shape[0] - 1
     live = jnp.arange(n) < s.size
-    first, last = (_value(s.keys[s.order[jnp.clip(i, 0, n - 1)]]) for i in (0, s.size - 1))
+    first, last = (_value(s.sorted_keys[jnp.clip(i, 0, n - 1)]) for i in (0, s.size - 1))
     scale = jnp.where(last > first, b / jnp.maximum(last - first, 1e-30), 0.0)
     s = s._replace(span=jnp.stack([first, scale]).astype(jnp.float32))
-    bucket = jnp.where(live, _bucket(s, s.keys[s.order]), b)
+    bucket = jnp.where(live, _bucket(s, s.sorted_keys), b)
     counts = jnp.zeros((b + 1,), jnp.int32).at[bucket].add(1)
     return s._replace(directory=jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts[:b])]).astype(jnp.int32))
 
@@ -89,7 +93,7 @@ def same(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def lower_bound(s: KeySet, q: jax.Array) -> jax.Array:
-    """`[Q]`: for each key of `q [Q, 2]`, the first position p < size of `order` whose key is >= it (or size)."""
+    """`[Q]`: for each key of `q [Q, 2]`, the first position p < size whose key is >= it (or size)."""
     n = s.order.shape[0]
     b = _bucket(s, q)
     # The answer lies in the key's bucket (buckets are nondecreasing in the key): search only there.
@@ -98,7 +102,7 @@ def lower_bound(s: KeySet, q: jax.Array) -> jax.Array:
     def halve(bounds):
         lo, hi = bounds
         mid = (lo + hi) // 2
-        right = (lo < hi) & _less(s.keys[s.order[jnp.minimum(mid, n - 1)]], q)
+        right = (lo < hi) & _less(s.sorted_keys[jnp.minimum(mid, n - 1)], q)
         return jnp.where(right, mid + 1, lo), jnp.where((lo < hi) & ~right, mid, hi)
 
     lo, _ = jax.lax.while_loop(lambda bounds: (bounds[0] < bounds[1]).any(), halve, (lo, hi))
@@ -107,10 +111,9 @@ def lower_bound(s: KeySet, q: jax.Array) -> jax.Array:
 
 def find(s: KeySet, q: jax.Array) -> jax.Array:
     """`[Q]` slot of each key of `q [Q, 2]`, -1 if absent (or if the query is a free marker)."""
-    p = lower_bound(s, q)
-    slot = s.order[jnp.minimum(p, s.order.shape[0] - 1)]
-    hit = (p < s.size) & same(s.keys[slot], q) & (q[:, 0] != FREE)
-    return jnp.where(hit, slot, -1)
+    p = jnp.minimum(lower_bound(s, q), s.order.shape[0] - 1)
+    hit = (p < s.size) & same(s.sorted_keys[p], q) & (q[:, 0] != FREE)
+    return jnp.where(hit, s.order[p], -1)
 
 
 def drop_missing(index: jax.Array, n: int) -> jax.Array:
@@ -153,8 +156,9 @@ class Inserted(NamedTuple):
 
 
 class _Placed(NamedTuple):
-    """What an insert decides (its large outputs are the new order and directory only)."""
+    """What an insert decides (its large outputs are the new sorted keys, order and directory)."""
 
+    sorted_keys: jax.Array
     order: jax.Array
     size: jax.Array
     directory: jax.Array
@@ -172,9 +176,9 @@ def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, rem
     order. They take, in key order: free slots (the first `capacity` slots
     only), the removed slots, then the slots of the least recently used
     keys whose `last < step` (ties by key). Keys left without a slot get -1.
-    New keys get `last = step`. Keys and last-use steps change by scatters
-    of at most Q slots outside the branch that merges, so that a step
-    without new keys moves no per-slot array (XLA copies a branch's outputs).
+    New keys get `last = step`. Last-use steps change by scatters of at
+    most Q slots outside the branch that merges (XLA copies a branch's
+    outputs).
     """
     k, n, q = want.sum(), s.order.shape[0], keys.shape[0]
 
@@ -187,18 +191,15 @@ def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, rem
 
     def unchanged():
         none = jnp.full_like(want, -1, dtype=jnp.int32)
-        return _Placed(s.order, s.size, s.directory, s.span, none, jnp.concatenate([none, none]), jnp.zeros_like(s.size))
+        return _Placed(s.sorted_keys, s.order, s.size, s.directory, s.span, none, jnp.concatenate([none, none]),
+                       jnp.zeros_like(s.size))
 
     changes = k > 0 if removed is None else (k > 0) | removed.any()
     p = jax.lax.cond(changes, sorted_insert, unchanged)
-
-    def write(a, value):  # one array per branch: XLA then updates it in place
-        put = lambda a: a.at[drop_missing(p.freed, n)].set(FREE, mode="drop").at[drop_missing(p.slots, n)].set(
-            value, mode="drop")
-        return jax.lax.cond(changes, put, lambda a: a, a)
-
-    return Inserted(KeySet(write(s.keys, keys), write(s.last, step), p.order, p.size, p.directory, p.span),
-                    p.slots, p.evicted)
+    put = lambda a: a.at[drop_missing(p.freed, n)].set(FREE, mode="drop").at[drop_missing(p.slots, n)].set(
+        step, mode="drop")
+    last = jax.lax.cond(changes, put, lambda a: a, s.last)  # its own branch: XLA then updates it in place
+    return Inserted(KeySet(p.sorted_keys, last, p.order, p.size, p.directory, p.span), p.slots, p.evicted)
 
 
 def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> _Placed:
@@ -208,23 +209,22 @@ def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> _Placed:
     free_slots = jnp.where(pos < s.size + free, s.order[jnp.minimum(pos, n - 1)], -1)
     removed_slots, n_removed = _compact(jnp.arange(n, dtype=jnp.int32), removed, q, -1)
     need = jnp.maximum(k - free - n_removed, 0)
-    candidate = (s.keys[:, 0] != FREE) & ~removed & (s.last < step)
+    live = jnp.zeros((n,), bool).at[s.order].set(jnp.arange(n) < s.size)  # by slot
+    candidate = live & ~removed & (s.last < step)
     lru = jax.lax.cond(need > 0, lambda: _least_recent(s, candidate, need, q), lambda: jnp.full_like(keys[:, 0], -1))
     avail = jnp.concatenate([free_slots, removed_slots, lru])
     avail, n_avail = _compact(avail, avail >= 0, q, -1)
     rank = jnp.cumsum(want) - 1
     slots = jnp.where(want & (rank < n_avail), avail[jnp.clip(rank, 0, q - 1)], -1)
     evicted_mask = jnp.zeros((n,), bool).at[drop_missing(lru, n)].set(True, mode="drop")
-    gone = removed | evicted_mask
-    new_keys = jnp.where(gone[:, None], FREE, s.keys).at[drop_missing(slots, n)].set(keys, mode="drop")
-    order, size = _merge(s, gone, keys, slots, new_keys)
-    ks = with_directory(s._replace(keys=new_keys, order=order, size=size))
-    return _Placed(ks.order, ks.size, ks.directory, ks.span, slots, jnp.concatenate([removed_slots, lru]),
-                   evicted_mask.sum())
+    ks = with_directory(_merge(s, removed | evicted_mask, keys, slots))
+    return _Placed(ks.sorted_keys, ks.order, ks.size, ks.directory, ks.span, slots,
+                   jnp.concatenate([removed_slots, lru]), evicted_mask.sum())
 
 
-def _merge(s: KeySet, gone: jax.Array, keys: jax.Array, slots: jax.Array, new_keys: jax.Array):
-    """The new `order` and `size`: surviving keys and the inserted ones merged by key in one linear pass."""
+def _merge(s: KeySet, gone: jax.Array, keys: jax.Array, slots: jax.Array) -> KeySet:
+    """`s` with new `sorted_keys`, `order` and `size`: surviving keys and the inserted ones (`keys` given
+    `slots`, -1: not inserted) merged by key in one linear pass; `gone` (by slot) leave."""
     n = s.order.shape[0]
     p = jnp.arange(n)
     survive = (p < s.size) & ~gone[s.order]
@@ -239,13 +239,15 @@ def _merge(s: KeySet, gone: jax.Array, keys: jax.Array, slots: jax.Array, new_ke
     passed = jnp.cumsum(jnp.zeros((n + 1,), jnp.int32).at[jnp.where(valid, r, n)].add(1))[:n]
     at_old = before - 1 + passed
     size = before[-1] + k if n else k
-    free = new_keys[:, 0] == FREE
+    held = jnp.zeros((n,), bool).at[jnp.where(survive, s.order, n)].set(True, mode="drop")
+    free = ~held.at[jnp.where(valid, ins_slots, n)].set(True, mode="drop")  # by slot
     at_free = size + jnp.cumsum(free) - 1
-    order = jnp.zeros((n,), jnp.int32)
-    order = order.at[jnp.where(survive, at_old, n)].set(s.order, mode="drop")
-    order = order.at[jnp.where(valid, at_new, n)].set(ins_slots, mode="drop")
+    old_at, new_at = jnp.where(survive, at_old, n), jnp.where(valid, at_new, n)
+    order = jnp.zeros((n,), jnp.int32).at[old_at].set(s.order, mode="drop").at[new_at].set(ins_slots, mode="drop")
     order = order.at[jnp.where(free, at_free, n)].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
-    return order, size.astype(jnp.int32)
+    sorted_keys = jnp.full((n, 2), FREE, jnp.int32).at[old_at].set(s.sorted_keys, mode="drop").at[new_at].set(
+        ins_keys, mode="drop")
+    return s._replace(sorted_keys=sorted_keys, order=order, size=size.astype(jnp.int32))
 
 
 def unique(q: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -39,10 +39,13 @@ class IdTable(NamedTuple):
     seed: np.ndarray
 
 
-def _live(keys: np.ndarray):
-    """Global slots that hold an id, and those ids (sorted by id)."""
-    at = np.flatnonzero(keys[:, 0] != FREE)
-    ids = join_words(keys[at])
+def _live(ks: KeySet):
+    """Global slots that hold an id, and those ids (sorted by id), from one set per shard (host arrays)."""
+    sizes = to_host(ks.size)
+    n = ks.order.shape[0] // sizes.size
+    live = (np.arange(n)[None] < sizes[:, None]).reshape(-1)
+    at = (to_host(ks.order) + np.repeat(np.arange(sizes.size) * n, n))[live].astype(np.int64)
+    ids = join_words(to_host(ks.sorted_keys)[live])
     order = np.argsort(ids, kind="stable")
     return at[order], ids[order]
 
@@ -53,9 +56,9 @@ def id_table_contents(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariabl
     out = {}
     for s in dynamic_stacks(plan):
         m, v = id_maps[s.name], tables[s.name]
-        at, ids = _live(to_host(m.rows.keys))
+        at, ids = _live(m.rows)
         if m.pending is not None:
-            p_at, p_ids = _live(to_host(m.pending.keys))
+            p_at, p_ids = _live(m.pending)
             p_counts, p_last = to_host(m.counts)[p_at], to_host(m.pending.last)[p_at]
         else:
             p_ids, p_counts, p_last = np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32)
@@ -87,7 +90,7 @@ def _sets(shards: list[np.ndarray], ids: np.ndarray, last: np.ndarray, n: int) -
         slot[mine] = s * n + np.arange(mine.size)
         keys[slot[mine]] = split_words(ids[mine])
         lasts[slot[mine]] = last[mine]
-    order = np.tile(np.arange(n, dtype=np.int32), S)  # entry k of a shard at row k: rows in id order, then free
+    order = np.tile(np.arange(n, dtype=np.int32), S)  # entry k of a shard at row k (and position k): id order
     directory = np.zeros(S * (num_buckets(n) + 1), np.int32)  # rebuilt on device (`with_directories`)
     sets = KeySet(keys, lasts, order, np.array([m.size for m in shards], np.int32), directory, np.zeros(2 * S, np.float32))
     return sets, slot

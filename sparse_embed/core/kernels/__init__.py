@@ -14,6 +14,11 @@ a kernel instance (e.g. `GenericKernel(chunk=5)`, `NativeCpuKernel(threads=1)`).
 
 from __future__ import annotations
 
+from typing import Callable
+
+import jax
+
+from sparse_embed.core import key_set
 from sparse_embed.core.kernels.generic import GenericKernel
 from sparse_embed.core.kernels.interface import Forward, Kernel, Received
 from sparse_embed.core.kernels.native_cpu import NativeCpuKernel
@@ -42,4 +47,9 @@ def for_stack(plan: EmbeddingPlan, stack: StackPlan) -> Kernel:
     return kernel
 
 
-__all__ = ["GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "NativeCpuKernel", "Received", "for_stack"]
+def key_finder(plan: EmbeddingPlan, stack: StackPlan) -> Callable[[key_set.KeySet, jax.Array], jax.Array]:
+    """How a raw-id stack's shards search their `KeySet`: its kernel's `find_keys`, else `key_set.find`."""
+    return getattr(for_stack(plan, stack), "find_keys", key_set.find)
+
+
+__all__ = ["GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "NativeCpuKernel", "Received", "for_stack", "key_finder"]

@@ -40,7 +40,7 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sparse_embed.core import pooling
+from sparse_embed.core import key_set, pooling
 from sparse_embed.core.kernels.interface import Forward, Received
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import EmbeddingVariables
@@ -235,6 +235,9 @@ class GenericKernel:
 
     def unsupported(self, stack: StackPlan) -> str | None:
         return None
+
+    def find_keys(self, keys: key_set.KeySet, queries: jax.Array) -> jax.Array:
+        return key_set.find(keys, queries)
 
     # ------------------------------------------------------------ chunking
     def _chunks(self, n: int) -> tuple[int, int]:

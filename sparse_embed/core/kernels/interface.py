@@ -17,6 +17,9 @@ is a `Kernel`'s, one stack at a time, inside `shard_map`:
   activation gradient of source d's output row) and apply the stack's
   optimizer to each touched row and its slots, in place; return the
   updated `EmbeddingVariables`.
+- `find_keys(keys, queries)`: the raw-id map's search of one shard's
+  `KeySet` (`key_set.find`), for the stacks this kernel runs. Optional: a
+  kernel without it gets `key_set.find`.
 
 A kernel owns its tricks: the lookup never knows which algorithm runs.
 """
@@ -66,3 +69,5 @@ class Kernel(Protocol):
     def backward(self, stack: StackPlan, received: Received, saved: Any, variables: EmbeddingVariables,
                  grads: jax.Array, step: jax.Array | None, skip_nonfinite: bool) -> EmbeddingVariables:
         """Combine duplicate rows' gradients and apply the optimizer to the touched rows, in place."""
+
+    # find_keys(keys: KeySet, queries [Q, 2]) -> slots [Q] (-1: absent): optional, see the module docstring.
