@@ -52,4 +52,5 @@ def key_finder(plan: EmbeddingPlan, stack: StackPlan) -> Callable[[key_set.KeySe
     return getattr(for_stack(plan, stack), "find_keys", key_set.find)
 
 
-__all__ = ["GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "NativeCpuKernel", "Received", "for_stack", "key_finder"]
+__all__ = ["GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "NativeCpuKernel", "Received", "for_stack",
+           "key_finder"]
