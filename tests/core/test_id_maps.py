@@ -137,13 +137,14 @@ POLICIES = {
 }
 
 
-def _check_against_reference(n_dev: int, dyn: se.Dynamic, vocab: int, space: list[int], steps: int, seed: int):
+def _check_against_reference(n_dev: int, dyn: se.Dynamic, vocab: int, space: list[int], steps: int, seed: int,
+                             kernel: str = "auto"):
     """Trains a raw-id table (SGD, sum) on random batches; every step's stats, activations and final rows
     must equal the dict reference's."""
     mesh = make_mesh(n_dev)
     dim, batch, lr = 4, 16, 0.5
     table = se.TableSpec("users", vocab, dim, combiner="sum", dynamic=dyn, optimizer=se.optimizers.SGD(lr))
-    plan = se.plan([se.FeatureSpec("u", table, batch)], mesh)
+    plan = se.plan([se.FeatureSpec("u", table, batch)], mesh, kernel=kernel)
     rng = jax.random.key(seed)
     tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
     gen = np.random.default_rng(seed)
@@ -185,6 +186,15 @@ def test_map_ids_and_training_match_the_dict_reference(policy, n_dev):
     gen = np.random.default_rng(n_dev)
     space = [int(x) for x in gen.integers(0, 2**63 - 1, 40, dtype=np.int64)] + [0, 2**63 - 1]
     _check_against_reference(n_dev, se.Dynamic(**POLICIES[policy]), 24, space, 12, n_dev)
+
+
+@pytest.mark.parametrize("policy", ["admit2_expire3", "admit3_small_pending"])
+def test_the_generic_kernel_maps_as_the_dict_reference(policy):
+    """The same reference through the generic kernel (its key search and its lookup; the tests above run the
+    native ones where they are built)."""
+    gen = np.random.default_rng(5)
+    space = [int(x) for x in gen.integers(0, 2**63 - 1, 40, dtype=np.int64)]
+    _check_against_reference(2, se.Dynamic(**POLICIES[policy]), 24, space, 12, 5, kernel="generic")
 
 
 @settings(max_examples=6, deadline=None)
