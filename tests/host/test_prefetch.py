@@ -65,9 +65,10 @@ def _workers() -> list[threading.Thread]:
 @pytest.fixture(autouse=True)
 def _no_worker_left_behind():
     yield
-    gc.collect()  # abandoned prefetchers signal their worker when collected
-    for t in _workers():
-        t.join(timeout=60)
+    if _workers():  # a full collection costs seconds on the suite's heap: only when a worker is still there
+        gc.collect()  # abandoned prefetchers signal their worker when collected
+        for t in _workers():
+            t.join(timeout=60)
     assert not _workers()
 
 

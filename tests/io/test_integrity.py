@@ -24,9 +24,10 @@ from old_checkpoints import save_old
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _collect_orbax_leftovers():
-    """Surfaces those leftovers here, under this module's filter, not in a later module's test."""
+    """Surfaces those leftovers here, under this module's filter, not in a later module's test (once per module:
+    a full collection costs seconds on the suite's heap)."""
     yield
     gc.collect()
 
