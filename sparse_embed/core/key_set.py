@@ -217,17 +217,17 @@ def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> _Placed:
     rank = jnp.cumsum(want) - 1
     slots = jnp.where(want & (rank < n_avail), avail[jnp.clip(rank, 0, q - 1)], -1)
     evicted_mask = jnp.zeros((n,), bool).at[drop_missing(lru, n)].set(True, mode="drop")
-    ks = with_directory(_merge(s, removed | evicted_mask, keys, slots))
+    ks = with_directory(_merge(s, live & ~(removed | evicted_mask), keys, slots))
     return _Placed(ks.sorted_keys, ks.order, ks.size, ks.directory, ks.span, slots,
                    jnp.concatenate([removed_slots, lru]), evicted_mask.sum())
 
 
-def _merge(s: KeySet, gone: jax.Array, keys: jax.Array, slots: jax.Array) -> KeySet:
-    """`s` with new `sorted_keys`, `order` and `size`: surviving keys and the inserted ones (`keys` given
-    `slots`, -1: not inserted) merged by key in one linear pass; `gone` (by slot) leave."""
+def _merge(s: KeySet, held: jax.Array, keys: jax.Array, slots: jax.Array) -> KeySet:
+    """`s` with new `sorted_keys`, `order` and `size`: the keys of the `held` slots (a mask by slot, of live
+    ones) and the inserted ones (`keys` given `slots`, -1: not inserted) merged by key in one linear pass."""
     n = s.order.shape[0]
     p = jnp.arange(n)
-    survive = (p < s.size) & ~gone[s.order]
+    survive = (p < s.size) & held[s.order]
     before = jnp.cumsum(survive)  # survivors at positions <= p
     ins = slots >= 0
     ins_keys, k = _compact(keys, ins, keys.shape[0], FREE)
@@ -239,7 +239,6 @@ def _merge(s: KeySet, gone: jax.Array, keys: jax.Array, slots: jax.Array) -> Key
     passed = jnp.cumsum(jnp.zeros((n + 1,), jnp.int32).at[jnp.where(valid, r, n)].add(1))[:n]
     at_old = before - 1 + passed
     size = before[-1] + k if n else k
-    held = jnp.zeros((n,), bool).at[jnp.where(survive, s.order, n)].set(True, mode="drop")
     free = ~held.at[jnp.where(valid, ins_slots, n)].set(True, mode="drop")  # by slot
     at_free = size + jnp.cumsum(free) - 1
     old_at, new_at = jnp.where(survive, at_old, n), jnp.where(valid, at_new, n)

@@ -449,7 +449,6 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread):
     from sparse_embed.core.kernels import GENERIC, NATIVE, native_cpu
     from sparse_embed.host.raw_ids import join_words, split_words
 
-
     gen = np.random.default_rng(0)
     n, q = 2048, 512
 

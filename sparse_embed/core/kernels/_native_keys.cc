@@ -21,8 +21,9 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kChunk = 4096;  // queries per task of the thread pool
 
-inline uint64_t key_of(const int32_t* keys, int64_t slot) {
-  return (uint64_t(uint32_t(keys[2 * slot])) << 32) | uint32_t(keys[2 * slot + 1]);
+// The 64-bit key in row i of `keys [.., 2]` (two int32 words, high first).
+inline uint64_t key_of(const int32_t* keys, int64_t i) {
+  return (uint64_t(uint32_t(keys[2 * i])) << 32) | uint32_t(keys[2 * i + 1]);
 }
 
 // key_set._bucket: floor((value(q) - span[0]) * span[1]), NaN -> 0, clipped to [0, buckets - 1].
