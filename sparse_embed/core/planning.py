@@ -13,6 +13,11 @@ Placements (`StackPlan.placement`; docs/placement.md), with S devices:
   `r // S`. Every table's padded size is a multiple of S, so table rows
   `[0, vocabulary_size)` map to stack rows `[row_offset, row_offset +
   vocabulary_size)` and shard `id % S` (for any table in a stack).
+  A SparseCore stack (`sparsecores=C`) is MOD-sharded over all N = S * C
+  SparseCores instead, in jax-tpu-embedding's layout: stack row `r` of a
+  table rotated by `rotation` lives on SparseCore `p = (r % N + rotation)
+  % N` (device `p // C`) at its row `r // N`, i.e. at local row
+  `(p % C) * R + r // N` of its device (R = `sc_rows`).
 - "table": each table whole on one device (`TablePlacement.shard`), the
   stack's tables balanced over the devices; device d holds stack rows
   `[d * R, (d + 1) * R)` (R = `rows_per_shard`), so a stack row is a global
@@ -59,6 +64,7 @@ class TablePlacement:
     padded_rows: int  # vocabulary_size rounded up to a multiple of num_shards
     shard: int | None = None  # "table" placement: the device that holds the table
     expected_ids: float = 0.0  # ids its features send per device and step, as the cost model expects them
+    rotation: int = 0  # SparseCore stacks: SparseCore of id 0 (jax-tpu-embedding's shard_rotation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,24 @@ class FeatureLayout:
     samples_per_device: int  # batch_size // num_devices
     shard: int | None = None  # "table" placement: the device holding the feature's table
     partial_offset: int | None = None  # "table": first row of this feature in its shard's partials
+    slices: int = 1  # SparseCore stacks: its rows are cut into one slice per SparseCore of the device,
+    slice_rows: int = 0  # slice k at output rows `[k * slice_rows + row_offset, ... + rows_per_device / slices)`
+
+    def out_rows(self, local):
+        """The row of each of this feature's local rows `[0, rows_per_device)` in a shard's partial activations
+        (`partial_row_offset` on; on SparseCores, slice by slice). numpy or jnp."""
+        if self.slices == 1:
+            return self.partial_row_offset + local
+        b = self.rows_per_device // self.slices
+        return local // b * self.slice_rows + self.row_offset + local % b
+
+    def take(self, a):
+        """This feature's rows `[..., rows_per_device, w]` of a stack's per-device rows `[..., rows, w]`."""
+        if self.slices == 1:
+            return a[..., self.row_offset:self.row_offset + self.rows_per_device, :]
+        b = self.rows_per_device // self.slices
+        x = a.reshape(*a.shape[:-2], self.slices, self.slice_rows, a.shape[-1])
+        return x[..., self.row_offset:self.row_offset + b, :].reshape(*a.shape[:-2], self.rows_per_device, a.shape[-1])
 
     @property
     def partial_row_offset(self) -> int:
@@ -138,7 +162,27 @@ class StackPlan:
     @property
     def slice_rows(self) -> int:
         """SparseCore stacks: output rows of one SparseCore's slice (a device's rows over its SparseCores)."""
-        return -(-self.rows_per_device // self.sparsecores)
+        return self.rows_per_device // self.sparsecores
+
+    @property
+    def mod_shards(self) -> int:
+        """"row": the shards rows are MOD-sharded over: the devices, or on SparseCores every SparseCore."""
+        return self.num_shards * max(self.sparsecores, 1)
+
+    @property
+    def sc_rows(self) -> int:
+        """"row": rows of one of `mod_shards` (a device's rows, or one SparseCore's)."""
+        return self.rows_per_shard // max(self.sparsecores, 1)
+
+    def join_rows(self, parts):
+        """Per-feature rows `[..., rows_per_device_f, w]` (in `features` order) -> the stack's `[..., rows, w]`
+        (jnp; the inverse of `FeatureLayout.take`)."""
+        if not self.sparsecores:
+            return jnp.concatenate(parts, axis=-2)
+        C = self.sparsecores
+        cut = [p.reshape(*p.shape[:-2], C, p.shape[-2] // C, p.shape[-1]) for p in parts]
+        x = jnp.concatenate(cut, axis=-2)
+        return x.reshape(*x.shape[:-3], self.rows_per_device, x.shape[-1])
 
     @property
     def array_dim(self) -> int:
@@ -718,9 +762,13 @@ def _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sparse
         raise ValueError(f"Stack names collide: {names}; rename tables or pass stacking explicitly.")
     caps = _capacities(names, capacity)
     device_load = [0.0] * num_shards  # "table" stacks: bytes of tables already on each device
+    def cores(name, group):
+        rows = {f.name: f.batch_size // num_shards * max(f.max_sequence_length, 1)
+                for f in feats.values() if f.table.name in group}
+        return sparsecore_lib.resolve([tables[n] for n in group], chosen[group[0]], name, sparsecores, rows)
+
     return tuple(_stack_plan(name, [tables[n] for n in group], feats, num_shards, caps[name], chosen[group[0]],
-                             loads, device_load,
-                             sparsecore_lib.resolve([tables[n] for n in group], chosen[group[0]], name, sparsecores))
+                             loads, device_load, cores(name, group))
                  for name, group in zip(names, groups))
 
 
@@ -742,6 +790,10 @@ def _stack_plan(name: str, tables: list[TableSpec], feats: dict[str, FeatureSpec
     """Tables one after the other (each padded to a multiple of S rows, `8 * sparsecores * S` on SparseCores);
     the features that read them, by name.
 
+    SparseCores (jax-tpu-embedding's layout): table k of the stack is
+    rotated by `k * sparsecores` SparseCores, and each device's output rows
+    are one slice per SparseCore, each holding its share of every feature.
+
     "table": each table goes to the device with the least traffic so far in
     this stack (ties: the least memory of earlier "table" stacks,
     `device_load`, updated here), largest first; a device's tables lie one
@@ -760,21 +812,23 @@ def _stack_plan(name: str, tables: list[TableSpec], feats: dict[str, FeatureSpec
             fill[d] += padded
     else:
         shard_rows, offset, align = 0, 0, num_shards * (8 * sparsecores or 1)
-        for t in tables:
+        for k, t in enumerate(tables):
             placements[t.name] = TablePlacement(t, offset, round_up(t.vocabulary_size, align), None,
-                                                loads[t.name].ids)
+                                                loads[t.name].ids, k * sparsecores % (num_shards * sparsecores or 1))
             offset += placements[t.name].padded_rows
     layouts, row, partial = [], 0, [0] * num_shards
     for fname in sorted(feats):
         f = feats[fname]
         if f.table.name in placements:
             p = placements[f.table.name]
-            lay = FeatureLayout(f, p.row_offset, row, f.batch_size // num_shards, p.shard,
-                                None if p.shard is None else partial[p.shard])
+            lay = FeatureLayout(f, p.row_offset, row, f.batch_size // num_shards,
+                                p.shard, None if p.shard is None else partial[p.shard])
             layouts.append(lay)
-            row += lay.rows_per_device
+            row += lay.rows_per_device // max(sparsecores, 1)
             if p.shard is not None:
                 partial[p.shard] += lay.rows_per_device
+    if sparsecores:
+        layouts = [dataclasses.replace(lay, slices=sparsecores, slice_rows=row) for lay in layouts]
     return StackPlan(name, tuple(placements.values()), tuple(layouts), num_shards, capacity, placement, shard_rows,
                      sparsecores)
 

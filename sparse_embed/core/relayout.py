@@ -2,7 +2,11 @@
 
 - **Stacked (MOD)**: a stack's `[S * rows_per_shard, w]` array, sharded
   `P(axis)`; shard `s` holds global rows `[s*rps, (s+1)*rps)`, and its local
-  row `j` is stack row `j*S + s`.
+  row `j` is stack row `j*S + s`. A SparseCore stack is MOD over its N =
+  S * C SparseCores (`StackPlan.mod_shards`), each table rotated (see
+  `planning`): global row `p * R + e` (R = `sc_rows`) is row `e` of
+  SparseCore `p`, stack row `e * N + (p - rotation) % N`. With C = 1 and no
+  rotation this is the plain MOD layout, and one code path does both.
 - **Natural blocks**: one table's `[stored_rows, w]` array in id order (row
   `i` is id `i`, rows `>= vocabulary_size` zero), `stored_rows` the
   vocabulary rounded up to a multiple of `S * S`, sharded `P(axis)` over
@@ -62,8 +66,13 @@ def from_shard_major(stack: StackPlan, array: np.ndarray, width: int | None = No
     if stack.placement == "column":  # the column blocks side by side (a per-row slot: D copies; the first)
         D, w = stack.num_shards, array.shape[-1]
         return array.reshape(D, stack.total_rows, w).transpose(1, 0, 2).reshape(stack.total_rows, D * w)[:, :width]
-    s, w = stack.num_shards, array.shape[-1]
-    return array.reshape(s, stack.rows_per_shard, w).transpose(1, 0, 2).reshape(-1, w)
+    N, w = stack.mod_shards, array.shape[-1]
+    x = array.reshape(N, stack.sc_rows, w)
+    parts = []
+    for p in stack.tables:  # [N, rows, w] at its rows of every shard; shard (c + rotation) % N holds ids = c mod N
+        o, n = p.row_offset // N, p.padded_rows // N
+        parts.append(np.roll(x[:, o:o + n], -p.rotation, axis=0).transpose(1, 0, 2).reshape(-1, w))
+    return np.concatenate(parts)
 
 
 def stack_rows(stack: StackPlan, global_rows):
@@ -72,28 +81,52 @@ def stack_rows(stack: StackPlan, global_rows):
         return global_rows
     if stack.placement in ("replicated", "column"):
         return global_rows % stack.total_rows
-    rps = stack.rows_per_shard
-    return (global_rows % rps) * stack.num_shards + global_rows // rps
+    N, R = stack.mod_shards, stack.sc_rows
+    shard, row = global_rows // R, global_rows % R
+    if not any(p.rotation for p in stack.tables):
+        return row * N + shard
+    xp = jnp if isinstance(global_rows, jax.Array) else np
+    which = xp.searchsorted(xp.asarray([p.row_offset // N for p in stack.tables]), row, side="right") - 1
+    rotation = xp.asarray([p.rotation for p in stack.tables])[which]
+    return row * N + (shard - rotation) % N
+
+
+def block_rows(stack: StackPlan, i: int) -> int:
+    """Rows of table i's natural blocks as `blocks_to_mod` takes them: `stored_rows`, or on SparseCores
+    (`sparsecores`) a multiple of `S * N` that covers its padded rows, so every device's block is whole rows
+    of all N SparseCores."""
+    p, rows = stack.tables[i], stored_rows(stack.tables[i].table.vocabulary_size, stack.num_shards)
+    if stack.placement != "row" or not stack.sparsecores:
+        return rows
+    return round_up(max(rows, p.padded_rows), stack.num_shards * stack.mod_shards)
+
+
+def pad_blocks(stack: StackPlan, i: int, x: jax.Array) -> jax.Array:
+    """Table i's natural blocks `[stored_rows, w]` padded with zeros to `block_rows` (jnp)."""
+    return jnp.pad(x, ((0, block_rows(stack, i) - x.shape[0]), (0, 0)))
 
 
 def blocks_to_mod(stack: StackPlan, blocks: list[jax.Array], axis: str) -> jax.Array:
-    """Inside shard_map: each table's contiguous row block `[n*S, w]` -> this shard's rows of the stack.
+    """Inside shard_map: each table's contiguous row block `[n*N, w]` (`block_rows`) -> this shard's rows.
 
-    Shard d holds rows `[d*n*S, (d+1)*n*S)` of a table; row r must go to shard
-    `r % S`, local row `r // S`: one all_to_all of `[S, n, w]`. Rows past a
-    table's vocabulary come through as the blocks have them. A stack placed
-    "table" or "replicated" gathers each table whole onto the devices that
-    hold it (`_blocks_to_whole`).
+    Shard d holds ids `[d*n*N, (d+1)*n*N)` of a table; id i goes to MOD
+    shard `p = (i % N + rotation) % N` (N = `mod_shards`), row `i // N`,
+    on device `p // C` (C SparseCores per device, else 1): one all_to_all of
+    `[S, n, C, w]`. Rows past a table's vocabulary come through as the
+    blocks have them. A stack placed "table" or "replicated" gathers each
+    table whole onto the devices that hold it (`_blocks_to_whole`).
     """
     if stack.placement != "row":
         return _blocks_to_whole(stack, blocks, axis)
-    S = stack.num_shards
+    S, N = stack.num_shards, stack.mod_shards
+    C = N // S
     out = []
     for p, block in zip(stack.tables, blocks):
-        n = block.shape[0] // S
-        x = block.reshape(n, S, -1).transpose(1, 0, 2)
-        out.append(jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(S * n, -1)[: p.padded_rows // S])
-    return jnp.concatenate(out, axis=0)
+        n = block.shape[0] // N
+        x = jnp.roll(block.reshape(n, N, -1), p.rotation, axis=1).reshape(n, S, C, -1).transpose(1, 0, 2, 3)
+        x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True)  # [S (source d), n, C, w]: row d*n + a of each SparseCore
+        out.append(x.transpose(2, 0, 1, 3).reshape(C, S * n, -1)[:, : p.padded_rows // N])
+    return jnp.concatenate(out, axis=1).reshape(C * stack.sc_rows, -1)
 
 
 def columns(x: jax.Array, num_shards: int, block) -> jax.Array:
@@ -126,7 +159,7 @@ def _per_shard(plan: EmbeddingPlan, fn: Callable) -> Callable:
     return jax.shard_map(fn, mesh=plan.mesh, in_specs=P(plan.axis_name), out_specs=P(plan.axis_name))
 
 
-# (stack, index of the table in the stack) -> its initial values as natural blocks `[stored_rows, dim]`
+# (stack, index of the table in the stack) -> its initial values as natural blocks `[block_rows, dim]`
 FreshTable = Callable[[StackPlan, int], jax.Array]
 
 
@@ -162,7 +195,7 @@ def from_natural(
             keys = [k for k in (TABLE_KEY, *s.optimizer.slots(s.embedding_dim)) if k in natural[s.tables[0].table.name]]
             arrays = {}
             for key in keys:
-                blocks = [fill(s, i, key, natural[p.table.name][key]) for i, p in enumerate(s.tables)]
+                blocks = [fill(s, i, key, pad_blocks(s, i, natural[p.table.name][key])) for i, p in enumerate(s.tables)]
                 arrays[key] = _per_shard(plan, lambda *b, s=s: blocks_to_mod(s, list(b), plan.axis_name))(*blocks)
             slots = {k: v.astype(SLOT_DTYPE) for k, v in arrays.items() if k != TABLE_KEY}
             out[s.name] = EmbeddingVariables(arrays[TABLE_KEY].astype(s.dtype), slots)
@@ -173,45 +206,54 @@ def from_natural(
 
 # ----------------------------------------------------------------- natural rows in chunks (checkpoint streaming)
 def chunk_rows(stack: StackPlan, row_bytes: int, target_bytes: int) -> int:
-    """Rows `m` each device holds of a streamed chunk: a multiple of S, about `target_bytes`, at most the table.
+    """Rows `m` each device holds of a streamed chunk: a multiple of S ("row": of `mod_shards`), about
+    `target_bytes`, at most the table.
 
     A chunk covers ids `[c0 * S, (c0 + m) * S)` of one table, `c0` a multiple of `m`; device d holds its
     natural rows `[c0 * S + d * m, c0 * S + (d + 1) * m)`, so every device's piece is one aligned range.
     """
-    S = stack.num_shards
-    most = round_up(max(p.padded_rows for p in stack.tables) // S, S)
-    return max(S, min(most, target_bytes // max(1, row_bytes) // S * S))
+    S, a = stack.num_shards, stack.mod_shards if stack.placement == "row" else stack.num_shards
+    most = round_up(max(p.padded_rows for p in stack.tables) // S, a)
+    return max(a, min(most, target_bytes // max(1, row_bytes) // a * a))
 
 
-def table_range(stack: StackPlan, i: int) -> tuple[int, int]:
-    """Where table i lies in its stack, as the chunk functions read it: `(start, count)`.
+def table_range(stack: StackPlan, i: int) -> tuple[int, int, int]:
+    """Where table i lies in its stack, as the chunk functions read it: `(start, count, rotation)`.
 
-    "row": its local rows on every shard. "table" and "replicated": its stack
-    row of id 0 and its padded rows.
+    "row": its rows on every MOD shard (a device, or a SparseCore), and its
+    rotation. "table" and "replicated": its stack row of id 0 and its padded
+    rows (rotation 0).
     """
     p = stack.tables[i]
     if stack.placement != "row":
-        return p.row_offset, p.padded_rows
-    return p.row_offset // stack.num_shards, p.padded_rows // stack.num_shards
+        return p.row_offset, p.padded_rows, 0
+    return p.row_offset // stack.mod_shards, p.padded_rows // stack.mod_shards, p.rotation
 
 
 def mod_to_natural_chunk(stack: StackPlan, local: jax.Array, where: jax.Array, m: int, axis: str,
                          width: int) -> jax.Array:
-    """Inside shard_map: local rows `[c0, c0 + m)` of one table on every shard -> this device's natural rows.
+    """Inside shard_map: the chunk's rows of one table on every MOD shard -> this device's natural rows.
 
-    `where` = `[c0, start, count]` (int32): the chunk's first row, and the table's `table_range`. Local row
-    j of shard s is id `j * S + s`; one all_to_all of `[S, m / S, w]` gives device d the ids
-    `[c0 * S + d * m, c0 * S + (d + 1) * m)`, in order. Local rows past the table read as zeros. `width`:
-    the natural columns (`natural_width`).
+    `where` = `[c0, start, count, rotation]` (int32): the chunk's first row,
+    and the table's `table_range`. The chunk is rows `[c0 / C, c0 / C + k)`
+    (k = m / C) of each of the N = S * C MOD shards (C SparseCores per
+    device, else 1); row j of shard p is id `j * N + (p - rotation) % N`.
+    One all_to_all of `[S, m / N, C, w]` gives device d the ids
+    `[c0 * S + d * m, c0 * S + (d + 1) * m)`, in order. Rows past the table
+    read as zeros. `width`: the natural columns (`natural_width`).
     """
     if stack.placement != "row":
         return _whole_to_natural_chunk(stack, local, where, m, axis, width)
-    S, n = stack.num_shards, m // stack.num_shards
-    c0, start, count = where[0], where[1], where[2]
-    j = c0 + jnp.arange(m)
-    x = jnp.where((j < count)[:, None], local[jnp.minimum(start + j, local.shape[0] - 1)], jnp.zeros((), local.dtype))
-    x = jax.lax.all_to_all(x.reshape(S, n, -1), axis, 0, 0, tiled=True)  # [S (source s), n (a), w]: id (c0+d*n+a)*S+s
-    return x.transpose(1, 0, 2).reshape(m, -1)
+    S, N, R = stack.num_shards, stack.mod_shards, stack.sc_rows
+    C, k = N // S, m // (N // S)
+    c0, start, count, rotation = where[0], where[1], where[2], where[3]
+    j = c0 // C + jnp.arange(k)
+    rows = (jnp.arange(C) * R)[:, None] + (start + j)[None, :]
+    x = jnp.where((j < count)[None, :, None], local[jnp.minimum(rows, local.shape[0] - 1)], jnp.zeros((), local.dtype))
+    x = x.reshape(C, S, k // S, -1).transpose(1, 2, 0, 3)  # [S (destination), k / S, C, w]
+    x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True)  # [S (source d), a, C (c), w]: row c0/C + me*k/S + a of d*C + c
+    x = x.transpose(1, 0, 2, 3).reshape(k // S, N, -1)
+    return jnp.roll(x, -rotation, axis=1).reshape(m, -1)  # shard p holds ids = (p - rotation) mod N
 
 
 def _whole_start(stack: StackPlan, start: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -245,11 +287,11 @@ def natural_chunk_to_mod(stack: StackPlan, local: jax.Array, chunk: jax.Array, w
                          axis: str) -> jax.Array:
     """Inside shard_map: the inverse of `mod_to_natural_chunk`, written into `local`.
 
-    `where` = `[c0, start, count, valid]`: rows of ids `>= valid` are left as they are.
+    `where` = `[c0, start, count, rotation, valid]`: rows of ids `>= valid` are left as they are.
     """
     S, m = stack.num_shards, chunk.shape[0]
     if stack.placement != "row":  # every device gathers the chunk (its columns); those that hold the table write it
-        c0, (owner, start), count, valid = where[0] * S, _whole_start(stack, where[1]), where[2], where[3]
+        c0, (owner, start), count, valid = where[0] * S, _whole_start(stack, where[1]), where[2], where[4]
         ids = c0 + jnp.arange(S * m)
         keep = (ids < count) & (ids < valid) & (jax.lax.axis_index(axis) == owner if stack.placement == "table" else True)
         if stack.splits(chunk.shape[1]):  # [S (column block), m, w] -> each device its columns of every source's rows
@@ -259,13 +301,18 @@ def natural_chunk_to_mod(stack: StackPlan, local: jax.Array, chunk: jax.Array, w
         else:
             x = jax.lax.all_gather(chunk, axis, tiled=True)
         return local.at[jnp.where(keep, start + ids, local.shape[0])].set(x.astype(local.dtype), mode="drop")
-    n = m // S
-    c0, start, count, valid = where[0], where[1], where[2], where[3]
-    x = chunk.reshape(n, S, -1).transpose(1, 0, 2)  # [S (target s), n (a), w]
-    x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True).reshape(m, -1)  # from source d: local row c0 + d*n + a
-    j = c0 + jnp.arange(m)
-    keep = (j < count) & (j * S + jax.lax.axis_index(axis) < valid)
-    return local.at[jnp.where(keep, start + j, local.shape[0])].set(x.astype(local.dtype), mode="drop")
+    N, R = stack.mod_shards, stack.sc_rows
+    C, k = N // S, m // (N // S)
+    c0, start, count, rotation, valid = where[0], where[1], where[2], where[3], where[4]
+    x = jnp.roll(chunk.reshape(k // S, N, -1), rotation, axis=1)  # [a, MOD shard p]
+    x = x.reshape(k // S, S, C, -1).transpose(1, 0, 2, 3)  # [S (target), a, C, w]
+    x = jax.lax.all_to_all(x, axis, 0, 0, tiled=True)  # [S (source d), a, C (c), w]: row c0/C + d*k/S + a of me*C + c
+    x = x.transpose(2, 0, 1, 3).reshape(C * k, -1)
+    j = c0 // C + jnp.arange(k)
+    shard = jax.lax.axis_index(axis) * C + jnp.arange(C)[:, None]
+    keep = (j < count)[None, :] & (j[None, :] * N + (shard - rotation) % N < valid)  # [C, k]
+    rows = jnp.where(keep, (jnp.arange(C) * R)[:, None] + (start + j)[None, :], local.shape[0]).reshape(-1)
+    return local.at[rows].set(x.astype(local.dtype), mode="drop")
 
 
 @functools.lru_cache(maxsize=256)

@@ -308,8 +308,7 @@ def _lookup_jit(plan: EmbeddingPlan, batch, tables, step) -> dict[str, jax.Array
             a = a + batch[s.name].defaults[..., None] * jnp.asarray(s.dynamic.default_vector(s.embedding_dim))[None, None]
         for lay in s.features:
             f = lay.feature
-            x = a[:, lay.row_offset : lay.row_offset + lay.rows_per_device]
-            out[f.name] = x.reshape(f.output_shape)
+            out[f.name] = lay.take(a).reshape(f.output_shape)
     return out
 
 
@@ -327,7 +326,7 @@ def _stack_grads(plan: EmbeddingPlan, grads: Mapping[str, jax.Array]) -> dict[st
                 raise ValueError(f"Feature {lay.feature.name!r}: activation_grads has shape {g.shape}, "
                                  f"but its activations have shape {lay.feature.output_shape}.")
             parts.append(g.reshape(plan.num_shards, lay.rows_per_device, s.embedding_dim))
-        out[s.name] = jnp.concatenate(parts, axis=1).reshape(-1, s.embedding_dim)
+        out[s.name] = s.join_rows(parts).reshape(-1, s.embedding_dim)
     return out
 
 

@@ -2,10 +2,12 @@
 
 A plan with `sparsecores=S > 0` (SparseCores per device; detected on TPU)
 runs each stack the SparseCore primitives can run through them on TPU
-(`core.kernels.sparsecore`), and lays it out for them: each device's block
-of a stack is S SparseCore shards of `rows_per_shard / S` rows (every
-table padded to a multiple of `8 * S * devices` rows), and the batch also
-carries the primitives' CSR input (`host.csr`). Elsewhere (CPU, GPU) the
+(`core.kernels.sparsecore`), and lays it out for them as jax-tpu-embedding
+does (`planning`): rows MOD-sharded over every SparseCore, each table
+rotated, each device's block its S SparseCores' shards (every table padded
+to a multiple of `8 * S * devices` rows); each device's output rows one
+slice per SparseCore; and the batch also carries the primitives' CSR
+input (`host.csr`), which equals jax-tpu-embedding's own preprocessing. Elsewhere (CPU, GPU) the
 same plan runs the lookup's usual kernels on the same arrays.
 
 The primitives compute `gain * row` sums and one update per touched row
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from sparse_embed.core.specs import TableSpec
 
@@ -62,8 +64,13 @@ def count(sparsecores: int | None, devices: Sequence) -> int:
     return sparsecores
 
 
-def unsupported(tables: Sequence[TableSpec], placement: str) -> str | None:
-    """Why the SparseCore primitives cannot run a stack of `tables` (None if they can)."""
+def unsupported(tables: Sequence[TableSpec], placement: str, sparsecores: int = 1,
+                rows: Mapping[str, int] | None = None) -> str | None:
+    """Why the SparseCore primitives cannot run a stack of `tables` (None if they can).
+
+    `rows`: each feature's output rows per device (samples, or sample-positions), which the device's
+    `sparsecores` slices share evenly.
+    """
     t = tables[0]
     opt = t.resolved_optimizer
     if placement != "row":
@@ -82,14 +89,19 @@ def unsupported(tables: Sequence[TableSpec], placement: str) -> str | None:
                 "slot as wide as the table")
     if not opt.elementwise:
         return f"{type(opt).__name__} is a user rule; the primitives' per-row computation is traced from built-in rules"
+    uneven = sorted(f for f, n in (rows or {}).items() if n % sparsecores)
+    if uneven:
+        return (f"features {uneven} have per-device rows (batch / devices, times the sequence length) that are not "
+                f"a multiple of its {sparsecores} SparseCores per device, which each take an equal slice")
     return None
 
 
-def resolve(tables: Sequence[TableSpec], placement: str, stack: str, sparsecores: int) -> int:
+def resolve(tables: Sequence[TableSpec], placement: str, stack: str, sparsecores: int,
+            rows: Mapping[str, int] | None = None) -> int:
     """The SparseCores the stack runs on: `sparsecores`, or 0 with a warning naming the reason."""
     if not sparsecores:
         return 0
-    why = unsupported(tables, placement)
+    why = unsupported(tables, placement, sparsecores, rows)
     if why:
         warnings.warn(f"Stack {stack!r} runs on the usual kernels, not on SparseCores: {why}.", stacklevel=4)
         return 0

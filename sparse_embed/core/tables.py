@@ -17,7 +17,7 @@ import numpy as np
 
 from sparse_embed.core.initializers import TruncatedNormal, seeds, truncated_normal_rows
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
-from sparse_embed.core.relayout import blocks_to_mod, from_shard_major, natural_width, stack_rows, stored_rows
+from sparse_embed.core.relayout import block_rows, blocks_to_mod, from_shard_major, natural_width, stack_rows
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state
 
 
@@ -27,14 +27,14 @@ def table_key(rng: jax.Array, table_name: str) -> jax.Array:
 
 
 def natural_table(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array, i: int) -> jax.Array:
-    """Table i of the stack, initialised, as natural blocks `[stored_rows, dim]` (see `relayout`)."""
-    t, S = stack.tables[i].table, stack.num_shards
+    """Table i of the stack, initialised, as natural blocks `[block_rows, dim]` (see `relayout`)."""
+    t = stack.tables[i].table
     w = t.resolved_initializer(table_key(rng, t.name), (t.vocabulary_size, t.embedding_dim), t.dtype)
     if w.shape != (t.vocabulary_size, t.embedding_dim):
         raise ValueError(
             f"Table {t.name!r}: initializer returned shape {w.shape}, expected {(t.vocabulary_size, t.embedding_dim)}."
         )
-    w = jnp.pad(w.astype(t.dtype), ((0, stored_rows(t.vocabulary_size, S) - t.vocabulary_size), (0, 0)))
+    w = jnp.pad(w.astype(t.dtype), ((0, block_rows(stack, i) - t.vocabulary_size), (0, 0)))
     return jax.lax.with_sharding_constraint(w, plan.table_sharding())
 
 

@@ -67,6 +67,9 @@ typedef struct {
     i64 n, batch, width, vocab, table_row_offset, row_offset, samples_per_device, seq_len;
     i64 shard; /* the one shard that holds the feature's table ("table" placement), or -1 (MOD) */
     int combiner;       /* 0 sum, 1 mean, 2 sqrtn */
+    /* SparseCore stacks (sc > 0 SparseCores per device, each holding sc_rows rows): MOD over every SparseCore,
+       the table rotated by `rotation`; the feature's rows of a device cut into sc slices of slice_rows rows */
+    i64 sc, sc_rows, rotation, slice_rows;
 } Feature;
 
 /* The output rows of one sample: one, or seq_len for a sequence feature. */
@@ -119,6 +122,12 @@ static const char *check_feature(const Feature *f, i64 devices, i64 total_rows)
         return "the table does not fit in the stack";
     if (f->shard < -1 || f->shard >= devices)
         return "the table's shard is not a device";
+    /* SparseCores: the stack's rows are N = total_rows / sc_rows SparseCores' (sc of each shard) */
+    if (f->sc < 0 || (f->sc && (f->shard != -1 || f->sc_rows <= 0 || total_rows % f->sc_rows
+                                || total_rows / f->sc_rows % f->sc || f->rotation < 0
+                                || f->rotation >= total_rows / f->sc_rows || f->slice_rows < 0
+                                || f->samples_per_device * rows_per_sample(f) % f->sc)))
+        return "bad SparseCore layout";
     if (f->weights.buf && f->weights.len / 4 != f->n)
         return "weights and ids differ in size";
     if (!f->offsets.buf)
@@ -134,7 +143,7 @@ static const char *check_feature(const Feature *f, i64 devices, i64 total_rows)
 }
 
 /* Reads a sequence of feature tuples (ids, weights, offsets, batch, width, vocab,
-   table_row_offset, row_offset, samples_per_device, seq_len, combiner). */
+   table_row_offset, row_offset, samples_per_device, seq_len, combiner, shard, sc, sc_rows, rotation, slice_rows). */
 static Feature *parse_features(PyObject *seq, Py_ssize_t *count, i64 devices, i64 total_rows)
 {
     PyObject *items = PySequence_Tuple(seq); /* a private copy: nothing can resize it under us */
@@ -150,9 +159,10 @@ static Feature *parse_features(PyObject *seq, Py_ssize_t *count, i64 devices, i6
     for (Py_ssize_t i = 0; i < n; i++) {
         Feature *f = &fs[i];
         PyObject *ids, *weights, *offsets;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(items, i), "OOOLLLLLLLiL", &ids, &weights, &offsets,
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(items, i), "OOOLLLLLLLiLLLLL", &ids, &weights, &offsets,
                               &f->batch, &f->width, &f->vocab, &f->table_row_offset, &f->row_offset,
-                              &f->samples_per_device, &f->seq_len, &f->combiner, &f->shard)
+                              &f->samples_per_device, &f->seq_len, &f->combiner, &f->shard, &f->sc, &f->sc_rows,
+                              &f->rotation, &f->slice_rows)
             || get_buffer(ids, &f->ids, 'n', 0, "ids") < 0
             || (weights != Py_None && get_buffer(weights, &f->weights, 'f', 0, "weights") < 0)
             || (offsets != Py_None && get_buffer(offsets, &f->offsets, 'l', 0, "offsets") < 0))
@@ -193,10 +203,18 @@ static int make_layout(Layout *lay, i64 devices, i64 shards, i64 total_rows)
 }
 
 /* Stack row r lives on shard r % S at row r / S (MOD sharding), or, when the feature's table is
-   whole on one shard ("table" placement), on that shard at row r - shard * rows_per_shard. */
-static inline void split_row(const Layout *lay, i64 fixed, u64 r, i64 *shard, i64 *col)
+   whole on one shard ("table" placement), on that shard at row r - shard * rows_per_shard. On
+   SparseCores (f->sc = C per device): on SparseCore p = (r % N + rotation) % N of the N = S * C, at its
+   row r / N, which is device p / C, local row (p % C) * sc_rows + r / N. */
+static inline void split_row(const Layout *lay, const Feature *f, u64 r, i64 *shard, i64 *col)
 {
-    if (fixed >= 0) {
+    const i64 fixed = f->shard;
+    if (f->sc > 0) {
+        const u64 N = (u64)(lay->shards * f->sc);
+        const i64 p = (i64)((r % N + (u64)f->rotation) % N);
+        *shard = p / f->sc;
+        *col = p % f->sc * f->sc_rows + (i64)(r / N);
+    } else if (fixed >= 0) {
         *shard = fixed;
         *col = (i64)r - fixed * (lay->total_rows / lay->shards);
     } else if (lay->shift >= 0) {
@@ -262,7 +280,7 @@ static int count_ids(const Feature *fs, Py_ssize_t nf, const Layout *lay, u64 *s
                     return -1;
                 u64 r = (u64)(id + f->table_row_offset), word = seen[r >> 6], bit = 1ULL << (r & 63);
                 i64 shard, col, first = !(word & bit); /* branch-free: these are unpredictable */
-                split_row(lay, f->shard, r, &shard, &col);
+                split_row(lay, f, r, &shard, &col);
                 seen[r >> 6] = word | bit;
                 touched[nt] = (i64)(r >> 6);
                 nt += !word;
@@ -286,23 +304,24 @@ static int count_ids(const Feature *fs, Py_ssize_t nf, const Layout *lay, u64 *s
     return 0;
 }
 
-/* The combiner's denominator per output row of a mean/sqrtn feature, summed in
-   input order in float64 like numpy's bincount: sum w (mean), sqrt(sum w^2) (sqrtn). */
-static void denominators(const Feature *f, i64 devices, double *den)
+/* The combiner's denominator per output row of a mean/sqrtn feature, as jax-tpu-embedding computes it
+   (host/gains.py): a float32 sum in input order of w (mean) or of w^2 squared in double (sqrtn), then sqrt. */
+static void denominators(const Feature *f, i64 devices, float *den)
 {
     const float *w = f->weights.buf;
     i64 per = rows_per_sample(f);
     FOR_EACH_ID(f, 0, devices * f->samples_per_device,
-        double x = w ? (double)w[k] : 1.0;
-        den[b * per + (f->seq_len > 0 ? pos : 0)] += f->combiner == 2 ? x * x : x;);
+        float x = w ? w[k] : 1.0f;
+        float *d = &den[b * per + (f->seq_len > 0 ? pos : 0)];
+        *d = f->combiner == 2 ? (float)((double)*d + (double)x * (double)x) : *d + x;);
     if (f->combiner == 2)
         for (i64 i = 0; i < f->batch * per; i++)
-            den[i] = sqrt(den[i]);
+            den[i] = sqrtf(den[i]);
 }
 
 /* Scatters every id to the next free slot of its partition (a stable counting
    sort; ids past `cap` are dropped), then pads each partition's tail. */
-static int fill_ids(const Feature *fs, Py_ssize_t nf, const Layout *lay, double *const *dens, i64 cap,
+static int fill_ids(const Feature *fs, Py_ssize_t nf, const Layout *lay, float *const *dens, i64 cap,
                     i64 rows_per_device, i64 *cursor, int32_t *cols, int32_t *rows, float *vals)
 {
     const Layout L = *lay;
@@ -311,23 +330,24 @@ static int fill_ids(const Feature *fs, Py_ssize_t nf, const Layout *lay, double 
         for (Py_ssize_t i = 0; i < nf; i++) {
             const Feature *f = &fs[i];
             const float *w = f->weights.buf;
-            const double *den = dens[i];
+            const float *den = dens[i];
             const i64 spd = f->samples_per_device, per = rows_per_sample(f), seq = f->seq_len > 0;
-            const i64 vocab = f->vocab, offset = f->table_row_offset, row_base = f->row_offset - d * spd * per;
+            const i64 vocab = f->vocab, offset = f->table_row_offset, first = d * spd * per;
+            const i64 sliced = f->sc > 0, cut = sliced ? spd * per / f->sc : 1; /* a slice's rows of the feature */
             FOR_EACH_ID(f, d * spd, (d + 1) * spd,
                 if ((u64)id >= (u64)vocab)
                     return -1;
                 i64 shard, col;
-                split_row(&L, f->shard, (u64)(id + offset), &shard, &col);
+                split_row(&L, f, (u64)(id + offset), &shard, &col);
                 i64 key = d * L.shards + shard, slot = L.shards > 1 ? cursor[key]++ : run++;
                 if (slot >= cap)
                     continue;
                 slot += key * cap;
-                i64 row = b * per + (seq ? pos : 0); /* the feature's output row */
+                i64 row = b * per + (seq ? pos : 0), local = row - first; /* the feature's output row */
                 float x = w ? w[k] : 1.0f;
                 cols[slot] = (int32_t)col;
-                rows[slot] = (int32_t)(row_base + row);
-                vals[slot] = !den ? x : den[row] != 0 ? (float)((double)x / den[row]) : 0.0f;);
+                rows[slot] = (int32_t)(f->row_offset + (sliced ? local / cut * f->slice_rows + local % cut : local));
+                vals[slot] = !den ? x : den[row] != 0 ? x / den[row] : 0.0f;);
         }
         if (L.shards == 1)
             cursor[d] = run;
@@ -455,7 +475,7 @@ static int count_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, IdSet 
 /* fill_ids for raw ids, from count_raw's partitions and numbers: the column of an entry is its id's
    number; keys[(key * cap + j) * 2] gets the id's (hi, lo), unused keys -1. `named` (zeroed) counts
    each partition's numbers. */
-static int fill_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, double *const *dens, i64 cap,
+static int fill_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, float *const *dens, i64 cap,
                     i64 rows_per_device, const int32_t *part, const int32_t *num, i64 n, i64 *cursor, i64 *named,
                     int32_t *cols, int32_t *rows, float *vals, int32_t *keys)
 {
@@ -464,7 +484,7 @@ static int fill_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, double 
         for (Py_ssize_t i = 0; i < nf; i++) {
             const Feature *f = &fs[i];
             const float *w = f->weights.buf;
-            const double *den = dens[i];
+            const float *den = dens[i];
             const i64 spd = f->samples_per_device, per = rows_per_sample(f), seq = f->seq_len > 0;
             const i64 row_base = f->row_offset - d * spd * per;
             FOR_EACH_ID(f, d * spd, (d + 1) * spd,
@@ -485,7 +505,7 @@ static int fill_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, double 
                 float x = w ? w[k] : 1.0f;
                 cols[slot] = (int32_t)j;
                 rows[slot] = (int32_t)(row_base + row);
-                vals[slot] = !den ? x : den[row] != 0 ? (float)((double)x / den[row]) : 0.0f;);
+                vals[slot] = !den ? x : den[row] != 0 ? x / den[row] : 0.0f;);
         }
     }
     for (i64 key = 0; key < lay->devices * lay->shards; key++) {
@@ -625,11 +645,11 @@ static PyObject *py_fill(PyObject *self, PyObject *args)
         goto done;
     }
     i64 *cursor = calloc((size_t)(2 * devices * shards), sizeof(i64)); /* raw: then `named` */
-    double **dens = calloc((size_t)nf + 1, sizeof(double *));
+    float **dens = calloc((size_t)nf + 1, sizeof(float *));
     int ok = cursor && dens, status = 0;
     for (Py_ssize_t i = 0; ok && i < nf; i++)
         if (fs[i].combiner != 0)
-            ok = (dens[i] = calloc((size_t)(fs[i].batch * rows_per_sample(&fs[i]) + 1), sizeof(double))) != NULL;
+            ok = (dens[i] = calloc((size_t)(fs[i].batch * rows_per_sample(&fs[i]) + 1), sizeof(float))) != NULL;
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < nf; i++)
@@ -751,22 +771,25 @@ typedef struct {
     float gain;
 } CsrEntry;
 
-/* Stable LSD radix sort of x[0..n) by eid (< 2^bits), 8 bits a pass, through `aux` [n]. Returns the sorted copy. */
-static CsrEntry *csr_sort(CsrEntry *x, CsrEntry *aux, i64 n, int bits)
+/* Stable LSD radix sort of x[0..n) by eid * b + sid (< 2^bits), 8 bits a pass, through `aux` [n]. Returns the
+   sorted copy. */
+static CsrEntry *csr_sort(CsrEntry *x, CsrEntry *aux, i64 n, i64 b, int bits)
 {
     i64 count[257];
+#define CSR_KEY(e) ((((u64)(e).eid * (u64)b + (e).sid) >> shift) & 255)
     for (int shift = 0; shift < bits; shift += 8) {
         memset(count, 0, sizeof(count));
         for (i64 i = 0; i < n; i++)
-            count[((x[i].eid >> shift) & 255) + 1]++;
+            count[CSR_KEY(x[i]) + 1]++;
         for (int d = 0; d < 256; d++)
             count[d + 1] += count[d];
         for (i64 i = 0; i < n; i++)
-            aux[count[(x[i].eid >> shift) & 255]++] = x[i];
+            aux[count[CSR_KEY(x[i])]++] = x[i];
         CsrEntry *t = x;
         x = aux;
         aux = t;
     }
+#undef CSR_KEY
     return x;
 }
 
@@ -781,15 +804,15 @@ static void csr_count(const int32_t *cols, const int32_t *rows, const int32_t *e
 }
 
 /* One device's CSR slices from its COO rows (see csr.py `from_coo`): entries bucketed by (slice, partition) in COO
-   order (so by sample: a bucket comes from one segment, in row order), sorted stably by embedding_id, duplicates
-   merged (gains summed in double, in COO order). `count` holds its buckets, counted by the caller. */
+   order (a bucket comes from one segment), sorted stably by (embedding_id, sample_id), duplicates merged (gains
+   summed in float32, in COO order, as jax-tpu-embedding does). `count` holds its buckets, counted by the caller. */
 static void csr_device(const int32_t *cols, const int32_t *rows, const float *vals, const int32_t *ends, i64 G,
                        i64 S, i64 N, i64 R, i64 b, i64 cap, i64 limit, const i64 *count, i64 *offset, CsrEntry *tmp,
                        CsrEntry *aux, int32_t *rp, int32_t *eid, int32_t *sid, float *gain)
 {
     const i64 rp_len = N > 8 ? N : 8, per_slice = (limit + 7) / 8 * 8 * N;
     int bits = 0;
-    while (bits < 32 && (R - 1) >> bits)
+    while (bits < 64 && ((u64)R * (u64)b - 1) >> bits)
         bits += 8;
     for (i64 i = 0, o = 0; i < S * N; o += count[i++])
         offset[i] = o;
@@ -804,15 +827,15 @@ static void csr_device(const int32_t *cols, const int32_t *rows, const float *va
         i64 start = 0, base = s * per_slice;
         for (i64 p = 0; p < N; p++) {
             i64 n = count[s * N + p], end = start, first = offset[s * N + p] - n;
-            CsrEntry *x = csr_sort(tmp + first, aux + first, n, bits);
+            CsrEntry *x = csr_sort(tmp + first, aux + first, n, b, bits);
             for (i64 i = 0; i < n;) {
-                double g = 0.0;
+                float g = 0.0f;
                 i64 j = i;
                 for (; j < n && x[j].eid == x[i].eid && x[j].sid == x[i].sid; j++)
-                    g += (double)x[j].gain;
+                    g += x[j].gain;
                 eid[base + end] = (int32_t)x[i].eid;
                 sid[base + end] = (int32_t)x[i].sid;
-                gain[base + end++] = (float)g;
+                gain[base + end++] = g;
                 i = j;
             }
             rp[s * rp_len + p] = (int32_t)end;

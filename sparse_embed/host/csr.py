@@ -16,8 +16,7 @@ import numpy as np
 
 from sparse_embed.core.batch import PAD_ID, CsrBatch, ShardedCooMatrix
 from sparse_embed.core.planning import StackPlan, round_up
-from sparse_embed.host import native
-
+from sparse_embed.host import gains, native
 
 
 def rows_per_slice(num_sc: int) -> int:
@@ -101,12 +100,13 @@ def _coo_arrays(coo: ShardedCooMatrix):
 def from_coo(stack: StackPlan, coo: ShardedCooMatrix, limit: int) -> CsrBatch:
     """A SparseCore stack's CSR input, `[L, ...]` per field, from its COO batch of this process's L devices.
 
-    Device d's output rows are cut into its S SparseCores' slices of
-    `slice_rows` rows (slice `d * S + r // b`, sample id `r % b`). A
-    received row `l` of shard e is row `l % R` of SparseCore `e * S + l // R`
-    (`R = rows_per_shard / S`), which holds it at physical row
-    `(e * S + l // R) * R + l % R` of the stacked array: the row it has in
-    our layout. Entries of one sample and row are merged (gains summed).
+    Device d's output rows are its S SparseCores' slices of `slice_rows`
+    rows, each with its share of every feature (`FeatureLayout.out_rows`):
+    row r is sample `r % b` of slice `d * S + r // b`. A received row `l`
+    of shard e is row `l % R` of SparseCore `e * S + l // R` (`R =
+    sc_rows`), in the plan's layout, which is jax-tpu-embedding's. Entries
+    of one sample and row are merged (gains summed in float32, in COO
+    order, as it does).
     `limit` (>= `needed`) is `max_ids_per_partition` and
     `max_unique_ids_per_partition`. In C if the extension is built
     (`native`), else numpy: the same bits.
@@ -116,7 +116,7 @@ def from_coo(stack: StackPlan, coo: ShardedCooMatrix, limit: int) -> CsrBatch:
     if ext is None:
         q, p, eid, sid, gain = _buckets(stack, coo)
         key, where = np.unique(((q * N + p) * R + eid) * b + sid, return_inverse=True)
-        gain = np.bincount(where.reshape(-1), weights=gain, minlength=key.size).astype(np.float32)
+        gain = gains.fold(gain, where.reshape(-1), key.size, np.add)
         key, sid = np.divmod(key, b)
         key, eid = np.divmod(key, R)
         q, p = np.divmod(key, N)

@@ -13,9 +13,9 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from sparse_embed.core import pooling
 from sparse_embed.core.batch import ShardedCooMatrix
 from sparse_embed.core.planning import FeatureLayout, StackPlan
+from sparse_embed.host import gains as gains_lib
 from sparse_embed.host import native
 from sparse_embed.host.ids import CanonicalIds, FlatIds
 
@@ -60,18 +60,14 @@ class Partitioned(NamedTuple):
 
 # ------------------------------------------------------------------ numpy
 def gains(lay: FeatureLayout, row: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """The combiner folded into the weights (float64 sums, as the C kernel), per output row."""
+    """The combiner folded into the weights, per output row (`host.gains`: the C kernel's bits)."""
     f = lay.feature
-    n_rows = f.batch_size * max(f.max_sequence_length, 1)
-    bincount = lambda w, rows, n: np.bincount(rows, weights=w, minlength=n)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        g = pooling.gains(f.table.combiner, weights.astype(np.float64), row, n_rows, bincount, np)
-    return g.astype(np.float32)
+    return gains_lib.gains(f.table.combiner, weights, row, f.batch_size * max(f.max_sequence_length, 1))
 
 
 def _stack_entries(stack: StackPlan, flats: dict[str, FlatIds]):
     """All entries of a stack: (partition key d*S+s, col_id, row_id, value), in row order per device."""
-    S = stack.segments
+    S, rotation = stack.segments, {p.table.name: p.rotation for p in stack.tables}
     keys, cols, rows, vals = [], [], [], []
     for lay in stack.features:
         f, (ids, weights, samples, positions) = lay.feature, flats[lay.feature.name]
@@ -81,13 +77,17 @@ def _stack_entries(stack: StackPlan, flats: dict[str, FlatIds]):
         out_row = samples * f.max_sequence_length + positions if f.is_sequence else samples
         device, local_row = np.divmod(out_row, lay.rows_per_device)
         stack_row = ids + lay.table_row_offset
-        if lay.shard is None:  # MOD over S segments ("replicated": S = 1, the device's own)
+        if stack.sparsecores:  # MOD over every SparseCore, the table rotated (`planning`)
+            N, C = stack.mod_shards, stack.sparsecores
+            p = (stack_row % N + rotation[lay.feature.table.name]) % N
+            shard, col = p // C, p % C * stack.sc_rows + stack_row // N
+        elif lay.shard is None:  # MOD over S segments ("replicated": S = 1, the device's own)
             shard, col = np.divmod(stack_row, S)[::-1]
         else:  # the table's one shard
             shard, col = lay.shard, stack_row - lay.shard * stack.rows_per_shard
         keys.append(device * S + shard)
         cols.append(col)
-        rows.append(lay.partial_row_offset + local_row)
+        rows.append(lay.out_rows(local_row))
         vals.append(gains(lay, out_row, weights))
     return np.concatenate(keys), np.concatenate(cols), np.concatenate(rows), np.concatenate(vals)
 
@@ -145,15 +145,17 @@ def _partition_numpy(stack: StackPlan, flats: dict[str, FlatIds], num_devices: i
 _COMBINER_CODES = {"sum": 0, "mean": 1, "sqrtn": 2}  # the C extension's codes
 
 
-def native_feature(lay: FeatureLayout, ids: CanonicalIds, *, raw: bool = False) -> tuple:
+def native_feature(stack: StackPlan, lay: FeatureLayout, ids: CanonicalIds, *, raw: bool = False) -> tuple:
     """One feature as `count` / `fill` of the C extension read it (see `parse_features` in _native.c)."""
     f = lay.feature
     offsets = None if ids.dense else np.concatenate(([0], np.cumsum(ids.lengths)))
     batch, width = ids.ids.shape if ids.dense else (ids.lengths.size, 0)
     vocab, offset = (0, 0) if raw else (f.table.vocabulary_size, lay.table_row_offset)  # raw ids: no rows
+    rotation = next(p.rotation for p in stack.tables if p.table.name == f.table.name)
     return (ids.ids, ids.weights, offsets, batch, width, vocab, offset, lay.partial_row_offset,
             lay.samples_per_device, f.max_sequence_length, _COMBINER_CODES[f.table.combiner],
-            -1 if lay.shard is None else lay.shard)
+            -1 if lay.shard is None else lay.shard, stack.sparsecores, stack.sc_rows if stack.sparsecores else 0,
+            rotation, lay.slice_rows)
 
 
 def partition_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_devices: int, *,
@@ -164,7 +166,7 @@ def partition_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_devic
     ids (two scratch arrays), and `scatter` also returns the keys `[D * S * cap, 2]`.
     """
     ext, D, S = native.extension(), num_devices, stack.segments
-    feats = [native_feature(lay, flats[lay.feature.name], raw=raw) for lay in stack.features]
+    feats = [native_feature(stack, lay, flats[lay.feature.name], raw=raw) for lay in stack.features]
     counts = np.empty(D * S, np.int64)
     n_ids = sum(f[0].size for f in feats)
     scratch = (np.empty(n_ids, np.int32), np.empty(n_ids, np.int32)) if raw else ()  # partition, id number

@@ -15,8 +15,8 @@ sorted by `(embedding_id, sample_id)` and starting at a multiple of 8;
 the end, rounded up to 8), and the gaps hold `PAD_ID` / NaN. Duplicate ids
 of one sample are one entry whose gain is the sum of theirs; the gains
 carry the combiner, in float32 as jax-tpu-embedding computes them (so
-bitwise equal), except that a sample whose divisor (`Σw` or `√Σw²`) is 0
-gets gains 0 as in `core.pooling.gains` (jax-tpu-embedding: inf/NaN).
+bitwise equal; `host.gains`), except that a sample whose divisor (`Σw` or
+`√Σw²`) is 0 gets gains 0 (jax-tpu-embedding: inf/NaN).
 
 A sequence feature (batch B, length L) is B * L samples of one id each:
 position j of sample i is sample `i * L + j`; ids past L are dropped.
@@ -27,41 +27,16 @@ compares them); the ids are validated as `preprocess` validates them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from sparse_embed.core.specs import FeatureSpec
 from sparse_embed.host.csr import CsrBatch, pack_csr
+from sparse_embed.host.gains import fold
+from sparse_embed.host.gains import gains as combiner_gains
 from sparse_embed.host.ids import flatten
 from sparse_embed.integrations.jte import JteTableLayout
-
-
-def _fold(values: np.ndarray, groups: np.ndarray, n: int, step: Callable) -> np.ndarray:
-    """float32 `acc = step(acc, value)` from 0 over each group's values in input order, as jax-tpu-embedding's loops."""
-    order = np.argsort(groups, kind="stable")
-    rank = np.empty_like(order)
-    rank[order] = np.arange(order.size) - np.searchsorted(groups[order], groups[order])  # index within the group
-    acc = np.zeros(n, np.float32)
-    for r in range(int(rank.max(initial=-1)) + 1):
-        at = rank == r
-        acc[groups[at]] = step(acc[groups[at]], values[at])
-    return acc
-
-
-def _gains(combiner: str, w: np.ndarray, samples: np.ndarray, n: int) -> np.ndarray:
-    """Each id's float32 gain, bitwise as jax-tpu-embedding computes it (`w / Σw`, `w / √Σw²`, or `w` for sum).
-
-    A sample whose divisor is 0 gets gains 0, as in `core.pooling.gains`.
-    """
-    if combiner == "sum":
-        return w
-    if combiner == "mean":
-        divisor = _fold(w, samples, n, np.add)
-    else:  # its `float sum += std::pow(weight, 2)` squares and adds in double
-        divisor = np.sqrt(_fold(w, samples, n, lambda acc, x: (acc + x.astype(np.float64) ** 2).astype(np.float32)))
-    d = divisor[samples]
-    return np.where(d != 0, w / np.where(d != 0, d, np.float32(1)), np.float32(0))
 
 
 def _rows(feature: FeatureSpec) -> int:
@@ -92,7 +67,7 @@ def _entries(feature: FeatureSpec, t: JteTableLayout, ids: Any, weights: Any, nu
         L, keep = feature.max_sequence_length, flat.positions < feature.max_sequence_length
         samples, natural, w = samples[keep] * L + flat.positions[keep], natural[keep], w[keep]
     key, where = np.unique(samples * t.padded_vocab_size + natural, return_inverse=True)
-    gains = _fold(_gains(feature.table.combiner, w, samples, n), where.reshape(-1), key.size, np.add)
+    gains = fold(combiner_gains(feature.table.combiner, w, samples, n), where.reshape(-1), key.size, np.add)
     samples, rows = np.divmod(key, t.padded_vocab_size)
     rows = rows + t.row_offset_in_shard * num_sc
     b = n // num_sc

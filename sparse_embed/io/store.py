@@ -123,12 +123,13 @@ def _write_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store:
                  m: int) -> tuple[int, int]:
     """Writes table i's rows of the stacked array `a` chunk by chunk; returns this process's checksum sums."""
     fn, vocab, S = natural_chunk_fn(plan, s, m, store.shape[1]), store.shape[0], s.num_shards
-    start, count = table_range(s, i)
+    start, count, rotation = table_range(s, i)
     row_words = store.shape[1] * words_per_value(a.dtype)
     starts = range(0, -(-vocab // S), m)  # c0: a chunk's first local row
     sa = sb = 0
     pending, chunks = [], iter(starts)
-    dispatch = lambda c0: None if c0 is None else (c0, fn(a, np.array([c0, start, count], np.int32)))  # noqa: E731
+    dispatch = lambda c0: None if c0 is None else (  # noqa: E731
+        c0, fn(a, np.array([c0, start, count, rotation], np.int32)))
     nxt = dispatch(next(chunks, None))
     while nxt is not None:
         c0, chunk = nxt
@@ -207,7 +208,7 @@ def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: 
     if store.shape[1] != width or store.shape[0] < valid:
         raise StoreReadError(name, ValueError(f"stored shape {tuple(store.shape)}, expected [>= {valid}, {width}]"))
     m = chunk_rows(s, width * a.dtype.itemsize, CHUNK_BYTES)
-    fn, (start, count) = write_chunk_fn(plan, s), table_range(s, i)
+    fn, (start, count, rotation) = write_chunk_fn(plan, s), table_range(s, i)
     sharding = plan.table_sharding()
     mine = [(d, idx[0].start or 0) for d, idx in sharding.addressable_devices_indices_map((S * m, width)).items()]
     row_words = width * words_per_value(a.dtype)
@@ -234,5 +235,5 @@ def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: 
             host.append(x.astype(a.dtype))
         chunk = jax.make_array_from_single_device_arrays(
             (S * m, width), sharding, [jax.device_put(x, d) for x, (d, _) in zip(host, mine)])
-        a = fn(a, chunk, np.array([c0, start, count, valid], np.int32))
+        a = fn(a, chunk, np.array([c0, start, count, rotation, valid], np.int32))
     return a, (sa, sb)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -95,9 +96,12 @@ def _decode(csr, num_devices: int, S: int):
 
 
 def _device_rows(stack, values: dict[str, np.ndarray], D: int) -> np.ndarray:
-    """`{feature: [B, ...dim]}` -> `[D, rows_per_device, dim]`: each device's rows, features one after the other."""
-    return np.concatenate([np.asarray(values[lay.feature.name]).reshape(D, lay.rows_per_device, -1)
-                           for lay in stack.features], axis=1)
+    """`{feature: [B, ...dim]}` -> `[D, rows_per_device, dim]`: each device's rows, one slice per SparseCore, each
+    holding its share of every feature's rows (features by name), as jax-tpu-embedding lays out a batch."""
+    S = stack.sparsecores
+    parts = [np.asarray(values[lay.feature.name]).reshape(D, S, lay.rows_per_device // S, -1)
+             for lay in sorted(stack.features, key=lambda lay: lay.feature.name)]
+    return np.concatenate(parts, axis=2).reshape(D, stack.rows_per_device, -1)
 
 
 def _interpret_forward(stack, entries, table: np.ndarray, D: int) -> np.ndarray:
@@ -238,10 +242,15 @@ def _train(plan, steps: int):
     return se.unstack_state(plan, tables)
 
 
+@pytest.mark.parametrize("devices", [1, 8])
 @pytest.mark.parametrize("kernel", ["generic", "native"])
-def test_on_cpu_a_sparsecore_plan_trains_exactly_as_one_without(kernel):
-    sc, plain = _plans(make_mesh(8), opt.Adam(0.05), 4, 32, kernel=kernel)
-    jax.tree.map(np.testing.assert_array_equal, _train(sc, 3), _train(plain, 3))
+def test_on_cpu_a_sparsecore_plan_trains_as_one_without(kernel, devices):
+    """Bitwise on one device; on 8, rows sit on other devices than without SparseCores (jax-tpu-embedding's
+    layout), so activations add the devices' partial sums in another order: equal to float32 rounding."""
+    sc, plain = _plans(make_mesh(devices), opt.Adam(0.05), 4, 32, kernel=kernel)
+    same = np.testing.assert_array_equal if devices == 1 else functools.partial(np.testing.assert_allclose,
+                                                                                 rtol=1e-5, atol=1e-6)
+    jax.tree.map(same, _train(sc, 3), _train(plain, 3))
 
 
 def test_tables_convert_to_the_natural_format_and_jax_tpu_embeddings_layout_and_back():
@@ -256,7 +265,7 @@ def test_tables_convert_to_the_natural_format_and_jax_tpu_embeddings_layout_and_
 
 @pytest.mark.parametrize("saved_sc, restored_sc, devices", [(4, 0, 2), (0, 2, 8), (2, 4, 1)])
 def test_a_checkpoint_restores_exactly_across_sparsecore_counts_and_meshes(tmp_path, saved_sc, restored_sc, devices):
-    feats = _features(opt.Adam(0.05), 16)
+    feats = _features(opt.Adam(0.05), 32)  # 4 rows per device of 8: a slice per SparseCore
     rng = np.random.default_rng(4)
     tables = {n: rng.normal(size=(t.vocabulary_size, t.embedding_dim)).astype(np.float32)
               for n, t in {f.table.name: f.table for f in feats.values()}.items()}

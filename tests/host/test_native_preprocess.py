@@ -186,8 +186,9 @@ def test_preprocess_in_threads(plan8):
 # ---------------------------------------------------------------- the kernels' own checks
 
 
-def _feature(ids, weights=None, offsets=None, batch=4, width=2, vocab=10, spd=4, shard=-1):
-    return (ids, weights, offsets, batch, width, vocab, 0, 0, spd, 0, 0, shard)
+def _feature(ids, weights=None, offsets=None, batch=4, width=2, vocab=10, spd=4, shard=-1, sc=0, sc_rows=0,
+             rotation=0):
+    return (ids, weights, offsets, batch, width, vocab, 0, 0, spd, 0, 0, shard, sc, sc_rows, rotation, 0)
 
 
 @pytest.mark.parametrize("ids, error", [
@@ -210,6 +211,10 @@ def test_kernels_reject_bad_buffers(ids, error):
     _feature(np.zeros(8, np.int32), spd=5),  # more samples than given
     _feature(np.zeros(8, np.int32), shard=1),  # the table's one shard is not a device
     _feature(np.zeros(8, np.int32), shard=-2),
+    _feature(np.zeros(8, np.int32), sc=2, sc_rows=3),  # SparseCores of 3 rows do not tile the stack's 10
+    _feature(np.zeros(8, np.int32), sc=2, sc_rows=5, rotation=2),  # 2 SparseCores: no rotation 2
+    _feature(np.zeros(8, np.int32), sc=2, sc_rows=5, shard=0),  # SparseCores shard rows: no whole-table shard
+    _feature(np.zeros(8, np.int32), spd=3, sc=2, sc_rows=5),  # 3 samples per device do not split over 2 slices
 ])
 def test_kernels_reject_inconsistent_features(feature):
     NATIVE.count([_feature(np.zeros(8, np.int32))], 1, 1, 10, np.zeros(1, np.int64))  # the unchanged one is fine

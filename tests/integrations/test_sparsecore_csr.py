@@ -108,12 +108,19 @@ def _inputs(rng: np.random.Generator, fmt: str, f: se.FeatureSpec, samples: list
     return ours, our_w, _objects(ids), _objects(w) if weighted else None
 
 
-def _jte_specs(features: dict[str, se.FeatureSpec], groups: list[list[str]], G: int, S: int, limit: int) -> dict:
-    """jte's prepared FeatureSpecs for the same features (a sequence feature: B * L samples of one id)."""
+def _jte_specs(features: dict[str, se.FeatureSpec], groups: list[list[str]], G: int, S: int, limit: int,
+               stack_limits: dict[str, int] | None = None) -> dict:
+    """jte's prepared FeatureSpecs for the same features (a sequence feature: B * L samples of one id).
+
+    `limit`: every table's max ids per partition; `stack_limits`: a stack's, if given (else jte's default).
+    """
+    stack_of = {t: "_".join(g) for g in groups for t in g}
     tables = {t.name: embedding_spec.TableSpec(
         name=t.name, vocabulary_size=t.vocabulary_size, embedding_dim=t.embedding_dim,
         initializer=jax.nn.initializers.zeros, optimizer=embedding_spec.SGDOptimizerSpec(), combiner=t.combiner,
-        max_ids_per_partition=limit, max_unique_ids_per_partition=limit) for t in (f.table for f in features.values())}
+        max_ids_per_partition=(stack_limits or {}).get(stack_of[t.name], limit),
+        max_unique_ids_per_partition=(stack_limits or {}).get(stack_of[t.name], limit))
+        for t in (f.table for f in features.values())}
     specs = {}
     for f in features.values():
         n = f.batch_size * max(f.max_sequence_length, 1)
@@ -122,7 +129,11 @@ def _jte_specs(features: dict[str, se.FeatureSpec], groups: list[list[str]], G: 
                                                    output_shape=[n, f.table.embedding_dim])
     for g in groups:
         if len(g) > 1:
-            table_stacking.stack_tables(specs, g, global_device_count=G, num_sc_per_device=S, stack_name="_".join(g))
+            kw = {} if stack_limits is None else {
+                "stack_to_max_ids_per_partition": lambda name, _: stack_limits[name],
+                "stack_to_max_unique_ids_per_partition": lambda name, _: stack_limits[name]}
+            table_stacking.stack_tables(specs, g, global_device_count=G, num_sc_per_device=S, stack_name="_".join(g),
+                                        **kw)
     embedding.prepare_feature_specs_for_training(specs, global_device_count=G, num_sc_per_device=S)
     return specs
 
@@ -166,6 +177,55 @@ def test_matches_jax_tpu_embedding(G, S, fmt, combiner, stacking):
         assert (csr.row_pointers > 0).any()
         _assert_same(csr, (pre.lhs_row_pointers[stack], pre.lhs_embedding_ids[stack], pre.lhs_sample_ids[stack],
                            pre.lhs_gains[stack]), num_sc, num_sc)
+
+
+# ------------------------------------------------------------------ a SparseCore plan's own preprocessing
+PLAN_STACKINGS = {"unstacked": None, "stacked": [["a", "c", "s"], ["d"], ["b"]]}  # a plan stacks equal dims
+
+
+@pytest.mark.parametrize("stacking", sorted(PLAN_STACKINGS))
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("G,S", CONFIGS, ids=[f"{g}x{s}" for g, s in CONFIGS])
+def test_a_sparsecore_plans_preprocess_matches_jax_tpu_embedding(G, S, fmt, combiner, stacking):
+    """`preprocess` of a plan with `sparsecores=S` on G devices builds, in each batch, the CSR that jte's own C++
+    preprocessing builds for the same features, stacking and ids (its limits set to the ones the plan chose)."""
+    num_sc = G * S
+    features = _features(combiner, num_sc)
+    rng = np.random.default_rng(2)
+    inputs = {f: _inputs(rng, fmt, spec, _samples(rng, spec, fmt == "dense_full")) for f, spec in features.items()}
+    plan = se.plan(features, make_mesh(G), sparsecores=S, stacking=PLAN_STACKINGS[stacking])
+    assert all(s.sparsecores == S for s in plan.stacks)
+    batch, _ = se.preprocess(plan, {f: x[0] for f, x in inputs.items()},
+                             {f: x[1] for f, x in inputs.items() if x[1] is not None})
+    groups = [[p.table.name for p in s.tables] for s in plan.stacks]
+    limits = {s.name: batch[s.name].csr.embedding_ids.shape[1] // S // num_sc for s in plan.stacks}
+    specs = _jte_specs(features, groups, G, S, 0, limits)
+    pre, _ = embedding.preprocess_sparse_dense_matmul_input(
+        {f: x[2] for f, x in inputs.items()}, {f: x[3] for f, x in inputs.items()} if "weighted" in fmt else None,
+        specs, local_device_count=G, global_device_count=G, num_sc_per_device=S)
+    assert sorted(pre.lhs_row_pointers) == sorted(s.name for s in plan.stacks)
+    for s in plan.stacks:
+        ours = CsrBatch(*(np.asarray(x).reshape(-1) for x in batch[s.name].csr))
+        assert (ours.row_pointers > 0).any()
+        _assert_same(ours, (pre.lhs_row_pointers[s.name], pre.lhs_embedding_ids[s.name], pre.lhs_sample_ids[s.name],
+                            pre.lhs_gains[s.name]), num_sc, num_sc)
+
+
+def test_a_sparsecore_plans_tables_are_jax_tpu_embeddings_stacked_arrays():
+    """The stacked arrays of a SparseCore plan hold every row where jte's layout has it (`to_jte`)."""
+    features = _features("sum", 8)
+    plan = se.plan(features, make_mesh(4), sparsecores=2, stacking=PLAN_STACKINGS["stacked"])
+    tables = se.init_tables(plan, jax.random.key(3))
+    layout = se.jte_layout(plan.tables, 8, stacking=[[p.table.name for p in s.tables] for s in plan.stacks],
+                           rotation=2)
+    theirs = se.to_jte(layout, se.unstack_tables(plan, tables), 8)
+    for s in plan.stacks:
+        ours = np.asarray(tables[s.name].table)
+        real = ~np.isnan(theirs[s.name]).any(axis=1)  # jte pads with NaN; the plan with zeros
+        assert ours.shape == theirs[s.name].shape and real.sum() == sum(p.table.vocabulary_size for p in s.tables)
+        np.testing.assert_array_equal(ours[real], theirs[s.name][real])
+        assert not ours[~real].any()
 
 
 # ------------------------------------------------------------------ an independent decoding

@@ -57,7 +57,7 @@ def forward(stack: StackPlan, csr: CsrBatch, table: jax.Array) -> jax.Array:
                       device_batch_size=stack.sparsecores * stack.slice_rows, max_ids_per_partition=m,
                       max_unique_ids_per_partition=m, sharding_strategy=1, quantization_config=None,
                       enable_minibatching=False)
-    return act[:stack.rows_per_device]
+    return act
 
 
 def row_update(stack: StackPlan, skip_nonfinite: bool):
@@ -92,7 +92,6 @@ def backward(stack: StackPlan, csr: CsrBatch, variables: EmbeddingVariables, gra
     """The updated table and slots of this device; `grads` `[rows_per_device, dim]` of its activations."""
     opt, m = stack.optimizer, max_ids(stack, csr)
     names = list(opt.slots(stack.embedding_dim))
-    grads = jnp.pad(grads, ((0, stack.sparsecores * stack.slice_rows - grads.shape[0]), (0, 0)))
     hyper = (opt.learning_rate_at(step).astype(jnp.float32), jnp.asarray(0 if step is None else step, jnp.float32))
     out = _grad_update_p.bind(csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains, grads,
                               variables.table, *(variables.slots[k] for k in names), *hyper,
