@@ -771,25 +771,22 @@ typedef struct {
     float gain;
 } CsrEntry;
 
-/* Stable LSD radix sort of x[0..n) by eid * b + sid (< 2^bits), 8 bits a pass, through `aux` [n]. Returns the
-   sorted copy. */
-static CsrEntry *csr_sort(CsrEntry *x, CsrEntry *aux, i64 n, i64 b, int bits)
+/* Stable LSD radix sort of x[0..n) by eid (< 2^bits), 8 bits a pass, through `aux` [n]. Returns the sorted copy. */
+static CsrEntry *csr_sort(CsrEntry *x, CsrEntry *aux, i64 n, int bits)
 {
     i64 count[257];
-#define CSR_KEY(e) ((((u64)(e).eid * (u64)b + (e).sid) >> shift) & 255)
     for (int shift = 0; shift < bits; shift += 8) {
         memset(count, 0, sizeof(count));
         for (i64 i = 0; i < n; i++)
-            count[CSR_KEY(x[i]) + 1]++;
+            count[((x[i].eid >> shift) & 255) + 1]++;
         for (int d = 0; d < 256; d++)
             count[d + 1] += count[d];
         for (i64 i = 0; i < n; i++)
-            aux[count[CSR_KEY(x[i])]++] = x[i];
+            aux[count[(x[i].eid >> shift) & 255]++] = x[i];
         CsrEntry *t = x;
         x = aux;
         aux = t;
     }
-#undef CSR_KEY
     return x;
 }
 
@@ -804,15 +801,17 @@ static void csr_count(const int32_t *cols, const int32_t *rows, const int32_t *e
 }
 
 /* One device's CSR slices from its COO rows (see csr.py `from_coo`): entries bucketed by (slice, partition) in COO
-   order (a bucket comes from one segment), sorted stably by (embedding_id, sample_id), duplicates merged (gains
-   summed in float32, in COO order, as jax-tpu-embedding does). `count` holds its buckets, counted by the caller. */
+   order, sorted stably by embedding_id, so by (embedding_id, sample_id): a bucket comes from one segment, whose
+   entries are by feature then sample, and a slice holds the features' samples in that order. Duplicates merged
+   (gains summed in float32, in COO order, as jax-tpu-embedding does). `count` holds its buckets, counted by the
+   caller. */
 static void csr_device(const int32_t *cols, const int32_t *rows, const float *vals, const int32_t *ends, i64 G,
                        i64 S, i64 N, i64 R, i64 b, i64 cap, i64 limit, const i64 *count, i64 *offset, CsrEntry *tmp,
                        CsrEntry *aux, int32_t *rp, int32_t *eid, int32_t *sid, float *gain)
 {
     const i64 rp_len = N > 8 ? N : 8, per_slice = (limit + 7) / 8 * 8 * N;
     int bits = 0;
-    while (bits < 64 && ((u64)R * (u64)b - 1) >> bits)
+    while (bits < 32 && (R - 1) >> bits)
         bits += 8;
     for (i64 i = 0, o = 0; i < S * N; o += count[i++])
         offset[i] = o;
@@ -827,7 +826,7 @@ static void csr_device(const int32_t *cols, const int32_t *rows, const float *va
         i64 start = 0, base = s * per_slice;
         for (i64 p = 0; p < N; p++) {
             i64 n = count[s * N + p], end = start, first = offset[s * N + p] - n;
-            CsrEntry *x = csr_sort(tmp + first, aux + first, n, b, bits);
+            CsrEntry *x = csr_sort(tmp + first, aux + first, n, bits);
             for (i64 i = 0; i < n;) {
                 float g = 0.0f;
                 i64 j = i;
