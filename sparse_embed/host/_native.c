@@ -210,10 +210,16 @@ static inline void split_row(const Layout *lay, const Feature *f, u64 r, i64 *sh
 {
     const i64 fixed = f->shard;
     if (f->sc > 0) {
-        const u64 N = (u64)(lay->shards * f->sc);
-        const i64 p = (i64)((r % N + (u64)f->rotation) % N);
-        *shard = p / f->sc;
-        *col = p % f->sc * f->sc_rows + (i64)(r / N);
+        const u64 N = (u64)(lay->shards * f->sc), sc = (u64)f->sc;
+        if (!(N & (N - 1)) && !(sc & (sc - 1))) { /* powers of 2 (the usual case): no divisions */
+            const u64 p = ((r & (N - 1)) + (u64)f->rotation) & (N - 1);
+            *shard = (i64)(p >> __builtin_ctzll(sc));
+            *col = (i64)((p & (sc - 1)) * (u64)f->sc_rows + (r >> __builtin_ctzll(N)));
+        } else {
+            const u64 p = (r % N + (u64)f->rotation) % N;
+            *shard = (i64)(p / sc);
+            *col = (i64)(p % sc * (u64)f->sc_rows + r / N);
+        }
     } else if (fixed >= 0) {
         *shard = fixed;
         *col = (i64)r - fixed * (lay->total_rows / lay->shards);

@@ -188,20 +188,26 @@ def test_the_sparsecore_limit_grows_with_the_data_and_never_shrinks():
     assert small[0] < big[0] == again[0] and big[1] == 16 and again[1] == small[1]
 
 
-@pytest.mark.parametrize("devices,S", [(1, 4), (8, 2)])
-def test_the_c_and_numpy_csr_are_bitwise_equal(devices, S, monkeypatch):
+@pytest.mark.parametrize("devices,S", [(1, 4), (8, 2), (2, 3)])  # 3: SparseCores not a power of 2
+def test_the_c_and_numpy_preprocessing_are_bitwise_equal(devices, S, monkeypatch):
+    """The partition into the SparseCore layout and the CSR, in C and in numpy: the same bits."""
     from sparse_embed.host import csr, native
 
     if native.extension() is None:
         pytest.skip("the C extension (sparse_embed.host._native) is not built")
-    plan, _ = _plans(make_mesh(devices), opt.SGD(0.1), S, 64)
+    plan, _ = _plans(make_mesh(devices), opt.SGD(0.1), S, 96)
+    assert all(s.sparsecores == S for s in plan.stacks)
     batch, _ = se.preprocess(plan, *_ids(plan.features, 4), device_put=False)
     monkeypatch.setenv("SPARSE_EMBED_NATIVE", "0")
+    numpy_batch, _ = se.preprocess(plan, *_ids(plan.features, 4), device_put=False)
     for stack in plan.stacks:
         limit = sc_kernel.max_ids(stack, jax.tree.map(lambda x: x[0], batch[stack.name].csr))
         numpy_csr = csr.from_coo(stack, batch[stack.name], limit)
-        for got, want in zip(batch[stack.name].csr, numpy_csr):
+        for got, want, whole in zip(batch[stack.name].csr, numpy_csr, numpy_batch[stack.name].csr):
             np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))  # NaN gaps: bitwise too
+            np.testing.assert_array_equal(got.view(np.int32), whole.view(np.int32))
+        for field in ("shard_starts", "shard_ends", "col_ids", "row_ids", "values"):
+            np.testing.assert_array_equal(getattr(batch[stack.name], field), getattr(numpy_batch[stack.name], field))
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
