@@ -762,7 +762,8 @@ def _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sparse
         raise ValueError(f"Stack names collide: {names}; rename tables or pass stacking explicitly.")
     caps = _capacities(names, capacity)
     device_load = [0.0] * num_shards  # "table" stacks: bytes of tables already on each device
-    def cores(name, group):
+
+    def cores(name, group):  # the stack's SparseCores (0 with a warning if it cannot use them)
         rows = {f.name: f.batch_size // num_shards * max(f.max_sequence_length, 1)
                 for f in feats.values() if f.table.name in group}
         return sparsecore_lib.resolve([tables[n] for n in group], chosen[group[0]], name, sparsecores, rows)
@@ -821,8 +822,8 @@ def _stack_plan(name: str, tables: list[TableSpec], feats: dict[str, FeatureSpec
         f = feats[fname]
         if f.table.name in placements:
             p = placements[f.table.name]
-            lay = FeatureLayout(f, p.row_offset, row, f.batch_size // num_shards,
-                                p.shard, None if p.shard is None else partial[p.shard])
+            lay = FeatureLayout(f, p.row_offset, row, f.batch_size // num_shards, p.shard,
+                                None if p.shard is None else partial[p.shard])
             layouts.append(lay)
             row += lay.rows_per_device // max(sparsecores, 1)
             if p.shard is not None:

@@ -378,6 +378,15 @@ def test_what_the_primitives_cannot_run_falls_back_with_a_warning_naming_the_sta
     assert plan.stacks[0].sparsecores == 0 and plan.stacks[0].rows_per_shard == -(-50 // 2)
 
 
+@pytest.mark.parametrize("batch,seq", [(6, 0), (2, 3)])  # 3 rows per device; 1 sample x 3 positions
+def test_a_feature_that_does_not_split_over_the_sparsecores_falls_back(batch, seq):
+    t = se.TableSpec("t", 50, 8)
+    feats = [se.FeatureSpec("f", t, batch, max_sequence_length=seq), se.FeatureSpec("g", t, 8)]
+    with pytest.warns(UserWarning, match=r"Stack 't'.*features \['f'\].*not a multiple of its 2 SparseCores"):
+        plan = se.plan(feats, make_mesh(2), sparsecores=2)
+    assert plan.stacks[0].sparsecores == 0 and all(lay.slices == 1 for lay in plan.stacks[0].features)
+
+
 def test_a_column_placed_table_falls_back():
     with pytest.warns(UserWarning, match="Stack 't'.*placed 'column'"):
         plan = se.plan([se.FeatureSpec("f", se.TableSpec("t", 50, 16), 8)], make_mesh(2), sparsecores=2,
