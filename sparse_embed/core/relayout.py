@@ -12,7 +12,8 @@
   vocabulary rounded up to a multiple of `S * S`, sharded `P(axis)` over
   the S devices: device `d` holds ids `[d * stored_rows / S, (d + 1) *
   stored_rows / S)`. Custom initializers generate tables this way, and
-  checkpoints of sparse_embed <= 0.2 stored it.
+  checkpoints of sparse_embed <= 0.2 stored it. A SparseCore stack takes
+  them padded to `block_rows` (whole rows of every SparseCore per device).
 - **Natural chunks**: ids `[c0 * S, (c0 + m) * S)` of one table, device `d`
   holding `m` consecutive ids of them: what the checkpoint store streams.
 
