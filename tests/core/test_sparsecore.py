@@ -259,6 +259,26 @@ def test_on_cpu_a_sparsecore_plan_trains_as_one_without(kernel, devices):
     jax.tree.map(same, _train(sc, 3), _train(plain, 3))
 
 
+@pytest.mark.parametrize("devices,S", [(1, 4), (2, 2), (8, 4)])
+def test_a_custom_initializer_gives_the_same_tables_in_the_sparsecore_layout(devices, S):
+    """Custom initializers move natural blocks into the layout (`relayout.blocks_to_mod`): every row where
+    jax-tpu-embedding's layout has it (`to_jte`), the same values as without SparseCores."""
+    init = jax.nn.initializers.uniform(1.0)
+    tables = {n: se.TableSpec(n, v, 8, initializer=init) for n, v in (("a", 45), ("b", 19), ("c", 70))}
+    feats = {f"f_{n}": se.FeatureSpec(f"f_{n}", t, 8 * devices) for n, t in tables.items()}
+    stacking = [["c", "a", "b"]]
+    sc, plain = (se.plan(feats, make_mesh(devices), sparsecores=k, stacking=stacking) for k in (S, 0))
+    got = se.init_tables(sc, jax.random.key(5))
+    natural = se.unstack_tables(sc, got)
+    want = se.unstack_tables(plain, se.init_tables(plain, jax.random.key(5)))
+    jax.tree.map(np.testing.assert_array_equal, natural, want)
+    order = [p.table.name for p in sc.stacks[0].tables]
+    assert order == ["a", "b", "c"]  # a plan stacks tables in name order
+    theirs = se.to_jte(se.jte_layout(sc.tables, devices * S, stacking=[order], rotation=S), natural, devices * S,
+                       pad_value=0.0)
+    np.testing.assert_array_equal(np.asarray(got["a_b_c"].table), theirs["a_b_c"])
+
+
 def test_tables_convert_to_the_natural_format_and_jax_tpu_embeddings_layout_and_back():
     sc, _ = _plans(make_mesh(2), opt.Adagrad(0.1), 4, 16)
     tables = se.init_tables(sc, jax.random.key(1))
