@@ -1,5 +1,6 @@
 """The benchmarks run (a smoke run at tiny size): they cannot rot."""
 
+import gc
 import json
 
 import pytest
@@ -9,7 +10,11 @@ from benchmarks import peers, report, step, systems, workload
 
 def test_step_benchmark_smoke(capsys):
     """--quick with every optimizer, both kernels and every installed peer; missing peers get a status row."""
-    out = step.main(["--quick", "--optimizer", "all", "--steps", "2", "--vocab-rounds", "1"])
+    gc.freeze()  # its collections then scan only what it made, not the whole suite's heap
+    try:
+        out = step.main(["--quick", "--optimizer", "all", "--steps", "2", "--vocab-rounds", "1"])
+    finally:
+        gc.unfreeze()
     measured = {"forward"} | {f"train_{o}" for o in workload.OPTIMIZERS}
     for kernel in systems.KERNELS:
         ours = out["systems"][systems.sparse_embed_key(kernel)]
@@ -70,7 +75,11 @@ def test_preprocess_benchmark_smoke(capsys):
 def test_checkpoint_benchmark_smoke(capsys, tmp_path):
     from benchmarks import checkpoint
 
-    out = checkpoint.main(["--quick", "--dir", str(tmp_path), "--json", str(tmp_path / "ck.json")])
+    gc.freeze()  # the benchmark collects garbage before each measurement: not the whole suite's heap each time
+    try:
+        out = checkpoint.main(["--quick", "--dir", str(tmp_path), "--json", str(tmp_path / "ck.json")])
+    finally:
+        gc.unfreeze()
     (case,) = out["cases"]
     assert case["state_bytes"] == 100_000 * 64 * 4 * 2  # table + Adagrad accumulator
     assert all(case[k] > 0 for k in ("init_s", "save_s", "restore_s", "np_save_s", "np_load_s"))
