@@ -77,6 +77,7 @@ class FeatureLayout:
     samples_per_device: int  # batch_size // num_devices
     shard: int | None = None  # "table" placement: the device holding the feature's table
     partial_offset: int | None = None  # "table": first row of this feature in its shard's partials
+    table_rotation: int = 0  # rotation of the feature's table in the stack (SparseCores; `TablePlacement`)
     slices: int = 1  # SparseCore stacks: its rows are cut into one slice per SparseCore of the device,
     slice_rows: int = 0  # slice k at output rows `[k * slice_rows + row_offset, ... + rows_per_device / slices)`
 
@@ -823,7 +824,7 @@ def _stack_plan(name: str, tables: list[TableSpec], feats: dict[str, FeatureSpec
         if f.table.name in placements:
             p = placements[f.table.name]
             lay = FeatureLayout(f, p.row_offset, row, f.batch_size // num_shards, p.shard,
-                                None if p.shard is None else partial[p.shard])
+                                None if p.shard is None else partial[p.shard], p.rotation)
             layouts.append(lay)
             row += lay.rows_per_device // max(sparsecores, 1)
             if p.shard is not None:

@@ -67,7 +67,7 @@ def gains(lay: FeatureLayout, row: np.ndarray, weights: np.ndarray) -> np.ndarra
 
 def _stack_entries(stack: StackPlan, flats: dict[str, FlatIds]):
     """All entries of a stack: (partition key d*S+s, col_id, row_id, value), in row order per device."""
-    S, rotation = stack.segments, {p.table.name: p.rotation for p in stack.tables}
+    S = stack.segments
     keys, cols, rows, vals = [], [], [], []
     for lay in stack.features:
         f, (ids, weights, samples, positions) = lay.feature, flats[lay.feature.name]
@@ -79,7 +79,7 @@ def _stack_entries(stack: StackPlan, flats: dict[str, FlatIds]):
         stack_row = ids + lay.table_row_offset
         if stack.sparsecores:  # MOD over every SparseCore, the table rotated (`planning`)
             N, C = stack.mod_shards, stack.sparsecores
-            p = (stack_row % N + rotation[lay.feature.table.name]) % N
+            p = (stack_row % N + lay.table_rotation) % N
             shard, col = p // C, p % C * stack.sc_rows + stack_row // N
         elif lay.shard is None:  # MOD over S segments ("replicated": S = 1, the device's own)
             shard, col = np.divmod(stack_row, S)[::-1]
@@ -151,11 +151,10 @@ def native_feature(stack: StackPlan, lay: FeatureLayout, ids: CanonicalIds, *, r
     offsets = None if ids.dense else np.concatenate(([0], np.cumsum(ids.lengths)))
     batch, width = ids.ids.shape if ids.dense else (ids.lengths.size, 0)
     vocab, offset = (0, 0) if raw else (f.table.vocabulary_size, lay.table_row_offset)  # raw ids: no rows
-    rotation = next(p.rotation for p in stack.tables if p.table.name == f.table.name)
     return (ids.ids, ids.weights, offsets, batch, width, vocab, offset, lay.partial_row_offset,
             lay.samples_per_device, f.max_sequence_length, _COMBINER_CODES[f.table.combiner],
             -1 if lay.shard is None else lay.shard, stack.sparsecores, stack.sc_rows if stack.sparsecores else 0,
-            rotation, lay.slice_rows)
+            lay.table_rotation, lay.slice_rows)
 
 
 def partition_native(stack: StackPlan, flats: dict[str, CanonicalIds], num_devices: int, *,
