@@ -25,7 +25,7 @@ only reads it.
 from __future__ import annotations
 
 import functools
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -154,7 +154,8 @@ class _Mapped(NamedTuple):
     stats: IdMapStats
 
 
-def _wait(stack: StackPlan, m: IdMap, u: jax.Array, miss: jax.Array, occ: jax.Array, step: jax.Array, find):
+def _wait(stack: StackPlan, m: IdMap, u: jax.Array, miss: jax.Array, occ: jax.Array, step: jax.Array,
+          find: Callable):
     """Counts the missing ids' occurrences; returns (admit mask, new pending set, counts, forgotten)."""
     d, pend = stack.dynamic, m.pending
     pslot = jnp.where(miss, find(pend, u), -1)
@@ -180,14 +181,19 @@ def _expired(d, last: jax.Array, slot: jax.Array, step: jax.Array) -> jax.Array:
 
 
 def _map_shard(stack: StackPlan, m: IdMap, u: jax.Array, occ: jax.Array, step: jax.Array, shard: jax.Array,
-               train: bool, find) -> _Mapped:
+               train: bool, search: kernels.KeySearch) -> _Mapped:
     """One shard: the rows of the distinct ids `u [Q, 2]` (any order; FREE = none), and the new map.
 
-    `find(key_set, queries)` searches a `KeySet` (`key_set.find`, or the native kernel's).
+    `search` searches a `KeySet` (`key_set`'s functions, or the native kernel's).
     """
     d, rows, R = stack.dynamic, m.rows, stack.rows_per_shard
     valid = u[:, 0] != FREE
-    slot = find(rows, u)
+    if train:  # found ids get last = step, except expired ones (which keep theirs, so `_expired` still sees them)
+        stale_before = jnp.iinfo(jnp.int32).min if d.expire_after is None else step - d.expire_after
+        slot, last = search.touch(rows, u, step, stale_before)
+        rows = rows._replace(last=last)
+    else:
+        slot = search.find(rows, u)
     expired = _expired(d, rows.last, slot, step)
     hit = (slot >= 0) & ~expired
     miss = valid & ~hit
@@ -195,11 +201,10 @@ def _map_shard(stack: StackPlan, m: IdMap, u: jax.Array, occ: jax.Array, step: j
     if not train:
         stats = IdMapStats(zero, zero, zero, miss.sum(), zero, zero, rows.size, zero if m.pending is None else m.pending.size)
         return _Mapped(jnp.where(hit, slot, R), m, jnp.zeros(slot.shape, bool), stats)
-    rows = rows._replace(last=rows.last.at[jnp.where(hit, slot, R)].set(step, mode="drop"))
     if m.pending is None:
         admit, pend, counts, forgotten = miss, None, None, zero
     else:
-        admit, pend, counts, forgotten = _wait(stack, m, u, miss, occ, step, find)
+        admit, pend, counts, forgotten = _wait(stack, m, u, miss, occ, step, search.find)
     removed = None if d.expire_after is None else jnp.zeros((R,), bool).at[jnp.where(expired, slot, R)].set(
         True, mode="drop")
     ins = key_set.insert(rows, shard_capacity(stack, shard), u, admit, removed, step)
@@ -237,7 +242,7 @@ def _stacked(m: IdMap) -> IdMap:
 
 
 def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: EmbeddingVariables, m: IdMap,
-                step: jax.Array, train: bool, find):
+                step: jax.Array, train: bool, search: kernels.KeySearch):
     """Inside shard_map, one stack: exchange the ids, map them, send every segment its rows."""
     S, R = stack.num_shards, stack.rows_per_shard
     C = coo.col_ids.shape[0] // S
@@ -250,7 +255,7 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     if stack.dynamic.admit_after > 1:
         occ = jnp.zeros((S * C,), jnp.int32).at[slot_of].add(1, mode="drop")
         occ = occ if inverse is None else jnp.zeros((S * C,), jnp.int32).at[inverse].add(occ, mode="drop")
-    mapped = _map_shard(stack, m, u, occ, step, jax.lax.axis_index(axis), train, find)
+    mapped = _map_shard(stack, m, u, occ, step, jax.lax.axis_index(axis), train, search)
     if train:
         v = _reinit(stack, v, m.seed, u, mapped.rows, mapped.new)
     # One source: its ids arrive distinct (preprocessing numbered them), so key slot = distinct id.
@@ -311,7 +316,7 @@ def _map_jit(plan: EmbeddingPlan, train: bool, batch, tables, id_maps, step):
         for s in dyn:
             coo = jax.tree.map(lambda x: x[0], batch[s.name])
             b, v, m, st = _stack_body(s, axis, coo, tables[s.name], _local(maps[s.name]), step, train,
-                                      kernels.key_finder(plan, s))
+                                      kernels.key_search(plan, s))
             out[s.name] = (jax.tree.map(lambda x: x[None], b), v, _stacked(m), st)
         return out
 

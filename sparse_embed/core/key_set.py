@@ -116,6 +116,17 @@ def find(s: KeySet, q: jax.Array) -> jax.Array:
     return jnp.where(hit, s.order[p], -1)
 
 
+def touch(s: KeySet, q: jax.Array, step: jax.Array, stale_before: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`find`, and the last-use steps with every key found set to `step`: `(slots [Q], last [N])`.
+
+    Keys last used before `stale_before` (expired) keep their step. The
+    queries are distinct keys, so no slot is set twice.
+    """
+    slot = find(s, q)
+    fresh = (slot >= 0) & (s.last[jnp.maximum(slot, 0)] >= stale_before)
+    return slot, s.last.at[jnp.where(fresh, slot, s.last.shape[0])].set(step, mode="drop")
+
+
 def drop_missing(index: jax.Array, n: int) -> jax.Array:
     """Scatter indices with -1 (none) moved out of range, so that `mode="drop"` drops them."""
     return jnp.where(index >= 0, index, n)

@@ -444,7 +444,7 @@ def test_inspect_shows_occupancy_and_verify_checks_the_map(tmp_path, capsys):
 def test_key_set_finds_exactly_the_keys_it_holds(spread):
     """The per-shard set (directory of buckets + search in one bucket) against a Python dict, over rounds of
     inserts with LRU eviction, for keys spread in different ways; searched by each kernel's `find_keys`
-    (the native one where its extension is built)."""
+    and `touch_keys` (the native one where its extension is built; touch against a numpy update of `last`)."""
     from sparse_embed.core import key_set
     from sparse_embed.core.kernels import GENERIC, NATIVE, native_cpu
     from sparse_embed.host.raw_ids import join_words, split_words
@@ -463,13 +463,27 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread):
                                    list(gen.integers(0, 2**63 - 1, 50))), q)
 
     insert = jax.jit(lambda s, k, w, step: key_set.insert(s, jnp.int32(n), k, w, jnp.zeros(n, bool), step))
-    finders = [jax.jit(k.find_keys) for k in (GENERIC, NATIVE) if k is GENERIC or native_cpu.available()]
+    kernels = [k for k in (GENERIC, NATIVE) if k is GENERIC or native_cpu.available()]
+    finders = [jax.jit(k.find_keys) for k in kernels]
+    touchers = [jax.jit(k.touch_keys) for k in kernels]
 
     def find(s, q):  # every kernel's answer, checked equal
         got = [np.asarray(f(s, q)) for f in finders]
         for g in got[1:]:
             np.testing.assert_array_equal(g, got[0])
         return got[0]
+
+    def touch(s, q, step, stale_before):  # every kernel's, checked equal, and against numpy
+        want_last = np.asarray(s.last).copy()
+        slot = find(s, q)
+        for sl in slot[slot >= 0]:
+            if want_last[sl] >= stale_before:
+                want_last[sl] = step
+        for t in touchers:
+            got_slot, got_last = t(s, q, jnp.int32(step), jnp.int32(stale_before))
+            np.testing.assert_array_equal(np.asarray(got_slot), slot)
+            np.testing.assert_array_equal(np.asarray(got_last), want_last)
+        return s._replace(last=jnp.asarray(want_last))
 
     s, held = key_set.empty(n), {}
     assert (find(s, jnp.asarray(split_words(draw()))) == -1).all()  # an empty set
@@ -481,6 +495,7 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread):
         slot = slot[:-3]
         for i, sl in zip(ids.tolist(), slot.tolist()):
             assert (sl >= 0) == (i in held) and (sl < 0 or held[i] == sl), (step, i)
+        s = touch(s, words, step, step - 2)  # keys last used before step - 2 stay as they are
         want = jnp.asarray(slot < 0)
         res = insert(s, words, want, jnp.int32(step))
         s, new = res.set, np.asarray(res.slots)
@@ -498,8 +513,11 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread):
             assert (find(s, jnp.asarray(split_words(np.array(absent, np.int64)))) < 0).all()
     if native_cpu.available():  # many queries: several chunks over the thread pool, the same answers on one thread
         many = jnp.asarray(split_words(np.concatenate([draw() for _ in range(20)] + [np.array(list(held))])))
-        one_thread = jax.jit(native_cpu.NativeCpuKernel(threads=1).find_keys)(s, many)
-        np.testing.assert_array_equal(np.asarray(one_thread), find(s, many))
+        one_thread = native_cpu.NativeCpuKernel(threads=1)
+        np.testing.assert_array_equal(np.asarray(jax.jit(one_thread.find_keys)(s, many)), find(s, many))
+        distinct = jnp.asarray(split_words(np.unique(join_words(np.asarray(many)))))
+        for a, b in zip(jax.jit(one_thread.touch_keys)(s, distinct, 99, 5), touchers[1](s, distinct, 99, 5)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_default_vector_is_read_by_ids_without_a_row_and_never_trained():

@@ -14,7 +14,7 @@ a kernel instance (e.g. `GenericKernel(chunk=5)`, `NativeCpuKernel(threads=1)`).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 
@@ -47,10 +47,18 @@ def for_stack(plan: EmbeddingPlan, stack: StackPlan) -> Kernel:
     return kernel
 
 
-def key_finder(plan: EmbeddingPlan, stack: StackPlan) -> Callable[[key_set.KeySet, jax.Array], jax.Array]:
-    """How a raw-id stack's shards search their `KeySet`: its kernel's `find_keys`, else `key_set.find`."""
-    return getattr(for_stack(plan, stack), "find_keys", key_set.find)
+class KeySearch(NamedTuple):
+    """How a raw-id stack's shards search their `KeySet`s (`key_set.find` / `key_set.touch`'s signatures)."""
+
+    find: Callable[[key_set.KeySet, jax.Array], jax.Array]
+    touch: Callable[[key_set.KeySet, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
-__all__ = ["GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "NativeCpuKernel", "Received", "for_stack",
-           "key_finder"]
+def key_search(plan: EmbeddingPlan, stack: StackPlan) -> KeySearch:
+    """The stack's kernel's `find_keys` / `touch_keys`, else `key_set.find` / `key_set.touch`."""
+    kernel = for_stack(plan, stack)
+    return KeySearch(getattr(kernel, "find_keys", key_set.find), getattr(kernel, "touch_keys", key_set.touch))
+
+
+__all__ = ["GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "NativeCpuKernel", "KeySearch", "Received",
+           "for_stack", "key_search"]

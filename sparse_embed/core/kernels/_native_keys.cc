@@ -1,15 +1,23 @@
-// The raw-id map's key search (core/key_set.py `find`) in C++, through XLA's typed FFI (see native_cpu.py).
+// The raw-id map's key search (core/key_set.py `find` and `touch`) in C++, through XLA's typed FFI (see
+// native_cpu.py).
 //
 // slots[i] = the slot of the set holding key q[i], or -1. Found as key_set.lower_bound finds it: the
 // query's directory bucket (the same float32 arithmetic as `_bucket`, so the same bucket), then a binary
 // search of that bucket's positions of `sorted_keys` (side by side: one or two cache lines), then `order`
 // at the position found. Keys in a set are distinct, so the answer is the generic search's, bit for bit.
-// Queries go in groups of kGroup, one phase at a time for the whole group (directory, bucket, search,
-// order), with every phase's loads prefetched first: their cache misses overlap, three per query in all.
-// Chunks of kChunk queries run on XLA's thread pool; each query's answer is its own, whatever the threads.
+// `touch_keys` also sets last[slot] = step for each key found that is not stale (last >= stale_before), in
+// place: the train step's last-use update, without a scatter of its own.
+//
+// The queries are first put in bucket order (a counting sort), so the searches walk the directory, the keys
+// and `order` from low addresses to high: neighbouring queries share cache lines and the hardware prefetcher
+// runs ahead. They then go in groups of kGroup, one phase at a time for the whole group (directory, bucket,
+// search, order, last), with every phase's loads prefetched first, so that their cache misses overlap.
+// Chunks of kChunk sorted queries run on XLA's thread pool; each query's answer is its own, whatever the
+// threads (the queries are distinct keys, so no two touch one slot).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "_native_threads.h"
@@ -19,38 +27,65 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kGroup = 32;
+constexpr int64_t kAhead = 64;  // queries between a bucket's prefetch and its search
 constexpr int64_t kChunk = 4096;  // queries per task of the thread pool
+constexpr size_t kKeepScratch = size_t(64) << 20;  // a thread keeps its sort's scratch up to this size
 
 // The 64-bit key in row i of `keys [.., 2]` (two int32 words, high first).
 inline uint64_t key_of(const int32_t* keys, int64_t i) {
   return (uint64_t(uint32_t(keys[2 * i])) << 32) | uint32_t(keys[2 * i + 1]);
 }
 
-// key_set._bucket: floor((value(q) - span[0]) * span[1]), NaN -> 0, clipped to [0, buckets - 1].
+// key_set._bucket: floor((value(q) - span[0]) * span[1]), NaN -> 0, clipped to [0, buckets - 1]. Without
+// std::floor (a libm call on baseline x86-64): below 1 the clip gives 0 either way, and from there on floor is
+// the truncation of a float conversion.
 inline int32_t bucket_of(uint64_t key, float first, float scale, int64_t buckets) {
   const float value = float(uint32_t(key >> 32)) * 4294967296.0f + float(uint32_t(key));
-  float x = std::floor((value - first) * scale);
-  if (std::isnan(x)) x = 0.0f;
-  return int32_t(std::min(std::max(x, 0.0f), float(buckets - 1)));
+  const float x = (value - first) * scale, top = float(buckets - 1);
+  return x >= top ? int32_t(buckets - 1) : x >= 1.0f ? int32_t(x) : 0;  // NaN compares false: 0
 }
 
-// Searches queries [from, to) (see the top of the file).
-void search(const int32_t* k, const int32_t* ord, const int32_t* dir, const int32_t* q, int32_t* out, int64_t n,
-            int64_t live, int64_t buckets, float first, float scale, int64_t from, int64_t to) {
+struct Set {
+  const int32_t* keys;    // sorted_keys [n, 2]
+  const int32_t* order;   // [n]
+  const int32_t* dir;     // [buckets + 1]
+  int64_t n, live, buckets;
+  float first, scale;
+};
+
+struct Touch {  // last-use update of touch_keys (last == nullptr: find only)
+  int32_t* last;
+  int32_t step, stale_before;
+};
+
+struct Query {  // a query in sorted order: its key, bucket and index
+  uint64_t key;
+  int32_t bucket, at;
+};
+
+// Searches the sorted queries [from, to) (see the top of the file).
+void search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int64_t from, int64_t to) {
+  const int32_t* k = s.keys;
+  const int64_t n = s.n;
   uint64_t want[kGroup];
   int64_t base[kGroup], len[kGroup], end[kGroup];
-  int32_t bucket[kGroup];
+  int32_t at[kGroup], slot[kGroup];
   for (int64_t g = from; g < to; g += kGroup) {
     const int64_t m = std::min(kGroup, to - g);
     for (int64_t j = 0; j < m; j++) {
-      want[j] = key_of(q, g + j);
-      bucket[j] = bucket_of(want[j], first, scale, buckets);
-      __builtin_prefetch(dir + bucket[j]);
+      at[j] = sorted[g + j].at;
+      want[j] = sorted[g + j].key;
+      // The bucket of the query kAhead further on: its keys are on their way when its group comes.
+      const int64_t ahead = std::min(g + j + kAhead, to - 1);
+      const int32_t* first = k + 2 * std::min<int64_t>(s.dir[sorted[ahead].bucket], n - 1);
+      __builtin_prefetch(first);
+      __builtin_prefetch(first + 16);
     }
     int64_t longest = 0;
     for (int64_t j = 0; j < m; j++) {
-      base[j] = dir[bucket[j]];
-      end[j] = q[2 * (g + j)] == -1 ? base[j] : dir[bucket[j] + 1];  // a free marker finds nothing
+      const int32_t b = sorted[g + j].bucket;
+      base[j] = s.dir[b];
+      end[j] = int32_t(want[j] >> 32) == -1 ? base[j] : s.dir[b + 1];  // a free marker finds nothing
       len[j] = end[j] - base[j];
       longest = std::max(longest, len[j]);
       __builtin_prefetch(k + 2 * std::min(base[j], n - 1));
@@ -66,32 +101,97 @@ void search(const int32_t* k, const int32_t* ord, const int32_t* dir, const int3
       }
     for (int64_t j = 0; j < m; j++) {
       const int64_t pos = base[j] + (len[j] == 1 && key_of(k, std::min(base[j], n - 1)) < want[j]);
-      const bool hit = pos < end[j] && pos < live && key_of(k, std::min(pos, n - 1)) == want[j];
+      const bool hit = pos < end[j] && pos < s.live && key_of(k, std::min(pos, n - 1)) == want[j];
       base[j] = hit ? pos : -1;
-      if (hit) __builtin_prefetch(ord + pos);
+      if (hit) __builtin_prefetch(s.order + pos);
     }
-    for (int64_t j = 0; j < m; j++) out[g + j] = base[j] >= 0 ? ord[base[j]] : -1;
+    for (int64_t j = 0; j < m; j++) {
+      slot[j] = base[j] >= 0 ? s.order[base[j]] : -1;
+      out[at[j]] = slot[j];
+      if (t.last && slot[j] >= 0) __builtin_prefetch(t.last + slot[j], 1);
+    }
+    if (t.last)
+      for (int64_t j = 0; j < m; j++)
+        if (slot[j] >= 0 && t.last[slot[j]] >= t.stale_before) t.last[slot[j]] = t.step;
   }
 }
 
-ffi::Error FindKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ffi::Buffer<ffi::S32> order,
-                    ffi::Buffer<ffi::S32> size, ffi::Buffer<ffi::S32> directory, ffi::Buffer<ffi::F32> span, ffi::Buffer<ffi::S32> queries,
-                    ffi::ResultBuffer<ffi::S32> slots, int64_t threads) {
-  const int32_t* k = sorted_keys.typed_data();
-  const int32_t* ord = order.typed_data();
-  const int32_t* dir = directory.typed_data();
-  const int32_t* q = queries.typed_data();
-  int32_t* out = slots->typed_data();
-  const int64_t n = int64_t(order.element_count()), live = size.typed_data()[0];
-  const int64_t buckets = int64_t(directory.element_count()) - 1, count = int64_t(slots->element_count());
-  const float first = span.typed_data()[0], scale = span.typed_data()[1];
-  if (n == 0 || buckets < 1) {
+// Scratch of the counting sort, kept per calling thread (devices of one process call from their own threads).
+struct Scratch {
+  std::vector<int32_t> bucket, start;
+  std::vector<Query> sorted;
+};
+
+// Finds (and with t.last, touches) every query; see the top of the file.
+void find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int32_t* q, int64_t count,
+              const Touch& t, int32_t* out) {
+  if (s.n == 0 || s.buckets < 1) {
     std::fill(out, out + count, -1);
-    return ffi::Error::Success();
+    return;
   }
-  parallel_for(pool, thread_count(pool, threads), (count + kChunk - 1) / kChunk, [&](int64_t c) {
-    search(k, ord, dir, q, out, n, live, buckets, first, scale, c * kChunk, std::min(count, (c + 1) * kChunk));
+  // A stable counting sort by bucket >> shift (at most max(count, 4096) bins, so a large set with few queries
+  // costs no more), its two passes split over the threads: the order is the same for any number of parts.
+  int shift = 0;
+  while ((s.buckets >> shift) > std::max<int64_t>(count, 4096)) shift++;
+  const int64_t bins = ((s.buckets - 1) >> shift) + 1, nt = thread_count(pool, threads);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(nt, count / kChunk));
+  thread_local Scratch scratch;
+  scratch.bucket.resize(count);
+  scratch.sorted.resize(count);  // the search reads them front to back
+  scratch.start.assign(parts * bins, 0);
+  int32_t* bucket = scratch.bucket.data();
+  int32_t* start = scratch.start.data();  // [parts, bins]: counts, then where each part's next query goes
+  Query* sorted = scratch.sorted.data();
+  const auto part = [&](int64_t p) { return std::make_pair(p * count / parts, (p + 1) * count / parts); };
+  parallel_for(pool, nt, parts, [&](int64_t p) {
+    int32_t* counts = start + p * bins;
+    for (auto [i, to] = part(p); i < to; i++) {
+      bucket[i] = bucket_of(key_of(q, i), s.first, s.scale, s.buckets);
+      counts[bucket[i] >> shift]++;
+    }
   });
+  for (int64_t b = 0, before = 0; b < bins; b++)
+    for (int64_t p = 0; p < parts; p++) {
+      const int32_t c = start[p * bins + b];
+      start[p * bins + b] = int32_t(before);
+      before += c;
+    }
+  parallel_for(pool, nt, parts, [&](int64_t p) {
+    int32_t* next = start + p * bins;
+    for (auto [i, to] = part(p); i < to; i++)
+      sorted[next[bucket[i] >> shift]++] = Query{key_of(q, i), bucket[i], int32_t(i)};
+  });
+  parallel_for(pool, nt, (count + kChunk - 1) / kChunk, [&](int64_t c) {
+    search(s, sorted, t, out, c * kChunk, std::min(count, (c + 1) * kChunk));
+  });
+  if (scratch.sorted.capacity() * sizeof(Query) > kKeepScratch) scratch = Scratch();  // a rare huge call
+}
+
+Set set_of(ffi::Buffer<ffi::S32>& sorted_keys, ffi::Buffer<ffi::S32>& order, ffi::Buffer<ffi::S32>& size,
+           ffi::Buffer<ffi::S32>& directory, ffi::Buffer<ffi::F32>& span) {
+  return Set{sorted_keys.typed_data(), order.typed_data(), directory.typed_data(), int64_t(order.element_count()),
+             size.typed_data()[0], int64_t(directory.element_count()) - 1, span.typed_data()[0],
+             span.typed_data()[1]};
+}
+
+ffi::Error FindKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ffi::Buffer<ffi::S32> order,
+                    ffi::Buffer<ffi::S32> size, ffi::Buffer<ffi::S32> directory, ffi::Buffer<ffi::F32> span,
+                    ffi::Buffer<ffi::S32> queries, ffi::ResultBuffer<ffi::S32> slots, int64_t threads) {
+  find_all(pool, threads, set_of(sorted_keys, order, size, directory, span), queries.typed_data(),
+           int64_t(slots->element_count()), Touch{nullptr, 0, 0}, slots->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error TouchKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ffi::Buffer<ffi::S32> order,
+                     ffi::Buffer<ffi::S32> size, ffi::Buffer<ffi::S32> directory, ffi::Buffer<ffi::F32> span,
+                     ffi::Buffer<ffi::S32> queries, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> stale_before,
+                     ffi::Buffer<ffi::S32> last_in, ffi::ResultBuffer<ffi::S32> slots,
+                     ffi::ResultBuffer<ffi::S32> last, int64_t threads) {
+  if (last_in.typed_data() != last->typed_data())  // not aliased (XLA copies when it must): start from a copy
+    std::copy_n(last_in.typed_data(), last_in.element_count(), last->typed_data());
+  const Touch touch{last->typed_data(), step.typed_data()[0], stale_before.typed_data()[0]};
+  find_all(pool, threads, set_of(sorted_keys, order, size, directory, span), queries.typed_data(),
+           int64_t(slots->element_count()), touch, slots->typed_data());
   return ffi::Error::Success();
 }
 
@@ -107,4 +207,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedFindKeys, FindKeys,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // span [2]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // queries [Q, 2]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // slots [Q]
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedTouchKeys, TouchKeys,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sorted_keys [N, 2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // order [N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // size []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // directory [B + 1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // span [2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // queries [Q, 2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // step []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // stale_before []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // last [N] (aliased with the second result)
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // slots [Q]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // last [N]
                                   .Attr<int64_t>("threads"));

@@ -239,6 +239,10 @@ class GenericKernel:
     def find_keys(self, keys: key_set.KeySet, queries: jax.Array) -> jax.Array:
         return key_set.find(keys, queries)
 
+    def touch_keys(self, keys: key_set.KeySet, queries: jax.Array, step: jax.Array,
+                   stale_before: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return key_set.touch(keys, queries, step, stale_before)
+
     # ------------------------------------------------------------ chunking
     def _chunks(self, n: int) -> tuple[int, int]:
         """(number, size) of the chunks n entries are cut into: number * size >= n."""

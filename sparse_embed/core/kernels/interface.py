@@ -17,9 +17,11 @@ is a `Kernel`'s, one stack at a time, inside `shard_map`:
   activation gradient of source d's output row) and apply the stack's
   optimizer to each touched row and its slots, in place; return the
   updated `EmbeddingVariables`.
-- `find_keys(keys, queries)`: the raw-id map's search of one shard's
-  `KeySet` (`key_set.find`), for the stacks this kernel runs. Optional: a
-  kernel without it gets `key_set.find`.
+- `find_keys(keys, queries)` and `touch_keys(keys, queries, step,
+  stale_before)`: the raw-id map's search of one shard's `KeySet`
+  (`key_set.find`), and the same with the found keys' last-use steps set
+  (`key_set.touch`, in a train step), for the stacks this kernel runs.
+  Optional: a kernel without them gets `key_set`'s.
 
 A kernel owns its tricks: the lookup never knows which algorithm runs.
 """
@@ -70,4 +72,6 @@ class Kernel(Protocol):
                  grads: jax.Array, step: jax.Array | None, skip_nonfinite: bool) -> EmbeddingVariables:
         """Combine duplicate rows' gradients and apply the optimizer to the touched rows, in place."""
 
-    # find_keys(keys: KeySet, queries [Q, 2]) -> slots [Q] (-1: absent): optional, see the module docstring.
+    # Optional, see the module docstring:
+    # find_keys(keys: KeySet, queries [Q, 2]) -> slots [Q] (-1: absent)
+    # touch_keys(keys: KeySet, queries [Q, 2], step [], stale_before []) -> (slots [Q], last [N])

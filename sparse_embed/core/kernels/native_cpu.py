@@ -19,9 +19,11 @@ the same bits); they agree with the generic kernel to about 1e-6 (bit for
 bit where the order of operations is the same, e.g. the forward and an SGD
 update).
 
-Raw-id tables (`id_maps`) look their ids up with `find_keys`
-(`_native_keys.cc`): `key_set.find`'s search, bit for bit, with the cache
-misses of 32 queries overlapped.
+Raw-id tables (`id_maps`) look their ids up with `find_keys` and
+`touch_keys` (`_native_keys.cc`): `key_set.find`'s search and
+`key_set.touch`'s last-use update, bit for bit, with the queries first put
+in bucket order (so the set is read from low addresses to high) and the
+cache misses of 32 queries overlapped.
 
 The backward takes a token that the forward outputs after its reads, so
 XLA orders the in-place writes after them without copying a table, with or
@@ -182,6 +184,19 @@ class NativeCpuKernel:
         return EmbeddingVariables(out[0], dict(zip(names, out[1:])))
 
     def find_keys(self, keys: key_set.KeySet, queries: jax.Array) -> jax.Array:
-        _register()  # `_native_keys.cc`: the directory bucket, a binary search in it, 32 queries in lockstep
+        _register()  # `_native_keys.cc`: queries in bucket order, a binary search in the bucket, 32 in lockstep
         return jax.ffi.ffi_call(_TARGET.format("find_keys"), jax.ShapeDtypeStruct(queries.shape[:1], jnp.int32))(
-            keys.sorted_keys, keys.order, keys.size, keys.directory, keys.span, queries, threads=np.int64(self.threads))
+            *self._set(keys), queries, threads=np.int64(self.threads))
+
+    def touch_keys(self, keys: key_set.KeySet, queries: jax.Array, step: jax.Array,
+                   stale_before: jax.Array) -> tuple[jax.Array, jax.Array]:
+        _register()  # `find_keys`, then the found keys' last-use steps set in place (`last` aliased)
+        # results typed like the inputs (inside shard_map: varying over its axes, as `last` is)
+        out = (jax.typeof(queries).update(shape=queries.shape[:1]), jax.typeof(keys.last))
+        i32 = lambda x: jnp.asarray(x, jnp.int32)
+        return tuple(jax.ffi.ffi_call(_TARGET.format("touch_keys"), out, input_output_aliases={8: 1})(
+            *self._set(keys), queries, i32(step), i32(stale_before), keys.last, threads=np.int64(self.threads)))
+
+    @staticmethod
+    def _set(keys: key_set.KeySet) -> tuple[jax.Array, ...]:
+        return keys.sorted_keys, keys.order, keys.size, keys.directory, keys.span
