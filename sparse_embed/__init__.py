@@ -24,6 +24,7 @@ from sparse_embed.core.specs import Dynamic, FeatureSpec, TableSpec
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import init_tables, stack_tables, unstack_state, unstack_tables
 from sparse_embed.host.ids import FlatIds, flatten
+from sparse_embed.host.malloc import configure_cpu_allocator
 from sparse_embed.host.prefetching import Prefetched, Prefetcher, prefetch
 from sparse_embed.host.preprocessing import preprocess
 from sparse_embed.integrations.jte import JteTableLayout, from_jte, jte_layout, jte_layout_from_specs, to_jte
@@ -72,6 +73,7 @@ __all__ = [
     "prefetch",
     "preprocess",
     # the lookup
+    "configure_cpu_allocator",
     "configure_xla_cpu",
     "lookup",
     "nonfinite_rows",

@@ -91,7 +91,7 @@ def test_raw_ids_benchmark_smoke(tmp_path):
     from benchmarks import raw_ids
 
     out = raw_ids.main(["--tables", "2", "--rows", "2000", "--batch", "64", "--steps", "2", "--warmup", "1",
-                        "--preprocess_reps", "1", "--out", str(tmp_path / "r.json")])
+                        "--preprocess_reps", "1", "--malloc", "glibc", "--out", str(tmp_path / "r.json")])
     assert "| train step (SGD), ms |" in out and "| map bytes per row | - | 16.2" in out  # 16 + the directory
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["step_ratio"] > 0 and r["preprocess_ratio"] > 0
