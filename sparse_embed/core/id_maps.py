@@ -150,7 +150,7 @@ def initial_rows(stack: StackPlan, seed: jax.Array, keys: jax.Array) -> jax.Arra
 class _Mapped(NamedTuple):
     rows: jax.Array  # [Q] local row of each distinct id (rows_per_shard: none)
     ids: IdMap
-    new: jax.Array  # [Q] bool: the row is new (to initialise)
+    tables: EmbeddingVariables  # with the new ids' rows (re)initialised
     stats: IdMapStats
 
 
@@ -180,9 +180,9 @@ def _expired(d, last: jax.Array, slot: jax.Array, step: jax.Array) -> jax.Array:
     return (slot >= 0) & (last[jnp.maximum(slot, 0)] < step - d.expire_after)
 
 
-def _map_shard(stack: StackPlan, m: IdMap, u: jax.Array, occ: jax.Array, step: jax.Array, shard: jax.Array,
-               train: bool, search: kernels.KeySearch) -> _Mapped:
-    """One shard: the rows of the distinct ids `u [Q, 2]` (any order; FREE = none), and the new map.
+def _map_shard(stack: StackPlan, v: EmbeddingVariables, m: IdMap, u: jax.Array, occ: jax.Array, step: jax.Array,
+               shard: jax.Array, train: bool, search: kernels.KeySearch) -> _Mapped:
+    """One shard: the rows of the distinct ids `u [Q, 2]` (any order; FREE = none), the new map and tables.
 
     `search` searches a `KeySet` (`key_set`'s functions, or the native kernel's).
     """
@@ -200,23 +200,34 @@ def _map_shard(stack: StackPlan, m: IdMap, u: jax.Array, occ: jax.Array, step: j
     zero = jnp.zeros((), jnp.int32)
     if not train:
         stats = IdMapStats(zero, zero, zero, miss.sum(), zero, zero, rows.size, zero if m.pending is None else m.pending.size)
-        return _Mapped(jnp.where(hit, slot, R), m, jnp.zeros(slot.shape, bool), stats)
+        return _Mapped(jnp.where(hit, slot, R), m, v, stats)
     if m.pending is None:
         admit, pend, counts, forgotten = miss, None, None, zero
     else:
         admit, pend, counts, forgotten = _wait(stack, m, u, miss, occ, step, search.find)
     removed = None if d.expire_after is None else jnp.zeros((R,), bool).at[jnp.where(expired, slot, R)].set(
         True, mode="drop")
-    ins = key_set.insert(rows, shard_capacity(stack, shard), u, admit, removed, step)
-    new = ins.slots >= 0
-    stats = IdMapStats(new.sum(), ins.evicted, expired.sum(), (miss & ~admit).sum(), (admit & ~new).sum(),
-                       forgotten, ins.set.size, zero if pend is None else pend.size)
-    return _Mapped(jnp.where(hit, slot, jnp.where(new, ins.slots, R)), IdMap(ins.set, pend, counts, m.seed), new, stats)
+    found = jnp.where(hit, slot, R)
+
+    def place(v):  # ids to admit, or expired ones: insert (evicting if full) and initialise the new rows
+        ins = key_set.insert(rows, shard_capacity(stack, shard), u, admit, removed, step)
+        new = ins.slots >= 0  # admitted ids are misses: none of them has a row in `found`
+        tally = jnp.stack([new.sum(), ins.evicted, (admit & ~new).sum()]).astype(jnp.int32)
+        return jnp.where(new, ins.slots, found), ins.set, _reinit(stack, v, m.seed, u, ins.slots, new), tally
+
+    def keep(v):  # most steps: no map or table array changes, nothing to build
+        return found, rows, v, jnp.zeros_like(found, shape=(3,))
+
+    changes = admit.any() if removed is None else admit.any() | removed.any()
+    out, rows, v, (admitted, evicted, no_room) = jax.lax.cond(changes, place, keep, v)
+    stats = IdMapStats(admitted, evicted, expired.sum(), (miss & ~admit).sum(), no_room, forgotten, rows.size,
+                       zero if pend is None else pend.size)
+    return _Mapped(out, IdMap(rows, pend, counts, m.seed), v, stats)
 
 
 def _reinit(stack: StackPlan, v: EmbeddingVariables, seed: jax.Array, u: jax.Array, rows: jax.Array,
             new: jax.Array) -> EmbeddingVariables:
-    """The new rows (and their slots) set to their initial values; nothing to do on steps without new rows."""
+    """The new rows (and their slots) set to their initial values; nothing to do when no id got a row."""
     R = stack.rows_per_shard
     at = jnp.where(new, rows, R)
     specs = stack.optimizer.slots(stack.embedding_dim)
@@ -255,9 +266,8 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     if stack.dynamic.admit_after > 1:
         occ = jnp.zeros((S * C,), jnp.int32).at[slot_of].add(1, mode="drop")
         occ = occ if inverse is None else jnp.zeros((S * C,), jnp.int32).at[inverse].add(occ, mode="drop")
-    mapped = _map_shard(stack, m, u, occ, step, jax.lax.axis_index(axis), train, search)
-    if train:
-        v = _reinit(stack, v, m.seed, u, mapped.rows, mapped.new)
+    mapped = _map_shard(stack, v, m, u, occ, step, jax.lax.axis_index(axis), train, search)
+    v = mapped.tables
     # One source: its ids arrive distinct (preprocessing numbered them), so key slot = distinct id.
     row_of_slot = mapped.rows if inverse is None else mapped.rows.at[inverse].get(mode="fill", fill_value=R)
     rows = jnp.where(used.reshape(-1), row_of_slot.at[slot_of].get(mode="fill", fill_value=R), R)
