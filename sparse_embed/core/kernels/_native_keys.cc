@@ -197,27 +197,25 @@ ffi::Error TouchKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ff
 
 }  // namespace
 
+// The arguments both handlers start with: the set, then the queries.
+static auto set_and_queries() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32>>()   // sorted_keys [N, 2]
+      .Arg<ffi::Buffer<ffi::S32>>()   // order [N]
+      .Arg<ffi::Buffer<ffi::S32>>()   // size []
+      .Arg<ffi::Buffer<ffi::S32>>()   // directory [B + 1]
+      .Arg<ffi::Buffer<ffi::F32>>()   // span [2]
+      .Arg<ffi::Buffer<ffi::S32>>();  // queries [Q, 2]
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedFindKeys, FindKeys,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // sorted_keys [N, 2]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // order [N]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // size []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // directory [B + 1]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // span [2]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // queries [Q, 2]
+                              set_and_queries()
                                   .Ret<ffi::Buffer<ffi::S32>>()  // slots [Q]
                                   .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedTouchKeys, TouchKeys,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // sorted_keys [N, 2]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // order [N]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // size []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // directory [B + 1]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // span [2]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // queries [Q, 2]
+                              set_and_queries()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // step []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // stale_before []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // last [N] (aliased with the second result)
