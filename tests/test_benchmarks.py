@@ -8,13 +8,17 @@ import pytest
 from benchmarks import peers, report, step, systems, workload
 
 
-def test_step_benchmark_smoke(capsys):
+@pytest.fixture
+def frozen_heap():
+    """The suite's heap frozen: a benchmark's garbage collections then scan only what it made."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+def test_step_benchmark_smoke(capsys, frozen_heap):
     """--quick with every optimizer, both kernels and every installed peer; missing peers get a status row."""
-    gc.freeze()  # its collections then scan only what it made, not the whole suite's heap
-    try:
-        out = step.main(["--quick", "--optimizer", "all", "--steps", "2", "--vocab-rounds", "1"])
-    finally:
-        gc.unfreeze()
+    out = step.main(["--quick", "--optimizer", "all", "--steps", "2", "--vocab-rounds", "1"])
     measured = {"forward"} | {f"train_{o}" for o in workload.OPTIMIZERS}
     for kernel in systems.KERNELS:
         ours = out["systems"][systems.sparse_embed_key(kernel)]
@@ -72,14 +76,10 @@ def test_preprocess_benchmark_smoke(capsys):
     assert "ratio" in capsys.readouterr().out
 
 
-def test_checkpoint_benchmark_smoke(capsys, tmp_path):
+def test_checkpoint_benchmark_smoke(capsys, tmp_path, frozen_heap):
     from benchmarks import checkpoint
 
-    gc.freeze()  # the benchmark collects garbage before each measurement: not the whole suite's heap each time
-    try:
-        out = checkpoint.main(["--quick", "--dir", str(tmp_path), "--json", str(tmp_path / "ck.json")])
-    finally:
-        gc.unfreeze()
+    out = checkpoint.main(["--quick", "--dir", str(tmp_path), "--json", str(tmp_path / "ck.json")])
     (case,) = out["cases"]
     assert case["state_bytes"] == 100_000 * 64 * 4 * 2  # table + Adagrad accumulator
     assert all(case[k] > 0 for k in ("init_s", "save_s", "restore_s", "np_save_s", "np_load_s"))
