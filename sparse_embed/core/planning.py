@@ -269,15 +269,28 @@ class StackPlan:
         return self.rows_per_shard * self.row_bytes
 
     def kernel_view(self, sources: int | None = None, out_rows: int | None = None,
-                    axis: str | None = None) -> "KernelStack":
+                    axis: str | None = None, per_feature: bool = False) -> "KernelStack":
         """What a kernel sees of this stack: sources of entries, their output rows and the local rows.
 
         `axis`: the mesh axis (inside shard_map); "column" stacks sum a row's statistics over it.
+        `per_feature`: the partial activations in one block per feature (see `KernelStack.out_blocks`).
         """
+        blocks = tuple(f.rows_per_device for f in self.features) if per_feature else ()
         return KernelStack(self.name, self.optimizer, self.max_norm, self.dtype, self.array_dim,
                            self.num_shards if sources is None else sources,
                            self.partial_rows if out_rows is None else out_rows, self.rows_per_shard,
-                           self.embedding_dim, axis if self.placement == "column" else None)
+                           self.embedding_dim, axis if self.placement == "column" else None, blocks)
+
+    @property
+    def activations_per_feature(self) -> bool:
+        """Are a shard's partial activations this device's activations as they are (one shard, or every device
+        holding the whole table), with the features' rows side by side? Then the kernel writes each feature's
+        activations as an array of its own, which the lookup returns without a copy."""
+        tiled = all(f.row_offset == sum(g.rows_per_device for g in self.features[:i]) and f.slices == 1
+                    for i, f in enumerate(self.features))
+        whole = self.placement == "replicated" or (self.placement == "row" and self.num_shards == 1)
+        return (whole and not self.sparsecores and tiled
+                and sum(f.rows_per_device for f in self.features) == self.rows_per_device)
 
     def splits(self, width: int) -> bool:
         """Is an array of `width` natural columns split over the devices ("column": the table and the slots
@@ -311,7 +324,9 @@ class KernelStack:
 
     `num_shards` sources each send entries whose row ids index their
     `rows_per_device` output rows; their col ids index this shard's
-    `rows_per_shard` rows.
+    `rows_per_shard` rows. `out_blocks` (when not empty) cuts those output
+    rows into consecutive blocks, one per feature, that the forward returns
+    as separate arrays and the backward takes as such (see `core.kernels`).
     """
 
     name: str
@@ -324,6 +339,7 @@ class KernelStack:
     rows_per_shard: int
     row_width: int = 0  # elements of a whole row (past embedding_dim when its columns are split)
     row_axis: str | None = None  # the mesh axis a row's columns are split over ("column"), else None
+    out_blocks: tuple[int, ...] = ()  # output rows of each block (summing to rows_per_device); () = one array
 
     def row_sum(self, partial: jax.Array) -> jax.Array:
         """Per-row partial sums `[..., k]` -> the whole rows' sums (a psum over `row_axis` if split)."""

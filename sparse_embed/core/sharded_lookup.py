@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from sparse_embed.core import kernels
 from sparse_embed.core.batch import ShardedCooMatrix
 from sparse_embed.core.kernels import Received
+from sparse_embed.core.kernels.interface import join_blocks
 from sparse_embed.core.kernels import sparsecore
 from sparse_embed.core.kernels.generic import nonfinite_row_count, warn_if_slow_on_cpu
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
@@ -57,7 +58,10 @@ def _exchange(stack: StackPlan, axis: str, coo: ShardedCooMatrix) -> Received:
 
 
 def _activations(stack: StackPlan, axis: str, partials: jax.Array) -> jax.Array:
-    """This device's activations `[rows_per_device, dim]` from every shard's partials `[D, partial_rows, dim]`."""
+    """This device's activations `[rows_per_device, dim]` from every shard's partials `[D, partial_rows, dim]`
+    (or, in blocks, `([n_i, dim], ...)` from `([1, n_i, dim], ...)`: see `StackPlan.activations_per_feature`)."""
+    if isinstance(partials, tuple):
+        return tuple(p[0] for p in partials)
     if stack.placement == "replicated":
         return partials[0]
     pooled = jax.lax.all_to_all(partials, axis, 0, 0, tiled=True)  # [S, partial_rows, dim], from each shard
@@ -121,8 +125,12 @@ def _stacked(tree):
 
 
 def _view(stack: StackPlan, axis: str):
-    """The stack as the forward's kernel sees it ("replicated": one source, this device)."""
-    return stack.kernel_view(sources=1) if stack.placement == "replicated" else stack.kernel_view(axis=axis)
+    """The stack as the forward's kernel sees it ("replicated": one source, this device); its partial
+    activations in one block per feature where they are the activations."""
+    blocks = stack.activations_per_feature
+    if stack.placement == "replicated":
+        return stack.kernel_view(sources=1, per_feature=blocks)
+    return stack.kernel_view(axis=axis, per_feature=blocks)
 
 
 def _on_tpu_sparsecores(stack: StackPlan, axis: str, tpu, default, *args):
@@ -174,7 +182,7 @@ def _kernel_backward(plan: EmbeddingPlan, s: StackPlan, rec: Received, saved, st
     """Inside shard_map: a stack's update by its kernel, from this device's activation gradients."""
     axis, kernel = plan.axis_name, kernels.for_stack(plan, s)
     if s.placement == "replicated":  # every replica applies the same update: the summed gradients
-        rec, g = _combined(s, axis, rec, grads)
+        rec, g = _combined(s, axis, rec, join_blocks(grads))
         view = s.kernel_view(sources=1, out_rows=s.total_rows)
         fwd = kernel.forward(view, rec, state.table)  # what the kernel's backward needs of its forward
         return kernel.backward(view, rec, fwd.saved, state._replace(table=fwd.table), g, step, skip)
@@ -183,7 +191,7 @@ def _kernel_backward(plan: EmbeddingPlan, s: StackPlan, rec: Received, saved, st
     elif s.placement == "column":
         g = _to_columns(s, axis, grads, skip)
     else:
-        g = jax.lax.all_gather(grads, axis, tiled=False)  # [D, rpd, dim] of every source
+        g = jax.tree.map(lambda x: jax.lax.all_gather(x, axis, tiled=False), grads)  # [D, rpd, dim] (or blocks)
     return kernel.backward(_view(s, axis), rec, saved, state, g, step, skip)
 
 
@@ -232,7 +240,7 @@ def _lookup_bwd(plan, residuals, grads):
     recs, saved, csrs, tables, step = residuals
     warn_if_slow_on_cpu(plan, [s.name for s in plan.stacks if isinstance(kernels.for_stack(plan, s),
                                                                            kernels.GenericKernel)])
-    grads = {k: g.astype(jnp.float32) for k, g in grads.items()}
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     return None, _backward(plan, recs, saved, csrs, tables, grads, step), None
 
 
@@ -303,12 +311,15 @@ def _lookup_jit(plan: EmbeddingPlan, batch, tables, step) -> dict[str, jax.Array
     acts = _lookup_stacks(plan, {k: v._replace(defaults=None) for k, v in batch.items()}, tables, step)
     out = {}
     for s in plan.stacks:
-        a = acts[s.name].reshape(plan.num_shards, s.rows_per_device, s.embedding_dim)
-        if batch[s.name].defaults is not None:  # raw ids without a row read the table's default vector
-            a = a + batch[s.name].defaults[..., None] * jnp.asarray(s.dynamic.default_vector(s.embedding_dim))[None, None]
-        for lay in s.features:
-            f = lay.feature
-            out[f.name] = lay.take(a).reshape(f.output_shape)
+        a, D, dim = acts[s.name], plan.num_shards, s.embedding_dim
+        # One array per feature as the kernel wrote it (no copy), or cut out of the stack's rows.
+        per = ([x.reshape(D, -1, dim) for x in a] if isinstance(a, tuple)
+               else [lay.take(a.reshape(D, s.rows_per_device, dim)) for lay in s.features])
+        defaults = batch[s.name].defaults
+        for lay, x in zip(s.features, per):
+            if defaults is not None:  # raw ids without a row read the table's default vector
+                x = x + lay.take(defaults[..., None]) * jnp.asarray(s.dynamic.default_vector(dim))[None, None]
+            out[lay.feature.name] = x.reshape(lay.feature.output_shape)
     return out
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
+import re
 import subprocess
 import sys
 
@@ -142,8 +145,9 @@ def _train(kernel, optimizer, mesh, *, max_norm=None, dtype=jnp.float32, steps=3
 @needs_native
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("max_norm", [None, 0.4], ids=["plain", "max_norm"])
-def test_native_agrees_with_generic(name, max_norm):
-    mesh = make_mesh(2)
+@pytest.mark.parametrize("devices", [1, 2])  # 1: activations and gradients per feature (out_blocks)
+def test_native_agrees_with_generic(name, max_norm, devices):
+    mesh = make_mesh(devices)
     want = _train("generic", CASES[name], mesh, max_norm=max_norm)
     got = _train("native", CASES[name], mesh, max_norm=max_norm)
     # Activations: the native forward sums a sample's rows in table-row order, the generic one in input order.
@@ -187,6 +191,37 @@ def test_native_skips_nonfinite_rows_like_generic(name):
     got = _train("native", CASES[name], make_mesh(2), bad_step=1)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got[1], want[1])
     assert all(np.isfinite(v).all() for t in got[1].values() for v in t.values())
+
+
+_MOVES_NOTHING = {"parameter", "custom-call", "get-tuple-element", "bitcast", "tuple"}
+
+
+def _entry_ops(hlo: str) -> list[tuple[str, str]]:
+    """(shape, op) of each instruction of the compiled program's entry computation."""
+    entry = hlo[hlo.index("ENTRY"):]
+    return re.findall(r"^\s*(?:ROOT )?%\S+ = (.+?) ([a-z][\w-]*)\(", entry, re.M)
+
+
+@needs_native
+@pytest.mark.parametrize("placement,devices", [("row", 1), ("replicated", 2)])
+def test_native_activations_and_gradients_per_feature_need_no_copy(placement, devices):
+    """Where a shard's partial activations are the activations, the native forward writes each feature's into
+    an array of its own and the backward reads each feature's gradient where it is: the forward program is the
+    kernel call alone, and no op of the train step builds the stack's gradient array."""
+    t = se.TableSpec("t", 300, 8, optimizer=opt.Adagrad(0.1))
+    feats = {"a": se.FeatureSpec("a", t, 16), "s": se.FeatureSpec("s", t, 16, max_sequence_length=3)}
+    plan = se.plan(feats, make_mesh(devices), kernel="native", placement=placement)
+    assert plan.stacks[0].activations_per_feature
+    rng = np.random.default_rng(0)
+    batch, _ = se.preprocess(plan, {n: rng.integers(0, 300, (16, 4)) for n in feats})
+    tables = se.init_tables(plan, jax.random.key(0))
+    forward = jax.jit(lambda t, b: se.lookup(plan, b, t)).lower(tables, batch).compile().as_text()
+    assert {op for _, op in _entry_ops(forward)} <= _MOVES_NOTHING | {"all-reduce"}, forward
+    cts = {n: jnp.ones(f.output_shape) for n, f in feats.items()}
+    loss = lambda tb, b, c: sum(jnp.sum(se.lookup(plan, b, tb, 0)[k] * c[k]) for k in c)
+    train = jax.jit(jax.grad(loss)).lower(tables, batch, cts).compile().as_text()
+    rpd = plan.stacks[0].rows_per_device  # 16 + 48 rows of one device
+    assert not [op for shape, op in _entry_ops(train) if f"[{rpd},8]" in shape or f"[1,{rpd},8]" in shape], train
 
 
 # ---------------------------------------------------------------- native determinism
@@ -239,16 +274,28 @@ def test_native_huge_pages_change_no_value():
 @needs_native
 @pytest.mark.parametrize("dim", [64, 8])
 @pytest.mark.parametrize("order", ["sorted", "unsorted"])
-def test_native_forward_of_any_entry_order_matches_numpy(dim, order):
+@pytest.mark.parametrize("blocks", [False, True])
+def test_native_forward_of_any_entry_order_matches_numpy(dim, order, blocks):
     """The per-shard forward on hand-made entries: rows in order (chunks own row ranges, rows without entries
-    are zero) or shuffled (one chunk, a row's entries in several runs), with padding, against numpy."""
+    are zero) or shuffled (one chunk, a row's entries in several runs), with padding, against numpy; written
+    in one array or in blocks of rows of uneven sizes (one array each)."""
     t = se.TableSpec("t", 300, dim)
     plan = se.plan({"f": se.FeatureSpec("f", t, 16)}, make_mesh(2), kernel="native")
-    stack = plan.stacks[0]
+    stack = plan.stacks[0].kernel_view()
     D, rpd, R = stack.num_shards, stack.rows_per_device, stack.rows_per_shard
+    if blocks:
+        stack = dataclasses.replace(stack, out_blocks=(1, rpd // 3, rpd - rpd // 3 - 1))
     rng = np.random.default_rng(7)
     C = 20_000  # several forward chunks per segment
-    forward = jax.jit(lambda t, rec: NativeCpuKernel().forward(stack, rec, t).partials)
+
+    def forward(t, rec):
+        partials = NativeCpuKernel().forward(stack, rec, t).partials
+        assert isinstance(partials, tuple) == blocks
+        if blocks:
+            assert [p.shape for p in partials] == [(D, n, dim) for n in stack.out_blocks]
+        return jnp.concatenate(partials, axis=1) if blocks else partials
+
+    forward = jax.jit(forward)
     for i in range(3):  # a later call may get an output buffer that still holds an earlier call's values
         cols = rng.integers(0, R, (D, C)).astype(np.int32)
         rows = np.sort(rng.integers(0, rpd // 2, (D, C)), axis=1).astype(np.int32) * 2 + i % 2  # half the rows empty

@@ -193,20 +193,37 @@ std::vector<Range> forward_chunks(const int32_t* rows, int64_t D, int64_t C, int
   return out;
 }
 
+// The forward's output rows: `[D, rpd, dim]` in one array, or cut into consecutive blocks of rows (one per
+// feature) that are arrays of their own, `[D, rows of block b, dim]` each.
+struct Outputs {
+  std::vector<float*> data;     // each block's array
+  std::vector<int64_t> starts;  // the first row of each block, then rpd
+  int64_t dim;
+
+  int64_t rpd() const { return starts.back(); }
+  // Output row `row` (< rpd) of source d.
+  float* row(int64_t d, int64_t row) const {
+    size_t b = 0;
+    while (row >= starts[b + 1]) b++;
+    const int64_t n = starts[b + 1] - starts[b];
+    return data[b] + (d * n + row - starts[b]) * dim;
+  }
+  // Zeroes output rows [lo, hi) of source d.
+  void zero(int64_t d, int64_t lo, int64_t hi) const {
+    for (int64_t r = lo; r < hi; r++) std::memset(row(d, r), 0, size_t(dim) * sizeof(float));
+  }
+};
+
 // Pools the entries [r.begin, r.end) of source r.d's segment (cols, rows, vals point at the segment's start)
 // into output rows [r.row_lo, r.row_hi), rows without entries zero. Each run of entries of one output row is
 // summed in entry order into `acc`: a local array for a width D known at compile time (kept in registers),
 // else the output row itself (D = 0), starting from zero (or from the row, for an unsorted segment, whose
 // rows may come in several runs).
 template <typename T, int D>
-inline void pool_range(const T* table, int64_t num_rows, int64_t width, const int32_t* cols, const int32_t* rows,
-                       const float* vals, int64_t rpd, float max_norm, float* out, Range r) {
-  const int64_t dim = D > 0 ? D : width;
-  float* block = out + r.d * rpd * dim;
-  auto zero = [&](int64_t lo, int64_t hi) {
-    if (hi > lo) std::memset(block + lo * dim, 0, size_t((hi - lo) * dim) * sizeof(float));
-  };
-  if (!r.sorted) zero(r.row_lo, r.row_hi);
+inline void pool_range(const T* table, int64_t num_rows, const int32_t* cols, const int32_t* rows,
+                       const float* vals, float max_norm, const Outputs& out, Range r) {
+  const int64_t dim = D > 0 ? D : out.dim, rpd = out.rpd();
+  if (!r.sorted) out.zero(r.d, r.row_lo, r.row_hi);
   int64_t next = r.row_lo;  // sorted: the first output row not yet written
   float local[D > 0 ? D : 1];
   for (int64_t k = r.begin; k < r.end;) {
@@ -217,10 +234,10 @@ inline void pool_range(const T* table, int64_t num_rows, int64_t width, const in
       k = e;
       continue;
     }
-    float* dst = block + row * dim;
+    float* dst = out.row(r.d, row);
     float* acc = D > 0 ? local : dst;
     if (r.sorted) {
-      zero(next, row);
+      out.zero(r.d, next, row);
       next = row + 1;
       for (int64_t j = 0; j < dim; j++) acc[j] = 0.0f;
     } else if (D > 0) {
@@ -245,63 +262,69 @@ inline void pool_range(const T* table, int64_t num_rows, int64_t width, const in
     if (D > 0)
       for (int64_t j = 0; j < dim; j++) dst[j] = acc[j];
   }
-  if (r.sorted) zero(next, r.row_hi);
+  if (r.sorted) out.zero(r.d, next, r.row_hi);
 }
 
 template <typename T>
-inline void pool_range_dim(const T* table, int64_t num_rows, int64_t dim, const int32_t* cols, const int32_t* rows,
-                           const float* vals, int64_t rpd, float max_norm, float* out, Range r) {
-  switch (dim) {
-    case 16: return pool_range<T, 16>(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
-    case 32: return pool_range<T, 32>(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
-    case 64: return pool_range<T, 64>(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
-    case 128: return pool_range<T, 128>(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
-    default: return pool_range<T, 0>(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
+inline void pool_range_dim(const T* table, int64_t num_rows, const int32_t* cols, const int32_t* rows,
+                           const float* vals, float max_norm, const Outputs& out, Range r) {
+  switch (out.dim) {
+    case 16: return pool_range<T, 16>(table, num_rows, cols, rows, vals, max_norm, out, r);
+    case 32: return pool_range<T, 32>(table, num_rows, cols, rows, vals, max_norm, out, r);
+    case 64: return pool_range<T, 64>(table, num_rows, cols, rows, vals, max_norm, out, r);
+    case 128: return pool_range<T, 128>(table, num_rows, cols, rows, vals, max_norm, out, r);
+    default: return pool_range<T, 0>(table, num_rows, cols, rows, vals, max_norm, out, r);
   }
 }
 
-SPARSE_EMBED_HOT void pool_range_any(const float* table, int64_t num_rows, int64_t dim, const int32_t* cols,
-                                     const int32_t* rows, const float* vals, int64_t rpd, float max_norm, float* out,
-                                     Range r) {
-  pool_range_dim(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
+SPARSE_EMBED_HOT void pool_range_any(const float* table, int64_t num_rows, const int32_t* cols, const int32_t* rows,
+                                     const float* vals, float max_norm, const Outputs& out, Range r) {
+  pool_range_dim(table, num_rows, cols, rows, vals, max_norm, out, r);
 }
 
-SPARSE_EMBED_HOT void pool_range_any(const uint16_t* table, int64_t num_rows, int64_t dim, const int32_t* cols,
-                                     const int32_t* rows, const float* vals, int64_t rpd, float max_norm, float* out,
+SPARSE_EMBED_HOT void pool_range_any(const uint16_t* table, int64_t num_rows, const int32_t* cols,
+                                     const int32_t* rows, const float* vals, float max_norm, const Outputs& out,
                                      Range r) {
-  pool_range_dim(table, num_rows, dim, cols, rows, vals, rpd, max_norm, out, r);
+  pool_range_dim(table, num_rows, cols, rows, vals, max_norm, out, r);
 }
 
 template <typename T>
-void forward_impl(ffi::ThreadPool& pool, int64_t threads, const T* table, int64_t num_rows, int64_t dim,
-                  const int32_t* cols, const int32_t* rows, const float* vals, int64_t D, int64_t C, int64_t rpd,
-                  float max_norm, float* out) {
-  std::vector<Range> chunks = forward_chunks(rows, D, C, rpd);
+void forward_impl(ffi::ThreadPool& pool, int64_t threads, const T* table, int64_t num_rows, const int32_t* cols,
+                  const int32_t* rows, const float* vals, int64_t D, int64_t C, float max_norm, const Outputs& out) {
+  std::vector<Range> chunks = forward_chunks(rows, D, C, out.rpd());
   parallel_for(pool, threads, int64_t(chunks.size()), [&](int64_t i) {
     Range r = chunks[i];
     int64_t off = r.d * C;  // entries of source d start at d * C
-    pool_range_any(table, num_rows, dim, cols + off, rows + off, vals + off, rpd, max_norm, out, r);
+    pool_range_any(table, num_rows, cols + off, rows + off, vals + off, max_norm, out, r);
   });
 }
 
+// The results after the token: the output rows of every source, `[D, n_b, dim]` per block b.
 ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer table, I32Matrix cols, I32Matrix rows, F32Matrix vals,
-                   ffi::Result<F32Cube> out, ffi::Result<F32Vector> token, float max_norm, int64_t threads,
+                   ffi::Result<F32Vector> token, ffi::RemainingRets blocks, float max_norm, int64_t threads,
                    int64_t huge_pages) {
   auto td = table.dimensions();
   auto cd = cols.dimensions();
-  auto od = out->dimensions();
-  if (td.size() != 2 || od[0] != cd[0] || od[2] != td[1] || !same_dims(rows.dimensions(), cd) ||
-      !same_dims(vals.dimensions(), cd))
+  if (td.size() != 2 || !same_dims(rows.dimensions(), cd) || !same_dims(vals.dimensions(), cd) || blocks.size() < 1)
     return ffi::Error::InvalidArgument("sparse_embed forward: inconsistent shapes");
-  int64_t D = cd[0], C = cd[1], rpd = od[1], dim = td[1], R = td[0];
+  int64_t D = cd[0], C = cd[1], dim = td[1], R = td[0];
+  Outputs out{{}, {0}, dim};
+  for (size_t b = 0; b < blocks.size(); b++) {
+    auto o = blocks.get<F32Cube>(b);
+    if (!o.has_value()) return ffi::Error::InvalidArgument("sparse_embed forward: outputs must be float32 [D, n, dim]");
+    auto od = (*o)->dimensions();
+    if (od[0] != D || od[2] != dim) return ffi::Error::InvalidArgument("sparse_embed forward: inconsistent shapes");
+    out.data.push_back((*o)->typed_data());
+    out.starts.push_back(out.starts.back() + od[1]);
+  }
   int64_t n = thread_count(pool, threads);
   if (huge_pages) hugepages::advise(pool, n, table.untyped_data(), table.size_bytes());
   if (table.element_type() == ffi::F32) {
-    forward_impl(pool, n, table.typed_data<float>(), R, dim, cols.typed_data(), rows.typed_data(), vals.typed_data(),
-                 D, C, rpd, max_norm, out->typed_data());
+    forward_impl(pool, n, table.typed_data<float>(), R, cols.typed_data(), rows.typed_data(), vals.typed_data(), D,
+                 C, max_norm, out);
   } else if (table.element_type() == ffi::BF16) {
-    forward_impl(pool, n, reinterpret_cast<const uint16_t*>(table.untyped_data()), R, dim, cols.typed_data(),
-                 rows.typed_data(), vals.typed_data(), D, C, rpd, max_norm, out->typed_data());
+    forward_impl(pool, n, reinterpret_cast<const uint16_t*>(table.untyped_data()), R, cols.typed_data(),
+                 rows.typed_data(), vals.typed_data(), D, C, max_norm, out);
   } else {
     return ffi::Error::InvalidArgument("sparse_embed forward: tables must be float32 or bfloat16");
   }
@@ -500,6 +523,7 @@ struct Buffers {
   std::vector<Record> records;
   std::vector<int64_t> buckets;
   std::vector<uint8_t> bad;  // per output row: its gradient holds a NaN/inf (SGD with skip_nonfinite)
+  std::vector<const float*> grad_rows;  // per output row: where its gradient is (Grads::rows)
 };
 
 // Buffers kept between calls (no fresh pages each step), as many as calls ever ran at once: a call takes one
@@ -596,10 +620,10 @@ struct State {  // the table and up to two slot arrays, updated in place
 };
 
 struct Grads {
-  const float* data;   // [D * rpd, dim] activation gradients
-  const uint8_t* bad;  // [D * rpd]: the row holds a NaN/inf (SGD with skip_nonfinite), or null
+  const float* const* rows;  // [D * rpd]: each output row's activation gradient (in one array or in blocks)
+  const uint8_t* bad;        // [D * rpd]: the row holds a NaN/inf (SGD with skip_nonfinite), or null
   int64_t dim;
-  const float* row(const Record& r) const { return data + int64_t(r.out_row) * dim; }
+  const float* row(const Record& r) const { return rows[r.out_row]; }
 };
 
 // The update of one table row from its run of records (in entry order), on copies: `w` [dim] holds the row
@@ -725,13 +749,14 @@ void backward_impl(ffi::ThreadPool& pool, int64_t threads, const Options& o, con
 
 enum Flags : int64_t { kSkipNonfinite = 1, kClipGradient = 2, kClipWeight = 4, kLinear = 8 };
 
-// The table and its slots (the remaining arguments), aliased to the results: the state to update in place.
-ffi::Error decode_state(ffi::RemainingArgs& in, ffi::RemainingRets& out, State& st, int64_t& num_rows, int64_t& dim,
-                        ffi::DataType& dtype) {
-  if (in.size() != out.size() || in.size() < 1 || in.size() > 3)
+// The table and its slots (the remaining arguments from `first` on), aliased to the results: the state to
+// update in place.
+ffi::Error decode_state(ffi::RemainingArgs& in, size_t first, ffi::RemainingRets& out, State& st, int64_t& num_rows,
+                        int64_t& dim, ffi::DataType& dtype) {
+  if (in.size() < first || in.size() - first != out.size() || out.size() < 1 || out.size() > 3)
     return ffi::Error::InvalidArgument("sparse_embed backward: expected a table and up to two slots");
-  for (size_t i = 0; i < in.size(); i++) {
-    auto a = in.get<ffi::AnyBuffer>(i);
+  for (size_t i = 0; i < out.size(); i++) {
+    auto a = in.get<ffi::AnyBuffer>(first + i);
     auto r = out.get<ffi::AnyBuffer>(i);
     if (!a.has_value() || !r.has_value()) return ffi::Error::InvalidArgument("sparse_embed backward: bad state");
     if ((*r)->untyped_data() != a->untyped_data())  // aliased as a rule; copy if XLA gave a separate buffer
@@ -748,21 +773,35 @@ ffi::Error decode_state(ffi::RemainingArgs& in, ffi::RemainingRets& out, State& 
   return ffi::Error::Success();
 }
 
-ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Matrix vals, F32Cube grads,
-                    F32Vector scalars, ffi::AnyBuffer /*token: orders this call after the forward's reads*/,
-                    ffi::RemainingArgs state_in, ffi::RemainingRets state_out, int64_t optimizer, int64_t flags,
-                    float max_norm, ffi::Span<const float> options, ffi::Span<const float> hyper, int64_t threads,
-                    int64_t huge_pages) {
+// The remaining arguments: the activation gradients of every source, `[D, n_b, dim]` per block b of output
+// rows (`blocks` of them: one array, or one per feature), then the table and its slots.
+ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Matrix vals, F32Vector scalars,
+                    ffi::AnyBuffer /*token: orders this call after the forward's reads*/,
+                    ffi::RemainingArgs args, ffi::RemainingRets state_out, int64_t blocks, int64_t optimizer,
+                    int64_t flags, float max_norm, ffi::Span<const float> options, ffi::Span<const float> hyper,
+                    int64_t threads, int64_t huge_pages) {
   auto cd = cols.dimensions();
-  auto gd = grads.dimensions();
   State st{};
   int64_t num_rows = 0, dim = 0;
   ffi::DataType dtype = ffi::F32;
-  if (ffi::Error err = decode_state(state_in, state_out, st, num_rows, dim, dtype); err.failure()) return err;
-  if (!same_dims(rows.dimensions(), cd) || !same_dims(vals.dimensions(), cd) || gd[0] != cd[0] || gd[2] != dim ||
-      options.size() != 5)
+  if (blocks < 1 || size_t(blocks) > args.size())
+    return ffi::Error::InvalidArgument("sparse_embed backward: expected the gradients in one or more blocks");
+  if (ffi::Error err = decode_state(args, size_t(blocks), state_out, st, num_rows, dim, dtype); err.failure())
+    return err;
+  std::vector<const float*> grad_blocks;
+  std::vector<int64_t> starts{0};  // the first output row of each block, then rpd
+  for (int64_t b = 0; b < blocks; b++) {
+    auto g = args.get<F32Cube>(size_t(b));
+    if (!g.has_value()) return ffi::Error::InvalidArgument("sparse_embed backward: gradients must be float32 [D, n, dim]");
+    auto gd = g->dimensions();
+    if (gd[0] != cd[0] || gd[2] != dim) return ffi::Error::InvalidArgument("sparse_embed backward: inconsistent shapes");
+    grad_blocks.push_back(g->typed_data());
+    starts.push_back(starts.back() + gd[1]);
+  }
+  const int64_t D = cd[0], rpd = starts.back();
+  if (!same_dims(rows.dimensions(), cd) || !same_dims(vals.dimensions(), cd) || options.size() != 5)
     return ffi::Error::InvalidArgument("sparse_embed backward: inconsistent shapes");
-  if (cd[0] * cd[1] >= (int64_t(1) << 32) || cd[0] * gd[1] >= (int64_t(1) << 32))
+  if (cd[0] * cd[1] >= (int64_t(1) << 32) || D * rpd >= (int64_t(1) << 32))
     return ffi::Error::InvalidArgument("sparse_embed backward: 2**32 or more entries or output rows");
   Options o{optimizer, max_norm, (flags & kSkipNonfinite) != 0, (flags & kClipGradient) != 0, options[0], options[1],
             options[2], (flags & kClipWeight) != 0, options[3], options[4], (flags & kLinear) != 0, hyper.begin(),
@@ -775,14 +814,20 @@ ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Mat
   }
   BufferPool::Lease lease{buffer_pool, buffer_pool.take()};
   Buffers& buf = *lease.buffers;
-  const int64_t m = sort_records(pool, nt, cols.typed_data(), rows.typed_data(), vals.typed_data(), cd[0], cd[1],
-                                 gd[1], num_rows, buf);
-  Grads gr{grads.typed_data(), nullptr, dim};
+  const int64_t m = sort_records(pool, nt, cols.typed_data(), rows.typed_data(), vals.typed_data(), D, cd[1], rpd,
+                                 num_rows, buf);
+  buf.grad_rows.resize(size_t(D * rpd) + 1);
+  for (size_t b = 0; b < grad_blocks.size(); b++) {
+    const int64_t n = starts[b + 1] - starts[b];
+    for (int64_t d = 0; d < D; d++)
+      for (int64_t r = 0; r < n; r++) buf.grad_rows[size_t(d * rpd + starts[b] + r)] = grad_blocks[b] + (d * n + r) * dim;
+  }
+  Grads gr{buf.grad_rows.data(), nullptr, dim};
   if (o.linear && o.skip_nonfinite) {  // checked per output row, once, rather than per entry
-    buf.bad.resize(size_t(cd[0] * gd[1]) + 1);
+    buf.bad.resize(size_t(D * rpd) + 1);
     uint8_t* b = buf.bad.data();
-    parallel_for(pool, nt, cd[0], [&](int64_t d) {
-      for (int64_t r = d * gd[1]; r < (d + 1) * gd[1]; r++) b[r] = !all_finite(gr.data + r * dim, dim);
+    parallel_for(pool, nt, D, [&](int64_t d) {
+      for (int64_t r = d * rpd; r < (d + 1) * rpd; r++) b[r] = !all_finite(gr.rows[r], dim);
     });
     gr.bad = b;
   }
@@ -804,8 +849,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedForward, Forward,
                                   .Arg<I32Matrix>()
                                   .Arg<I32Matrix>()
                                   .Arg<F32Matrix>()
-                                  .Ret<F32Cube>()
                                   .Ret<F32Vector>()
+                                  .RemainingRets()
                                   .Attr<float>("max_norm")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("huge_pages"));
@@ -816,11 +861,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedBackward, Backward,
                                   .Arg<I32Matrix>()
                                   .Arg<I32Matrix>()
                                   .Arg<F32Matrix>()
-                                  .Arg<F32Cube>()
                                   .Arg<F32Vector>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<int64_t>("blocks")
                                   .Attr<int64_t>("optimizer")
                                   .Attr<int64_t>("flags")
                                   .Attr<float>("max_norm")

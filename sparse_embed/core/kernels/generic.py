@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from sparse_embed.core import key_set, pooling
-from sparse_embed.core.kernels.interface import Forward, Received
+from sparse_embed.core.kernels.interface import Forward, Received, join_blocks, split_blocks
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import EmbeddingVariables
 
@@ -292,12 +292,12 @@ class GenericKernel:
                                            rec.values.reshape(-1), fills=(stack.rows_per_shard, D * (rpd + 1), 0.0))
         partial = partial.reshape(D, rpd + 1, dim)[:, :rpd]
         saved = first.reshape(rec.values.shape) if keep_first else None
-        return Forward(partial, _after(table, partial), saved)
+        return Forward(split_blocks(stack, partial), _after(table, partial), saved)
 
     # ------------------------------------------------------------ backward
     def backward(self, stack: StackPlan, rec: Received, saved, variables: EmbeddingVariables, grads: jax.Array,
                  step, skip_nonfinite: bool) -> EmbeddingVariables:
-        e = _entries(stack, rec, grads)
+        e = _entries(stack, rec, join_blocks(grads))
         path = self._path(stack, variables.table.dtype, e.cols.size)
         if path == "linear":
             return EmbeddingVariables(self._apply_linear(stack, e, variables.table, step, skip_nonfinite),

@@ -11,12 +11,17 @@ is a `Kernel`'s, one stack at a time, inside `shard_map`:
   It also returns the table the backward will update (the same array, or
   one the kernel tied to the forward's reads) and anything else it saves
   for its backward (a pytree of arrays, or None). The lookup passes both
-  through untouched.
+  through untouched. When the view has `out_blocks` (the lookup asks for
+  them where the partials are the activations: one shard, or a replicated
+  table), the partials are a tuple of `[D, n_i, dim]`, one per block of
+  output rows (one per feature), so that each feature's activations are
+  an array of their own, with no copy to cut them out.
 - `backward(stack, received, saved, variables, grads, step, skip_nonfinite)`:
   combine the gradients of duplicate rows (`grads[d, row]` is the
   activation gradient of source d's output row) and apply the stack's
   optimizer to each touched row and its slots, in place; return the
-  updated `EmbeddingVariables`.
+  updated `EmbeddingVariables`. With `out_blocks`, `grads` comes in the
+  same blocks (a tuple).
 - `find_keys(keys, queries)` and `touch_keys(keys, queries, step,
   stale_before)`: the raw-id map's search of one shard's `KeySet`
   (`key_set.find`), and the same with the found keys' last-use steps set
@@ -31,8 +36,10 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from sparse_embed.core.planning import StackPlan
+from sparse_embed.core.planning import KernelStack, StackPlan
 from sparse_embed.core.state import EmbeddingVariables
 
 
@@ -52,9 +59,22 @@ class Received(NamedTuple):
 class Forward(NamedTuple):
     """What a kernel's forward returns for one stack on one shard."""
 
-    partials: jax.Array  # [D, rows_per_device, dim] f32: this shard's share of every source's activations
+    partials: Any  # [D, rows_per_device, dim] f32: this shard's share of every source's activations (or blocks)
     table: jax.Array  # the table the backward updates (`table`, or one ordered after the forward's reads)
     saved: Any  # residuals of the kernel's own backward: a pytree of arrays with leading axis D, or None
+
+
+def split_blocks(stack: KernelStack, partials: jax.Array) -> Any:
+    """`[D, rows, dim]` -> the view's blocks `([D, n_i, dim], ...)`, or the array itself if it has none."""
+    if not stack.out_blocks:
+        return partials
+    ends = np.cumsum(stack.out_blocks)
+    return tuple(partials[:, e - n:e] for n, e in zip(stack.out_blocks, ends))
+
+
+def join_blocks(blocks: Any) -> jax.Array:
+    """The inverse of `split_blocks`: blocks `([..., n_i, dim], ...)` (or one array) -> `[..., rows, dim]`."""
+    return jnp.concatenate(blocks, axis=-2) if isinstance(blocks, tuple) else blocks
 
 
 class Kernel(Protocol):

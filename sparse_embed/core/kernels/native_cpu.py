@@ -4,7 +4,9 @@ Forward: one pass over the received entries, in their order (each sample's
 entries together), which gathers each row (prefetched ahead), clips it to
 `max_norm`, scales it by its gain and adds it to its output row (in
 registers for widths 16/32/64/128); the work is split over XLA's CPU
-thread pool at output-row boundaries.
+thread pool at output-row boundaries. With the view's `out_blocks` (one
+block per feature) each block is a result of its own, and the backward
+reads the gradients in the same blocks: no stacked copy either way.
 
 Backward: the entries are sorted by table row (a radix sort, no scratch
 array the size of the table), so the table is updated in address order;
@@ -163,12 +165,15 @@ class NativeCpuKernel:
 
     def forward(self, stack: StackPlan, rec: Received, table: jax.Array) -> Forward:
         _register()
-        D, rpd, dim = stack.num_shards, stack.rows_per_device, stack.embedding_dim
-        out = (jax.ShapeDtypeStruct((D, rpd, dim), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32))
-        partials, token = jax.ffi.ffi_call(_TARGET.format("forward"), out)(
+        D, dim = stack.num_shards, stack.embedding_dim
+        blocks = stack.out_blocks or (stack.rows_per_device,)  # the output rows, in one array or in blocks
+        out = [jax.ShapeDtypeStruct((1,), jnp.float32), *(jax.ShapeDtypeStruct((D, n, dim), jnp.float32)
+                                                          for n in blocks)]
+        token, *partials = jax.ffi.ffi_call(_TARGET.format("forward"), out)(
             table, rec.col_ids, rec.row_ids, rec.values,
             max_norm=np.float32(stack.max_norm or 0.0), **self._attrs())
-        return Forward(partials, table, token)  # the token orders the backward's writes after these reads
+        # the token orders the backward's writes after these reads
+        return Forward(tuple(partials) if stack.out_blocks else partials[0], table, token)
 
     def backward(self, stack: StackPlan, rec: Received, saved, variables: EmbeddingVariables, grads: jax.Array,
                  step, skip_nonfinite: bool) -> EmbeddingVariables:
@@ -176,11 +181,12 @@ class NativeCpuKernel:
         o, names = stack.optimizer, _OPTIMIZERS[type(stack.optimizer)][1]
         linear = o.is_linear and stack.max_norm is None and variables.table.dtype == jnp.float32
         state = [variables.table, *(variables.slots[k] for k in names)]
-        fixed = (rec.col_ids, rec.row_ids, rec.values, grads, _scalars(o, step), saved)
+        blocks = grads if isinstance(grads, tuple) else (grads,)  # read where they are: no copy into one array
+        fixed = (rec.col_ids, rec.row_ids, rec.values, _scalars(o, step), saved, *blocks)
         out = jax.ffi.ffi_call(
             _TARGET.format("backward"), [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state],
             input_output_aliases={len(fixed) + i: i for i in range(len(state))},
-        )(*fixed, *state, **self._attrs(), **_options(stack, skip_nonfinite, linear))
+        )(*fixed, *state, blocks=np.int64(len(blocks)), **self._attrs(), **_options(stack, skip_nonfinite, linear))
         return EmbeddingVariables(out[0], dict(zip(names, out[1:])))
 
     def find_keys(self, keys: key_set.KeySet, queries: jax.Array) -> jax.Array:
