@@ -663,15 +663,8 @@ inline bool update_copy(const Options& o, const Grads& gr, const Record* group, 
 
 constexpr int64_t kBackwardChunk = 2048;  // records per work chunk (cut where the col changes)
 constexpr int64_t kBatch = 32;            // rows copied out, updated and written back together
-constexpr int64_t kAhead = 64;            // records ahead whose rows are prefetched
-
-template <typename T>
-void prefetch_state(const Grads& gr, const State& st, const Record& r) {
-  prefetch_row(static_cast<T*>(st.table) + int64_t(r.col) * gr.dim, gr.dim * int64_t(sizeof(T)), true);
-  for (int s = 0; s < 2; s++)
-    if (st.slot[s]) prefetch_row(st.slot[s] + int64_t(r.col) * st.width[s], st.width[s] * 4, true);
-  prefetch_row(gr.row(r), gr.dim * 4, false);
-}
+constexpr int64_t kRowsAhead = 32;        // distinct rows ahead whose table and slot rows are prefetched
+constexpr int64_t kAhead = 64;            // records ahead whose gradient rows are prefetched
 
 // Floats of scratch update_range needs.
 inline int64_t scratch_size(const Grads& gr, const State& st) {
@@ -686,6 +679,20 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
   const int64_t dim = gr.dim, w0 = st.slot[0] ? st.width[0] : 0, w1 = st.slot[1] ? st.width[1] : 0;
   float *W = scratch, *S0 = W + kBatch * dim, *S1 = S0 + kBatch * w0, *g = S1 + kBatch * w1, *tmp = g + dim;
   T* table = static_cast<T*>(st.table);
+  // Prefetch cursors: the next row (first record of a run) and the next record whose gradient is not yet
+  // asked for. Rows go by distinct rows, not records: a hot row's many records would hide the rows after it.
+  int64_t next_row = lo, next_grad = lo;
+  auto prefetch_rows = [&](int64_t rows) {
+    for (; rows > 0 && next_row < hi; rows--) {
+      const uint32_t col = recs[next_row].col;
+      prefetch_row(table + int64_t(col) * dim, dim * int64_t(sizeof(T)), true);
+      if (w0) prefetch_row(st.slot[0] + int64_t(col) * w0, w0 * 4, true);
+      if (w1) prefetch_row(st.slot[1] + int64_t(col) * w1, w1 * 4, true);
+      while (++next_row < hi && recs[next_row].col == col) {
+      }
+    }
+  };
+  prefetch_rows(kRowsAhead);
   int64_t start[kBatch + 1];
   for (int64_t b = lo; b < hi;) {
     int n = 0;
@@ -695,7 +702,8 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
       while (e < hi && recs[e].col == recs[e - 1].col) e++;
     }
     start[n] = e;
-    for (int64_t a = b + kAhead; a < std::min(e + kAhead, hi); a++) prefetch_state<T>(gr, st, recs[a]);
+    prefetch_rows(n);
+    for (; next_grad < std::min(e + kAhead, hi); next_grad++) prefetch_row(gr.row(recs[next_grad]), dim * 4, false);
     for (int i = 0; i < n; i++) {
       const int64_t col = recs[start[i]].col;
       const T* row = table + col * dim;
