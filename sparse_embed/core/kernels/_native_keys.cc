@@ -11,7 +11,8 @@
 // The queries are first put in bucket order (a counting sort), so the searches walk the directory, the keys
 // and `order` from low addresses to high: neighbouring queries share cache lines and the hardware prefetcher
 // runs ahead. They then go in groups of kGroup, one phase at a time for the whole group (directory, bucket,
-// search, order, last), with every phase's loads prefetched first, so that their cache misses overlap.
+// search), with every phase's loads prefetched first, so that their cache misses overlap; the dependent
+// loads after the search (`order`, then `last`) are done one and two groups later (see `search`).
 // Chunks of kChunk sorted queries run on XLA's thread pool; each query's answer is its own, whatever the
 // threads (the queries are distinct keys, so no two touch one slot).
 #include <algorithm>
@@ -63,17 +64,43 @@ struct Query {  // a query in sorted order: its key, bucket and index
   int32_t bucket, at;
 };
 
-// Searches the sorted queries [from, to) (see the top of the file).
+// The answers of one group of queries on their way out: positions found (-1: none), then slots.
+struct Pending {
+  int64_t m = 0;
+  int32_t at[kGroup];
+  int64_t pos[kGroup];
+  int32_t slot[kGroup];
+};
+
+// Searches the sorted queries [from, to) (see the top of the file). Software-pipelined over groups: while one
+// group searches its buckets, the group before reads `order` at the positions it found (prefetched when it
+// found them) and the one before that updates `last` (prefetched when its slots were known), so the misses of
+// those dependent loads overlap a whole group's search instead of stalling it.
 void search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int64_t from, int64_t to) {
   const int32_t* k = s.keys;
   const int64_t n = s.n;
   uint64_t want[kGroup];
   int64_t base[kGroup], len[kGroup], end[kGroup];
-  int32_t at[kGroup], slot[kGroup];
+  Pending found, slotted;  // the previous group (positions), the one before (slots)
+  auto touch = [&](const Pending& p) {
+    if (t.last)
+      for (int64_t j = 0; j < p.m; j++)
+        if (p.slot[j] >= 0 && t.last[p.slot[j]] >= t.stale_before) t.last[p.slot[j]] = t.step;
+  };
+  auto take_slots = [&](const Pending& p, Pending& into) {  // order at the positions found; prefetch last
+    into.m = p.m;
+    for (int64_t j = 0; j < p.m; j++) {
+      into.slot[j] = p.pos[j] >= 0 ? s.order[p.pos[j]] : -1;
+      out[p.at[j]] = into.slot[j];
+      if (t.last && into.slot[j] >= 0) __builtin_prefetch(t.last + into.slot[j], 1);
+    }
+  };
   for (int64_t g = from; g < to; g += kGroup) {
     const int64_t m = std::min(kGroup, to - g);
+    Pending now;
+    now.m = m;
     for (int64_t j = 0; j < m; j++) {
-      at[j] = sorted[g + j].at;
+      now.at[j] = sorted[g + j].at;
       want[j] = sorted[g + j].key;
       // The bucket of the query kAhead further on: its keys are on their way when its group comes.
       const int64_t ahead = std::min(g + j + kAhead, to - 1);
@@ -102,18 +129,16 @@ void search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int
     for (int64_t j = 0; j < m; j++) {
       const int64_t pos = base[j] + (len[j] == 1 && key_of(k, std::min(base[j], n - 1)) < want[j]);
       const bool hit = pos < end[j] && pos < s.live && key_of(k, std::min(pos, n - 1)) == want[j];
-      base[j] = hit ? pos : -1;
+      now.pos[j] = hit ? pos : -1;
       if (hit) __builtin_prefetch(s.order + pos);
     }
-    for (int64_t j = 0; j < m; j++) {
-      slot[j] = base[j] >= 0 ? s.order[base[j]] : -1;
-      out[at[j]] = slot[j];
-      if (t.last && slot[j] >= 0) __builtin_prefetch(t.last + slot[j], 1);
-    }
-    if (t.last)
-      for (int64_t j = 0; j < m; j++)
-        if (slot[j] >= 0 && t.last[slot[j]] >= t.stale_before) t.last[slot[j]] = t.step;
+    touch(slotted);              // the group before last: its last-use steps
+    take_slots(found, slotted);  // the last group: its slots
+    found = now;
   }
+  touch(slotted);
+  take_slots(found, slotted);
+  touch(slotted);
 }
 
 // Scratch of the counting sort, kept per calling thread (devices of one process call from their own threads).
