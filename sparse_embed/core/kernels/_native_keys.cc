@@ -81,7 +81,8 @@ void search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int
   const int64_t n = s.n;
   uint64_t want[kGroup];
   int64_t base[kGroup], len[kGroup], end[kGroup];
-  Pending found, slotted;  // the previous group (positions), the one before (slots)
+  Pending buf[3];  // this group, the previous one (positions found) and the one before (slots), rotating
+  Pending *now = &buf[0], *found = &buf[1], *slotted = &buf[2];
   auto touch = [&](const Pending& p) {
     if (t.last)
       for (int64_t j = 0; j < p.m; j++)
@@ -97,10 +98,9 @@ void search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int
   };
   for (int64_t g = from; g < to; g += kGroup) {
     const int64_t m = std::min(kGroup, to - g);
-    Pending now;
-    now.m = m;
+    now->m = m;
     for (int64_t j = 0; j < m; j++) {
-      now.at[j] = sorted[g + j].at;
+      now->at[j] = sorted[g + j].at;
       want[j] = sorted[g + j].key;
       // The bucket of the query kAhead further on: its keys are on their way when its group comes.
       const int64_t ahead = std::min(g + j + kAhead, to - 1);
@@ -129,16 +129,16 @@ void search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int
     for (int64_t j = 0; j < m; j++) {
       const int64_t pos = base[j] + (len[j] == 1 && key_of(k, std::min(base[j], n - 1)) < want[j]);
       const bool hit = pos < end[j] && pos < s.live && key_of(k, std::min(pos, n - 1)) == want[j];
-      now.pos[j] = hit ? pos : -1;
+      now->pos[j] = hit ? pos : -1;
       if (hit) __builtin_prefetch(s.order + pos);
     }
-    touch(slotted);              // the group before last: its last-use steps
-    take_slots(found, slotted);  // the last group: its slots
-    found = now;
+    touch(*slotted);               // the group before last: its last-use steps
+    take_slots(*found, *slotted);  // the last group: its slots
+    std::swap(found, now);         // this group's positions are the next round's last group
   }
-  touch(slotted);
-  take_slots(found, slotted);
-  touch(slotted);
+  touch(*slotted);
+  take_slots(*found, *slotted);
+  touch(*slotted);
 }
 
 // Scratch of the counting sort, kept per calling thread (devices of one process call from their own threads).
