@@ -219,7 +219,7 @@ struct Outputs {
 // summed in entry order into `acc`: a local array for a width D known at compile time (kept in registers),
 // else the output row itself (D = 0), starting from zero (or from the row, for an unsorted segment, whose
 // rows may come in several runs).
-template <typename T, int D>
+template <typename T, int D, bool kClip>
 inline void pool_range(const T* table, int64_t num_rows, const int32_t* cols, const int32_t* rows,
                        const float* vals, float max_norm, const Outputs& out, Range r) {
   const int64_t dim = D > 0 ? D : out.dim, rpd = out.rpd();
@@ -252,7 +252,7 @@ inline void pool_range(const T* table, int64_t num_rows, const int32_t* cols, co
       if (c >= uint64_t(num_rows)) continue;  // padding
       const T* src = table + int64_t(c) * dim;
       float v = vals[k], norm = 0.0f;
-      float scale = clip_scale(src, dim, max_norm, &norm);
+      float scale = kClip ? clip_scale(src, dim, max_norm, &norm) : 1.0f;
       if (scale == 1.0f) {
         for (int64_t j = 0; j < dim; j++) acc[j] += load(src + j) * v;
       } else {
@@ -265,27 +265,29 @@ inline void pool_range(const T* table, int64_t num_rows, const int32_t* cols, co
   if (r.sorted) out.zero(r.d, next, r.row_hi);
 }
 
-template <typename T>
+template <typename T, bool kClip>  // kClip: max_norm is set (decided once per call, not per entry)
 inline void pool_range_dim(const T* table, int64_t num_rows, const int32_t* cols, const int32_t* rows,
                            const float* vals, float max_norm, const Outputs& out, Range r) {
   switch (out.dim) {
-    case 16: return pool_range<T, 16>(table, num_rows, cols, rows, vals, max_norm, out, r);
-    case 32: return pool_range<T, 32>(table, num_rows, cols, rows, vals, max_norm, out, r);
-    case 64: return pool_range<T, 64>(table, num_rows, cols, rows, vals, max_norm, out, r);
-    case 128: return pool_range<T, 128>(table, num_rows, cols, rows, vals, max_norm, out, r);
-    default: return pool_range<T, 0>(table, num_rows, cols, rows, vals, max_norm, out, r);
+    case 16: return pool_range<T, 16, kClip>(table, num_rows, cols, rows, vals, max_norm, out, r);
+    case 32: return pool_range<T, 32, kClip>(table, num_rows, cols, rows, vals, max_norm, out, r);
+    case 64: return pool_range<T, 64, kClip>(table, num_rows, cols, rows, vals, max_norm, out, r);
+    case 128: return pool_range<T, 128, kClip>(table, num_rows, cols, rows, vals, max_norm, out, r);
+    default: return pool_range<T, 0, kClip>(table, num_rows, cols, rows, vals, max_norm, out, r);
   }
 }
 
 SPARSE_EMBED_HOT void pool_range_any(const float* table, int64_t num_rows, const int32_t* cols, const int32_t* rows,
                                      const float* vals, float max_norm, const Outputs& out, Range r) {
-  pool_range_dim(table, num_rows, cols, rows, vals, max_norm, out, r);
+  max_norm > 0.0f ? pool_range_dim<float, true>(table, num_rows, cols, rows, vals, max_norm, out, r)
+                  : pool_range_dim<float, false>(table, num_rows, cols, rows, vals, max_norm, out, r);
 }
 
 SPARSE_EMBED_HOT void pool_range_any(const uint16_t* table, int64_t num_rows, const int32_t* cols,
                                      const int32_t* rows, const float* vals, float max_norm, const Outputs& out,
                                      Range r) {
-  pool_range_dim(table, num_rows, cols, rows, vals, max_norm, out, r);
+  max_norm > 0.0f ? pool_range_dim<uint16_t, true>(table, num_rows, cols, rows, vals, max_norm, out, r)
+                  : pool_range_dim<uint16_t, false>(table, num_rows, cols, rows, vals, max_norm, out, r);
 }
 
 template <typename T>
