@@ -35,7 +35,7 @@ import dataclasses
 import math
 import os
 import warnings
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -295,7 +295,7 @@ class GenericKernel:
         return Forward(split_blocks(stack, partial), _after(table, partial), saved)
 
     # ------------------------------------------------------------ backward
-    def backward(self, stack: StackPlan, rec: Received, saved, variables: EmbeddingVariables, grads: jax.Array,
+    def backward(self, stack: StackPlan, rec: Received, saved, variables: EmbeddingVariables, grads: Any,
                  step, skip_nonfinite: bool) -> EmbeddingVariables:
         e = _entries(stack, rec, join_blocks(grads))
         path = self._path(stack, variables.table.dtype, e.cols.size)

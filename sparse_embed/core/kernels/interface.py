@@ -89,7 +89,7 @@ class Kernel(Protocol):
         """Gather, clip, scale and pool the received entries."""
 
     def backward(self, stack: StackPlan, received: Received, saved: Any, variables: EmbeddingVariables,
-                 grads: jax.Array, step: jax.Array | None, skip_nonfinite: bool) -> EmbeddingVariables:
+                 grads: Any, step: jax.Array | None, skip_nonfinite: bool) -> EmbeddingVariables:
         """Combine duplicate rows' gradients and apply the optimizer to the touched rows, in place."""
 
     # Optional, see the module docstring:

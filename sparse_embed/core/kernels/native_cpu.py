@@ -41,7 +41,7 @@ import functools
 import importlib
 import os
 from types import ModuleType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -175,7 +175,7 @@ class NativeCpuKernel:
         # the token orders the backward's writes after these reads
         return Forward(tuple(partials) if stack.out_blocks else partials[0], table, token)
 
-    def backward(self, stack: StackPlan, rec: Received, saved, variables: EmbeddingVariables, grads: jax.Array,
+    def backward(self, stack: StackPlan, rec: Received, saved, variables: EmbeddingVariables, grads: Any,
                  step, skip_nonfinite: bool) -> EmbeddingVariables:
         _register()
         o, names = stack.optimizer, _OPTIMIZERS[type(stack.optimizer)][1]
