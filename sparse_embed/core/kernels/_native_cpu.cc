@@ -193,26 +193,35 @@ std::vector<Range> forward_chunks(const int32_t* rows, int64_t D, int64_t C, int
   return out;
 }
 
-// The forward's output rows: `[D, rpd, dim]` in one array, or cut into consecutive blocks of rows (one per
-// feature) that are arrays of their own, `[D, rows of block b, dim]` each.
-struct Outputs {
-  std::vector<float*> data;     // each block's array
-  std::vector<int64_t> starts;  // the first row of each block, then rpd
+// Rows of every source, `[D, rpd, dim]`, in one array or cut into consecutive blocks of rows (one per feature)
+// that are arrays of their own, `[D, n_b, dim]` each: the forward's outputs and the backward's gradients.
+template <typename F>
+struct RowBlocks {
+  std::vector<F*> data;             // each block's array
+  std::vector<int64_t> starts{0};  // the first row of each block, then rpd
   int64_t dim;
 
+  // Appends a block with dimensions `d`; false if they are not [D, n, dim].
+  bool add(F* block, ffi::Span<const int64_t> d, int64_t D) {
+    if (d.size() != 3 || d[0] != D || d[2] != dim) return false;
+    data.push_back(block);
+    starts.push_back(starts.back() + d[1]);
+    return true;
+  }
   int64_t rpd() const { return starts.back(); }
-  // Output row `row` (< rpd) of source d.
-  float* row(int64_t d, int64_t row) const {
+  // Row `row` (< rpd) of source d.
+  F* row(int64_t d, int64_t row) const {
     size_t b = 0;
     while (row >= starts[b + 1]) b++;
     const int64_t n = starts[b + 1] - starts[b];
     return data[b] + (d * n + row - starts[b]) * dim;
   }
-  // Zeroes output rows [lo, hi) of source d.
+  // Zeroes rows [lo, hi) of source d.
   void zero(int64_t d, int64_t lo, int64_t hi) const {
     for (int64_t r = lo; r < hi; r++) std::memset(row(d, r), 0, size_t(dim) * sizeof(float));
   }
 };
+using Outputs = RowBlocks<float>;
 
 // Pools the entries [r.begin, r.end) of source r.d's segment (cols, rows, vals point at the segment's start)
 // into output rows [r.row_lo, r.row_hi), rows without entries zero. Each run of entries of one output row is
@@ -313,11 +322,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer table, I32Matrix cols, I
   Outputs out{{}, {0}, dim};
   for (size_t b = 0; b < blocks.size(); b++) {
     auto o = blocks.get<F32Cube>(b);
-    if (!o.has_value()) return ffi::Error::InvalidArgument("sparse_embed forward: outputs must be float32 [D, n, dim]");
-    auto od = (*o)->dimensions();
-    if (od[0] != D || od[2] != dim) return ffi::Error::InvalidArgument("sparse_embed forward: inconsistent shapes");
-    out.data.push_back((*o)->typed_data());
-    out.starts.push_back(out.starts.back() + od[1]);
+    if (!o.has_value() || !out.add((*o)->typed_data(), (*o)->dimensions(), D))
+      return ffi::Error::InvalidArgument("sparse_embed forward: outputs must be float32 [D, n, dim]");
   }
   int64_t n = thread_count(pool, threads);
   if (huge_pages) hugepages::advise(pool, n, table.untyped_data(), table.size_bytes());
@@ -798,17 +804,14 @@ ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Mat
     return ffi::Error::InvalidArgument("sparse_embed backward: expected the gradients in one or more blocks");
   if (ffi::Error err = decode_state(args, size_t(blocks), state_out, st, num_rows, dim, dtype); err.failure())
     return err;
-  std::vector<const float*> grad_blocks;
-  std::vector<int64_t> starts{0};  // the first output row of each block, then rpd
+  const int64_t D = cd[0];
+  RowBlocks<const float> grads{{}, {0}, dim};
   for (int64_t b = 0; b < blocks; b++) {
     auto g = args.get<F32Cube>(size_t(b));
-    if (!g.has_value()) return ffi::Error::InvalidArgument("sparse_embed backward: gradients must be float32 [D, n, dim]");
-    auto gd = g->dimensions();
-    if (gd[0] != cd[0] || gd[2] != dim) return ffi::Error::InvalidArgument("sparse_embed backward: inconsistent shapes");
-    grad_blocks.push_back(g->typed_data());
-    starts.push_back(starts.back() + gd[1]);
+    if (!g.has_value() || !grads.add(g->typed_data(), g->dimensions(), D))
+      return ffi::Error::InvalidArgument("sparse_embed backward: gradients must be float32 [D, n, dim]");
   }
-  const int64_t D = cd[0], rpd = starts.back();
+  const int64_t rpd = grads.rpd();
   if (!same_dims(rows.dimensions(), cd) || !same_dims(vals.dimensions(), cd) || options.size() != 5)
     return ffi::Error::InvalidArgument("sparse_embed backward: inconsistent shapes");
   if (cd[0] * cd[1] >= (int64_t(1) << 32) || D * rpd >= (int64_t(1) << 32))
@@ -827,11 +830,8 @@ ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Mat
   const int64_t m = sort_records(pool, nt, cols.typed_data(), rows.typed_data(), vals.typed_data(), D, cd[1], rpd,
                                  num_rows, buf);
   buf.grad_rows.resize(size_t(D * rpd) + 1);
-  for (size_t b = 0; b < grad_blocks.size(); b++) {
-    const int64_t n = starts[b + 1] - starts[b];
-    for (int64_t d = 0; d < D; d++)
-      for (int64_t r = 0; r < n; r++) buf.grad_rows[size_t(d * rpd + starts[b] + r)] = grad_blocks[b] + (d * n + r) * dim;
-  }
+  for (int64_t d = 0; d < D; d++)
+    for (int64_t r = 0; r < rpd; r++) buf.grad_rows[size_t(d * rpd + r)] = grads.row(d, r);
   Grads gr{buf.grad_rows.data(), nullptr, dim};
   if (o.linear && o.skip_nonfinite) {  // checked per output row, once, rather than per entry
     buf.bad.resize(size_t(D * rpd) + 1);

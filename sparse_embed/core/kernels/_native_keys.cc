@@ -81,7 +81,7 @@ void search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int
   const int64_t n = s.n;
   uint64_t want[kGroup];
   int64_t base[kGroup], len[kGroup], end[kGroup];
-  Pending buf[3];  // this group, the previous one (positions found) and the one before (slots), rotating
+  Pending buf[3];  // this group and the last (positions found; swapped each round), the one before (slots)
   Pending *now = &buf[0], *found = &buf[1], *slotted = &buf[2];
   auto touch = [&](const Pending& p) {
     if (t.last)
