@@ -1,6 +1,7 @@
 """Test configuration: a simulated 8-device CPU mesh, set before JAX starts."""
 
 import os
+import tempfile
 
 # 8 simulated devices; region-analysis copy insertion keeps the generic kernel's train steps copy-free
 # (sparse_embed.configure_xla_cpu() adds the same flag).
@@ -17,6 +18,13 @@ from jax.sharding import Mesh  # noqa: E402
 
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# One XLA compilation cache for the session, in a fresh directory: many tests build the same programs from
+# fresh closures, and a hit skips XLA's compile (never the tracing). Fresh per run, so no stale entries; this
+# process only (subprocesses compile for themselves: jax's cache files are not written atomically).
+_XLA_CACHE = tempfile.TemporaryDirectory(prefix="sparse_embed_tests_xla_cache_")
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE.name)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 from sparse_embed.core.kernels import native_cpu  # noqa: E402
