@@ -5,6 +5,9 @@ device, SGD). The raw-id run draws ids from a pool of `occupancy x rows`
 ids per table spread over [0, 2**40); the map starts filled with the
 whole pool (loaded with `load_id_tables`), so every step looks ids up in a
 table at that occupancy. The static run draws uniform ids in [0, rows).
+`--new F` replaces a fraction F of each raw batch's ids by ids never seen
+(every step's batch drawn afresh): the step then admits them, and with
+`--occupancy 1` evicts as many.
 Steps alternate between the two systems; the table prints medians and
 ratios, and `--out` records them as JSON.
 
@@ -52,7 +55,14 @@ def _batches(args, rng, pools, kind: str, n: int) -> list[dict[str, np.ndarray]]
     shape = (args.batch, args.ids)
     if kind == "static":
         return [{f"f{i}": rng.integers(0, args.rows, shape) for i in range(args.tables)} for _ in range(n)]
-    return [{f"f{i}": p[rng.integers(0, p.size, shape)] for i, p in enumerate(pools)} for _ in range(n)]
+
+    def raw(p):  # pool ids, a fraction `--new` of them replaced by ids never seen (admitted, or evicting)
+        ids = p[rng.integers(0, p.size, shape)]
+        fresh = rng.random(shape) < args.new
+        ids[fresh] = rng.integers(0, 2**40, int(fresh.sum()))
+        return ids
+
+    return [{f"f{i}": raw(p) for i, p in enumerate(pools)} for _ in range(n)]
 
 
 def _filled_maps(plan, pools, rng_key):
@@ -110,7 +120,8 @@ def run(args) -> dict:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.devices]), ("d",))
     plans, rng = _plans(args, mesh), np.random.default_rng(0)
     pools = _pools(args, rng)
-    batches = {k: _batches(args, rng, pools, k, 4) for k in plans}
+    batches = {k: _batches(args, rng, pools, k, 4 if k == "static" or not args.new else args.warmup + args.steps)
+               for k in plans}
     for k, p in plans.items():  # sizes every capacity first (no recompiles while timing)
         for b in batches[k]:
             se.preprocess(p, b, device_put=False)
@@ -124,14 +135,14 @@ def run(args) -> dict:
     map_bytes = sum(x.nbytes for x in m) / m.last.size  # keys, last, order, size, directory, span
     return dict(workload=vars(args), step_ms=step_ms, step_ratio=step_ms["raw"] / step_ms["static"],
                 preprocess_mids=mids, preprocess_ratio=mids["raw"] / mids["static"], map_bytes_per_row=map_bytes,
-                occupancy=args.occupancy, malloc=args.malloc, jax=jax.__version__,
+                occupancy=args.occupancy, new_ids=args.new, malloc=args.malloc, jax=jax.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M"))
 
 
 def report(r: dict) -> str:
     s, p = r["step_ms"], r["preprocess_mids"]
     return "\n".join([
-        f"malloc: {r['malloc']}",
+        f"malloc: {r['malloc']}; occupancy {r['occupancy']}, new ids per step {r.get('new_ids', 0)}",
         "| measure | static ids | raw ids (2**40 space) | raw / static | goal |",
         "|---|---|---|---|---|",
         f"| train step (SGD), ms | {s['static']:.1f} | {s['raw']:.1f} | {r['step_ratio']:.2f} | <= 1.3 |",
@@ -146,6 +157,9 @@ def main(argv: list[str] | None = None) -> str:
                           ("devices", 1), ("steps", 20), ("warmup", 3), ("preprocess_reps", 5)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--occupancy", type=float, default=0.8)
+    ap.add_argument("--new", type=float, default=0.0,
+                    help="fraction of each step's raw ids never seen before (each batch drawn afresh): the cost of "
+                         "admission, and of eviction with --occupancy 1")
     ap.add_argument("--malloc", choices=("tuned", "glibc"), default="tuned",
                     help="tuned: se.configure_cpu_allocator() first (see the module docstring); glibc: its defaults")
     ap.add_argument("--out", default=None, help="write the results as JSON here")

@@ -25,7 +25,7 @@ only reads it.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping, NamedTuple
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -155,10 +155,10 @@ class _Mapped(NamedTuple):
 
 
 def _wait(stack: StackPlan, m: IdMap, u: jax.Array, miss: jax.Array, occ: jax.Array, step: jax.Array,
-          find: Callable):
+          search: kernels.KeySearch):
     """Counts the missing ids' occurrences; returns (admit mask, new pending set, counts, forgotten)."""
     d, pend = stack.dynamic, m.pending
-    pslot = jnp.where(miss, find(pend, u), -1)
+    pslot = jnp.where(miss, search.find(pend, u), -1)
     stale = (pslot >= 0) & _expired(d, pend.last, pslot, step)
     known = (pslot >= 0) & ~stale
     cnt = jnp.where(known, m.counts[jnp.maximum(pslot, 0)], 0) + occ
@@ -168,7 +168,7 @@ def _wait(stack: StackPlan, m: IdMap, u: jax.Array, miss: jax.Array, occ: jax.Ar
     leave = jnp.zeros((n,), bool).at[jnp.where((admit | stale) & (pslot >= 0), pslot, n)].set(True, mode="drop")
     stay = jnp.where(wait & known, pslot, n)
     pend = pend._replace(last=pend.last.at[stay].set(step, mode="drop"))
-    ins = key_set.insert(pend, jnp.asarray(n, jnp.int32), u, wait & ~known, leave, step)
+    ins = search.insert(pend, jnp.asarray(n, jnp.int32), u, wait & ~known, leave, step)
     counts = m.counts.at[stay].set(cnt, mode="drop").at[key_set.drop_missing(ins.slots, n)].set(cnt, mode="drop")
     forgotten = ins.evicted + (wait & ~known & (ins.slots < 0)).sum()
     return admit, ins.set, counts, forgotten
@@ -204,13 +204,13 @@ def _map_shard(stack: StackPlan, v: EmbeddingVariables, m: IdMap, u: jax.Array, 
     if m.pending is None:
         admit, pend, counts, forgotten = miss, None, None, zero
     else:
-        admit, pend, counts, forgotten = _wait(stack, m, u, miss, occ, step, search.find)
+        admit, pend, counts, forgotten = _wait(stack, m, u, miss, occ, step, search)
     removed = None if d.expire_after is None else jnp.zeros((R,), bool).at[jnp.where(expired, slot, R)].set(
         True, mode="drop")
     found = jnp.where(hit, slot, R)
 
     def place(v):  # ids to admit, or expired ones: insert (evicting if full) and initialise the new rows
-        ins = key_set.insert(rows, shard_capacity(stack, shard), u, admit, removed, step)
+        ins = search.insert(rows, shard_capacity(stack, shard), u, admit, removed, step)
         new = ins.slots >= 0  # admitted ids are misses: none of them has a row in `found`
         tally = jnp.stack([new.sum(), ins.evicted, (admit & ~new).sum()]).astype(jnp.int32)
         return jnp.where(new, ins.slots, found), ins.set, _reinit(stack, v, m.seed, u, ins.slots, new), tally
@@ -225,20 +225,32 @@ def _map_shard(stack: StackPlan, v: EmbeddingVariables, m: IdMap, u: jax.Array, 
     return _Mapped(out, IdMap(rows, pend, counts, m.seed), v, stats)
 
 
+_REINIT_CHUNK = 1024  # new rows initialised per round: the cost follows the new ids, not the batch's
+
+
 def _reinit(stack: StackPlan, v: EmbeddingVariables, seed: jax.Array, u: jax.Array, rows: jax.Array,
             new: jax.Array) -> EmbeddingVariables:
-    """The new rows (and their slots) set to their initial values; nothing to do when no id got a row."""
-    R = stack.rows_per_shard
-    at = jnp.where(new, rows, R)
+    """The new rows (and their slots) set to their initial values, `_REINIT_CHUNK` new ids per round.
+
+    Only the new ids' initial values are computed (a truncated normal per
+    value is not cheap: for every id of a W1 batch, ~9 ms per table), in as
+    many rounds as there are chunks of new ids; none without a new id.
+    """
+    R, q = stack.rows_per_shard, u.shape[0]
+    k = min(q, _REINIT_CHUNK)
+    which, count = key_set.compact(jnp.arange(q, dtype=jnp.int32), new, -(-q // k) * k, -1)  # new ids first
     specs = stack.optimizer.slots(stack.embedding_dim)
 
-    def write(v: EmbeddingVariables) -> EmbeddingVariables:
-        table = v.table.at[at].set(initial_rows(stack, seed, u).astype(v.table.dtype), mode="drop")
-        slots = {k: a.at[at].set(jnp.full((1, a.shape[1]), specs[k].init, SLOT_DTYPE), mode="drop")
-                 for k, a in v.slots.items()}
+    def write(i, v: EmbeddingVariables) -> EmbeddingVariables:
+        at = jax.lax.dynamic_slice(which, (i * k,), (k,))
+        dest = jnp.where(at >= 0, rows[jnp.maximum(at, 0)], R)
+        table = v.table.at[dest].set(initial_rows(stack, seed, u[jnp.maximum(at, 0)]).astype(v.table.dtype),
+                                     mode="drop")
+        slots = {n: a.at[dest].set(jnp.full((1, a.shape[1]), specs[n].init, SLOT_DTYPE), mode="drop")
+                 for n, a in v.slots.items()}
         return EmbeddingVariables(table, slots)
 
-    return jax.lax.cond(new.any(), write, lambda v: v, v)
+    return jax.lax.fori_loop(0, (count + k - 1) // k, write, v)
 
 
 def _local(m: IdMap) -> IdMap:

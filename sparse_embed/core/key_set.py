@@ -132,7 +132,7 @@ def drop_missing(index: jax.Array, n: int) -> jax.Array:
     return jnp.where(index >= 0, index, n)
 
 
-def _compact(values: jax.Array, keep: jax.Array, n: int, fill) -> tuple[jax.Array, jax.Array]:
+def compact(values: jax.Array, keep: jax.Array, n: int, fill) -> tuple[jax.Array, jax.Array]:
     """The kept values in order, in `[n]` (then `fill`), and how many were kept."""
     pos = jnp.where(keep, jnp.cumsum(keep) - 1, n)
     return jnp.full((n,) + values.shape[1:], fill, values.dtype).at[pos].set(values, mode="drop"), keep.sum()
@@ -157,7 +157,7 @@ def _least_recent(s: KeySet, candidate: jax.Array, need: jax.Array, q: int) -> j
     below, tied = last < t, (last == t) & (t < big)
     chosen = below | (tied & (jnp.cumsum(tied) <= need - below.sum()))
     by_slot = jnp.zeros((n,), bool).at[s.order].set(chosen)
-    return _compact(jnp.arange(n, dtype=jnp.int32), by_slot, q, -1)[0]
+    return compact(jnp.arange(n, dtype=jnp.int32), by_slot, q, -1)[0]
 
 
 class Inserted(NamedTuple):
@@ -218,13 +218,13 @@ def _insert(s: KeySet, capacity, keys, want, removed, step, k) -> _Placed:
     free = jnp.maximum(capacity - s.size, 0)
     pos = s.size + jnp.arange(q)
     free_slots = jnp.where(pos < s.size + free, s.order[jnp.minimum(pos, n - 1)], -1)
-    removed_slots, n_removed = _compact(jnp.arange(n, dtype=jnp.int32), removed, q, -1)
+    removed_slots, n_removed = compact(jnp.arange(n, dtype=jnp.int32), removed, q, -1)
     need = jnp.maximum(k - free - n_removed, 0)
     live = jnp.zeros((n,), bool).at[s.order].set(jnp.arange(n) < s.size)  # by slot
     candidate = live & ~removed & (s.last < step)
     lru = jax.lax.cond(need > 0, lambda: _least_recent(s, candidate, need, q), lambda: jnp.full_like(keys[:, 0], -1))
     avail = jnp.concatenate([free_slots, removed_slots, lru])
-    avail, n_avail = _compact(avail, avail >= 0, q, -1)
+    avail, n_avail = compact(avail, avail >= 0, q, -1)
     rank = jnp.cumsum(want) - 1
     slots = jnp.where(want & (rank < n_avail), avail[jnp.clip(rank, 0, q - 1)], -1)
     evicted_mask = jnp.zeros((n,), bool).at[drop_missing(lru, n)].set(True, mode="drop")
@@ -241,8 +241,8 @@ def _merge(s: KeySet, held: jax.Array, keys: jax.Array, slots: jax.Array) -> Key
     survive = (p < s.size) & held[s.order]
     before = jnp.cumsum(survive)  # survivors at positions <= p
     ins = slots >= 0
-    ins_keys, k = _compact(keys, ins, keys.shape[0], FREE)
-    ins_slots, _ = _compact(slots, ins, keys.shape[0], -1)
+    ins_keys, k = compact(keys, ins, keys.shape[0], FREE)
+    ins_slots, _ = compact(slots, ins, keys.shape[0], -1)
     i = jnp.arange(ins_keys.shape[0])
     valid = i < k
     r = lower_bound(s, ins_keys)  # old positions with a smaller key
@@ -268,6 +268,6 @@ def unique(q: jax.Array) -> tuple[jax.Array, jax.Array]:
     srt = jnp.stack([hi, lo], -1).astype(jnp.int32)
     first = jnp.concatenate([jnp.ones((1,), bool), ~same(srt[1:], srt[:-1])]) & (srt[:, 0] != FREE)
     uid = jnp.cumsum(first) - 1
-    keys, _ = _compact(srt, first, n, FREE)
+    keys, _ = compact(srt, first, n, FREE)
     inverse = jnp.zeros((n,), jnp.int32).at[idx].set(jnp.where(srt[:, 0] != FREE, uid, n).astype(jnp.int32))
     return keys, inverse

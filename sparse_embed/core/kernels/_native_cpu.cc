@@ -888,6 +888,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedBackward, Backward,
 
 extern "C" XLA_FFI_Error* SparseEmbedFindKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
 extern "C" XLA_FFI_Error* SparseEmbedTouchKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
+extern "C" XLA_FFI_Error* SparseEmbedInsertKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
 
 static PyObject* handlers(PyObject*, PyObject*) {
   PyObject* d = PyDict_New();
@@ -898,7 +899,8 @@ static PyObject* handlers(PyObject*, PyObject*) {
   } targets[] = {{"forward", reinterpret_cast<void*>(SparseEmbedForward)},
                  {"backward", reinterpret_cast<void*>(SparseEmbedBackward)},
                  {"find_keys", reinterpret_cast<void*>(SparseEmbedFindKeys)},
-                 {"touch_keys", reinterpret_cast<void*>(SparseEmbedTouchKeys)}};
+                 {"touch_keys", reinterpret_cast<void*>(SparseEmbedTouchKeys)},
+                 {"insert_keys", reinterpret_cast<void*>(SparseEmbedInsertKeys)}};
   for (const auto& t : targets) {
     PyObject* capsule = PyCapsule_New(t.fn, nullptr, nullptr);
     if (!capsule || PyDict_SetItemString(d, t.name, capsule) < 0) {

@@ -243,6 +243,10 @@ class GenericKernel:
                    stale_before: jax.Array) -> tuple[jax.Array, jax.Array]:
         return key_set.touch(keys, queries, step, stale_before)
 
+    def insert_keys(self, keys: key_set.KeySet, capacity: jax.Array, queries: jax.Array, want: jax.Array,
+                    removed: jax.Array | None, step: jax.Array) -> key_set.Inserted:
+        return key_set.insert(keys, capacity, queries, want, removed, step)
+
     # ------------------------------------------------------------ chunking
     def _chunks(self, n: int) -> tuple[int, int]:
         """(number, size) of the chunks n entries are cut into: number * size >= n."""

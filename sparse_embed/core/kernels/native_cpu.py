@@ -203,6 +203,19 @@ class NativeCpuKernel:
         return tuple(jax.ffi.ffi_call(_TARGET.format("touch_keys"), out, input_output_aliases={8: 1})(
             *self._set(keys), queries, i32(step), i32(stale_before), keys.last, threads=np.int64(self.threads)))
 
+    def insert_keys(self, keys: key_set.KeySet, capacity: jax.Array, queries: jax.Array, want: jax.Array,
+                    removed: jax.Array | None, step: jax.Array) -> key_set.Inserted:
+        _register()  # `key_set.insert` in place (the set's arrays and `last` aliased), O(N) passes, no sort of the set
+        i32 = lambda x: jnp.asarray(x, jnp.int32)
+        state = (*self._set(keys), keys.last)
+        out = [jax.typeof(x) for x in state] + [jax.typeof(want).update(dtype=jnp.int32), jax.typeof(keys.size)]
+        none = jnp.zeros((0,), bool)  # no removed slots
+        *new, last, slots, evicted = jax.ffi.ffi_call(
+            _TARGET.format("insert_keys"), out, input_output_aliases={i: i for i in range(len(state))})(
+            *state, i32(capacity), queries, want, none if removed is None else removed, i32(step))
+        sorted_keys, order, size, directory, span = new
+        return key_set.Inserted(key_set.KeySet(sorted_keys, last, order, size, directory, span), slots, evicted)
+
     @staticmethod
     def _set(keys: key_set.KeySet) -> tuple[jax.Array, ...]:
         return keys.sorted_keys, keys.order, keys.size, keys.directory, keys.span
