@@ -543,11 +543,14 @@ def test_a_default_vector_is_read_by_ids_without_a_row_and_never_trained():
         se.Dynamic(default=float("nan"))
 
 
-@pytest.mark.parametrize("case", ["grow", "full_lru_ties", "wide_steps", "removed", "capacity", "clustered"])
+CASES = ["grow", "full_lru_ties", "wide_steps", "negative_steps", "removed", "capacity", "clustered"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_native_insert_equals_the_generic_insert_bit_for_bit(case):
     """`insert_keys` of the native kernel against `key_set.insert` (the generic kernel's), over rounds that
-    fill a set, evict by LRU with many ties (and last-use steps far apart), remove slots, cap the capacity and
-    move the span; every array of
+    fill a set, evict by LRU with many ties (and last-use steps far apart, or steps of -1, the free marker),
+    remove slots, cap the capacity and move the span; every array of
     the set, the slots and the eviction count equal, round after round (each round starts from the native
     result, so a drift is caught where it starts)."""
     from sparse_embed.core import key_set
@@ -556,7 +559,7 @@ def test_native_insert_equals_the_generic_insert_bit_for_bit(case):
 
     if not native_cpu.available():
         pytest.skip("the native CPU kernel is not built")
-    gen = np.random.default_rng(["grow", "full_lru_ties", "wide_steps", "removed", "capacity", "clustered"].index(case))
+    gen = np.random.default_rng(CASES.index(case))
     n, q = 256, 64
     native = jax.jit(native_cpu.NativeCpuKernel().insert_keys)
     generic = jax.jit(GENERIC.insert_keys)
@@ -572,7 +575,7 @@ def test_native_insert_equals_the_generic_insert_bit_for_bit(case):
         want = jnp.asarray((found < 0) & (gen.random(ids.size) < 0.9))
         if case == "full_lru_ties":  # few distinct last-use steps among the live keys
             s = s._replace(last=jnp.where(s.last >= 0, s.last % 2, s.last))
-        now = step
+        now = step - 3 if case == "negative_steps" else step
         if case == "wide_steps":  # steps over a range wider than the native histogram's, with ties
             now = 2**30 + step
             s = s._replace(last=jnp.where(s.last >= 0, jnp.asarray(gen.choice(gen.integers(0, 2**30, 40), n),
@@ -591,7 +594,7 @@ def test_native_insert_equals_the_generic_insert_bit_for_bit(case):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{case}, step {step}: {what}")
         evictions += int(a.evicted)
         s = a.set
-    if case in ("grow", "full_lru_ties", "wide_steps"):
+    if case in ("grow", "full_lru_ties", "wide_steps", "negative_steps"):
         assert evictions > 0  # the rounds did evict
     # nothing wanted, nothing removed: the set as it was
     same = native(s, jnp.int32(n), jnp.zeros((4, 2), jnp.int32), jnp.zeros(4, bool), None, jnp.int32(99))

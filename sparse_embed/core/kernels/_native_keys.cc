@@ -233,54 +233,64 @@ struct InsertScratch {  // per calling thread, like Scratch
   std::vector<uint8_t> mark;  // by slot
 };
 
-// key_set._least_recent: into sc.lru, by slot, the `need` slots (or all, if fewer) of live keys not removed with
-// last < now used longest ago, ties in key order. Sequential passes: the candidates by slot, the threshold
-// step from a histogram of their steps (or a selection, for a wide range), the ties by position.
-void least_recent(const int32_t* order, const int32_t* last, const bool* removed, int64_t n, int64_t live,
-                  int64_t now, int64_t need, InsertScratch& sc) {
-  enum : uint8_t { kLive = 1, kCandidate, kTied, kChosen };
-  std::vector<uint8_t>& state = sc.mark;
-  state.assign(size_t(n), 0);
-  for (int64_t p = 0; p < live; p++) state[order[p]] = kLive;
+// key_set._least_recent's choice among the slots `candidate(slot)` says: into sc.lru, by slot, the `need` of
+// them (or all, if fewer) used longest ago, ties in key order. Sequential passes over the slots (count, then a
+// histogram of their steps or, for a range over 2**20, a selection; then the choice); the ties at the
+// threshold step, if some must go, by a pass over the positions that stops once they are found.
+template <class Candidate>
+void choose_least_recent(Candidate candidate, const int32_t* order, const int32_t* last, int64_t n, int64_t live,
+                         int64_t need, InsertScratch& sc) {
   int64_t candidates = 0;
   int32_t lo = INT32_MAX, hi = INT32_MIN;
   for (int64_t slot = 0; slot < n; slot++)
-    if (state[slot] == kLive && !(removed && removed[slot]) && last[slot] < now) {
-      state[slot] = kCandidate, candidates++;
-      lo = std::min(lo, last[slot]), hi = std::max(hi, last[slot]);
-    }
-  int64_t ties = 0;  // how many of the keys last used at the threshold step go, in key order
-  if (candidates <= need) {
-    for (int64_t slot = 0; slot < n; slot++) state[slot] = state[slot] == kCandidate ? kChosen : state[slot];
-  } else {
-    int32_t t;  // the threshold: the need-th smallest step
-    const uint64_t range = uint64_t(int64_t(hi) - lo) + 1;
-    if (range <= (uint64_t(1) << 20)) {
-      sc.count.assign(size_t(range), 0);
-      for (int64_t slot = 0; slot < n; slot++)
-        if (state[slot] == kCandidate) sc.count[size_t(last[slot] - lo)]++;
-      int64_t v = 0;
-      for (int64_t seen = 0; seen + sc.count[size_t(v)] < need; v++) seen += sc.count[size_t(v)];
-      t = int32_t(lo + v);
-    } else {
-      sc.count.clear();
-      for (int64_t slot = 0; slot < n; slot++)
-        if (state[slot] == kCandidate) sc.count.push_back(last[slot]);
-      std::nth_element(sc.count.begin(), sc.count.begin() + (need - 1), sc.count.end());
-      t = sc.count[size_t(need - 1)];
-    }
-    ties = need;
-    for (int64_t slot = 0; slot < n; slot++)
-      if (state[slot] == kCandidate && last[slot] <= t) {
-        state[slot] = last[slot] < t ? kChosen : kTied;
-        ties -= last[slot] < t;
-      }
-  }
-  for (int64_t p = 0; p < live && ties > 0; p++)
-    if (state[order[p]] == kTied) state[order[p]] = kChosen, ties--;
+    if (candidate(slot)) candidates++, lo = std::min(lo, last[slot]), hi = std::max(hi, last[slot]);
   sc.lru.clear();
+  if (candidates <= need) {
+    for (int64_t slot = 0; slot < n; slot++)
+      if (candidate(slot)) sc.lru.push_back(int32_t(slot));
+    return;
+  }
+  int32_t t;  // the threshold: the need-th smallest step
+  const uint64_t range = uint64_t(int64_t(hi) - lo) + 1;
+  if (range <= (uint64_t(1) << 20)) {
+    sc.count.assign(size_t(range), 0);
+    for (int64_t slot = 0; slot < n; slot++)
+      if (candidate(slot)) sc.count[size_t(last[slot] - lo)]++;
+    int64_t v = 0;
+    for (int64_t seen = 0; seen + sc.count[size_t(v)] < need; v++) seen += sc.count[size_t(v)];
+    t = int32_t(lo + v);
+  } else {
+    sc.count.clear();
+    for (int64_t slot = 0; slot < n; slot++)
+      if (candidate(slot)) sc.count.push_back(last[slot]);
+    std::nth_element(sc.count.begin(), sc.count.begin() + (need - 1), sc.count.end());
+    t = sc.count[size_t(need - 1)];
+  }
+  uint8_t* tied = (sc.mark.assign(size_t(n), 0), sc.mark.data());
   for (int64_t slot = 0; slot < n; slot++)
-    if (state[slot] == kChosen) sc.lru.push_back(int32_t(slot));
+    if (last[slot] <= t && candidate(slot)) {
+      if (last[slot] < t) sc.lru.push_back(int32_t(slot));
+      else tied[slot] = 1;
+    }
+  const int64_t below = int64_t(sc.lru.size());
+  for (int64_t p = 0, ties = need - below; p < live && ties > 0; p++)
+    if (tied[order[p]]) sc.lru.push_back(order[p]), ties--;
+  std::sort(sc.lru.begin() + below, sc.lru.end());
+  std::inplace_merge(sc.lru.begin(), sc.lru.begin() + below, sc.lru.end());
+}
+
+// key_set._least_recent: the candidates are the slots of live keys, not removed, with last < now. A slot is
+// live when its last-use step is not -1 (insert frees slots so), which holds for every slot when as many
+// hold a step as there are live keys; else (a caller's step of -1) the live slots are marked from the positions.
+void least_recent(const int32_t* order, const int32_t* last, const bool* removed, int64_t n, int64_t live,
+                  int64_t now, int64_t need, InsertScratch& sc) {
+  auto fresh = [&](int64_t slot) { return last[slot] < now && !(removed && removed[slot]); };
+  if (std::count_if(last, last + n, [](int32_t v) { return v != -1; }) == live)
+    return choose_least_recent([&](int64_t slot) { return last[slot] != -1 && fresh(slot); }, order, last, n, live,
+                               need, sc);
+  std::vector<uint8_t> is_live(size_t(n), 0);  // rare: no scratch kept for it
+  for (int64_t p = 0; p < live; p++) is_live[order[p]] = 1;
+  choose_least_recent([&](int64_t slot) { return is_live[slot] && fresh(slot); }, order, last, n, live, need, sc);
 }
 
 // key_set._value: the key as a float32 number (the product is exact: one rounding, as in XLA).
