@@ -87,14 +87,15 @@ def test_checkpoint_benchmark_smoke(capsys, tmp_path, frozen_heap):
     assert "restore throughput / np.load" in capsys.readouterr().out
 
 
-def test_raw_ids_benchmark_smoke(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--new", "0.2", "--occupancy", "1"]], ids=["prefilled", "admitting"])
+def test_raw_ids_benchmark_smoke(tmp_path, extra):
     from benchmarks import raw_ids
 
     out = raw_ids.main(["--tables", "2", "--rows", "2000", "--batch", "64", "--steps", "2", "--warmup", "1",
-                        "--preprocess_reps", "1", "--malloc", "glibc", "--out", str(tmp_path / "r.json")])
+                        "--preprocess_reps", "1", "--malloc", "glibc", "--out", str(tmp_path / "r.json"), *extra])
     assert "| train step (SGD), ms |" in out and "| map bytes per row | - | 16.2" in out  # 16 + the directory
     r = json.loads((tmp_path / "r.json").read_text())
-    assert r["step_ratio"] > 0 and r["preprocess_ratio"] > 0
+    assert r["step_ratio"] > 0 and r["preprocess_ratio"] > 0 and r["new_ids"] == (0.2 if extra else 0.0)
 
 
 def test_placement_benchmark_smoke(tmp_path):

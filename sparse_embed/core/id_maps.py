@@ -237,7 +237,7 @@ def _reinit(stack: StackPlan, v: EmbeddingVariables, seed: jax.Array, u: jax.Arr
     many rounds as there are chunks of new ids; none without a new id.
     """
     R, q = stack.rows_per_shard, u.shape[0]
-    k = min(q, _REINIT_CHUNK)
+    k = max(1, min(q, _REINIT_CHUNK))
     which, count = key_set.compact(jnp.arange(q, dtype=jnp.int32), new, -(-q // k) * k, -1)  # new ids first
     specs = stack.optimizer.slots(stack.embedding_dim)
 
