@@ -550,9 +550,8 @@ CASES = ["grow", "full_lru_ties", "wide_steps", "negative_steps", "removed", "ca
 def test_native_insert_equals_the_generic_insert_bit_for_bit(case):
     """`insert_keys` of the native kernel against `key_set.insert` (the generic kernel's), over rounds that
     fill a set, evict by LRU with many ties (and last-use steps far apart, or steps of -1, the free marker),
-    remove slots, cap the capacity and move the span; every array of
-    the set, the slots and the eviction count equal, round after round (each round starts from the native
-    result, so a drift is caught where it starts)."""
+    remove slots, cap the capacity and move the span: every array of the set, the slots and the eviction
+    count equal, round after round (each round starts from the native result: a drift shows where it starts)."""
     from sparse_embed.core import key_set
     from sparse_embed.core.kernels import GENERIC, native_cpu
     from sparse_embed.host.raw_ids import split_words
