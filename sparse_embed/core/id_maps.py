@@ -273,7 +273,7 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     cols, keys = send(coo.col_ids), send(coo.keys)  # [D, C], [D, C, 2] from every source
     used = cols < C
     slot_of = jnp.where(used, jnp.arange(S)[:, None] * C + cols, S * C).reshape(-1)
-    u, inverse = (keys.reshape(C, 2), None) if S == 1 else key_set.unique(keys.reshape(S * C, 2))
+    u, inverse = (keys.reshape(C, 2), None) if S == 1 else search.unique(keys.reshape(S * C, 2))
     occ = None  # occurrences of each distinct id: only admission counts them
     if stack.dynamic.admit_after > 1:
         occ = jnp.zeros((S * C,), jnp.int32).at[slot_of].add(1, mode="drop")

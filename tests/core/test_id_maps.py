@@ -600,3 +600,29 @@ def test_native_insert_equals_the_generic_insert_bit_for_bit(case):
     for x, y in zip(jax.tree.leaves(same.set), jax.tree.leaves(s)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert (np.asarray(same.slots) == -1).all() and int(same.evicted) == 0
+
+
+@pytest.mark.parametrize("spread", ["uniform", "clustered", "extremes", "all_free", "one_key"])
+def test_native_unique_equals_the_generic_unique_bit_for_bit(spread):
+    """`unique_keys` of the native kernel (a radix sort) against `key_set.unique` (XLA's sort): the distinct
+    keys in key order then free markers, and every query's index among them (Q for a free marker), with
+    duplicates, free markers and keys that share or differ in any of their 16-bit digits."""
+    from sparse_embed.core.kernels import GENERIC, native_cpu
+    from sparse_embed.host.raw_ids import split_words
+
+    if not native_cpu.available():
+        pytest.skip("the native CPU kernel is not built")
+    gen = np.random.default_rng(["uniform", "clustered", "extremes", "all_free", "one_key"].index(spread))
+    q = 3000
+    ids = {"uniform": lambda: gen.integers(0, 2**63 - 1, q, dtype=np.int64),
+           "clustered": lambda: np.concatenate([gen.integers(0, 300, q // 2), gen.integers(2**62, 2**62 + 70, q // 2)]),
+           "extremes": lambda: gen.choice(np.array([0, 1, 2**16, 2**32 - 1, 2**32, 2**48, 2**63 - 1, 2**63 - 2]), q),
+           "all_free": lambda: np.zeros(q, np.int64),
+           "one_key": lambda: np.full(q, 123456789012, np.int64)}[spread]()
+    words = np.asarray(split_words(ids)).copy()
+    words[gen.random(q) < (1.0 if spread == "all_free" else 0.2)] = -1  # free markers
+    words = jnp.asarray(words)
+    got = jax.jit(native_cpu.NativeCpuKernel().unique_keys)(words)
+    want = jax.jit(GENERIC.unique_keys)(words)
+    for g, w, what in zip(got, want, ("keys", "inverse")):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{spread}: {what}")

@@ -48,19 +48,20 @@ def for_stack(plan: EmbeddingPlan, stack: StackPlan) -> Kernel:
 
 
 class KeySearch(NamedTuple):
-    """How a raw-id stack's shards search and grow their `KeySet`s (`key_set.find` / `touch` / `insert`'s
-    signatures)."""
+    """How a raw-id stack's shards search and grow their `KeySet`s and deduplicate received keys
+    (`key_set.find` / `touch` / `insert` / `unique`'s signatures)."""
 
     find: Callable[[key_set.KeySet, jax.Array], jax.Array]
     touch: Callable[[key_set.KeySet, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
     insert: Callable[..., key_set.Inserted]
+    unique: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 
 
 def key_search(plan: EmbeddingPlan, stack: StackPlan) -> KeySearch:
-    """The stack's kernel's `find_keys` / `touch_keys` / `insert_keys`, else `key_set`'s functions."""
+    """The stack's kernel's `find_keys` / `touch_keys` / `insert_keys` / `unique_keys`, else `key_set`'s."""
     kernel = for_stack(plan, stack)
     return KeySearch(getattr(kernel, "find_keys", key_set.find), getattr(kernel, "touch_keys", key_set.touch),
-                     getattr(kernel, "insert_keys", key_set.insert))
+                     getattr(kernel, "insert_keys", key_set.insert), getattr(kernel, "unique_keys", key_set.unique))
 
 
 __all__ = ["GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "NativeCpuKernel", "KeySearch", "Received",

@@ -889,6 +889,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedBackward, Backward,
 extern "C" XLA_FFI_Error* SparseEmbedFindKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
 extern "C" XLA_FFI_Error* SparseEmbedTouchKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
 extern "C" XLA_FFI_Error* SparseEmbedInsertKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
+extern "C" XLA_FFI_Error* SparseEmbedUniqueKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
 
 static PyObject* handlers(PyObject*, PyObject*) {
   PyObject* d = PyDict_New();
@@ -900,7 +901,8 @@ static PyObject* handlers(PyObject*, PyObject*) {
                  {"backward", reinterpret_cast<void*>(SparseEmbedBackward)},
                  {"find_keys", reinterpret_cast<void*>(SparseEmbedFindKeys)},
                  {"touch_keys", reinterpret_cast<void*>(SparseEmbedTouchKeys)},
-                 {"insert_keys", reinterpret_cast<void*>(SparseEmbedInsertKeys)}};
+                 {"insert_keys", reinterpret_cast<void*>(SparseEmbedInsertKeys)},
+                 {"unique_keys", reinterpret_cast<void*>(SparseEmbedUniqueKeys)}};
   for (const auto& t : targets) {
     PyObject* capsule = PyCapsule_New(t.fn, nullptr, nullptr);
     if (!capsule || PyDict_SetItemString(d, t.name, capsule) < 0) {

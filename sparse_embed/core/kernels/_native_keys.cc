@@ -417,6 +417,48 @@ ffi::Error InsertKeys(ffi::Buffer<ffi::S32> keys_in, ffi::Buffer<ffi::S32> order
   return ffi::Error::Success();
 }
 
+
+// --- unique (key_set.unique): the distinct keys of q [Q, 2] in key order (free markers, hi = -1, dropped),
+// then free markers; inverse[i] = the index of q[i]'s key among them (Q for a free marker). By an LSD radix
+// sort of (key, index) on 16-bit digits, skipping the digits all keys share: linear, where XLA:CPU's
+// comparison sort took ~18 ms per 90k keys.
+ffi::Error UniqueKeys(ffi::Buffer<ffi::S32> queries, ffi::ResultBuffer<ffi::S32> keys_out,
+                      ffi::ResultBuffer<ffi::S32> inverse_out) {
+  const int64_t q = int64_t(inverse_out->element_count());
+  const int32_t* in = queries.typed_data();
+  int32_t *keys = keys_out->typed_data(), *inverse = inverse_out->typed_data();
+  static thread_local std::vector<std::pair<uint64_t, int32_t>> scratch_a, scratch_b;
+  static thread_local std::vector<int32_t> scratch_count;
+  auto &a = scratch_a, &b = scratch_b;
+  std::vector<int32_t>& count = scratch_count;
+  a.resize(size_t(q)), b.resize(size_t(q));
+  for (int64_t i = 0; i < q; i++) a[size_t(i)] = {key_of(in, i), int32_t(i)};
+  for (int shift = 0; shift < 64; shift += 16) {
+    count.assign(65537, 0);
+    for (int64_t i = 0; i < q; i++) count[((a[size_t(i)].first >> shift) & 0xFFFF) + 1]++;
+    if (std::any_of(count.begin() + 1, count.end(), [&](int32_t c) { return c == q; })) continue;  // one digit
+    for (int d = 0; d < 65536; d++) count[d + 1] += count[d];
+    for (int64_t i = 0; i < q; i++) b[size_t(count[(a[size_t(i)].first >> shift) & 0xFFFF]++)] = a[size_t(i)];
+    std::swap(a, b);
+  }
+  constexpr uint64_t kFree = uint64_t(0xFFFFFFFF) << 32;  // hi = -1 and above: a free marker
+  int64_t distinct = 0;
+  for (int64_t i = 0; i < q; i++) {
+    const auto [key, at] = a[size_t(i)];
+    if (key >= kFree) {
+      inverse[at] = int32_t(q);
+      continue;
+    }
+    if (distinct == 0 || key != a[size_t(i - 1)].first) {
+      keys[2 * distinct] = int32_t(uint32_t(key >> 32)), keys[2 * distinct + 1] = int32_t(uint32_t(key));
+      distinct++;
+    }
+    inverse[at] = int32_t(distinct - 1);
+  }
+  std::fill(keys + 2 * distinct, keys + 2 * q, -1);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The arguments both handlers start with: the set, then the queries.
@@ -466,3 +508,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedInsertKeys, InsertKeys,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()    // slots [Q]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // evicted []
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedUniqueKeys, UniqueKeys,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // queries [Q, 2]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // keys [Q, 2]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // inverse [Q]

@@ -247,6 +247,9 @@ class GenericKernel:
                     removed: jax.Array | None, step: jax.Array) -> key_set.Inserted:
         return key_set.insert(keys, capacity, queries, want, removed, step)
 
+    def unique_keys(self, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return key_set.unique(queries)
+
     # ------------------------------------------------------------ chunking
     def _chunks(self, n: int) -> tuple[int, int]:
         """(number, size) of the chunks n entries are cut into: number * size >= n."""
