@@ -602,8 +602,9 @@ def test_native_insert_equals_the_generic_insert_bit_for_bit(case):
     assert (np.asarray(same.slots) == -1).all() and int(same.evicted) == 0
 
 
+@pytest.mark.parametrize("q", [300, 20000])  # below and above the native kernel's switch to its radix sort
 @pytest.mark.parametrize("spread", ["uniform", "clustered", "extremes", "all_free", "one_key"])
-def test_native_unique_equals_the_generic_unique_bit_for_bit(spread):
+def test_native_unique_equals_the_generic_unique_bit_for_bit(spread, q):
     """`unique_keys` of the native kernel (a radix sort) against `key_set.unique` (XLA's sort): the distinct
     keys in key order then free markers, and every query's index among them (Q for a free marker), with
     duplicates, free markers and keys that share or differ in any of their 16-bit digits."""
@@ -613,7 +614,6 @@ def test_native_unique_equals_the_generic_unique_bit_for_bit(spread):
     if not native_cpu.available():
         pytest.skip("the native CPU kernel is not built")
     gen = np.random.default_rng(["uniform", "clustered", "extremes", "all_free", "one_key"].index(spread))
-    q = 3000
     ids = {"uniform": lambda: gen.integers(0, 2**63 - 1, q, dtype=np.int64),
            "clustered": lambda: np.concatenate([gen.integers(0, 300, q // 2), gen.integers(2**62, 2**62 + 70, q // 2)]),
            "extremes": lambda: gen.choice(np.array([0, 1, 2**16, 2**32 - 1, 2**32, 2**48, 2**63 - 1, 2**63 - 2]), q),

@@ -422,6 +422,8 @@ ffi::Error InsertKeys(ffi::Buffer<ffi::S32> keys_in, ffi::Buffer<ffi::S32> order
 // then free markers; inverse[i] = the index of q[i]'s key among them (Q for a free marker). By an LSD radix
 // sort of (key, index) on 16-bit digits, skipping the digits all keys share: linear, where XLA:CPU's
 // comparison sort took ~18 ms per 90k keys.
+constexpr int64_t kSmallSort = 4096;
+
 ffi::Error UniqueKeys(ffi::Buffer<ffi::S32> queries, ffi::ResultBuffer<ffi::S32> keys_out,
                       ffi::ResultBuffer<ffi::S32> inverse_out) {
   const int64_t q = int64_t(inverse_out->element_count());
@@ -433,7 +435,8 @@ ffi::Error UniqueKeys(ffi::Buffer<ffi::S32> queries, ffi::ResultBuffer<ffi::S32>
   std::vector<int32_t>& count = scratch_count;
   a.resize(size_t(q)), b.resize(size_t(q));
   for (int64_t i = 0; i < q; i++) a[size_t(i)] = {key_of(in, i), int32_t(i)};
-  for (int shift = 0; shift < 64; shift += 16) {
+  if (q < kSmallSort) std::sort(a.begin(), a.end());  // below that, the histograms cost more than they save
+  for (int shift = 0; shift < 64 && q >= kSmallSort; shift += 16) {
     count.assign(65537, 0);
     for (int64_t i = 0; i < q; i++) count[((a[size_t(i)].first >> shift) & 0xFFFF) + 1]++;
     if (std::any_of(count.begin() + 1, count.end(), [&](int32_t c) { return c == q; })) continue;  // one digit
@@ -456,6 +459,7 @@ ffi::Error UniqueKeys(ffi::Buffer<ffi::S32> queries, ffi::ResultBuffer<ffi::S32>
     inverse[at] = int32_t(distinct - 1);
   }
   std::fill(keys + 2 * distinct, keys + 2 * q, -1);
+  if (a.capacity() * sizeof(a[0]) > kKeepScratch) a = {}, b = {};  // a rare huge call
   return ffi::Error::Success();
 }
 
