@@ -37,12 +37,14 @@ inline uint64_t key_of(const int32_t* keys, int64_t i) {
   return (uint64_t(uint32_t(keys[2 * i])) << 32) | uint32_t(keys[2 * i + 1]);
 }
 
+// key_set._value: the key as a float32 number (the product is exact: one rounding, as in XLA).
+inline float value_of(uint64_t key) { return float(uint32_t(key >> 32)) * 4294967296.0f + float(uint32_t(key)); }
+
 // key_set._bucket: floor((value(q) - span[0]) * span[1]), NaN -> 0, clipped to [0, buckets - 1]. Without
 // std::floor (a libm call on baseline x86-64): below 1 the clip gives 0 either way, and from there on floor is
 // the truncation of a float conversion.
 inline int32_t bucket_of(uint64_t key, float first, float scale, int64_t buckets) {
-  const float value = float(uint32_t(key >> 32)) * 4294967296.0f + float(uint32_t(key));
-  const float x = (value - first) * scale, top = float(buckets - 1);
+  const float x = (value_of(key) - first) * scale, top = float(buckets - 1);
   return x >= top ? int32_t(buckets - 1) : x >= 1.0f ? int32_t(x) : 0;  // NaN compares false: 0
 }
 
@@ -292,9 +294,6 @@ void least_recent(const int32_t* order, const int32_t* last, const bool* removed
   for (int64_t p = 0; p < live; p++) is_live[order[p]] = 1;
   choose_least_recent([&](int64_t slot) { return is_live[slot] && fresh(slot); }, order, last, n, live, need, sc);
 }
-
-// key_set._value: the key as a float32 number (the product is exact: one rounding, as in XLA).
-inline float value_of(uint64_t key) { return float(uint32_t(key >> 32)) * 4294967296.0f + float(uint32_t(key)); }
 
 // with_directory's span: the smallest and the largest live key (position 0 and size - 1, clipped).
 inline std::pair<float, float> span_of(const int32_t* k, int64_t n, int64_t size, int64_t buckets) {
