@@ -83,7 +83,7 @@ inline void prefetch_row(const void* p, int64_t bytes, bool write) {
     if (write)
       __builtin_prefetch(c + o, 1, 1);
     else
-      __builtin_prefetch(c + o, 0, 1);
+      __builtin_prefetch(c + o, 0, 3);
   }
 }
 
@@ -165,7 +165,7 @@ inline float clip_scale(const T* row, int64_t dim, float max_norm, float* norm_o
 // ------------------------------------------------------------------ forward
 
 constexpr int64_t kForwardChunk = 4096;  // entries per work chunk
-constexpr int64_t kPrefetch = 16;         // entries ahead to prefetch
+constexpr int64_t kPrefetch = 32;         // entries ahead to prefetch
 
 struct Range {
   int64_t d, begin, end;  // entries [begin, end) of source d's segment
