@@ -21,6 +21,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -94,27 +95,31 @@ inline void prefetch_row(const void* p, int64_t bytes, bool write) {
 // XLA allocates the buffers, so the kernel asks Linux to back them with huge pages itself: the third time it
 // sees a buffer (a donated table is the same buffer every step), it marks it MADV_HUGEPAGE and collapses it
 // (MADV_COLLAPSE, Linux >= 6.1), in 2 MiB pieces over the thread pool; once per buffer, a few seconds per GiB.
+// A buffer freed and another allocated at the same address (a new table of the same size: a restore, a new
+// model, the next benchmark) is a fresh mapping on small pages again. MADV_HUGEPAGE made [lo, hi) a mapping of
+// its own (Linux splits a mapping where its flags change), so every kProbe-th later sighting looks the address up
+// in /proc/self/maps: a mapping that no longer starts at lo is a fresh one, and is collapsed (less and less often
+// should that keep happening, e.g. if something else merged the mapping).
 // Advice only: it changes no value, and a kernel without THP or MADV_COLLAPSE just refuses it.
 namespace hugepages {
 
 constexpr uintptr_t kHuge = uintptr_t(2) << 20;
 constexpr size_t kMinBytes = size_t(64) << 20;  // smaller arrays are not worth the collapse
-constexpr int kSightings = 3;
+constexpr int64_t kSightings = 3;
+constexpr int64_t kProbe = 8;
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25
 #endif
 
+struct Seen {
+  int64_t calls = 0, next_probe = kSightings, backoff = kProbe;  // backoff: calls to the next probe after a fresh one
+};
 std::mutex mu;
-std::unordered_map<uintptr_t, int> seen;  // buffer start -> how many calls saw it (kSightings: collapsed)
+std::unordered_map<uintptr_t, Seen> seen;  // by buffer start
 bool unsupported = false;
 
-void advise(ffi::ThreadPool& pool, int64_t threads, const void* data, size_t bytes) {
-  const uintptr_t lo = (uintptr_t(data) + kHuge - 1) & ~(kHuge - 1), hi = (uintptr_t(data) + bytes) & ~(kHuge - 1);
-  if (bytes < kMinBytes || hi <= lo) return;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (unsupported || seen.size() > 4096 || ++seen[uintptr_t(data)] != kSightings) return;
-  }
+// Marks [lo, hi) MADV_HUGEPAGE and collapses it, piece by piece over the pool.
+void collapse(ffi::ThreadPool& pool, int64_t threads, uintptr_t lo, uintptr_t hi) {
   if (madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE) != 0) return;
   std::atomic<bool> failed{false};
   parallel_for(pool, threads, int64_t((hi - lo) / kHuge), [&](int64_t i) {
@@ -126,6 +131,44 @@ void advise(ffi::ThreadPool& pool, int64_t threads, const void* data, size_t byt
     std::lock_guard<std::mutex> lock(mu);
     unsupported = true;
   }
+}
+
+// Whether the mapping holding address lo starts there (true if /proc/self/maps cannot be read).
+bool mapping_starts_at(uintptr_t lo) {
+  FILE* f = std::fopen("/proc/self/maps", "r");
+  if (!f) return true;
+  char line[4608];  // a line: two addresses, flags, offset, device, inode, a path of at most PATH_MAX
+  bool found = true;
+  while (std::fgets(line, sizeof line, f)) {
+    unsigned long start, end;
+    if (std::sscanf(line, "%lx-%lx", &start, &end) == 2 && start <= lo && lo < end) {
+      found = start == lo;
+      break;
+    }
+  }
+  std::fclose(f);
+  return found;
+}
+
+void advise(ffi::ThreadPool& pool, int64_t threads, const void* data, size_t bytes) {
+  const uintptr_t lo = (uintptr_t(data) + kHuge - 1) & ~(kHuge - 1), hi = (uintptr_t(data) + bytes) & ~(kHuge - 1);
+  if (bytes < kMinBytes || hi <= lo) return;
+  bool first;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (unsupported || seen.size() > 4096) return;
+    Seen& b = seen[uintptr_t(data)];
+    if (++b.calls < b.next_probe) return;
+    first = b.calls == kSightings;
+    b.next_probe = b.calls + kProbe;
+  }
+  if (!first) {  // collapsed before: a fresh mapping at the same address?
+    if (mapping_starts_at(lo)) return;
+    std::lock_guard<std::mutex> lock(mu);
+    Seen& b = seen[uintptr_t(data)];
+    b.next_probe = b.calls + b.backoff, b.backoff *= 2;
+  }
+  collapse(pool, threads, lo, hi);
 }
 
 }  // namespace hugepages

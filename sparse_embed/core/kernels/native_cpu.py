@@ -142,8 +142,9 @@ class NativeCpuKernel:
         Results are the same for every value.
       huge_pages: back the tables and slots with 2 MiB pages (Linux
         `madvise`), once per buffer, when a call sees the same buffer a third
-        time (a donated table); up to 2x faster lookups and updates on large
-        tables. `$SPARSE_EMBED_HUGE_PAGES=0` turns it off for "auto" plans.
+        time (a donated table), and again for a new buffer at a freed one's
+        address; up to 2x faster lookups and updates on large tables.
+        `$SPARSE_EMBED_HUGE_PAGES=0` turns it off for "auto" plans.
     """
 
     threads: int = 0
