@@ -194,6 +194,13 @@ void find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int32_
   if (scratch.sorted.capacity() * sizeof(Query) > kKeepScratch) scratch = Scratch();  // a rare huge call
 }
 
+// The result an argument is aliased to (the usual case; else, when XLA gave a separate buffer, a copy of it).
+template <class In, class Out>
+auto* in_place(In& in, Out& out) {
+  if (in.untyped_data() != out->untyped_data()) std::copy_n(in.typed_data(), in.element_count(), out->typed_data());
+  return out->typed_data();
+}
+
 Set set_of(ffi::Buffer<ffi::S32>& sorted_keys, ffi::Buffer<ffi::S32>& order, ffi::Buffer<ffi::S32>& size,
            ffi::Buffer<ffi::S32>& directory, ffi::Buffer<ffi::F32>& span) {
   return Set{sorted_keys.typed_data(), order.typed_data(), directory.typed_data(), int64_t(order.element_count()),
@@ -214,9 +221,7 @@ ffi::Error TouchKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ff
                      ffi::Buffer<ffi::S32> queries, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> stale_before,
                      ffi::Buffer<ffi::S32> last_in, ffi::ResultBuffer<ffi::S32> slots,
                      ffi::ResultBuffer<ffi::S32> last, int64_t threads) {
-  if (last_in.typed_data() != last->typed_data())  // not aliased (XLA copies when it must): start from a copy
-    std::copy_n(last_in.typed_data(), last_in.element_count(), last->typed_data());
-  const Touch touch{last->typed_data(), step.typed_data()[0], stale_before.typed_data()[0]};
+  const Touch touch{in_place(last_in, last), step.typed_data()[0], stale_before.typed_data()[0]};
   find_all(pool, threads, set_of(sorted_keys, order, size, directory, span), queries.typed_data(),
            int64_t(slots->element_count()), touch, slots->typed_data());
   return ffi::Error::Success();
@@ -309,11 +314,6 @@ ffi::Error InsertKeys(ffi::Buffer<ffi::S32> keys_in, ffi::Buffer<ffi::S32> order
                       ffi::ResultBuffer<ffi::S32> size_out, ffi::ResultBuffer<ffi::S32> dir_out,
                       ffi::ResultBuffer<ffi::F32> span_out, ffi::ResultBuffer<ffi::S32> last_out,
                       ffi::ResultBuffer<ffi::S32> slots_out, ffi::ResultBuffer<ffi::S32> evicted_out) {
-  auto in_place = [](auto& in, auto& out) {  // aliased (the usual case), else start from a copy
-    if (in.untyped_data() != out->untyped_data())
-      std::copy_n(in.typed_data(), in.element_count(), out->typed_data());
-    return out->typed_data();
-  };
   int32_t *k = in_place(keys_in, keys_out), *order = in_place(order_in, order_out);
   int32_t *dir = in_place(dir_in, dir_out), *last = in_place(last_in, last_out);
   float* span = in_place(span_in, span_out);
@@ -464,7 +464,7 @@ ffi::Error UniqueKeys(ffi::Buffer<ffi::S32> queries, ffi::ResultBuffer<ffi::S32>
 
 }  // namespace
 
-// The arguments both handlers start with: the set, then the queries.
+// The arguments find_keys and touch_keys start with: the set, then the queries.
 static auto set_and_queries() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
