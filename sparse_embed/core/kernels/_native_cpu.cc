@@ -944,8 +944,14 @@ static PyObject* handlers(PyObject*, PyObject*) {
   return d;
 }
 
+extern "C" const char* SparseEmbedKeySearchIsa();  // _native_keys.cc
+
+static PyObject* key_search_isa(PyObject*, PyObject*) { return PyUnicode_FromString(SparseEmbedKeySearchIsa()); }
+
 static PyMethodDef methods[] = {
     {"handlers", handlers, METH_NOARGS, "handlers() -> {name: PyCapsule of an XLA FFI handler}"},
+    {"key_search_isa", key_search_isa, METH_NOARGS,
+     "key_search_isa() -> 'avx512' or 'baseline': the raw-id key search's instruction set in this process"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -92,6 +92,18 @@ def available() -> bool:
     return _extension() is not None
 
 
+ISA_ENV = "SPARSE_EMBED_NATIVE_ISA"  # "baseline": no CPU-specific code paths (the raw-id key search's AVX-512)
+
+
+def key_search_isa() -> str | None:
+    """The raw-id key search's instruction set in this process: "avx512" or "baseline" (None: not built).
+
+    Chosen once per process from the CPU, or "baseline" with `$SPARSE_EMBED_NATIVE_ISA=baseline`; both
+    find the same slots.
+    """
+    return None if _extension() is None else _extension().key_search_isa()
+
+
 def _hyper(o: opt.Optimizer) -> np.ndarray:
     """The optimizer's constants, f32, as the C++ code reads them (see `update_row` in _native_cpu.cc)."""
     f32 = np.float32
@@ -195,7 +207,7 @@ class NativeCpuKernel:
         return EmbeddingVariables(out[0], dict(zip(names, out[1:])))
 
     def find_keys(self, keys: key_set.KeySet, queries: jax.Array) -> jax.Array:
-        _register()  # `_native_keys.cc`: queries in bucket order, a binary search in the bucket, 32 in lockstep
+        _register()  # `_native_keys.cc`: queries in bucket order, each bucket searched (AVX-512 compares or halving)
         return jax.ffi.ffi_call(_TARGET.format("find_keys"), jax.ShapeDtypeStruct(queries.shape[:1], jnp.int32))(
             *self._set(keys), queries, threads=np.int64(self.threads))
 
