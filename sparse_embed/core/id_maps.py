@@ -281,8 +281,8 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     mapped = _map_shard(stack, v, m, u, occ, step, jax.lax.axis_index(axis), train, search)
     v = mapped.tables
     # One source: its ids arrive distinct (preprocessing numbered them), so key slot = distinct id.
-    row_of_slot = mapped.rows if inverse is None else mapped.rows.at[inverse].get(mode="fill", fill_value=R)
-    rows = jnp.where(used.reshape(-1), row_of_slot.at[slot_of].get(mode="fill", fill_value=R), R)
+    row_of_slot = mapped.rows if inverse is None else search.take(mapped.rows, inverse, R)
+    rows = search.take(row_of_slot, slot_of, R)  # unused entries' slot_of is out of range: R
     back = jax.lax.all_to_all(rows.reshape(S, C), axis, 0, 0, tiled=True).reshape(-1)  # [S * C] in my layout
     defaults = None
     if stack.dynamic.default is not None:  # per output row: the gains of its ids without a row

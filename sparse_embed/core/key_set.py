@@ -127,6 +127,11 @@ def touch(s: KeySet, q: jax.Array, step: jax.Array, stale_before: jax.Array) -> 
     return slot, s.last.at[jnp.where(fresh, slot, s.last.shape[0])].set(step, mode="drop")
 
 
+def take(values: jax.Array, index: jax.Array, fill) -> jax.Array:
+    """`values [Q]` at `index [E]`, `fill` where an index is outside `[0, Q)` (the map's rows per entry)."""
+    return values.at[index].get(mode="fill", fill_value=fill, wrap_negative_indices=False)
+
+
 def drop_missing(index: jax.Array, n: int) -> jax.Array:
     """Scatter indices with -1 (none) moved out of range, so that `mode="drop"` drops them."""
     return jnp.where(index >= 0, index, n)

@@ -652,3 +652,21 @@ def test_native_unique_equals_the_generic_unique_bit_for_bit(spread, q):
     want = jax.jit(GENERIC.unique_keys)(words)
     for g, w, what in zip(got, want, ("keys", "inverse")):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{spread}: {what}")
+
+
+@pytest.mark.parametrize("q,e", [(1, 10), (7, 0), (300, 1000), (20000, 70000)])  # the last: several chunks
+def test_take_rows_equals_numpy_on_each_kernel(q, e):
+    """`take_rows` (each entry's row: `values[index]`, `fill` where the index is outside `[0, Q)`) of the generic
+    and the native kernel against numpy, with negative and too-large indices, on 1 and on all threads."""
+    from sparse_embed.core.kernels import GENERIC, native_cpu
+
+    gen = np.random.default_rng(q + e)
+    values = gen.integers(-5, 2**31 - 1, q).astype(np.int32)
+    index = gen.integers(-3, q + 3, e).astype(np.int32)
+    index[: min(e, 4)] = [-(2**31), 2**31 - 1, q, -1][: min(e, 4)]
+    want = np.where((index >= 0) & (index < q), values[np.clip(index, 0, q - 1)], 777)
+    kernels = [GENERIC] + ([native_cpu.NativeCpuKernel(), native_cpu.NativeCpuKernel(threads=1)]
+                           if native_cpu.available() else [])
+    for k in kernels:
+        got = jax.jit(k.take_rows, static_argnums=2)(jnp.asarray(values), jnp.asarray(index), 777)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=type(k).__name__)

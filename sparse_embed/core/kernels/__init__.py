@@ -48,20 +48,23 @@ def for_stack(plan: EmbeddingPlan, stack: StackPlan) -> Kernel:
 
 
 class KeySearch(NamedTuple):
-    """How a raw-id stack's shards search and grow their `KeySet`s and deduplicate received keys
-    (`key_set.find` / `touch` / `insert` / `unique`'s signatures)."""
+    """How a raw-id stack's shards search and grow their `KeySet`s, deduplicate received keys and hand every
+    entry its id's row (`key_set.find` / `touch` / `insert` / `unique` / `take`'s signatures)."""
 
     find: Callable[[key_set.KeySet, jax.Array], jax.Array]
     touch: Callable[[key_set.KeySet, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
     insert: Callable[..., key_set.Inserted]
     unique: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+    take: Callable[[jax.Array, jax.Array, int], jax.Array]
 
 
 def key_search(plan: EmbeddingPlan, stack: StackPlan) -> KeySearch:
-    """The stack's kernel's `find_keys` / `touch_keys` / `insert_keys` / `unique_keys`, else `key_set`'s."""
+    """The stack's kernel's `find_keys` / `touch_keys` / `insert_keys` / `unique_keys` / `take_rows`, else
+    `key_set`'s."""
     kernel = for_stack(plan, stack)
     return KeySearch(getattr(kernel, "find_keys", key_set.find), getattr(kernel, "touch_keys", key_set.touch),
-                     getattr(kernel, "insert_keys", key_set.insert), getattr(kernel, "unique_keys", key_set.unique))
+                     getattr(kernel, "insert_keys", key_set.insert), getattr(kernel, "unique_keys", key_set.unique),
+                     getattr(kernel, "take_rows", key_set.take))
 
 
 __all__ = ["GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "NativeCpuKernel", "KeySearch", "Received",

@@ -919,6 +919,7 @@ extern "C" XLA_FFI_Error* SparseEmbedFindKeys(XLA_FFI_CallFrame* call_frame);  /
 extern "C" XLA_FFI_Error* SparseEmbedTouchKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
 extern "C" XLA_FFI_Error* SparseEmbedInsertKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
 extern "C" XLA_FFI_Error* SparseEmbedUniqueKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
+extern "C" XLA_FFI_Error* SparseEmbedTakeRows(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
 
 static PyObject* handlers(PyObject*, PyObject*) {
   PyObject* d = PyDict_New();
@@ -931,7 +932,8 @@ static PyObject* handlers(PyObject*, PyObject*) {
                  {"find_keys", reinterpret_cast<void*>(SparseEmbedFindKeys)},
                  {"touch_keys", reinterpret_cast<void*>(SparseEmbedTouchKeys)},
                  {"insert_keys", reinterpret_cast<void*>(SparseEmbedInsertKeys)},
-                 {"unique_keys", reinterpret_cast<void*>(SparseEmbedUniqueKeys)}};
+                 {"unique_keys", reinterpret_cast<void*>(SparseEmbedUniqueKeys)},
+                 {"take_rows", reinterpret_cast<void*>(SparseEmbedTakeRows)}};
   for (const auto& t : targets) {
     PyObject* capsule = PyCapsule_New(t.fn, nullptr, nullptr);
     if (!capsule || PyDict_SetItemString(d, t.name, capsule) < 0) {

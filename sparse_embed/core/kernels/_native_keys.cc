@@ -547,6 +547,23 @@ static auto set_and_queries() {
       .Arg<ffi::Buffer<ffi::S32>>();  // queries [Q, 2]
 }
 
+// --- take (key_set.take): out[e] = values[index[e]] for an index in [0, Q), else fill; the map's rows per
+// entry, in chunks over the pool (XLA:CPU's gather of the same: ~0.1 ms per 80k entries, per table and step).
+constexpr int64_t kTakeChunk = 16384;
+
+ffi::Error TakeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> values, ffi::Buffer<ffi::S32> index,
+                    ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::S32> out, int64_t threads) {
+  const int32_t *v = values.typed_data(), *ix = index.typed_data();
+  const int64_t q = int64_t(values.element_count()), e = int64_t(index.element_count());
+  const int32_t f = fill.typed_data()[0];
+  int32_t* o = out->typed_data();
+  parallel_for(pool, thread_count(pool, threads), (e + kTakeChunk - 1) / kTakeChunk, [&](int64_t c) {
+    for (int64_t i = c * kTakeChunk, to = std::min(e, i + kTakeChunk); i < to; i++)
+      o[i] = ix[i] >= 0 && ix[i] < q ? v[ix[i]] : f;
+  });
+  return ffi::Error::Success();
+}
+
 // The instruction set of the key search this process uses ("avx512" or "baseline"), for tests and reports.
 extern "C" const char* SparseEmbedKeySearchIsa() { return chosen_search() == search<Halving> ? "baseline" : "avx512"; }
 
@@ -585,6 +602,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedInsertKeys, InsertKeys,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()    // slots [Q]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // evicted []
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedTakeRows, TakeRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // values [Q]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // index [E]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // fill []
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // [E]
+                                  .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedUniqueKeys, UniqueKeys,
                               ffi::Ffi::Bind()

@@ -250,6 +250,9 @@ class GenericKernel:
     def unique_keys(self, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
         return key_set.unique(queries)
 
+    def take_rows(self, values: jax.Array, index: jax.Array, fill: int) -> jax.Array:
+        return key_set.take(values, index, fill)
+
     # ------------------------------------------------------------ chunking
     def _chunks(self, n: int) -> tuple[int, int]:
         """(number, size) of the chunks n entries are cut into: number * size >= n."""

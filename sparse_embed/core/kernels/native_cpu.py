@@ -238,6 +238,13 @@ class NativeCpuKernel:
         out = (jax.typeof(queries), jax.typeof(queries).update(shape=queries.shape[:1]))
         return tuple(jax.ffi.ffi_call(_TARGET.format("unique_keys"), out)(queries))
 
+    def take_rows(self, values: jax.Array, index: jax.Array, fill: int) -> jax.Array:
+        _register()  # `key_set.take` for int32 rows (XLA:CPU's gather: ~0.1 ms per 80k entries, several per step)
+        out = jax.typeof(index).update(dtype=jnp.int32)
+        return jax.ffi.ffi_call(_TARGET.format("take_rows"), out)(
+            values.astype(jnp.int32), index.astype(jnp.int32), jnp.asarray(fill, jnp.int32),
+            threads=np.int64(self.threads))
+
     @staticmethod
     def _set(keys: key_set.KeySet) -> tuple[jax.Array, ...]:
         return keys.sorted_keys, keys.order, keys.size, keys.directory, keys.span
