@@ -39,7 +39,7 @@ if ffi_include_dir() is not None:
         Extension(
             "sparse_embed.core.kernels._native_cpu",
             ["sparse_embed/core/kernels/_native_cpu.cc", "sparse_embed/core/kernels/_native_keys.cc"],
-            depends=["sparse_embed/core/kernels/_native_threads.h"],
+            depends=["sparse_embed/core/kernels/_native_threads.h", "sparse_embed/core/kernels/_native_isa.h"],
             include_dirs=[ffi_include_dir()],
             language="c++",
             # no FMA contraction: the same rounding as the generic kernel's XLA code where the order matches

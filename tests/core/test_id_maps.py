@@ -10,11 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
-import platform
-import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -525,27 +520,6 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread):
         distinct = jnp.asarray(split_words(np.unique(join_words(np.asarray(many)))))
         for a, b in zip(jax.jit(one_thread.touch_keys)(s, distinct, 99, 5), touchers[1](s, distinct, 99, 5)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_the_native_key_search_on_each_instruction_set():
-    """The native search counts a bucket's keys below the query with AVX-512 where the CPU has it, else (and
-    with `$SPARSE_EMBED_NATIVE_ISA=baseline`) binary-searches the bucket: the choice follows the CPU, and the
-    key-set test above passes again in a process made to use the baseline."""
-    from sparse_embed.core.kernels import native_cpu
-
-    if not native_cpu.available():
-        pytest.skip("the native CPU kernel is not built")
-    baseline = os.environ.get(native_cpu.ISA_ENV) == "baseline"
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    has_avx512 = platform.machine() == "x86_64" and cpuinfo.exists() and "avx512f" in cpuinfo.read_text().split()
-    assert native_cpu.key_search_isa() == ("avx512" if has_avx512 and not baseline else "baseline")
-    if baseline or not has_avx512:
-        return  # this process already searches on the baseline
-    me, tests = os.path.abspath(__file__), ("test_key_set_finds_exactly_the_keys_it_holds",
-                                             "test_the_native_key_search_on_each_instruction_set")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(f"{me}::{t}" for t in tests)],
-                         env=dict(os.environ, **{native_cpu.ISA_ENV: "baseline"}), capture_output=True, text=True)
-    assert out.returncode == 0 and re.search(r"\b5 passed", out.stdout), out.stdout[-3000:] + out.stderr[-3000:]
 
 
 def test_a_default_vector_is_read_by_ids_without_a_row_and_never_trained():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
+import platform
 import re
 import subprocess
 import sys
@@ -190,6 +192,44 @@ def test_native_skips_nonfinite_rows_like_generic(name):
     got = _train("native", CASES[name], make_mesh(2), bad_step=1)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got[1], want[1])
     assert all(np.isfinite(v).all() for t in got[1].values() for v in t.values())
+
+
+# ---------------------------------------------------------------- instruction sets
+_ISAS = ["avx512", "avx2", "baseline"]  # best first
+
+
+def _cpu_isas() -> list[str]:
+    """The instruction sets the native hot loops can run on here, best first (from /proc/cpuinfo)."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if platform.machine() == "x86_64" and cpuinfo.exists() else []
+    return [i for i in _ISAS if i == "baseline" or {"avx512": "avx512f", "avx2": "avx2"}[i] in flags]
+
+
+@needs_native
+def test_native_runs_on_the_best_instruction_set_under_the_cap():
+    """The CPU's best instruction set, or the best at or below `$SPARSE_EMBED_NATIVE_ISA`."""
+    cap = _ISAS.index(os.environ.get(native_cpu.ISA_ENV) or "avx512")
+    assert native_cpu.isa() == next(i for i in _cpu_isas() if _ISAS.index(i) >= cap)
+
+
+# Run again in a process capped to each lower instruction set: the kernels against generic and numpy.
+_ON_EACH_ISA = ("agrees_with_generic_at_every_width or skips_nonfinite or forward_of_any_entry_order or thread_count"
+                " or key_set_finds_exactly or take_rows or best_instruction_set or (agrees_with_generic and 2-)")
+
+
+@needs_native
+@pytest.mark.parametrize("isa", _ISAS[1:])
+def test_native_agrees_with_generic_on_each_lower_instruction_set(isa):
+    if os.environ.get(native_cpu.ISA_ENV):
+        pytest.skip("this process is itself capped")
+    if _ISAS.index(isa) <= _ISAS.index(_cpu_isas()[0]):
+        pytest.skip(f"this CPU's best is {_cpu_isas()[0]}: the rest of the suite runs on it")
+    here = pathlib.Path(__file__).parent
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", _ON_EACH_ISA,
+                          str(here / "test_kernels.py"), str(here / "test_id_maps.py")],
+                         env=dict(os.environ, **{native_cpu.ISA_ENV: isa}), capture_output=True, text=True)
+    passed = re.search(r"(\d+) passed", out.stdout)
+    assert out.returncode == 0 and passed and int(passed.group(1)) >= 50, out.stdout[-3000:] + out.stderr[-3000:]
 
 
 _MOVES_NOTHING = {"parameter", "custom-call", "get-tuple-element", "bitcast", "tuple"}

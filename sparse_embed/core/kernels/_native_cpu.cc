@@ -33,6 +33,7 @@
 #include <sys/mman.h>
 
 #include "xla/ffi/api/ffi.h"
+#include "_native_isa.h"
 #include "_native_threads.h"
 
 namespace ffi = xla::ffi;
@@ -52,10 +53,9 @@ bool same_dims(const A& a, const B& b) {
 
 // ------------------------------------------------------------------ element types
 
-// The hot loops (forward and backward chunks) are compiled for AVX2 and for the baseline, picked at load time
-// by the CPU (GCC's function multiversioning). Every instruction set gives the same results: elementwise IEEE
+// The hot loops (forward and backward chunks) run through with_isa (_native_isa.h): compiled for AVX-512, AVX2
+// and the baseline, run on the best the CPU has. Every instruction set gives the same results: elementwise IEEE
 // operations, no FMA contraction, reductions in a fixed order (lane_sum).
-#define SPARSE_EMBED_HOT __attribute__((target_clones("avx2", "default"), flatten))
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -329,17 +329,13 @@ inline void pool_range_dim(const T* table, int64_t num_rows, const int32_t* cols
   }
 }
 
-SPARSE_EMBED_HOT void pool_range_any(const float* table, int64_t num_rows, const int32_t* cols, const int32_t* rows,
-                                     const float* vals, float max_norm, const Outputs& out, Range r) {
-  max_norm > 0.0f ? pool_range_dim<float, true>(table, num_rows, cols, rows, vals, max_norm, out, r)
-                  : pool_range_dim<float, false>(table, num_rows, cols, rows, vals, max_norm, out, r);
-}
-
-SPARSE_EMBED_HOT void pool_range_any(const uint16_t* table, int64_t num_rows, const int32_t* cols,
-                                     const int32_t* rows, const float* vals, float max_norm, const Outputs& out,
-                                     Range r) {
-  max_norm > 0.0f ? pool_range_dim<uint16_t, true>(table, num_rows, cols, rows, vals, max_norm, out, r)
-                  : pool_range_dim<uint16_t, false>(table, num_rows, cols, rows, vals, max_norm, out, r);
+template <typename T>
+void pool_range_any(const T* table, int64_t num_rows, const int32_t* cols, const int32_t* rows, const float* vals,
+                    float max_norm, const Outputs& out, Range r) {
+  with_isa([&] {
+    max_norm > 0.0f ? pool_range_dim<T, true>(table, num_rows, cols, rows, vals, max_norm, out, r)
+                    : pool_range_dim<T, false>(table, num_rows, cols, rows, vals, max_norm, out, r);
+  });
 }
 
 template <typename T>
@@ -762,14 +758,10 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
   }
 }
 
-SPARSE_EMBED_HOT void update_range_f32(const Options& o, const Grads& gr, const Record* recs, int64_t lo, int64_t hi,
-                                       const State& st, float* scratch) {
-  update_range<float>(o, gr, recs, lo, hi, st, scratch);
-}
-
-SPARSE_EMBED_HOT void update_range_bf16(const Options& o, const Grads& gr, const Record* recs, int64_t lo, int64_t hi,
-                                        const State& st, float* scratch) {
-  update_range<uint16_t>(o, gr, recs, lo, hi, st, scratch);
+template <typename T>
+void update_range_any(const Options& o, const Grads& gr, const Record* recs, int64_t lo, int64_t hi, const State& st,
+                      float* scratch) {
+  with_isa([&] { update_range<T>(o, gr, recs, lo, hi, st, scratch); });
 }
 
 // Updates every row the sorted records touch, in chunks of about kBackwardChunk records cut where the col
@@ -786,9 +778,9 @@ void backward_impl(ffi::ThreadPool& pool, int64_t threads, const Options& o, con
   parallel_for(pool, threads, int64_t(bounds.size()) - 1, [&](int64_t c) {
     std::vector<float> scratch(size_t(scratch_size(gr, st)));
     if constexpr (std::is_same_v<T, float>)
-      update_range_f32(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data());
+      update_range_any<float>(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data());
     else
-      update_range_bf16(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data());
+      update_range_any<uint16_t>(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data());
   });
 }
 
@@ -946,14 +938,12 @@ static PyObject* handlers(PyObject*, PyObject*) {
   return d;
 }
 
-extern "C" const char* SparseEmbedKeySearchIsa();  // _native_keys.cc
-
-static PyObject* key_search_isa(PyObject*, PyObject*) { return PyUnicode_FromString(SparseEmbedKeySearchIsa()); }
+static PyObject* native_isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name(process_isa())); }
 
 static PyMethodDef methods[] = {
     {"handlers", handlers, METH_NOARGS, "handlers() -> {name: PyCapsule of an XLA FFI handler}"},
-    {"key_search_isa", key_search_isa, METH_NOARGS,
-     "key_search_isa() -> 'avx512' or 'baseline': the raw-id key search's instruction set in this process"},
+    {"isa", native_isa, METH_NOARGS,
+     "isa() -> 'avx512', 'avx2' or 'baseline': the instruction set of the hot loops in this process"},
     {nullptr, nullptr, 0, nullptr},
 };
 

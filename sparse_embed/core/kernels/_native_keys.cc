@@ -7,7 +7,7 @@
 // at the position found. Keys in a set are distinct, so the answer is the generic search's, bit for bit.
 // The lower bound is a count of the bucket's keys below the query with AVX-512 where the CPU has it (a few
 // vector compares instead of ~5 dependent halving rounds: ~10% of the map's time), else a branch-free binary
-// search; $SPARSE_EMBED_NATIVE_ISA=baseline forces the latter (for tests). Both give the same position.
+// search (_native_isa.h: the process's instruction set). Both give the same position.
 // `touch_keys` also sets last[slot] = step for each key found that is not stale (last >= stale_before), in
 // place: the train step's last-use update, without a scatter of its own.
 //
@@ -21,9 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -31,6 +29,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "_native_isa.h"
 #include "_native_threads.h"
 
 namespace ffi = xla::ffi;
@@ -198,19 +197,12 @@ __attribute__((target("avx512f"), flatten)) void search_avx512(const Set& s, con
 }
 #endif
 
-Search pick_search() {
-  const char* isa = std::getenv("SPARSE_EMBED_NATIVE_ISA");
-  if (isa != nullptr && std::string(isa) == "baseline") return search<Halving>;
+// The search for the process's instruction set.
+Search chosen_search() {
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx512f")) return search_avx512;
+  if (process_isa() == Isa::kAvx512) return search_avx512;
 #endif
   return search<Halving>;
-}
-
-// The search for this CPU, chosen once per process.
-Search chosen_search() {
-  static const Search chosen = pick_search();
-  return chosen;
 }
 
 // Scratch of the counting sort, kept per calling thread (devices of one process call from their own threads).
@@ -563,9 +555,6 @@ ffi::Error TakeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> values, ffi::Buf
   });
   return ffi::Error::Success();
 }
-
-// The instruction set of the key search this process uses ("avx512" or "baseline"), for tests and reports.
-extern "C" const char* SparseEmbedKeySearchIsa() { return chosen_search() == search<Halving> ? "baseline" : "avx512"; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedFindKeys, FindKeys,
                               set_and_queries()

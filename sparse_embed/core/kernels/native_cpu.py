@@ -11,15 +11,15 @@ reads the gradients in the same blocks: no stacked copy either way.
 Backward: the entries are sorted by table row (a radix sort, no scratch
 array the size of the table), so the table is updated in address order;
 each distinct row is read, updated with its slots and written once, in
-place on the donated table and slots (`input_output_aliases`), 32 rows at
-a time (copied out first, so that their loads overlap). SGD applies each
+place on the donated table and slots (`input_output_aliases`), one row at
+a time while the rows 32 ahead are prefetched. SGD applies each
 occurrence on its own, as the generic kernel does; every other optimizer
 sums the row's gradient first. Each row's arithmetic runs in a fixed order
 on one thread, so results do not depend on the number of threads (nor on
-the instruction set: the hot loops have AVX2 and baseline versions with
-the same bits); they agree with the generic kernel to about 1e-6 (bit for
-bit where the order of operations is the same, e.g. the forward and an SGD
-update).
+the instruction set: the hot loops have AVX-512, AVX2 and baseline
+versions with the same bits, see `isa`); they agree with the generic
+kernel to about 1e-6 (bit for bit where the order of operations is the
+same, e.g. the forward and an SGD update).
 
 Raw-id tables (`id_maps`) look their ids up with `find_keys` and
 `touch_keys` (`_native_keys.cc`): `key_set.find`'s search and
@@ -92,16 +92,17 @@ def available() -> bool:
     return _extension() is not None
 
 
-ISA_ENV = "SPARSE_EMBED_NATIVE_ISA"  # "baseline": no CPU-specific code paths (the raw-id key search's AVX-512)
+ISA_ENV = "SPARSE_EMBED_NATIVE_ISA"  # "avx2" or "baseline": run the hot loops on no more than that
 
 
-def key_search_isa() -> str | None:
-    """The raw-id key search's instruction set in this process: "avx512" or "baseline" (None: not built).
+def isa() -> str | None:
+    """The instruction set of the native kernel's hot loops in this process: "avx512", "avx2" or "baseline"
+    (None: not built).
 
-    Chosen once per process from the CPU, or "baseline" with `$SPARSE_EMBED_NATIVE_ISA=baseline`; both
-    find the same slots.
+    The best the CPU has, chosen once per process; `$SPARSE_EMBED_NATIVE_ISA=avx2|baseline` caps it (tests
+    run each). Every choice computes the same values.
     """
-    return None if _extension() is None else _extension().key_search_isa()
+    return None if _extension() is None else _extension().isa()
 
 
 def _hyper(o: opt.Optimizer) -> np.ndarray:
