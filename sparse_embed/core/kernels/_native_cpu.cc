@@ -26,7 +26,6 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -758,12 +757,6 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
   }
 }
 
-template <typename T>
-void update_range_any(const Options& o, const Grads& gr, const Record* recs, int64_t lo, int64_t hi, const State& st,
-                      float* scratch) {
-  with_isa([&] { update_range<T>(o, gr, recs, lo, hi, st, scratch); });
-}
-
 // Updates every row the sorted records touch, in chunks of about kBackwardChunk records cut where the col
 // changes: each row on one thread, in a fixed order, whatever the thread count.
 template <typename T>
@@ -777,10 +770,7 @@ void backward_impl(ffi::ThreadPool& pool, int64_t threads, const Options& o, con
   }
   parallel_for(pool, threads, int64_t(bounds.size()) - 1, [&](int64_t c) {
     std::vector<float> scratch(size_t(scratch_size(gr, st)));
-    if constexpr (std::is_same_v<T, float>)
-      update_range_any<float>(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data());
-    else
-      update_range_any<uint16_t>(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data());
+    with_isa([&] { update_range<T>(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data()); });
   });
 }
 

@@ -46,8 +46,9 @@ __attribute__((flatten)) void run_baseline(const F& f) { f(); }
 template <class F>
 void with_isa(const F& f) {
 #if defined(__x86_64__)
-  if (process_isa() == Isa::kAvx512) return run_avx512(f);
-  if (process_isa() == Isa::kAvx2) return run_avx2(f);
+  const Isa isa = process_isa();
+  if (isa == Isa::kAvx512) return run_avx512(f);
+  if (isa == Isa::kAvx2) return run_avx2(f);
 #endif
   run_baseline(f);
 }

@@ -187,22 +187,12 @@ void search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int
   touch(*slotted);
 }
 
-using Search = void (*)(const Set&, const Query*, const Touch&, int32_t*, int64_t, int64_t);
-
+// search on the process's instruction set: with AVX-512, its vector count; else halving.
+void search_on_isa(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int64_t from, int64_t to) {
 #if defined(__x86_64__)
-// search<Avx512Count> compiled for AVX-512 as a whole (flatten: everything it calls is inlined into it).
-__attribute__((target("avx512f"), flatten)) void search_avx512(const Set& s, const Query* sorted, const Touch& t,
-                                                               int32_t* out, int64_t from, int64_t to) {
-  search<Avx512Count>(s, sorted, t, out, from, to);
-}
+  if (process_isa() == Isa::kAvx512) return run_avx512([&] { search<Avx512Count>(s, sorted, t, out, from, to); });
 #endif
-
-// The search for the process's instruction set.
-Search chosen_search() {
-#if defined(__x86_64__)
-  if (process_isa() == Isa::kAvx512) return search_avx512;
-#endif
-  return search<Halving>;
+  with_isa([&] { search<Halving>(s, sorted, t, out, from, to); });
 }
 
 // Scratch of the counting sort, kept per calling thread (devices of one process call from their own threads).
@@ -250,9 +240,8 @@ void find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int32_
     for (auto [i, to] = part(p); i < to; i++)
       sorted[next[bucket[i] >> shift]++] = Query{key_of(q, i), bucket[i], int32_t(i)};
   });
-  const Search search_here = chosen_search();
   parallel_for(pool, nt, (count + kChunk - 1) / kChunk, [&](int64_t c) {
-    search_here(s, sorted, t, out, c * kChunk, std::min(count, (c + 1) * kChunk));
+    search_on_isa(s, sorted, t, out, c * kChunk, std::min(count, (c + 1) * kChunk));
   });
   if (scratch.sorted.capacity() * sizeof(Query) > kKeepScratch) scratch = Scratch();  // a rare huge call
 }
