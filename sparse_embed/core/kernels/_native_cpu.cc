@@ -454,53 +454,80 @@ void update_row(const Options& o, int64_t dim, float* w, float* g, float* tmp, f
       break;
     }
     case kAdagradMomentum: {  // h: momentum, beta2, 1-beta2, epsilon, -1/exponent, nesterov
+      // As FTRL below: the default exponent 2 (1/sqrt, several times cheaper than pow) in the rule's own pass;
+      // any other exponent through a scratch row, its pow in a pass of its own.
+      const bool root = h[4] == -0.5f, decays = h[1] != 1.0f;
       float* p = tmp + dim;  // the accumulator's power, per element
-      if (h[1] == 1.0f)
-        for (int64_t j = 0; j < dim; j++) s0[j] = s0[j] + g[j] * g[j];
-      else
-        for (int64_t j = 0; j < dim; j++) s0[j] = h[1] * s0[j] + h[2] * (g[j] * g[j]);
-      if (h[4] == -0.5f)  // the default exponent 2: 1/sqrt, several times cheaper than pow
-        for (int64_t j = 0; j < dim; j++) p[j] = 1.0f / std::sqrt(s0[j] + h[3]);
-      else
+      auto accumulate = [&](auto decay, int64_t j) {
+        return decltype(decay)::value ? h[1] * s0[j] + h[2] * (g[j] * g[j]) : s0[j] + g[j] * g[j];
+      };
+      if (!root) {
+        for (int64_t j = 0; j < dim; j++) s0[j] = decays ? accumulate(std::true_type{}, j) : accumulate(std::false_type{}, j);
         for (int64_t j = 0; j < dim; j++) p[j] = std::pow(s0[j] + h[3], h[4]);
-      auto rule = [&](auto nesterov) {
+      }
+      auto rule = [&](auto nesterov, auto is_root, auto decay) {
         for (int64_t j = 0; j < dim; j++) {
-          float m = h[0] * s1[j] + p[j] * g[j];
+          float pj;
+          if constexpr (decltype(is_root)::value) {
+            const float acc = accumulate(decay, j);
+            s0[j] = acc;
+            pj = 1.0f / std::sqrt(acc + h[3]);
+          } else {
+            pj = p[j];
+          }
+          const float m = h[0] * s1[j] + pj * g[j];
           s1[j] = m;
           if constexpr (decltype(nesterov)::value)
-            w[j] = w[j] - lr * (h[0] * m + p[j] * g[j]);
+            w[j] = w[j] - lr * (h[0] * m + pj * g[j]);
           else
             w[j] = w[j] - lr * m;
         }
       };
-      h[5] != 0.0f ? rule(std::true_type{}) : rule(std::false_type{});
+      auto with_nesterov = [&](auto is_root, auto decay) {
+        h[5] != 0.0f ? rule(std::true_type{}, is_root, decay) : rule(std::false_type{}, is_root, decay);
+      };
+      if (!root)
+        with_nesterov(std::false_type{}, std::false_type{});
+      else
+        decays ? with_nesterov(std::true_type{}, std::true_type{}) : with_nesterov(std::true_type{}, std::false_type{});
       break;
     }
     case kFTRL: {  // h: k = -learning_rate_power, l1, l2, beta, multiply_linear_by_learning_rate
       const float k = h[0], l1 = h[1], l2 = h[2], beta = h[3];
-      float *p_old = tmp + dim, *p_new = tmp + 2 * dim;  // the accumulator's power before and after
-      for (int64_t j = 0; j < dim; j++) {
-        p_old[j] = s0[j];
-        s0[j] = s0[j] + g[j] * g[j];
-        p_new[j] = s0[j];
-      }
-      if (k == 0.5f) {  // the default power -0.5: sqrt, not pow
-        for (int64_t j = 0; j < dim; j++) p_old[j] = std::sqrt(p_old[j]), p_new[j] = std::sqrt(p_new[j]);
-      } else {
-        for (int64_t j = 0; j < dim; j++) p_old[j] = std::pow(p_old[j], k), p_new[j] = std::pow(p_new[j], k);
-      }
-      auto rule = [&](auto mult, auto no_l1) {
+      // The accumulator's power before and after: for the default power -0.5 a sqrt in the rule's own pass (a pass
+      // per quantity through scratch rows cost a third of the step on small models); else pow in a pass of its own
+      // (a call in the rule's loop would keep all of it from vectorizing).
+      const bool root = k == 0.5f;
+      float *pow_old = tmp + dim, *pow_new = tmp + 2 * dim;
+      if (!root) {
         for (int64_t j = 0; j < dim; j++) {
-          const float old = w[j], delta_p = p_new[j] - p_old[j];
+          pow_old[j] = s0[j];
+          s0[j] = s0[j] + g[j] * g[j];
+          pow_new[j] = s0[j];
+        }
+        for (int64_t j = 0; j < dim; j++) pow_old[j] = std::pow(pow_old[j], k), pow_new[j] = std::pow(pow_new[j], k);
+      }
+      auto rule = [&](auto mult, auto no_l1, auto is_root) {
+        for (int64_t j = 0; j < dim; j++) {
+          const float old = w[j];
+          float p_old, p_new;
+          if constexpr (decltype(is_root)::value) {
+            const float acc_old = s0[j], acc = acc_old + g[j] * g[j];
+            s0[j] = acc;
+            p_old = std::sqrt(acc_old), p_new = std::sqrt(acc);
+          } else {  // s0 updated above
+            p_old = pow_old[j], p_new = pow_new[j];
+          }
+          const float delta_p = p_new - p_old;
           float linear, l1s, denom;
           if constexpr (decltype(mult)::value) {
             linear = (s1[j] + lr * g[j]) - delta_p * old;
             l1s = lr * l1;
-            denom = (p_new[j] + beta) + (2.0f * lr) * l2;
+            denom = (p_new + beta) + (2.0f * lr) * l2;
           } else {
             linear = (s1[j] + g[j]) - (delta_p / lr) * old;
             l1s = l1;
-            denom = (p_new[j] + beta) / lr + 2.0f * l2;
+            denom = (p_new + beta) / lr + 2.0f * l2;
           }
           float numer;
           if constexpr (decltype(no_l1)::value)
@@ -511,10 +538,13 @@ void update_row(const Options& o, int64_t dim, float* w, float* g, float* tmp, f
           w[j] = numer / denom;
         }
       };
-      if (h[4] != 0.0f)
-        l1 == 0.0f ? rule(std::true_type{}, std::true_type{}) : rule(std::true_type{}, std::false_type{});
-      else
-        l1 == 0.0f ? rule(std::false_type{}, std::true_type{}) : rule(std::false_type{}, std::false_type{});
+      auto with_root = [&](auto mult, auto no_l1) {
+        root ? rule(mult, no_l1, std::true_type{}) : rule(mult, no_l1, std::false_type{});
+      };
+      auto with_l1 = [&](auto mult) {
+        l1 == 0.0f ? with_root(mult, std::true_type{}) : with_root(mult, std::false_type{});
+      };
+      h[4] != 0.0f ? with_l1(std::true_type{}) : with_l1(std::false_type{});
       break;
     }
     case kLaProp: {  // h: b1, sqrt(1-b1^2), eps; scalars: lr, d, 1-d
