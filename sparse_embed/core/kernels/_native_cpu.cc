@@ -590,12 +590,11 @@ struct Record {
   uint32_t col;      // row of this shard's table
   uint32_t out_row;  // row of the [D * rpd] activation gradients: d * rpd + row_id
   float value;       // the gain
-  uint32_t unused;
 };
 
 // The buffers of one backward call: the sort's keys and records (see sort_records), the non-finite flags.
 struct Buffers {
-  std::vector<uint64_t> keys, tmp;
+  std::vector<uint64_t> keys;
   std::vector<Record> records;
   std::vector<int64_t> buckets;
   std::vector<uint8_t> bad;  // per output row: its gradient holds a NaN/inf (SGD with skip_nonfinite)
@@ -631,12 +630,13 @@ class BufferPool {
 BufferPool buffer_pool;
 
 constexpr int64_t kSortBlock = 1 << 16;  // entries a thread counts and places at a time in the first pass
+constexpr size_t kKeepSpare = size_t(1) << 18;  // keys a thread keeps room for between buckets (2 MiB)
 
 // The valid entries (col < num_rows, row_id < rpd) as records sorted by col, stable (entry order within a col).
 // A most-significant-digit pass splits 64-bit keys `col << 32 | entry` into up to 256 buckets by the top bits
 // of col (in parallel over fixed blocks of entries), then each bucket is sorted by the remaining bits with
-// least-significant-digit passes of at most 11 bits (buckets are small: they stay in cache) and gathered into
-// records. Returns the number of records; `buckets` gets the records' bucket boundaries (whole cols).
+// least-significant-digit passes of at most 11 bits (buckets are small: they stay in cache; their second buffer
+// is the thread's, a bucket's size, so the call's buffers are 20 bytes per entry) and gathered into records. Returns the number of records; `buckets` gets the records' bucket boundaries (whole cols).
 int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, const int32_t* rows,
                      const float* vals, int64_t D, int64_t C, int64_t rpd, int64_t num_rows, Buffers& s) {
   const int64_t n = D * C, blocks = (n + kSortBlock - 1) / kSortBlock;
@@ -659,9 +659,8 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
   }
   const int64_t m = s.buckets[nb];
   s.keys.resize(size_t(m) + 1);
-  s.tmp.resize(size_t(m) + 1);
   s.records.resize(size_t(m) + 1);
-  uint64_t *keys = s.keys.data(), *tmp = s.tmp.data();
+  uint64_t* keys = s.keys.data();
   Record* out = s.records.data();
   parallel_for(pool, threads, blocks, [&](int64_t b) {
     int64_t* at = count.data() + b * nb;
@@ -671,7 +670,9 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
   const int passes = (low + 10) / 11, digit = passes ? (low + passes - 1) / passes : 0;
   parallel_for(pool, threads, nb, [&](int64_t bucket) {
     const int64_t lo = s.buckets[bucket], hi = s.buckets[bucket + 1];
-    uint64_t *a = keys + lo, *t = tmp + lo;
+    thread_local std::vector<uint64_t> spare;  // the passes' other buffer: a bucket's size, not the batch's
+    spare.resize(size_t(hi - lo));
+    uint64_t *a = keys + lo, *t = spare.data();
     std::vector<int64_t> c((size_t(1) << digit) + 1);
     for (int shift = 32; shift < 32 + low; shift += digit) {
       const uint64_t mask = (uint64_t(1) << digit) - 1;
@@ -683,8 +684,9 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
     }
     for (int64_t i = 0; i < hi - lo; i++) {
       const int64_t k = int64_t(a[i] & 0xffffffffu);
-      out[lo + i] = Record{uint32_t(a[i] >> 32), uint32_t((k / C) * rpd + rows[k]), vals[k], 0};
+      out[lo + i] = Record{uint32_t(a[i] >> 32), uint32_t((k / C) * rpd + rows[k]), vals[k]};
     }
+    if (spare.capacity() > kKeepSpare) std::vector<uint64_t>().swap(spare);  // a rare huge bucket (skewed ids)
   });
   return m;
 }
