@@ -636,7 +636,8 @@ constexpr size_t kKeepSpare = size_t(1) << 18;  // keys a thread keeps room for 
 // A most-significant-digit pass splits 64-bit keys `col << 32 | entry` into up to 256 buckets by the top bits
 // of col (in parallel over fixed blocks of entries), then each bucket is sorted by the remaining bits with
 // least-significant-digit passes of at most 11 bits (buckets are small: they stay in cache; their second buffer
-// is the thread's, a bucket's size, so the call's buffers are 20 bytes per entry) and gathered into records. Returns the number of records; `buckets` gets the records' bucket boundaries (whole cols).
+// is the thread's, a bucket's size, so the call's buffers are 20 bytes per entry) and gathered into records.
+// Returns the number of records; `buckets` gets the records' bucket boundaries (whole cols).
 int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, const int32_t* rows,
                      const float* vals, int64_t D, int64_t C, int64_t rpd, int64_t num_rows, Buffers& s) {
   const int64_t n = D * C, blocks = (n + kSortBlock - 1) / kSortBlock;

@@ -234,7 +234,9 @@ void find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int32_
   parallel_for(pool, nt, parts, [&](int64_t p) {
     int32_t* counts = start + p * bins;
     const auto [from, to] = part(p);
-    for (int64_t i = from; i < to; i++) bucket[i] = bucket_of(key_of(q, i), s.first, s.scale, s.buckets);
+    with_isa([&] {  // on the process's instruction set: the bucket pass vectorises
+      for (int64_t i = from; i < to; i++) bucket[i] = bucket_of(key_of(q, i), s.first, s.scale, s.buckets);
+    });
     for (int64_t i = from; i < to; i++) counts[bucket[i] >> shift]++;  // apart: the loop above vectorises
   });
   for (int64_t b = 0, before = 0; b < bins; b++)
