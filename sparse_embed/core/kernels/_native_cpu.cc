@@ -673,7 +673,7 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
   parallel_for(pool, threads, nb, [&](int64_t bucket) {
     const int64_t lo = s.buckets[bucket], hi = s.buckets[bucket + 1];
     thread_local std::vector<uint64_t> spare;  // the passes' other buffer: a bucket's size, not the batch's
-    spare.resize(size_t(hi - lo));
+    if (spare.size() < size_t(hi - lo)) spare.resize(size_t(hi - lo));  // grown only: no zero-fill per bucket
     uint64_t *a = keys + lo, *t = spare.data();
     std::vector<int64_t> c((size_t(1) << digit) + 1);
     for (int shift = 32; shift < 32 + low; shift += digit) {
