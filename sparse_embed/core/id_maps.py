@@ -148,7 +148,7 @@ def initial_rows(stack: StackPlan, seed: jax.Array, keys: jax.Array) -> jax.Arra
 
 
 class _Mapped(NamedTuple):
-    rows: jax.Array  # [Q] local row of each distinct id (rows_per_shard: none)
+    rows: jax.Array  # [Q] local row of each distinct id (negative: none)
     ids: IdMap
     tables: EmbeddingVariables  # with the new ids' rows (re)initialised
     stats: IdMapStats
@@ -187,40 +187,49 @@ def _map_shard(stack: StackPlan, v: EmbeddingVariables, m: IdMap, u: jax.Array, 
     `search` searches a `KeySet` (`key_set`'s functions, or the native kernel's).
     """
     d, rows, R = stack.dynamic, m.rows, stack.rows_per_shard
-    valid = u[:, 0] != FREE
     if train:  # found ids get last = step, except expired ones (which keep theirs, so `_expired` still sees them)
         stale_before = jnp.iinfo(jnp.int32).min if d.expire_after is None else step - d.expire_after
-        slot, last = search.touch(rows, u, step, stale_before)
+        slot, last, missing = search.touch(rows, u, step, stale_before)
         rows = rows._replace(last=last)
     else:
         slot = search.find(rows, u)
     expired = _expired(d, rows.last, slot, step)
-    hit = (slot >= 0) & ~expired
-    miss = valid & ~hit
+    if d.expire_after is None:  # every id found is a hit, and `slot` (-1: none) its row
+        hit, found = slot >= 0, slot
+    else:
+        hit = (slot >= 0) & ~expired
+        found = jnp.where(hit, slot, -1)
+    miss = lambda: (u[:, 0] != FREE) & ~hit  # (a function: most train steps need it only in `place` below)
     zero = jnp.zeros((), jnp.int32)
     if not train:
-        stats = IdMapStats(zero, zero, zero, miss.sum(), zero, zero, rows.size, zero if m.pending is None else m.pending.size)
-        return _Mapped(jnp.where(hit, slot, R), m, v, stats)
-    if m.pending is None:
+        stats = IdMapStats(zero, zero, zero, miss().sum(), zero, zero, rows.size,
+                           zero if m.pending is None else m.pending.size)
+        return _Mapped(found, m, v, stats)
+    if m.pending is None:  # every miss is admitted
         admit, pend, counts, forgotten = miss, None, None, zero
     else:
-        admit, pend, counts, forgotten = _wait(stack, m, u, miss, occ, step, search)
+        wanted, pend, counts, forgotten = _wait(stack, m, u, miss(), occ, step, search)
+        admit = lambda: wanted
     removed = None if d.expire_after is None else jnp.zeros((R,), bool).at[jnp.where(expired, slot, R)].set(
         True, mode="drop")
-    found = jnp.where(hit, slot, R)
 
     def place(v):  # ids to admit, or expired ones: insert (evicting if full) and initialise the new rows
-        ins = search.insert(rows, shard_capacity(stack, shard), u, admit, removed, step)
+        want = admit()
+        ins = search.insert(rows, shard_capacity(stack, shard), u, want, removed, step)
         new = ins.slots >= 0  # admitted ids are misses: none of them has a row in `found`
-        tally = jnp.stack([new.sum(), ins.evicted, (admit & ~new).sum()]).astype(jnp.int32)
+        tally = jnp.stack([new.sum(), ins.evicted, (want & ~new).sum()]).astype(jnp.int32)
         return jnp.where(new, ins.slots, found), ins.set, _reinit(stack, v, m.seed, u, ins.slots, new), tally
 
     def keep(v):  # most steps: no map or table array changes, nothing to build
         return found, rows, v, jnp.zeros_like(found, shape=(3,))
 
-    changes = admit.any() if removed is None else admit.any() | removed.any()
+    if removed is not None:
+        changes = admit().any() | removed.any()
+    else:  # the search counted the misses: no pass over the ids on steps that admit nothing
+        changes = missing > 0 if m.pending is None else admit().any()
     out, rows, v, (admitted, evicted, no_room) = jax.lax.cond(changes, place, keep, v)
-    stats = IdMapStats(admitted, evicted, expired.sum(), (miss & ~admit).sum(), no_room, forgotten, rows.size,
+    waiting = zero if m.pending is None else (miss() & ~wanted).sum()
+    stats = IdMapStats(admitted, evicted, expired.sum(), waiting, no_room, forgotten, rows.size,
                        zero if pend is None else pend.size)
     return _Mapped(out, IdMap(rows, pend, counts, m.seed), v, stats)
 
@@ -271,8 +280,8 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     C = coo.col_ids.shape[0] // S
     send = lambda x: jax.lax.all_to_all(x.reshape(S, C, *x.shape[1:]), axis, 0, 0, tiled=True)
     cols, keys = send(coo.col_ids), send(coo.keys)  # [D, C], [D, C, 2] from every source
-    used = cols < C
-    slot_of = jnp.where(used, jnp.arange(S)[:, None] * C + cols, S * C).reshape(-1)
+    # each entry's slot among the distinct ids received (out of range: none; one source: its own column)
+    slot_of = (cols if S == 1 else jnp.where(cols < C, jnp.arange(S)[:, None] * C + cols, S * C)).reshape(-1)
     u, inverse = (keys.reshape(C, 2), None) if S == 1 else search.unique(keys.reshape(S * C, 2))
     occ = None  # occurrences of each distinct id: only admission counts them
     if stack.dynamic.admit_after > 1:

@@ -116,20 +116,25 @@ def find(s: KeySet, q: jax.Array) -> jax.Array:
     return jnp.where(hit, s.order[p], -1)
 
 
-def touch(s: KeySet, q: jax.Array, step: jax.Array, stale_before: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`find`, and the last-use steps with every key found set to `step`: `(slots [Q], last [N])`.
+def touch(s: KeySet, q: jax.Array, step: jax.Array,
+          stale_before: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`find`, and the last-use steps with every key found set to `step`: `(slots [Q], last [N], missing [])`.
 
     Keys last used before `stale_before` (expired) keep their step. The
-    queries are distinct keys, so no slot is set twice.
+    queries are distinct keys, so no slot is set twice. `missing`: the
+    queries not found, free markers aside (int32; 0 = nothing to admit).
     """
     slot = find(s, q)
     fresh = (slot >= 0) & (s.last[jnp.maximum(slot, 0)] >= stale_before)
-    return slot, s.last.at[jnp.where(fresh, slot, s.last.shape[0])].set(step, mode="drop")
+    missing = ((slot < 0) & (q[:, 0] != FREE)).sum().astype(jnp.int32)
+    return slot, s.last.at[jnp.where(fresh, slot, s.last.shape[0])].set(step, mode="drop"), missing
 
 
 def take(values: jax.Array, index: jax.Array, fill) -> jax.Array:
-    """`values [Q]` at `index [E]`, `fill` where an index is outside `[0, Q)` (the map's rows per entry)."""
-    return values.at[index].get(mode="fill", fill_value=fill, wrap_negative_indices=False)
+    """`values [Q]` at `index [E]` (the map's rows per entry); `fill` where an index is outside `[0, Q)` or the
+    value is negative (no row)."""
+    got = values.at[index].get(mode="fill", fill_value=fill, wrap_negative_indices=False)
+    return jnp.where(got < 0, jnp.asarray(fill, got.dtype), got)
 
 
 def drop_missing(index: jax.Array, n: int) -> jax.Array:

@@ -481,10 +481,12 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread):
         for sl in slot[slot >= 0]:
             if want_last[sl] >= stale_before:
                 want_last[sl] = step
+        want_missing = int(((slot < 0) & (np.asarray(q)[:, 0] != -1)).sum())  # free markers are not missing
         for t in touchers:
-            got_slot, got_last = t(s, q, jnp.int32(step), jnp.int32(stale_before))
+            got_slot, got_last, got_missing = t(s, q, jnp.int32(step), jnp.int32(stale_before))
             np.testing.assert_array_equal(np.asarray(got_slot), slot)
             np.testing.assert_array_equal(np.asarray(got_last), want_last)
+            assert int(got_missing) == want_missing
         return s._replace(last=jnp.asarray(want_last))
 
     s, held = key_set.empty(n), {}
@@ -497,7 +499,10 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread):
         slot = slot[:-3]
         for i, sl in zip(ids.tolist(), slot.tolist()):
             assert (sl >= 0) == (i in held) and (sl < 0 or held[i] == sl), (step, i)
-        s = touch(s, words, step, step - 2)  # keys last used before step - 2 stay as they are
+        marked = np.asarray(words).copy()
+        marked[gen.random(len(marked)) < 0.2] = -1  # free markers among the queries
+        s = touch(s, jnp.asarray(marked), step, step - 2)  # keys last used before step - 2 stay as they are
+        s = touch(s, words, step, step - 2)
         want = jnp.asarray(slot < 0)
         res = insert(s, words, want, jnp.int32(step))
         s, new = res.set, np.asarray(res.slots)
@@ -630,15 +635,18 @@ def test_native_unique_equals_the_generic_unique_bit_for_bit(spread, q):
 
 @pytest.mark.parametrize("q,e", [(1, 10), (7, 0), (300, 1000), (20000, 70000)])  # the last: several chunks
 def test_take_rows_equals_numpy_on_each_kernel(q, e):
-    """`take_rows` (each entry's row: `values[index]`, `fill` where the index is outside `[0, Q)`) of the generic
-    and the native kernel against numpy, with negative and too-large indices, on 1 and on all threads."""
+    """`take_rows` (each entry's row: `values[index]`, `fill` where the index is outside `[0, Q)` or the value is
+    negative, i.e. no row) of the generic and the native kernel against numpy, with negative and too-large indices
+    and negative values, on 1 and on all threads."""
     from sparse_embed.core.kernels import GENERIC, native_cpu
 
     gen = np.random.default_rng(q + e)
-    values = gen.integers(-5, 2**31 - 1, q).astype(np.int32)
+    values = gen.integers(0, 2**31 - 1, q).astype(np.int32)
+    values[gen.random(q) < 0.2] = gen.choice([-1, -(2**31)])  # no row
     index = gen.integers(-3, q + 3, e).astype(np.int32)
     index[: min(e, 4)] = [-(2**31), 2**31 - 1, q, -1][: min(e, 4)]
-    want = np.where((index >= 0) & (index < q), values[np.clip(index, 0, q - 1)], 777)
+    got = values[np.clip(index, 0, q - 1)]
+    want = np.where((index >= 0) & (index < q) & (got >= 0), got, 777)
     kernels = [GENERIC] + ([native_cpu.NativeCpuKernel(), native_cpu.NativeCpuKernel(threads=1)]
                            if native_cpu.available() else [])
     for k in kernels:

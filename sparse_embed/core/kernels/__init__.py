@@ -52,7 +52,7 @@ class KeySearch(NamedTuple):
     entry its id's row (`key_set.find` / `touch` / `insert` / `unique` / `take`'s signatures)."""
 
     find: Callable[[key_set.KeySet, jax.Array], jax.Array]
-    touch: Callable[[key_set.KeySet, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+    touch: Callable[[key_set.KeySet, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
     insert: Callable[..., key_set.Inserted]
     unique: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
     take: Callable[[jax.Array, jax.Array, int], jax.Array]

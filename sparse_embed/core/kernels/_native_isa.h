@@ -36,21 +36,21 @@ inline const char* isa_name(Isa isa) {
 // are compiled for the wrapper's target), run on the process's.
 #if defined(__x86_64__)
 template <class F>
-__attribute__((target("avx512f"), flatten)) void run_avx512(const F& f) { f(); }
+__attribute__((target("avx512f"), flatten)) auto run_avx512(const F& f) { return f(); }
 template <class F>
-__attribute__((target("avx2"), flatten)) void run_avx2(const F& f) { f(); }
+__attribute__((target("avx2"), flatten)) auto run_avx2(const F& f) { return f(); }
 #endif
 template <class F>
-__attribute__((flatten)) void run_baseline(const F& f) { f(); }
+__attribute__((flatten)) auto run_baseline(const F& f) { return f(); }
 
 template <class F>
-void with_isa(const F& f) {
+auto with_isa(const F& f) {
 #if defined(__x86_64__)
   const Isa isa = process_isa();
   if (isa == Isa::kAvx512) return run_avx512(f);
   if (isa == Isa::kAvx2) return run_avx2(f);
 #endif
-  run_baseline(f);
+  return run_baseline(f);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -140,14 +141,16 @@ struct Avx512Count {  // the keys below want[j], eight at a time (masked loads: 
 // group searches its buckets, the group before reads `order` at the positions it found (prefetched when it
 // found them) and the one before that updates `last` (prefetched when its slots were known), so the misses of
 // those dependent loads overlap a whole group's search instead of stalling it.
+// Returns how many of them it did not find, free markers aside.
 template <class LowerBound>
-void search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int64_t from, int64_t to) {
+int64_t search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int64_t from, int64_t to) {
   const int32_t* k = s.keys;
   const int64_t n = s.n;
   uint64_t want[kGroup];
   int64_t base[kGroup], end[kGroup], pos[kGroup];
   Pending buf[3];  // this group and the last (positions found; swapped each round), the one before (slots)
   Pending *now = &buf[0], *found = &buf[1], *slotted = &buf[2];
+  int64_t hits = 0, markers = 0;
   auto touch = [&](const Pending& p) {
     if (t.last)
       for (int64_t j = 0; j < p.m; j++)
@@ -184,6 +187,8 @@ void search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int
     for (int64_t j = 0; j < m; j++) {
       const bool hit = pos[j] < end[j] && pos[j] < s.live && key_of(k, std::min(pos[j], n - 1)) == want[j];
       now->pos[j] = hit ? pos[j] : -1;
+      hits += hit;
+      markers += int32_t(want[j] >> 32) == -1;
       if (hit) __builtin_prefetch(s.order + pos[j]);
     }
     touch(*slotted);               // the group before last: its last-use steps
@@ -193,14 +198,16 @@ void search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int
   touch(*slotted);
   take_slots(*found, *slotted);
   touch(*slotted);
+  return (to - from) - hits - markers;
 }
 
 // search on the process's instruction set: with AVX-512, its vector count; else halving.
-void search_on_isa(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int64_t from, int64_t to) {
+int64_t search_on_isa(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int64_t from, int64_t to) {
 #if defined(__x86_64__)
-  if (process_isa() == Isa::kAvx512) return run_avx512([&] { search<Avx512Count>(s, sorted, t, out, from, to); });
+  if (process_isa() == Isa::kAvx512)
+    return run_avx512([&] { return search<Avx512Count>(s, sorted, t, out, from, to); });
 #endif
-  with_isa([&] { search<Halving>(s, sorted, t, out, from, to); });
+  return with_isa([&] { return search<Halving>(s, sorted, t, out, from, to); });
 }
 
 // Scratch of the counting sort, kept per calling thread (devices of one process call from their own threads).
@@ -209,12 +216,15 @@ struct Scratch {
   std::vector<Query> sorted;
 };
 
-// Finds (and with t.last, touches) every query; see the top of the file.
-void find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int32_t* q, int64_t count,
-              const Touch& t, int32_t* out) {
+// Finds (and with t.last, touches) every query; see the top of the file. Returns how many it did not find,
+// free markers (hi word -1: they find nothing) aside.
+int64_t find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int32_t* q, int64_t count,
+                 const Touch& t, int32_t* out) {
   if (s.n == 0 || s.buckets < 1) {
     std::fill(out, out + count, -1);
-    return;
+    int64_t missing = 0;
+    for (int64_t i = 0; i < count; i++) missing += q[2 * i] != -1;
+    return missing;
   }
   // A stable counting sort by bucket >> shift (at most max(count / 2, 4096) bins, so a large set with few
   // queries costs no more; two buckets a bin measured faster than one, four slower), its two passes split over
@@ -250,10 +260,13 @@ void find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int32_
     for (auto [i, to] = part(p); i < to; i++)
       sorted[next[bucket[i] >> shift]++] = Query{key_of(q, i), bucket[i], int32_t(i)};
   });
-  parallel_for(pool, nt, (count + kChunk - 1) / kChunk, [&](int64_t c) {
-    search_on_isa(s, sorted, t, out, c * kChunk, std::min(count, (c + 1) * kChunk));
+  const int64_t chunks = (count + kChunk - 1) / kChunk;
+  std::vector<int64_t> missing(chunks);
+  parallel_for(pool, nt, chunks, [&](int64_t c) {
+    missing[c] = search_on_isa(s, sorted, t, out, c * kChunk, std::min(count, (c + 1) * kChunk));
   });
   if (scratch.sorted.capacity() * sizeof(Query) > kKeepScratch) scratch = Scratch();  // a rare huge call
+  return std::accumulate(missing.begin(), missing.end(), int64_t(0));
 }
 
 // The result an argument is aliased to (the usual case; else, when XLA gave a separate buffer, a copy of it).
@@ -282,10 +295,11 @@ ffi::Error TouchKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ff
                      ffi::Buffer<ffi::S32> size, ffi::Buffer<ffi::S32> directory, ffi::Buffer<ffi::F32> span,
                      ffi::Buffer<ffi::S32> queries, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> stale_before,
                      ffi::Buffer<ffi::S32> last_in, ffi::ResultBuffer<ffi::S32> slots,
-                     ffi::ResultBuffer<ffi::S32> last, int64_t threads) {
+                     ffi::ResultBuffer<ffi::S32> last, ffi::ResultBuffer<ffi::S32> missing, int64_t threads) {
   const Touch touch{in_place(last_in, last), step.typed_data()[0], stale_before.typed_data()[0]};
-  find_all(pool, threads, set_of(sorted_keys, order, size, directory, span), queries.typed_data(),
-           int64_t(slots->element_count()), touch, slots->typed_data());
+  missing->typed_data()[0] = int32_t(find_all(pool, threads, set_of(sorted_keys, order, size, directory, span),
+                                              queries.typed_data(), int64_t(slots->element_count()), touch,
+                                              slots->typed_data()));
   return ffi::Error::Success();
 }
 
@@ -538,8 +552,9 @@ static auto set_and_queries() {
       .Arg<ffi::Buffer<ffi::S32>>();  // queries [Q, 2]
 }
 
-// --- take (key_set.take): out[e] = values[index[e]] for an index in [0, Q), else fill; the map's rows per
-// entry, in chunks over the pool (XLA:CPU's gather of the same: ~0.1 ms per 80k entries, per table and step).
+// --- take (key_set.take): out[e] = values[index[e]] for an index in [0, Q) and a value >= 0 (a row), else fill;
+// the map's rows per entry, in chunks over the pool (XLA:CPU's gather of the same: ~0.1 ms per 80k entries, per
+// table and step).
 constexpr int64_t kTakeChunk = 16384;
 
 ffi::Error TakeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> values, ffi::Buffer<ffi::S32> index,
@@ -550,7 +565,7 @@ ffi::Error TakeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> values, ffi::Buf
   int32_t* o = out->typed_data();
   parallel_for(pool, thread_count(pool, threads), (e + kTakeChunk - 1) / kTakeChunk, [&](int64_t c) {
     for (int64_t i = c * kTakeChunk, to = std::min(e, i + kTakeChunk); i < to; i++)
-      o[i] = ix[i] >= 0 && ix[i] < q ? v[ix[i]] : f;
+      o[i] = ix[i] >= 0 && ix[i] < q && v[ix[i]] >= 0 ? v[ix[i]] : f;
   });
   return ffi::Error::Success();
 }
@@ -567,6 +582,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedTouchKeys, TouchKeys,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // last [N] (aliased with the second result)
                                   .Ret<ffi::Buffer<ffi::S32>>()  // slots [Q]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // last [N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // missing []: queries not found, free markers aside
                                   .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedInsertKeys, InsertKeys,

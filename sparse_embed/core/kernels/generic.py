@@ -240,7 +240,7 @@ class GenericKernel:
         return key_set.find(keys, queries)
 
     def touch_keys(self, keys: key_set.KeySet, queries: jax.Array, step: jax.Array,
-                   stale_before: jax.Array) -> tuple[jax.Array, jax.Array]:
+                   stale_before: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return key_set.touch(keys, queries, step, stale_before)
 
     def insert_keys(self, keys: key_set.KeySet, capacity: jax.Array, queries: jax.Array, want: jax.Array,

@@ -94,4 +94,4 @@ class Kernel(Protocol):
 
     # Optional, see the module docstring:
     # find_keys(keys: KeySet, queries [Q, 2]) -> slots [Q] (-1: absent)
-    # touch_keys(keys: KeySet, queries [Q, 2], step [], stale_before []) -> (slots [Q], last [N])
+    # touch_keys(keys: KeySet, queries [Q, 2], step [], stale_before []) -> (slots [Q], last [N], missing [])

@@ -213,10 +213,11 @@ class NativeCpuKernel:
             *self._set(keys), queries, threads=np.int64(self.threads))
 
     def touch_keys(self, keys: key_set.KeySet, queries: jax.Array, step: jax.Array,
-                   stale_before: jax.Array) -> tuple[jax.Array, jax.Array]:
+                   stale_before: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         _register()  # `find_keys`, then the found keys' last-use steps set in place (`last` aliased)
         # results typed like the inputs (inside shard_map: varying over its axes, as `last` is)
-        out = (jax.typeof(queries).update(shape=queries.shape[:1]), jax.typeof(keys.last))
+        out = (jax.typeof(queries).update(shape=queries.shape[:1]), jax.typeof(keys.last),
+               jax.typeof(keys.size).update(shape=()))
         i32 = lambda x: jnp.asarray(x, jnp.int32)
         return tuple(jax.ffi.ffi_call(_TARGET.format("touch_keys"), out, input_output_aliases={8: 1})(
             *self._set(keys), queries, i32(step), i32(stale_before), keys.last, threads=np.int64(self.threads)))
