@@ -502,6 +502,7 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread):
         marked = np.asarray(words).copy()
         marked[gen.random(len(marked)) < 0.2] = -1  # free markers among the queries
         s = touch(s, jnp.asarray(marked), step, step - 2)  # keys last used before step - 2 stay as they are
+        s = touch(s, jnp.full((5, 2), -1, jnp.int32), step, step - 2)  # nothing but free markers
         s = touch(s, words, step, step - 2)
         want = jnp.asarray(slot < 0)
         res = insert(s, words, want, jnp.int32(step))

@@ -217,9 +217,13 @@ struct Scratch {
 };
 
 // Finds (and with t.last, touches) every query; see the top of the file. Returns how many it did not find,
-// free markers (hi word -1: they find nothing) aside.
+// free markers (hi word -1: they find nothing) aside. The markers after the last key (where a batch's distinct
+// ids and `unique_keys` leave them: ~12% of a W1 table's queries) are answered without the sort and search.
 int64_t find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int32_t* q, int64_t count,
                  const Touch& t, int32_t* out) {
+  const int64_t all = count;
+  while (count > 0 && q[2 * (count - 1)] == -1) count--;
+  std::fill(out + count, out + all, -1);
   if (s.n == 0 || s.buckets < 1) {
     std::fill(out, out + count, -1);
     int64_t missing = 0;
