@@ -111,7 +111,10 @@ CASES = {
     "rowwise_adagrad": opt.RowwiseAdagrad(0.2, epsilon=1e-3),
     "adam": opt.Adam(0.05, b1=0.8, b2=0.9),
     "adagrad_momentum": opt.AdagradMomentum(0.1, momentum=0.7, beta2=0.9, exponent=3.0, use_nesterov=True),
+    "adagrad_momentum_sqrt": opt.AdagradMomentum(0.1, momentum=0.7),  # exponent 2: the kernel's sqrt path
+    "adagrad_momentum_sqrt_beta2": opt.AdagradMomentum(0.1, momentum=0.7, beta2=0.9, use_nesterov=True),
     "ftrl": opt.FTRL(0.5, learning_rate_power=-0.7, l1=0.02, l2=0.1, beta=0.3),
+    "ftrl_sqrt": opt.FTRL(0.5, l1=0.02, l2=0.1, beta=0.3),  # power -0.5: the kernel's sqrt path
     "ftrl_multiply_linear": opt.FTRL(0.5, l1=0.02, multiply_linear_by_learning_rate=True),
     "laprop_schedule": opt.LaProp(lambda step: 0.05 / (1.0 + step), b1=0.8, b2=0.9),
     "adam_options": opt.Adam(0.05, clip_gradient=(-0.1, 0.2), clip_weight=(-0.2, 0.25), weight_decay=0.1),
