@@ -190,7 +190,7 @@ def test_map_ids_and_training_match_the_dict_reference(policy, n_dev):
     _check_against_reference(n_dev, se.Dynamic(**POLICIES[policy]), 24, space, 12, n_dev)
 
 
-@pytest.mark.parametrize("policy", ["admit2_expire3", "admit3_small_pending"])
+@pytest.mark.parametrize("policy", ["admit1", "admit2_expire3", "admit3_small_pending"])
 def test_the_generic_kernel_maps_as_the_dict_reference(policy):
     """The same reference through the generic kernel (its key search and its lookup; the tests above run the
     native ones where they are built)."""
