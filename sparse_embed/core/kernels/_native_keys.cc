@@ -19,10 +19,10 @@
 // Chunks of kChunk sorted queries run on XLA's thread pool; each query's answer is its own, whatever the
 // threads (the queries are distinct keys, so no two touch one slot).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -264,13 +264,12 @@ int64_t find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int
     for (auto [i, to] = part(p); i < to; i++)
       sorted[next[bucket[i] >> shift]++] = Query{key_of(q, i), bucket[i], int32_t(i)};
   });
-  const int64_t chunks = (count + kChunk - 1) / kChunk;
-  std::vector<int64_t> missing(chunks);
-  parallel_for(pool, nt, chunks, [&](int64_t c) {
-    missing[c] = search_on_isa(s, sorted, t, out, c * kChunk, std::min(count, (c + 1) * kChunk));
+  std::atomic<int64_t> missing{0};
+  parallel_for(pool, nt, (count + kChunk - 1) / kChunk, [&](int64_t c) {
+    missing += search_on_isa(s, sorted, t, out, c * kChunk, std::min(count, (c + 1) * kChunk));
   });
   if (scratch.sorted.capacity() * sizeof(Query) > kKeepScratch) scratch = Scratch();  // a rare huge call
-  return std::accumulate(missing.begin(), missing.end(), int64_t(0));
+  return missing;
 }
 
 // The result an argument is aliased to (the usual case; else, when XLA gave a separate buffer, a copy of it).
