@@ -112,15 +112,23 @@ struct Halving {  // portable: branch-free halving, the same number of rounds fo
 
 #if defined(__x86_64__)
 struct Avx512Count {  // the keys below want[j], eight at a time (masked loads: nothing read past the bucket)
-  // The first kFixed keys of a bucket in kFixed / 8 compares whatever its length (masks empty past its end), so
-  // that the count has no branch to mispredict for all but the rare longer bucket (a bucket holds ~13 keys).
+  // The first 24 keys of a bucket (a bucket holds ~13) in three compares under one mask and one count,
+  // whatever its length (mask bits clear past its end): no loop and no branch for all but the rare longer
+  // bucket. (As a loop of three, counting each compare, the search took ~15% longer.)
   static constexpr int64_t kFixed = 24;
-  // The keys of [i, min(i + 8, to)) below w.
-  __attribute__((target("avx512f"), always_inline)) static int64_t below(const int32_t* k, int64_t i, int64_t to,
-                                                                         __m512i w) {
-    const __mmask8 in = __mmask8((1u << std::clamp<int64_t>(to - i, 0, 8)) - 1);
-    const __m512i keys = _mm512_maskz_rol_epi64(in, _mm512_maskz_loadu_epi64(in, k + 2 * i), 32);  // swapped
-    return __builtin_popcount(_mm512_mask_cmplt_epu64_mask(in, keys, w));
+  // The bits of `in` whose key among the eight at `at` is below w.
+  __attribute__((target("avx512f"), always_inline)) static uint32_t below(const int32_t* at, __mmask8 in,
+                                                                          __m512i w) {
+    const __m512i keys = _mm512_maskz_rol_epi64(in, _mm512_maskz_loadu_epi64(in, at), 32);  // words swapped
+    return _mm512_mask_cmplt_epu64_mask(in, keys, w);
+  }
+  // The keys of [i, to) below w, at most kFixed of them: bit r of the result is key i + r's.
+  __attribute__((target("avx512f"), always_inline)) static uint32_t below(const int32_t* k, int64_t i, int64_t to,
+                                                                          __m512i w) {
+    const uint32_t in = uint32_t((uint64_t(1) << std::clamp<int64_t>(to - i, 0, kFixed)) - 1);
+    const int32_t* at = k + 2 * i;
+    return below(at, __mmask8(in), w) | below(at + 16, __mmask8(in >> 8), w) << 8 |
+           below(at + 32, __mmask8(in >> 16), w) << 16;
   }
   __attribute__((target("avx512f"))) static void lower_bounds(const int32_t* k, int64_t n, int64_t m,
                                                                const uint64_t* want, const int64_t* base,
@@ -128,9 +136,8 @@ struct Avx512Count {  // the keys below want[j], eight at a time (masked loads: 
     for (int64_t j = 0; j < m; j++) {
       const __m512i w = _mm512_set1_epi64(int64_t(want[j]));
       const int64_t from = base[j], to = std::min(end[j], n);
-      int64_t count = 0;
-      for (int64_t i = from; i < from + kFixed; i += 8) count += below(k, i, to, w);  // unrolled: no branch
-      for (int64_t i = from + kFixed; i < to; i += 8) count += below(k, i, to, w);
+      int64_t count = __builtin_popcount(below(k, from, to, w));
+      for (int64_t i = from + kFixed; i < to; i += kFixed) count += __builtin_popcount(below(k, i, to, w));
       pos[j] = from + count;
     }
   }
