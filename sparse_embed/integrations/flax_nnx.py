@@ -20,6 +20,10 @@ Train step:
 
 Do not use a plain `nnx.Optimizer(model, tx, wrt=nnx.Param)`: it would feed
 the new tables to `tx` as gradients and keep optimizer state of table size.
+
+Raw-id (dynamic) tables: map the batch's ids to rows first, in the same step,
+with `batch, id_maps, id_stats = model.embed.map_ids(batch, id_maps, step)`
+(docs/raw_ids.md); the new ids' rows are initialised in the module's tables.
 """
 
 from __future__ import annotations
@@ -82,6 +86,26 @@ class Embed(nnx.Module):
         Returns `{feature: [batch_size, dim]}` (pooled) or `[batch_size, max_sequence_length, dim]`.
         """
         return lookup(self.plan, batch, self.embedding_variables(), step)
+
+    def map_ids(
+        self, batch: Mapping[str, ShardedCooMatrix], id_maps: Mapping[str, IdMap], step: jax.Array | int, *,
+        train: bool = True,
+    ) -> tuple[dict[str, ShardedCooMatrix], dict[str, IdMap], dict[str, IdMapStats]]:
+        """`sparse_embed.map_ids` on this module's tables: `(batch, id_maps, {stack: IdMapStats})`.
+
+        Call it before the module, in the same step, with the maps from
+        `init_id_maps(plan, rng)`; keep the `id_maps` it returns. In
+        training, the rows of newly admitted ids (and their slots) are
+        initialised in the module's variables; `train=False` changes nothing.
+        """
+        batch, tables, id_maps, stats = map_ids(self.plan, batch, self.embedding_variables(), id_maps, step,
+                                                train=train)
+        for name, v in tables.items():
+            held = self.tables[name]
+            held["table"].set_value(v.table)
+            for k, a in v.slots.items():
+                held["slots"][k].set_value(a)
+        return batch, id_maps, stats
 
 
 class Optimizer(nnx.Optimizer):

@@ -152,3 +152,81 @@ def test_update_rejects_grads_without_embedding_state(mesh8):
     grads = nnx.state(model, sen.DENSE)  # what nnx.grad(..., argnums=nnx.DiffState(0, sen.DENSE)) returns
     with pytest.raises(ValueError, match=r"grads hold embedding state \[\] .*take nnx.grad with respect to nnx.Param"):
         optimizer.update(model, grads)
+
+
+def _raw_plan(mesh):
+    """A raw-id users table small enough to fill (8 rows a shard): admission, eviction; items static."""
+    users = se.TableSpec("users", 64, 8, optimizer=se.optimizers.Adagrad(0.3),
+                         dynamic=se.Dynamic(admit_after=2))
+    items = se.TableSpec("items", 61, 8, optimizer=se.optimizers.SGD(0.2))
+    return se.plan([se.FeatureSpec("user", users, B), se.FeatureSpec("item", items, B)], mesh)
+
+
+def _raw_batch(plan, step):
+    rng = np.random.default_rng(step)
+    users = rng.choice(2**63 - 1 - np.arange(100, dtype=np.int64) * 2**40, size=(B, 3))  # 100 ids near 2**63
+    users[rng.random((B, 3)) < 0.2] = -1
+    return se.preprocess(plan, {"user": users, "item": rng.integers(0, 61, B)})[0]
+
+
+class RawTower(nnx.Module):
+    def __init__(self, plan, rngs: nnx.Rngs):
+        self.embed = sen.Embed(plan, rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, batch, step):
+        acts = self.embed(batch, step)
+        return self.out(jnp.concatenate([acts["user"], acts["item"]], -1))[:, 0]
+
+
+def test_map_ids_trains_a_raw_id_table_as_the_functional_api_does(mesh8):
+    """`Embed.map_ids` then the documented nnx step, against `se.map_ids` + `lookup` + optax on plain arrays,
+    bit for bit over steps that admit, keep waiting and evict; `train=False` changes nothing."""
+    plan = _raw_plan(mesh8)
+    model = RawTower(plan, nnx.Rngs(0))
+    optimizer = sen.Optimizer(model, optax.sgd(0.1))
+    maps = se.init_id_maps(plan, jax.random.key(1))
+
+    @nnx.jit
+    def train_step(model, optimizer, maps, batch, step):
+        batch, maps, id_stats = model.embed.map_ids(batch, maps, step)
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(batch, step) - LABELS) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss, maps, id_stats
+
+    out_def, out = nnx.split(model.out)
+    out = nnx.as_pure(out)
+    tx = optax.sgd(0.1)
+
+    @jax.jit
+    def reference_step(tables, out, out_opt, maps, batch, step):
+        batch, tables, maps, id_stats = se.map_ids(plan, batch, tables, maps, step)
+
+        def loss(tables, out):
+            acts = se.lookup(plan, batch, tables, step)
+            pred = nnx.merge(out_def, out)(jnp.concatenate([acts["user"], acts["item"]], -1))[:, 0]
+            return jnp.mean((pred - LABELS) ** 2)
+
+        new_tables, g = jax.grad(loss, argnums=(0, 1))(tables, out)
+        updates, out_opt = tx.update(g, out_opt, out)
+        return new_tables, optax.apply_updates(out, updates), out_opt, maps, id_stats
+
+    ref = (jax.tree.map(jnp.copy, model.embed.embedding_variables()), out, tx.init(out), maps)
+    admitted = evicted = 0
+    for step in range(10):
+        batch = _raw_batch(plan, step)
+        _, maps, stats = train_step(model, optimizer, maps, batch, jnp.int32(step))
+        *ref, want_stats = reference_step(*ref, batch, jnp.int32(step))
+        assert_trees_equal(model.embed.embedding_variables(), ref[0])
+        assert_trees_equal(nnx.as_pure(nnx.state(model.out)), ref[1])
+        assert_trees_equal(maps, ref[3])
+        assert_trees_equal(stats, want_stats)
+        admitted += int(stats["users"].admitted)
+        evicted += int(stats["users"].evicted)
+    assert admitted > 64 and evicted > 0  # the table filled and rows were reused
+
+    before = jax.tree.map(np.asarray, model.embed.embedding_variables())
+    batch, same_maps, stats = model.embed.map_ids(_raw_batch(plan, 99), maps, 10, train=False)
+    assert_trees_equal(model.embed.embedding_variables(), before)
+    assert_trees_equal(same_maps, maps)
+    assert int(stats["users"].admitted) == 0 and batch["users"].keys is None  # mapped: rows, no raw ids
