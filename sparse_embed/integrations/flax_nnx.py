@@ -35,6 +35,7 @@ import jax
 import optax
 
 from sparse_embed.core.batch import ShardedCooMatrix
+from sparse_embed.core.id_maps import IdMap, IdMapStats, map_ids
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.sharded_lookup import lookup
 from sparse_embed.core.state import EmbeddingVariables
