@@ -7,6 +7,7 @@ import numpy as np
 
 import sparse_embed as se
 from sparse_embed import cli
+from sparse_embed.core.kernels import native_cpu
 from sparse_embed.examples import dlrm as demo
 
 TINY = ["--batch-size", "128", "--eval-batches", "4", "--log-every", "10",
@@ -21,7 +22,20 @@ def test_demo_learns_on_8_devices(capsys):
     assert losses[-20:].mean() < losses[:20].mean() - 0.02
     assert 0.5 < out["eval_auc"] <= 1.0
     assert out["teacher_auc"] > 0.7  # the data carries signal
-    assert "eval" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "eval" in shown
+    if native_cpu.available():  # the demo says what it runs on
+        assert "lookup kernel: native; preprocessing: C extension\n" in shown
+
+
+def test_demo_says_when_it_does_not_run_native(monkeypatch):
+    """As when run from a source tree without the compiled extensions (`pip install .` then the demo from the
+    tree): the line names the generic kernel, numpy, and why."""
+    plan = demo.build(demo.parse_args(["--steps", "1", *TINY]))[1]
+    monkeypatch.setattr(native_cpu, "available", lambda: False)
+    monkeypatch.setenv("SPARSE_EMBED_NATIVE", "0")
+    line = demo.describe_kernels(plan)
+    assert line.startswith("lookup kernel: generic; preprocessing: numpy (not native: its C++ extension is not built")
 
 
 def test_auc_matches_pairwise_definition():

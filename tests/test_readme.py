@@ -16,6 +16,9 @@ def test_quick_start_has_two_commands():
     cmds = _quick_start_commands()
     assert len(cmds) == 2 and all("\n" not in c for c in cmds)
     assert "sparse_embed.examples.dlrm" in cmds[0]
+    # editable: run from the checkout, Python imports the checkout, which has the compiled kernels only so
+    # (with a plain `pip install .` the demo would run on the generic kernel and numpy preprocessing)
+    assert "pip install -e ." in cmds[0]
     assert "[test]" in cmds[1] and "pytest" in cmds[1]
 
 

@@ -485,12 +485,30 @@ def loss_curve(losses: Sequence[float], points: int = 8) -> str:
     return " ".join(f"{c.mean():.4f}" for c in chunks)
 
 
+def describe_kernels(plan: se.EmbeddingPlan) -> str:
+    """Which code runs the lookup and the preprocessing, and why not the native one where it does not.
+
+    Run from a source tree that was `pip install`ed without `-e`, Python imports that tree (with no compiled
+    extensions) ahead of the installed copy: this line says so instead of silently training on numpy and XLA.
+    """
+    from sparse_embed.core import kernels
+    from sparse_embed.host import native as host_native
+
+    used = {s.name: kernels.for_stack(plan, s) for s in plan.stacks}
+    line = (f"lookup kernel: {', '.join(sorted({k.name for k in used.values()}))}; preprocessing: "
+            f"{'C extension' if host_native.extension() is not None else 'numpy'}")
+    why = sorted({w for s in plan.stacks if used[s.name] is not kernels.NATIVE
+                  for w in [kernels.NATIVE.unsupported(s)] if w})
+    return line + (f" (not native: {'; '.join(why)})" if why and jax.default_backend() == "cpu" else "")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Trains the student on teacher-labelled data; prints and returns losses and AUCs."""
     args = parse_args(argv)
     teacher, plan, model, params, id_maps, layout, eval_batches = build(args)
     print(f"{len(jax.devices())} device(s), stacks {list(plan.stack_names)}, "
           f"{args.steps} steps x {args.batch_size} examples")
+    print(describe_kernels(plan))
     result = train(args, plan, teacher, model, params, id_maps, layout)
     predict = make_predict(model)
     train_auc, teacher_train_auc = score(predict, result.params, result.id_maps, result.recent)

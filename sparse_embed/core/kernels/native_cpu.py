@@ -171,7 +171,8 @@ class NativeCpuKernel:
     def unsupported(self, stack: StackPlan) -> str | None:
         if not available():
             return ("its C++ extension is not built (pip install builds it when a C++ compiler and jaxlib's "
-                    "headers are there)")
+                    "headers are there; a source tree imported ahead of the installed package has it only "
+                    "after `pip install -e .`)")
         if type(stack.optimizer) not in _OPTIMIZERS:
             return f"{type(stack.optimizer).__name__} optimizers run on the generic kernel"
         if stack.row_sums():
