@@ -497,8 +497,7 @@ def describe_kernels(plan: se.EmbeddingPlan) -> str:
     used = {s.name: kernels.for_stack(plan, s) for s in plan.stacks}
     line = (f"lookup kernel: {', '.join(sorted({k.name for k in used.values()}))}; preprocessing: "
             f"{'C extension' if host_native.extension() is not None else 'numpy'}")
-    why = sorted({w for s in plan.stacks if used[s.name] is not kernels.NATIVE
-                  for w in [kernels.NATIVE.unsupported(s)] if w})
+    why = sorted({kernels.NATIVE.unsupported(s) for s in plan.stacks if used[s.name] is not kernels.NATIVE} - {None})
     return line + (f" (not native: {'; '.join(why)})" if why and jax.default_backend() == "cpu" else "")
 
 
