@@ -13,6 +13,8 @@ import importlib
 import os
 from types import ModuleType
 
+from sparse_embed._shadowed import warn_if_shadowed
+
 ENV = "SPARSE_EMBED_NATIVE"  # "0": use the numpy path
 
 
@@ -21,6 +23,7 @@ def _load() -> ModuleType | None:
     try:
         return importlib.import_module("sparse_embed.host._native")
     except ImportError:
+        warn_if_shadowed("host/_native", "C preprocessing", "preprocessing runs on numpy")
         return None
 
 

@@ -90,6 +90,31 @@ except ValueError as e:
     assert first == "GenericKernel" and "extension is not built" in second
 
 
+def test_a_checkout_without_the_extensions_ahead_of_a_built_copy_warns(tmp_path):
+    """`pip install .` (not -e), then a script run from the checkout: Python imports the checkout, which has no
+    compiled extensions, ahead of the installed copy that has them. Each loader warns, naming both places, and
+    falls back; run from elsewhere (the built copy imported), nothing is said."""
+    import shutil
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(pathlib.Path(se.__file__).parent, checkout / "sparse_embed",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__", "build"))
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "import sparse_embed, sparse_embed.core.kernels.native_cpu as k, sparse_embed.host.native as h\n"
+            "print(sparse_embed.__file__, k.available(), h.extension() is not None)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("SPARSE_EMBED_KERNEL", "SPARSE_EMBED_NATIVE")}
+    shadowed = subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True, text=True,
+                              check=True)
+    assert shadowed.stdout.split() == [str(checkout / "sparse_embed" / "__init__.py"), "False", "False"]
+    warned = [line for line in shadowed.stderr.splitlines() if "ahead of the copy in" in line]
+    assert len(warned) == 2 and all(f"imported from {checkout}, which has no compiled" in w and
+                                    "pip install -e ." in w for w in warned), shadowed.stderr
+    assert "C++ lookup kernel" in warned[0] + warned[1] and "C preprocessing" in warned[0] + warned[1]
+    elsewhere = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                               check=True)
+    assert elsewhere.stdout.split()[1:] == ["True", "True"] and "ahead of the copy" not in elsewhere.stderr
+
+
 # ---------------------------------------------------------------- the generic kernel's paths
 @pytest.mark.parametrize("name", list(test_lookup.OPTIMIZERS))
 def test_generic_in_tiny_chunks_matches_reference(name):

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_embed._shadowed import warn_if_shadowed
 from sparse_embed.core import key_set
 from sparse_embed.core import optimizers as opt
 from sparse_embed.core.kernels.interface import Forward, Received
@@ -77,6 +78,7 @@ def _extension() -> ModuleType | None:
     try:
         return importlib.import_module("sparse_embed.core.kernels._native_cpu")
     except ImportError:
+        warn_if_shadowed("core/kernels/_native_cpu", "C++ lookup kernel", "the lookup runs on the generic kernel")
         return None
 
 
