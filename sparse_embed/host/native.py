@@ -13,7 +13,7 @@ import importlib
 import os
 from types import ModuleType
 
-from sparse_embed._shadowed import warn_if_shadowed
+from sparse_embed.core.shadowed import warn_if_shadowed
 
 ENV = "SPARSE_EMBED_NATIVE"  # "0": use the numpy path
 

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_embed._shadowed import warn_if_shadowed
+from sparse_embed.core.shadowed import warn_if_shadowed
 from sparse_embed.core import key_set
 from sparse_embed.core import optimizers as opt
 from sparse_embed.core.kernels.interface import Forward, Received

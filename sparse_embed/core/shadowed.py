@@ -16,7 +16,7 @@ import sys
 import warnings
 from typing import Iterator
 
-_HERE = pathlib.Path(__file__).resolve().parent
+_HERE = pathlib.Path(__file__).resolve().parent.parent  # the package directory
 
 
 def _has(package: pathlib.Path, module: str) -> bool:
