@@ -47,11 +47,18 @@ def shadowed_by(module: str) -> pathlib.Path | None:
     return next((copy.parent for copy in _copies() if copy != _HERE and _has(copy, module)), None)
 
 
+def shadow_note(module: str, what: str) -> str | None:
+    """Why `module` is missing when another copy has it (see `shadowed_by`), with the fix; else None."""
+    other = shadowed_by(module)
+    if other is None:
+        return None
+    return (f"sparse_embed is imported from {_HERE.parent}, which has no compiled {what}, ahead of the copy in "
+            f"{other}, which has it. Run from another directory, or `pip install -e .` in {_HERE.parent} to "
+            "build it there")
+
+
 def warn_if_shadowed(module: str, what: str, instead: str) -> None:
     """Warns when `module` is missing here but built in another copy further down `sys.path`."""
-    other = shadowed_by(module)
-    if other is not None:
-        warnings.warn(
-            f"sparse_embed is imported from {_HERE.parent}, which has no compiled {what}, ahead of the copy "
-            f"in {other}, which has it: {instead}. Run from another directory, or `pip install -e .` in "
-            f"{_HERE.parent} to build it there.", stacklevel=3)
+    note = shadow_note(module, what)
+    if note is not None:
+        warnings.warn(f"{note}; until then {instead}.", stacklevel=3)

@@ -111,7 +111,7 @@ struct Halving {  // portable: branch-free halving, the same number of rounds fo
 };
 
 #if defined(__x86_64__)
-struct Avx512Count {  // the keys below want[j], eight at a time (masked loads: nothing read past the bucket)
+struct Avx512Count {  // the keys below want[j], eight per compare (masked loads: nothing read past the bucket)
   // The first 24 keys of a bucket (a bucket holds ~13) in three compares under one mask and one count,
   // whatever its length (mask bits clear past its end): no loop and no branch for all but the rare longer
   // bucket. (As a loop of three, counting each compare, the search took ~15% longer.)

@@ -51,11 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_embed.core.shadowed import warn_if_shadowed
 from sparse_embed.core import key_set
 from sparse_embed.core import optimizers as opt
 from sparse_embed.core.kernels.interface import Forward, Received
 from sparse_embed.core.planning import StackPlan
+from sparse_embed.core.shadowed import shadow_note, warn_if_shadowed
 from sparse_embed.core.state import EmbeddingVariables
 
 # The optimizers the C++ code implements, with its code for each and the order of their slots.
@@ -73,12 +73,15 @@ _TARGET = "sparse_embed_{}"
 HUGE_PAGES_ENV = "SPARSE_EMBED_HUGE_PAGES"  # "0": leave the tables on the pages XLA gave them
 
 
+_MODULE, _WHAT = "core/kernels/_native_cpu", "C++ lookup kernel"  # for `shadowed`'s messages
+
+
 @functools.cache
 def _extension() -> ModuleType | None:
     try:
         return importlib.import_module("sparse_embed.core.kernels._native_cpu")
     except ImportError:
-        warn_if_shadowed("core/kernels/_native_cpu", "C++ lookup kernel", "the lookup runs on the generic kernel")
+        warn_if_shadowed(_MODULE, _WHAT, "the lookup runs on the generic kernel")
         return None
 
 
@@ -172,9 +175,9 @@ class NativeCpuKernel:
 
     def unsupported(self, stack: StackPlan) -> str | None:
         if not available():
+            note = shadow_note(_MODULE, _WHAT)
             return ("its C++ extension is not built (pip install builds it when a C++ compiler and jaxlib's "
-                    "headers are there; a source tree imported ahead of the installed package has it only "
-                    "after `pip install -e .`)")
+                    "headers are there" + (f"; {note}" if note else "") + ")")
         if type(stack.optimizer) not in _OPTIMIZERS:
             return f"{type(stack.optimizer).__name__} optimizers run on the generic kernel"
         if stack.row_sums():
