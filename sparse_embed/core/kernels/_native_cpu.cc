@@ -26,6 +26,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -204,6 +205,20 @@ inline float clip_scale(const T* row, int64_t dim, float max_norm, float* norm_o
   *norm_out = norm;
   return norm > max_norm ? max_norm / (norm > 0.0f ? norm : 1.0f) : 1.0f;
 }
+// f(std::integral_constant<int64_t, dim>) for the common row widths, else with 0 (a width known only at run
+// time): the hot loops over a row, compiled for a width known at compile time, are unrolled and keep the row in
+// registers.
+template <class F>
+inline void with_width(int64_t dim, const F& f) {
+  switch (dim) {
+    case 16: return f(std::integral_constant<int64_t, 16>{});
+    case 32: return f(std::integral_constant<int64_t, 32>{});
+    case 64: return f(std::integral_constant<int64_t, 64>{});
+    case 128: return f(std::integral_constant<int64_t, 128>{});
+    default: return f(std::integral_constant<int64_t, 0>{});
+  }
+}
+
 // ------------------------------------------------------------------ forward
 
 constexpr int64_t kForwardChunk = 4096;  // entries per work chunk
@@ -316,24 +331,15 @@ inline void pool_range(const T* table, int64_t num_rows, const int32_t* cols, co
   if (r.sorted) out.zero(r.d, next, r.row_hi);
 }
 
-template <typename T, bool kClip>  // kClip: max_norm is set (decided once per call, not per entry)
-inline void pool_range_dim(const T* table, int64_t num_rows, const int32_t* cols, const int32_t* rows,
-                           const float* vals, float max_norm, const Outputs& out, Range r) {
-  switch (out.dim) {
-    case 16: return pool_range<T, 16, kClip>(table, num_rows, cols, rows, vals, max_norm, out, r);
-    case 32: return pool_range<T, 32, kClip>(table, num_rows, cols, rows, vals, max_norm, out, r);
-    case 64: return pool_range<T, 64, kClip>(table, num_rows, cols, rows, vals, max_norm, out, r);
-    case 128: return pool_range<T, 128, kClip>(table, num_rows, cols, rows, vals, max_norm, out, r);
-    default: return pool_range<T, 0, kClip>(table, num_rows, cols, rows, vals, max_norm, out, r);
-  }
-}
-
 template <typename T>
 void pool_range_any(const T* table, int64_t num_rows, const int32_t* cols, const int32_t* rows, const float* vals,
                     float max_norm, const Outputs& out, Range r) {
   with_isa([&] {
-    max_norm > 0.0f ? pool_range_dim<T, true>(table, num_rows, cols, rows, vals, max_norm, out, r)
-                    : pool_range_dim<T, false>(table, num_rows, cols, rows, vals, max_norm, out, r);
+    with_width(out.dim, [&](auto width) {
+      constexpr int kDim = int(decltype(width)::value);
+      max_norm > 0.0f ? pool_range<T, kDim, true>(table, num_rows, cols, rows, vals, max_norm, out, r)
+                      : pool_range<T, kDim, false>(table, num_rows, cols, rows, vals, max_norm, out, r);
+    });
   });
 }
 
@@ -409,7 +415,10 @@ inline float clipf(float x, float lo, float hi) { return std::min(std::max(x, lo
 // One row's update, in the order of the generic kernel: clip_gradient, the rule, weight decay, clip_weight.
 // `w` holds the old row (f32), `g` its summed gradient, `tmp` is [3 * dim] scratch; slot pointers point into the
 // (f32) slot arrays. Every loop is free of branches, so that it vectorizes.
-void update_row(const Options& o, int64_t dim, float* w, float* g, float* tmp, float* s0, float* s1) {
+// kDim: the row width when known at compile time (see with_width), else 0 and `width`.
+template <int64_t kDim>
+void update_row(const Options& o, int64_t width, float* w, float* g, float* tmp, float* s0, float* s1) {
+  const int64_t dim = kDim > 0 ? kDim : width;
   const float lr = o.scalars[0];
   const float* h = o.hyper;
   if (o.clip_gradient)
@@ -709,9 +718,10 @@ struct Grads {
 // The update of one table row from its run of records (in entry order), on copies: `w` [dim] holds the row
 // (f32), `s0`, `s1` its slot rows; `g` [dim], `tmp` [3 * dim] are scratch. Returns false if the row and its
 // slots must keep their values (a NaN/inf gradient under skip_nonfinite).
+template <int64_t kDim>
 inline bool update_copy(const Options& o, const Grads& gr, const Record* group, int64_t size, float* w, float* s0,
                         float* s1, float* g, float* tmp) {
-  const int64_t dim = gr.dim;
+  const int64_t dim = kDim > 0 ? kDim : gr.dim;
   if (o.linear) {  // SGD, each occurrence on its own in entry order: row += -lr * (g_k * v_k)
     for (int64_t i = 0; i < size && gr.bad; i++)
       if (gr.bad[group[i].out_row]) return false;
@@ -737,7 +747,7 @@ inline bool update_copy(const Options& o, const Grads& gr, const Record* group, 
     }
   }
   if (o.skip_nonfinite && !all_finite(g, dim)) return false;
-  update_row(o, dim, w, g, tmp, s0, s1);
+  update_row<kDim>(o, dim, w, g, tmp, s0, s1);
   return true;
 }
 
@@ -754,11 +764,20 @@ inline int64_t scratch_size(const Grads& gr, const State& st) { return 5 * gr.di
 // prefetches never come in bursts that fill the core's miss buffers and stall it (updating rows in batches of
 // 32, with each batch's prefetches issued together, was 20-25% slower). Rows go by distinct rows, not records:
 // a hot row's many records would hide the rows after it.
-template <typename T>
+template <typename T, int64_t kDim>
 inline void update_range(const Options& o, const Grads& gr, const Record* recs, int64_t lo, int64_t hi,
                          const State& st, float* scratch) {
-  const int64_t dim = gr.dim, w0 = st.slot[0] ? st.width[0] : 0, w1 = st.slot[1] ? st.width[1] : 0;
+  const int64_t dim = kDim > 0 ? kDim : gr.dim, w0 = st.slot[0] ? st.width[0] : 0, w1 = st.slot[1] ? st.width[1] : 0;
   float *w = scratch, *s0 = w + dim, *s1 = s0 + w0, *g = s1 + w1, *tmp = g + dim;
+  // For a width known at compile time, local arrays instead of `scratch`: distinct objects, so the compiler
+  // needs no aliasing checks and keeps them in registers (W1: RowwiseAdagrad's step ~20% faster, SGD's ~10%).
+  constexpr int64_t kLocal = kDim > 0 ? kDim : 1;
+  float local_w[kLocal], local_g[kLocal], local_tmp[3 * kLocal], local_s0[kLocal], local_s1[kLocal];
+  if constexpr (kDim > 0) {
+    w = local_w, g = local_g, tmp = local_tmp;
+    if (w0 <= kDim) s0 = local_s0;  // per-element slots (width dim) or per-row ones (width 1)
+    if (w1 <= kDim) s1 = local_s1;
+  }
   T* table = static_cast<T*>(st.table);
   int64_t next_row = lo, next_grad = lo;  // the next row and the next record whose loads are not yet asked for
   auto prefetch_rows = [&](int64_t rows) {
@@ -782,7 +801,7 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
     for (int64_t j = 0; j < dim; j++) w[j] = load(row + j);
     copy_row(s0, st.slot[0] + col * w0, w0);
     copy_row(s1, st.slot[1] + col * w1, w1);
-    if (update_copy(o, gr, recs + b, e - b, w, s0, s1, g, tmp)) {  // else the row and its slots keep their values
+    if (update_copy<kDim>(o, gr, recs + b, e - b, w, s0, s1, g, tmp)) {  // else the row and its slots keep their values
       for (int64_t j = 0; j < dim; j++) store(row + j, w[j]);
       copy_row(st.slot[0] + col * w0, s0, w0);
       copy_row(st.slot[1] + col * w1, s1, w1);
@@ -804,7 +823,11 @@ void backward_impl(ffi::ThreadPool& pool, int64_t threads, const Options& o, con
   }
   parallel_for(pool, threads, int64_t(bounds.size()) - 1, [&](int64_t c) {
     std::vector<float> scratch(size_t(scratch_size(gr, st)));
-    with_isa([&] { update_range<T>(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data()); });
+    with_isa([&] {
+      with_width(gr.dim, [&](auto width) {
+        update_range<T, decltype(width)::value>(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data());
+      });
+    });
   });
 }
 
