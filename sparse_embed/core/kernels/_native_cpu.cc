@@ -678,6 +678,12 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
     for (int64_t k = b * kSortBlock; k < std::min(n, (b + 1) * kSortBlock); k++)
       if (valid(k)) keys[at[uint32_t(cols[k]) >> low]++] = (uint64_t(uint32_t(cols[k])) << 32) | uint64_t(k);
   });
+  // k / C (the entry's source) without a division per record: exact for k < 2**32 and 1 < C < 2**32 (Lemire et
+  // al., "Faster remainder by direct computation", 2019); the division was ~0.3 ms of a W1 backward's 655k records.
+  const uint64_t inverse_c = C > 1 ? ~uint64_t(0) / uint64_t(C) + 1 : 0;
+  const auto source_of = [inverse_c](int64_t k) {
+    return inverse_c ? int64_t((__uint128_t(inverse_c) * uint64_t(k)) >> 64) : k;  // 0: C == 1
+  };
   const int passes = (low + 10) / 11, digit = passes ? (low + passes - 1) / passes : 0;
   parallel_for(pool, threads, nb, [&](int64_t bucket) {
     const int64_t lo = s.buckets[bucket], hi = s.buckets[bucket + 1];
@@ -695,7 +701,7 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
     }
     for (int64_t i = 0; i < hi - lo; i++) {
       const int64_t k = int64_t(a[i] & 0xffffffffu);
-      out[lo + i] = Record{uint32_t(a[i] >> 32), uint32_t((k / C) * rpd + rows[k]), vals[k]};
+      out[lo + i] = Record{uint32_t(a[i] >> 32), uint32_t(source_of(k) * rpd + rows[k]), vals[k]};
     }
     if (spare.capacity() > kKeepSpare) std::vector<uint64_t>().swap(spare);  // a rare huge bucket (skewed ids)
   });
