@@ -133,10 +133,16 @@ def trim_heap() -> bool:
 
 def measure(prepare: Callable[[], tuple[Runner, dict[str, Any]]], steps: int, warmup: int,
             ids_per_step: int) -> dict[str, Any]:
-    """Builds a runner, warms up, then times `steps` steps; the runner (and its tables) is dropped on return."""
+    """Builds a runner, warms up, then times `steps` steps; the runner (and its tables) is dropped on return.
+
+    The peak RSS is the steady state's: the heap is trimmed after the warmup,
+    so what building the system freed (XLA's compiler works in tens of MiB of
+    heap) but glibc kept does not count in the steps' peak.
+    """
     base = RSS.current()
     runner, info = prepare()
     runner.run(warmup)
+    trim_heap()
     RSS.reset()
     samples = runner.run(steps)
     return {**info, **timing_summary(samples, ids_per_step), "rss_base_bytes": base,
