@@ -282,16 +282,16 @@ using Outputs = RowBlocks<float>;
 
 // Pools the entries [r.begin, r.end) of source r.d's segment (cols, rows, vals point at the segment's start)
 // into output rows [r.row_lo, r.row_hi), rows without entries zero. Each run of entries of one output row is
-// summed in entry order into `acc`: a local array for a width D known at compile time (kept in registers),
-// else the output row itself (D = 0), starting from zero (or from the row, for an unsorted segment, whose
+// summed in entry order into `acc`: a local array for a width kDim known at compile time (kept in registers),
+// else the output row itself (kDim = 0), starting from zero (or from the row, for an unsorted segment, whose
 // rows may come in several runs).
-template <typename T, int D, bool kClip>
+template <typename T, int64_t kDim, bool kClip>
 inline void pool_range(const T* table, int64_t num_rows, const int32_t* cols, const int32_t* rows,
                        const float* vals, float max_norm, const Outputs& out, Range r) {
-  const int64_t dim = D > 0 ? D : out.dim, rpd = out.rpd();
+  const int64_t dim = kDim > 0 ? kDim : out.dim, rpd = out.rpd();
   if (!r.sorted) out.zero(r.d, r.row_lo, r.row_hi);
   int64_t next = r.row_lo;  // sorted: the first output row not yet written
-  float local[D > 0 ? D : 1];
+  float local[kDim > 0 ? kDim : 1];
   for (int64_t k = r.begin; k < r.end;) {
     const uint32_t row = uint32_t(rows[k]);
     int64_t e = k + 1;
@@ -301,12 +301,12 @@ inline void pool_range(const T* table, int64_t num_rows, const int32_t* cols, co
       continue;
     }
     float* dst = out.row(r.d, row);
-    float* acc = D > 0 ? local : dst;
+    float* acc = kDim > 0 ? local : dst;
     if (r.sorted) {
       out.zero(r.d, next, row);
       next = row + 1;
       for (int64_t j = 0; j < dim; j++) acc[j] = 0.0f;
-    } else if (D > 0) {
+    } else if (kDim > 0) {
       for (int64_t j = 0; j < dim; j++) acc[j] = dst[j];
     }
     for (; k < e; k++) {
@@ -325,7 +325,7 @@ inline void pool_range(const T* table, int64_t num_rows, const int32_t* cols, co
         for (int64_t j = 0; j < dim; j++) acc[j] += (load(src + j) * scale) * v;
       }
     }
-    if (D > 0)
+    if (kDim > 0)
       for (int64_t j = 0; j < dim; j++) dst[j] = acc[j];
   }
   if (r.sorted) out.zero(r.d, next, r.row_hi);
@@ -336,7 +336,7 @@ void pool_range_any(const T* table, int64_t num_rows, const int32_t* cols, const
                     float max_norm, const Outputs& out, Range r) {
   with_isa([&] {
     with_width(out.dim, [&](auto width) {
-      constexpr int kDim = int(decltype(width)::value);
+      constexpr int64_t kDim = decltype(width)::value;
       max_norm > 0.0f ? pool_range<T, kDim, true>(table, num_rows, cols, rows, vals, max_norm, out, r)
                       : pool_range<T, kDim, false>(table, num_rows, cols, rows, vals, max_norm, out, r);
     });
@@ -413,8 +413,8 @@ inline void copy_row(float* dst, const float* src, int64_t n) {
 inline float clipf(float x, float lo, float hi) { return std::min(std::max(x, lo), hi); }
 
 // One row's update, in the order of the generic kernel: clip_gradient, the rule, weight decay, clip_weight.
-// `w` holds the old row (f32), `g` its summed gradient, `tmp` is [3 * dim] scratch; slot pointers point into the
-// (f32) slot arrays. Every loop is free of branches, so that it vectorizes.
+// `w` holds the old row (f32), `g` its summed gradient, `tmp` is [3 * dim] scratch; slot pointers point at copies of
+// the row's (f32) slot rows. Every loop is free of branches, so that it vectorizes.
 // kDim: the row width when known at compile time (see with_width), else 0 and `width`.
 template <int64_t kDim>
 void update_row(const Options& o, int64_t width, float* w, float* g, float* tmp, float* s0, float* s1) {
@@ -761,9 +761,6 @@ constexpr int64_t kBackwardChunk = 2048;  // records per work chunk (cut where t
 constexpr int64_t kRowsAhead = 32;        // distinct rows ahead whose table and slot rows are prefetched
 constexpr int64_t kAhead = 64;            // records ahead whose gradient rows are prefetched
 
-// Floats of scratch update_range needs.
-inline int64_t scratch_size(const Grads& gr, const State& st) { return 5 * gr.dim + st.width[0] + st.width[1]; }
-
 // Updates the rows of records [lo, hi) (whole runs of one col), in order: each row and its slots are copied out,
 // updated and written back. Loads are prefetched a fixed distance ahead, a little with each row: one more row
 // (first record of a run) and the gradient rows of the records up to kAhead past this row's. Spread so, the
@@ -772,18 +769,16 @@ inline int64_t scratch_size(const Grads& gr, const State& st) { return 5 * gr.di
 // a hot row's many records would hide the rows after it.
 template <typename T, int64_t kDim>
 inline void update_range(const Options& o, const Grads& gr, const Record* recs, int64_t lo, int64_t hi,
-                         const State& st, float* scratch) {
+                         const State& st) {
   const int64_t dim = kDim > 0 ? kDim : gr.dim, w0 = st.slot[0] ? st.width[0] : 0, w1 = st.slot[1] ? st.width[1] : 0;
-  float *w = scratch, *s0 = w + dim, *s1 = s0 + w0, *g = s1 + w1, *tmp = g + dim;
-  // For a width known at compile time, local arrays instead of `scratch`: distinct objects, so the compiler
-  // needs no aliasing checks and keeps them in registers (W1: RowwiseAdagrad's step ~20% faster, SGD's ~10%).
+  // The copies of the row and its slots (width dim or 1, see decode_state) and update_copy's scratch. For a
+  // width known at compile time, local arrays: distinct objects, so the compiler needs no aliasing checks and
+  // keeps them in registers (W1: RowwiseAdagrad's step ~20% faster, SGD's ~10%); else one heap buffer.
   constexpr int64_t kLocal = kDim > 0 ? kDim : 1;
   float local_w[kLocal], local_g[kLocal], local_tmp[3 * kLocal], local_s0[kLocal], local_s1[kLocal];
-  if constexpr (kDim > 0) {
-    w = local_w, g = local_g, tmp = local_tmp;
-    if (w0 <= kDim) s0 = local_s0;  // per-element slots (width dim) or per-row ones (width 1)
-    if (w1 <= kDim) s1 = local_s1;
-  }
+  float *w = local_w, *s0 = local_s0, *s1 = local_s1, *g = local_g, *tmp = local_tmp;
+  std::vector<float> heap(kDim > 0 ? 0 : size_t(5 * dim + w0 + w1));
+  if constexpr (kDim == 0) w = heap.data(), s0 = w + dim, s1 = s0 + w0, g = s1 + w1, tmp = g + dim;
   T* table = static_cast<T*>(st.table);
   int64_t next_row = lo, next_grad = lo;  // the next row and the next record whose loads are not yet asked for
   auto prefetch_rows = [&](int64_t rows) {
@@ -828,10 +823,9 @@ void backward_impl(ffi::ThreadPool& pool, int64_t threads, const Options& o, con
     bounds.push_back(end);
   }
   parallel_for(pool, threads, int64_t(bounds.size()) - 1, [&](int64_t c) {
-    std::vector<float> scratch(size_t(scratch_size(gr, st)));
     with_isa([&] {
       with_width(gr.dim, [&](auto width) {
-        update_range<T, decltype(width)::value>(o, gr, recs, bounds[c], bounds[c + 1], st, scratch.data());
+        update_range<T, decltype(width)::value>(o, gr, recs, bounds[c], bounds[c + 1], st);
       });
     });
   });
@@ -852,8 +846,8 @@ ffi::Error decode_state(ffi::RemainingArgs& in, size_t first, ffi::RemainingRets
     if ((*r)->untyped_data() != a->untyped_data())  // aliased as a rule; copy if XLA gave a separate buffer
       std::memcpy((*r)->untyped_data(), a->untyped_data(), a->size_bytes());
     auto d = a->dimensions();
-    if (d.size() != 2 || (i > 0 && (d[0] != num_rows || a->element_type() != ffi::F32)))
-      return ffi::Error::InvalidArgument("sparse_embed backward: slots must be float32 [rows, width]");
+    if (d.size() != 2 || (i > 0 && (d[0] != num_rows || a->element_type() != ffi::F32 || (d[1] != 1 && d[1] != dim))))
+      return ffi::Error::InvalidArgument("sparse_embed backward: slots must be float32 [rows, 1 or dim]");
     if (i == 0) {
       num_rows = d[0], dim = d[1], dtype = a->element_type(), st.table = (*r)->untyped_data();
     } else {
