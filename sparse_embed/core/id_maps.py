@@ -96,10 +96,17 @@ def shard_capacity(stack: StackPlan, shard: jax.Array) -> jax.Array:
     return jnp.maximum((vocab - shard + S - 1) // S, 0).astype(jnp.int32)
 
 
-def _empty_sets(n: int, S: int) -> KeySet:
-    one = key_set.empty(n)
-    return KeySet(jnp.tile(one.sorted_keys, (S, 1)), jnp.tile(one.last, S), jnp.tile(one.order, S),
-                  jnp.zeros((S,), jnp.int32), jnp.tile(one.directory, S), jnp.tile(one.span, S))
+def compact_keys(stack: StackPlan) -> bool:
+    """Whether the stack's map keeps 4-byte keys (`Dynamic.id_bits` small enough for its rows per shard)."""
+    bits = stack.dynamic.id_bits
+    return bits is not None and bits <= key_set.compact_bits(stack.rows_per_shard)
+
+
+def _empty_sets(n: int, S: int, compact: bool = False) -> KeySet:
+    one = key_set.empty(n, compact)
+    return KeySet(jnp.tile(one.sorted_keys, (S,) + (1,) * (one.sorted_keys.ndim - 1)), jnp.tile(one.last, S),
+                  jnp.tile(one.order, S), jnp.zeros((S,), jnp.int32), jnp.tile(one.directory, S),
+                  jnp.tile(one.span, S))
 
 
 def init_id_maps(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, IdMap]:
@@ -113,23 +120,26 @@ def _init_jit(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, IdMap]:
     for s in dynamic_stacks(plan):
         S, pend = s.num_shards, pending_per_shard(s)
         seed = jnp.tile(seeds(table_key(rng, s.first.name))[None], (S, 1))
-        out[s.name] = IdMap(_empty_sets(s.rows_per_shard, S), _empty_sets(pend, S) if pend else None,
+        out[s.name] = IdMap(_empty_sets(s.rows_per_shard, S, compact_keys(s)), _empty_sets(pend, S) if pend else None,
                             jnp.zeros((S * pend,), jnp.int32) if pend else None, seed)
     return jax.lax.with_sharding_constraint(out, plan.table_sharding())
 
 
 def with_directories(plan: EmbeddingPlan, id_maps: Mapping[str, IdMap]) -> dict[str, IdMap]:
-    """The maps with every shard's directory rebuilt from its keys and order (after a host-side placement)."""
+    """The maps with every shard's directory rebuilt from its keys and order (after a host-side placement, which
+    writes wide sets: those of stacks with `compact_keys` come out compact)."""
     return _directories_jit(plan, dict(id_maps))
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _directories_jit(plan: EmbeddingPlan, id_maps):
-    axis = plan.axis_name
+    axis, compact = plan.axis_name, {s.name: compact_keys(s) for s in dynamic_stacks(plan)}
 
     def body(maps):
         fix = lambda ks: None if ks is None else key_set.with_directory(ks)
-        return {k: _stacked(IdMap(fix(m.rows), fix(m.pending), m.counts, m.seed))
+        rows = lambda k, ks: key_set.compacted(key_set.widen(ks) if key_set.is_compact(ks) else ks) if compact[k] \
+            else fix(ks)
+        return {k: _stacked(IdMap(rows(k, m.rows), fix(m.pending), m.counts, m.seed))
                 for k, m in ((k, _local(m)) for k, m in maps.items())}
 
     return jax.shard_map(body, mesh=plan.mesh, in_specs=P(axis), out_specs=P(axis))(id_maps)

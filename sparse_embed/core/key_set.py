@@ -19,6 +19,14 @@ lie side by side in memory (one or two cache lines: what makes a lookup
 cheap on a set far larger than the caches); an insert merges the new keys
 in and rebuilds the directory in linear passes, `O(N + Q log N)`, without a
 sort of the set.
+
+A *compact* set (`sorted_keys [N]`, for ids below `2**id_bits` with
+`id_bits <= compact_bits(N)`) holds only each key's low word: 12 bytes per
+slot plus the directory. Its buckets are exact, `(key >> shift) - base`,
+with `shift <= 32` the smallest that puts the live keys' range in the
+buckets (`span [3]` int32: shift, base's two words), so a bucket's keys
+share their high word; the search compares low words only. An insert
+widens the set, inserts and compacts it again (`O(N)`, as an insert is).
 """
 
 from __future__ import annotations
@@ -32,10 +40,10 @@ FREE = -1  # sorted_keys[:, 0] of a free position; last of a free slot
 
 
 class KeySet(NamedTuple):
-    """One shard's key set. `sorted_keys [N, 2]` int32, `last [N]` int32 (by slot), `order [N]` int32 (slot of
-    each position), `size []` int32, `directory [B + 1]` int32 (bucket b's keys are at positions
-    `directory[b]:directory[b + 1]`), `span [2]` float32 (the smallest key as a float, and buckets per unit of
-    it)."""
+    """One shard's key set. `sorted_keys [N, 2]` int32 (compact: `[N]`, the low words), `last [N]` int32 (by
+    slot), `order [N]` int32 (slot of each position), `size []` int32, `directory [B + 1]` int32 (bucket b's keys
+    are at positions `directory[b]:directory[b + 1]`), `span [2]` float32 (the smallest key as a float, and
+    buckets per unit of it; compact: `[3]` int32, see the module docstring)."""
 
     sorted_keys: jax.Array
     last: jax.Array
@@ -50,11 +58,100 @@ def num_buckets(n: int) -> int:
     return max(1, n // 16)
 
 
-def empty(n: int) -> KeySet:
-    """A set of `n` free slots."""
-    return KeySet(jnp.full((n, 2), FREE, jnp.int32), jnp.full((n,), FREE, jnp.int32),
-                  jnp.arange(n, dtype=jnp.int32), jnp.zeros((), jnp.int32),
-                  jnp.zeros((num_buckets(n) + 1,), jnp.int32), jnp.zeros((2,), jnp.float32))
+def compact_bits(n: int) -> int:
+    """The most id bits a compact set of `n` slots holds: a bucket's keys must share their high word."""
+    return 32 + (num_buckets(n).bit_length() - 1)
+
+
+def empty(n: int, compact: bool = False) -> KeySet:
+    """A set of `n` free slots (compact: 4-byte keys, see the module docstring)."""
+    keys = jnp.zeros((n,), jnp.int32) if compact else jnp.full((n, 2), FREE, jnp.int32)
+    span = jnp.zeros((3,), jnp.int32) if compact else jnp.zeros((2,), jnp.float32)
+    return KeySet(keys, jnp.full((n,), FREE, jnp.int32), jnp.arange(n, dtype=jnp.int32), jnp.zeros((), jnp.int32),
+                  jnp.zeros((num_buckets(n) + 1,), jnp.int32), span)
+
+
+def is_compact(s: KeySet) -> bool:
+    return s.sorted_keys.ndim == 1
+
+
+# 64-bit unsigned numbers as (hi, lo) uint32 words (jax runs without 64-bit integers). XLA's shifts by 32 or
+# more give 0, which the shifts below rely on.
+def _words(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    u = keys.astype(jnp.uint32)
+    return u[..., 0], u[..., 1]
+
+
+def _shr(hi, lo, t):
+    """(hi, lo) >> t for 0 <= t <= 32."""
+    t = jnp.asarray(t).astype(jnp.uint32)
+    return hi >> t, (lo >> t) | (hi << (jnp.uint32(32) - t))
+
+
+def _sub(ah, al, bh, bl):
+    """(ah, al) - (bh, bl), modulo 2**64."""
+    return ah - bh - (al < bl).astype(jnp.uint32), al - bl
+
+
+def _add(ah, al, b):
+    """(ah, al) + b for b uint32."""
+    lo = al + b
+    return ah + (lo < al).astype(jnp.uint32), lo
+
+
+def _compact_bucket(s: KeySet, q: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For the keys of `q [Q, 2]` in a compact set: `(bucket, below, above)`, the bucket meaningful only
+    where the key is neither below nor above the buckets' range."""
+    b = s.directory.shape[0] - 1
+    span = s.span.astype(jnp.uint32)
+    xh, xl = _shr(*_words(q), span[0])
+    below = (xh < span[1]) | ((xh == span[1]) & (xl < span[2]))
+    dh, dl = _sub(xh, xl, span[1], span[2])
+    above = ~below & ((dh != 0) | (dl >= b))
+    return jnp.where(below | above, 0, dl).astype(jnp.int32), below, above
+
+
+def full_keys(s: KeySet) -> jax.Array:
+    """`[N, 2]` every position's key (free positions: FREE), whatever the layout."""
+    if not is_compact(s):
+        return s.sorted_keys
+    n, b = s.order.shape[0], s.directory.shape[0] - 1
+    p = jnp.arange(n, dtype=jnp.int32)
+    bucket = jnp.clip(jnp.searchsorted(s.directory, p, side="right") - 1, 0, b - 1).astype(jnp.uint32)
+    span = s.span.astype(jnp.uint32)
+    hi = _shr(*_add(span[1], span[2], bucket), jnp.uint32(32) - span[0])[1]  # (key >> shift) >> (32 - shift)
+    keys = jnp.stack([hi, s.sorted_keys.astype(jnp.uint32)], -1).astype(jnp.int32)
+    return jnp.where((p < s.size)[:, None], keys, FREE)
+
+
+def widen(s: KeySet) -> KeySet:
+    """A compact set as a wide one (the same keys, slots and last-use steps)."""
+    wide = s._replace(sorted_keys=full_keys(s), span=jnp.zeros((2,), jnp.float32))
+    return with_directory(wide)
+
+
+def compacted(s: KeySet) -> KeySet:
+    """A wide set as a compact one: the keys' low words, and the exact directory (see the module docstring).
+    Its keys must span less than `2**32` buckets' worth (`compact_bits`)."""
+    n, b = s.order.shape[0], s.directory.shape[0] - 1
+    keys = s.sorted_keys
+    hi, lo = _words(keys)
+    first, last = (jnp.clip(i, 0, n - 1) for i in (0, s.size - 1))
+    shifts = jnp.arange(33, dtype=jnp.uint32)
+    lh, ll = _shr(hi[last], lo[last], shifts)
+    fh, fl = _shr(hi[first], lo[first], shifts)
+    dh, dl = _sub(lh, ll, fh, fl)
+    fits = (dh == 0) & (dl < b)  # some shift <= 32 fits when the keys are below 2**compact_bits(n)
+    shift = jnp.where(s.size > 0, jnp.where(fits.any(), jnp.argmax(fits), 32), 0).astype(jnp.uint32)
+    bh, bl = _shr(hi[first], lo[first], shift)
+    bh, bl = jnp.where(s.size > 0, bh, 0), jnp.where(s.size > 0, bl, 0)
+    span = jnp.stack([shift, bh, bl]).astype(jnp.int32)
+    xh, xl = _shr(hi, lo, shift)
+    live = jnp.arange(n) < s.size
+    bucket = jnp.where(live, jnp.minimum(_sub(xh, xl, bh, bl)[1], b - 1).astype(jnp.int32), b)
+    counts = jnp.zeros((b + 1,), jnp.int32).at[bucket].add(1)
+    directory = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts[:b])]).astype(jnp.int32)
+    return s._replace(sorted_keys=jnp.where(live, keys[:, 1], 0), directory=directory, span=span)
 
 
 def _value(keys: jax.Array) -> jax.Array:
@@ -92,17 +189,36 @@ def same(a: jax.Array, b: jax.Array) -> jax.Array:
     return (a[..., 0] == b[..., 0]) & (a[..., 1] == b[..., 1])
 
 
+def _bucket_bounds(s: KeySet, q: jax.Array):
+    """The positions `[lo, hi)` of each query's bucket, and whether a position there holding its key (compact:
+    its low word) is a match (a compact set's query outside its buckets' range: an empty range at the end
+    of the keys below it)."""
+    if not is_compact(s):
+        b = _bucket(s, q)
+        return s.directory[b], s.directory[b + 1], jnp.ones(q.shape[:1], bool)
+    b, below, above = _compact_bucket(s, q)
+    lo = jnp.where(below, 0, jnp.where(above, s.directory[-1], s.directory[b]))
+    hi = jnp.where(below | above, lo, s.directory[b + 1])
+    return lo, hi, ~(below | above)
+
+
+def _key_less(s: KeySet, p: jax.Array, q: jax.Array) -> jax.Array:
+    """The key at positions `p` < the query `q` (compact: the low words, within one bucket)."""
+    if is_compact(s):
+        return s.sorted_keys[p].astype(jnp.uint32) < q[..., 1].astype(jnp.uint32)
+    return _less(s.sorted_keys[p], q)
+
+
 def lower_bound(s: KeySet, q: jax.Array) -> jax.Array:
     """`[Q]`: for each key of `q [Q, 2]`, the first position p < size whose key is >= it (or size)."""
     n = s.order.shape[0]
-    b = _bucket(s, q)
     # The answer lies in the key's bucket (buckets are nondecreasing in the key): search only there.
-    lo, hi = s.directory[b], s.directory[b + 1]
+    lo, hi, _ = _bucket_bounds(s, q)
 
     def halve(bounds):
         lo, hi = bounds
         mid = (lo + hi) // 2
-        right = (lo < hi) & _less(s.sorted_keys[jnp.minimum(mid, n - 1)], q)
+        right = (lo < hi) & _key_less(s, jnp.minimum(mid, n - 1), q)
         return jnp.where(right, mid + 1, lo), jnp.where((lo < hi) & ~right, mid, hi)
 
     lo, _ = jax.lax.while_loop(lambda bounds: (bounds[0] < bounds[1]).any(), halve, (lo, hi))
@@ -111,8 +227,14 @@ def lower_bound(s: KeySet, q: jax.Array) -> jax.Array:
 
 def find(s: KeySet, q: jax.Array) -> jax.Array:
     """`[Q]` slot of each key of `q [Q, 2]`, -1 if absent (or if the query is a free marker)."""
-    p = jnp.minimum(lower_bound(s, q), s.order.shape[0] - 1)
-    hit = (p < s.size) & same(s.sorted_keys[p], q) & (q[:, 0] != FREE)
+    if is_compact(s):
+        _, hi, inside = _bucket_bounds(s, q)
+        p = jnp.minimum(lower_bound(s, q), s.order.shape[0] - 1)
+        hit = inside & (p < hi) & (s.sorted_keys[p] == q[:, 1])
+    else:
+        p = jnp.minimum(lower_bound(s, q), s.order.shape[0] - 1)
+        hit = same(s.sorted_keys[p], q)
+    hit = hit & (p < s.size) & (q[:, 0] != FREE)
     return jnp.where(hit, s.order[p], -1)
 
 
@@ -207,7 +329,11 @@ def insert(s: KeySet, capacity: jax.Array, keys: jax.Array, want: jax.Array, rem
         hi, lo, at = jax.lax.sort((keys[:, 0].astype(jnp.uint32), keys[:, 1].astype(jnp.uint32),
                                    jnp.arange(q, dtype=jnp.int32)), num_keys=2)
         gone = jnp.zeros((n,), bool) if removed is None else removed
-        p = _insert(s, capacity, jnp.stack([hi, lo], -1).astype(jnp.int32), want[at], gone, step, k)
+        p = _insert(widen(s) if is_compact(s) else s, capacity, jnp.stack([hi, lo], -1).astype(jnp.int32),
+                    want[at], gone, step, k)
+        if is_compact(s):
+            c = compacted(KeySet(p.sorted_keys, s.last, p.order, p.size, p.directory, p.span))
+            p = p._replace(sorted_keys=c.sorted_keys, directory=c.directory, span=c.span)
         return p._replace(slots=jnp.zeros_like(p.slots).at[at].set(p.slots))
 
     def unchanged():

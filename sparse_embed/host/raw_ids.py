@@ -54,22 +54,31 @@ def _uint64_parts(x: Any) -> list:
     return [x]
 
 
-def _check_uint64(feature, ids: Any) -> None:
+def _check_range(feature, ids: Any) -> None:
+    """uint64 ids below 2**63, and every id below `2**id_bits` if the table declares it (other problems:
+    `flatten`'s errors)."""
+    bits = feature.table.dynamic.id_bits
     for part in _uint64_parts(ids):
         a = np.asarray(part)
-        if a.dtype == np.uint64 and a.size and int(a.max()) > MAX_ID:
-            raise error(feature, f"raw id {int(a.max())} is out of range: raw ids must be < 2**63.")
+        if a.dtype.kind not in "iu" or not a.size:
+            continue
+        top = int(a.max())
+        if top > MAX_ID:
+            raise error(feature, f"raw id {top} is out of range: raw ids must be < 2**63.")
+        if bits is not None and top >= 2**bits:
+            raise error(feature, f"raw id {top} is out of range: the table's ids must be < 2**{bits} "
+                                 f"(Dynamic(id_bits={bits})).")
 
 
 def flatten_raw(feature, ids: Any, weights: Any = None) -> FlatIds:
     """`flatten` for a raw-id table: ids are integers in `[0, 2**63)` (dense -1 = padding), as int64."""
-    _check_uint64(feature, ids)
+    _check_range(feature, ids)
     return flatten(feature, ids, weights, raw=True)
 
 
 def checked_raw(feature, ids: Any, weights: Any = None) -> CanonicalIds:
     """`flatten_raw`'s checks in C, without flattening (the input of `partition_raw`'s C path)."""
-    _check_uint64(feature, ids)
+    _check_range(feature, ids)
     return checked(feature, ids, weights, raw=True)
 
 

@@ -39,13 +39,29 @@ class IdTable(NamedTuple):
     seed: np.ndarray
 
 
+def _compact_ids(low: np.ndarray, directory: np.ndarray, span: np.ndarray, size: int) -> np.ndarray:
+    """A compact set's live ids (`key_set.full_keys` on the host): high words from the buckets."""
+    w = np.asarray(span, np.int32).view(np.uint32).astype(np.uint64)
+    shift, base = w[0], w[1] << np.uint64(32) | w[2]
+    bucket = np.searchsorted(directory, np.arange(size), side="right") - 1
+    hi = ((base + bucket.astype(np.uint64)) << shift) >> np.uint64(32)
+    return (hi << np.uint64(32) | low[:size].view(np.uint32).astype(np.uint64)).astype(np.int64)
+
+
 def _live(ks: KeySet):
     """Global slots that hold an id, and those ids (sorted by id), from one set per shard (host arrays)."""
     sizes = to_host(ks.size)
-    n = ks.order.shape[0] // sizes.size
+    S = sizes.size
+    n = ks.order.shape[0] // S
     live = (np.arange(n)[None] < sizes[:, None]).reshape(-1)
-    at = (to_host(ks.order) + np.repeat(np.arange(sizes.size) * n, n))[live].astype(np.int64)
-    ids = join_words(to_host(ks.sorted_keys)[live])
+    at = (to_host(ks.order) + np.repeat(np.arange(S) * n, n))[live].astype(np.int64)
+    keys = to_host(ks.sorted_keys)
+    if keys.ndim == 1:  # compact sets: [S * n] low words
+        dirs, spans = to_host(ks.directory).reshape(S, -1), to_host(ks.span).reshape(S, 3)
+        ids = np.concatenate([_compact_ids(keys[i * n:(i + 1) * n], dirs[i], spans[i], int(sizes[i]))
+                              for i in range(S)]).astype(np.int64)
+    else:
+        ids = join_words(keys[live])
     order = np.argsort(ids, kind="stable")
     return at[order], ids[order]
 
@@ -138,7 +154,12 @@ def load_id_tables(plan: EmbeddingPlan, contents: Mapping[str, IdTable], *, with
         if name not in contents:
             raise ValueError(f"Table {name!r} is keyed by raw ids in the plan, but the contents have no entry for it "
                              f"(they have {sorted(contents)}).")
-        v, m, dropped = _place(plan, s, contents[name], with_slots)
+        bits, t = s.dynamic.id_bits, contents[name]
+        top = max([int(x.max()) for x in (t.ids, t.pending_ids) if x.size], default=-1)
+        if bits is not None and top >= 2**bits:
+            raise ValueError(f"Table {name!r}: the contents hold id {top}, but the plan's table takes ids below "
+                             f"2**{bits} (Dynamic(id_bits={bits})).")
+        v, m, dropped = _place(plan, s, t, with_slots)
         if dropped:
             warnings.warn(f"Table {name!r}: {dropped} ids did not fit their owner shards under this plan "
                           f"({s.num_shards} shards of {s.rows_per_shard} rows); the least recently used were dropped.",

@@ -190,6 +190,20 @@ def test_map_ids_and_training_match_the_dict_reference(policy, n_dev):
     _check_against_reference(n_dev, se.Dynamic(**POLICIES[policy]), 24, space, 12, n_dev)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "generic"])
+@pytest.mark.parametrize("policy", ["admit1", "admit2_expire3", "admit3_small_pending", "expire1"])
+@pytest.mark.parametrize("n_dev", [1, 2, 8])
+def test_compact_maps_match_the_dict_reference(policy, n_dev, kernel):
+    """`Dynamic(id_bits=32)`: the map keeps 4-byte keys (a tiny table: 32 bits is its most); ids over the whole
+    range, the ends included."""
+    gen = np.random.default_rng(n_dev + 10)
+    space = [int(x) for x in gen.integers(0, 2**32, 40, dtype=np.int64)] + [0, 2**32 - 1, 2**31, 2**31 - 1]
+    dyn = se.Dynamic(**POLICIES[policy], id_bits=32)
+    plan = se.plan([se.FeatureSpec("u", se.TableSpec("users", 24, 4, dynamic=dyn), 16)], make_mesh(n_dev))
+    assert se.init_id_maps(plan, jax.random.key(0))["users"].rows.sorted_keys.ndim == 1  # compact
+    _check_against_reference(n_dev, dyn, 24, space, 12, n_dev, kernel=kernel)
+
+
 @pytest.mark.parametrize("policy", ["admit1", "admit2_expire3", "admit3_small_pending"])
 def test_the_generic_kernel_maps_as_the_dict_reference(policy):
     """The same reference through the generic kernel (its key search and its lookup; the tests above run the
@@ -323,6 +337,65 @@ def test_bad_raw_ids_get_a_clear_error(ids, match):
         se.preprocess(plan, {"u": ids})
 
 
+@pytest.mark.parametrize("bits", [0, 64, 2.5, True, "40"])
+def test_bad_id_bits_get_a_clear_error(bits):
+    with pytest.raises(ValueError, match="Dynamic: id_bits"):
+        se.Dynamic(id_bits=bits)
+
+
+@pytest.mark.parametrize("ids", [np.array([[2**40, 1]] * 8), np.array([[2**40, 1]] * 8, np.uint64),
+                                 [np.array([3, 2**41])] * 8, (np.array([2**45] * 8), np.ones(8, np.int64))])
+def test_ids_beyond_id_bits_get_a_clear_error(ids):
+    plan = _train_plan(make_mesh(2), batch=8, dyn=se.Dynamic(id_bits=40))
+    with pytest.raises(ValueError, match=r"Feature 'u' \(table 'users'\): raw id \d+ is out of range: .*< 2\*\*40"):
+        se.preprocess(plan, {"u": ids})
+    se.preprocess(plan, {"u": np.array([[2**40 - 1, -1]] * 8)})  # the largest id, and padding: fine
+
+
+def test_compact_maps_take_12_bytes_a_row_and_wide_ones_16():
+    """The map's bytes per row (keys, order, last-use steps, directory, size, span): 4-byte keys when id_bits
+    fits the rows per shard (32 + log2(rows / 16) bits), else 8-byte ones."""
+    rows = 2**16  # one shard: 4096 buckets, so up to 44 bits compact
+    for bits, per_row in ((44, 12.25), (45, 16.25), (None, 16.25), (20, 12.25)):
+        table = se.TableSpec("t", rows, 4, dynamic=se.Dynamic(id_bits=bits))
+        plan = se.plan([se.FeatureSpec("f", table, 8)], make_mesh(1))
+        m = se.init_id_maps(plan, jax.random.key(0))["t"].rows
+        got = sum(x.nbytes for x in m) / rows
+        assert per_row <= got < per_row + 0.01, (bits, got)
+
+
+def test_compact_and_wide_maps_train_alike_and_restore_into_each_other():
+    """The same stream through a wide map and a compact one (id_bits=36): every step's stats and the final
+    contents bit for bit equal; the contents of each load into a plan of the other layout (another mesh too)
+    and train on alike; contents beyond the plan's id_bits get a clear error."""
+    gen = np.random.default_rng(3)
+    pool = np.concatenate([gen.integers(0, 2**36, 150), [2**36 - 1, 0]])
+    stream = [pool[gen.integers(0, pool.size, (16, 3))] for _ in range(10)]
+    stream[3][:2, 0] = 2**36 - 1
+    plans = {bits: _train_plan(make_mesh(2), vocab=4096, dyn=se.Dynamic(admit_after=2, expire_after=5, id_bits=bits))
+             for bits in (None, 36)}
+    contents = {}
+    for bits, plan in plans.items():
+        maps = se.init_id_maps(plan, jax.random.key(1))
+        assert maps["users"].rows.sorted_keys.ndim == (2 if bits is None else 1)
+        tables, maps = _run(plan, se.init_tables(plan, jax.random.key(1)), maps, stream[:6])
+        contents[bits] = se.id_table_contents(plan, tables, maps)["users"]
+    _assert_same_contents(contents[36], contents[None])
+    assert contents[36].ids.size > 40 and contents[36].ids.max() == 2**36 - 1
+    after = {}
+    for src, dst in ((None, 36), (36, None)):  # restore into the other layout, on 8 devices, and go on
+        plan = _train_plan(make_mesh(8), vocab=4096, dyn=se.Dynamic(admit_after=2, expire_after=5, id_bits=dst))
+        tables, maps = se.load_id_tables(plan, {"users": contents[src]})
+        assert maps["users"].rows.sorted_keys.ndim == (2 if dst is None else 1)
+        _assert_same_contents(se.id_table_contents(plan, tables, maps)["users"], contents[src])
+        tables, maps = _run(plan, tables, maps, stream[6:], first_step=6)
+        after[dst] = se.id_table_contents(plan, tables, maps)["users"]
+    _assert_same_contents(after[36], after[None])
+    narrow = _train_plan(make_mesh(2), vocab=4096, dyn=se.Dynamic(admit_after=2, expire_after=5, id_bits=30))
+    with pytest.raises(ValueError, match=r"Table 'users': the contents hold id \d+, .* below 2\*\*30"):
+        se.load_id_tables(narrow, {"users": contents[36]})
+
+
 def test_a_raw_id_table_is_never_stacked_and_its_batches_must_be_mapped():
     mesh = make_mesh(2)
     raw = se.TableSpec("users", 100, 4, dynamic=se.Dynamic())
@@ -442,27 +515,31 @@ def test_inspect_shows_occupancy_and_verify_checks_the_map(tmp_path, capsys):
     assert not se.verify_checkpoint(tmp_path / "ck").ok
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["wide", "compact"])
 @pytest.mark.parametrize("spread", ["uniform", "clustered", "sequential", "extremes"])
-def test_key_set_finds_exactly_the_keys_it_holds(spread):
+def test_key_set_finds_exactly_the_keys_it_holds(spread, compact):
     """The per-shard set (directory of buckets + search in one bucket) against a Python dict, over rounds of
     inserts with LRU eviction, for keys spread in different ways; searched by each kernel's `find_keys`
-    and `touch_keys` (the native one where its extension is built; touch against a numpy update of `last`)."""
+    and `touch_keys` (the native one where its extension is built; touch against a numpy update of `last`).
+    Compact sets (4-byte keys) hold ids below 2**compact_bits(n), here 2**39."""
     from sparse_embed.core import key_set
     from sparse_embed.core.kernels import GENERIC, NATIVE, native_cpu
     from sparse_embed.host.raw_ids import join_words, split_words
 
     gen = np.random.default_rng(0)
     n, q = 2048, 512
+    top = 2**key_set.compact_bits(n) - 1 if compact else 2**63 - 1
+    assert not compact or top == 2**39 - 1
 
     def draw():
         if spread == "uniform":
-            return gen.integers(0, 2**63 - 1, q, dtype=np.int64)
+            return gen.integers(0, top, q, dtype=np.int64)
         if spread == "clustered":
-            return np.concatenate([gen.integers(0, 3000, q // 2), gen.integers(2**62, 2**62 + 50, q // 2)])
+            return np.concatenate([gen.integers(0, 3000, q // 2), gen.integers(top // 2, top // 2 + 50, q // 2)])
         if spread == "sequential":
             return np.arange(q, dtype=np.int64) + int(gen.integers(0, 4000))
-        return gen.choice(np.array([0, 1, 2**63 - 1, 2**63 - 2, 2**31, 2**32 - 1, 2**32] +
-                                   list(gen.integers(0, 2**63 - 1, 50))), q)
+        return gen.choice(np.array([0, 1, top, top - 1, 2**31, 2**32 - 1, 2**32] +
+                                   list(gen.integers(0, top, 50))), q)
 
     insert = jax.jit(lambda s, k, w, step: key_set.insert(s, jnp.int32(n), k, w, jnp.zeros(n, bool), step))
     kernels = [k for k in (GENERIC, NATIVE) if k is GENERIC or native_cpu.available()]
@@ -489,7 +566,7 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread):
             assert int(got_missing) == want_missing
         return s._replace(last=jnp.asarray(want_last))
 
-    s, held = key_set.empty(n), {}
+    s, held = key_set.empty(n, compact), {}
     assert (find(s, jnp.asarray(split_words(draw()))) == -1).all()  # an empty set
     for step in range(8):
         ids = np.unique(draw())
@@ -507,7 +584,8 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread):
         want = jnp.asarray(slot < 0)
         res = insert(s, words, want, jnp.int32(step))
         s, new = res.set, np.asarray(res.slots)
-        size, keys, order = int(s.size), np.asarray(s.sorted_keys), np.asarray(s.order)
+        assert s.sorted_keys.ndim == (1 if compact else 2)
+        size, keys, order = int(s.size), np.asarray(key_set.full_keys(s)), np.asarray(s.order)
         live = join_words(keys[:size])
         assert (np.diff(live) > 0).all() and (keys[size:] == -1).all()  # live keys in key order, then free
         assert sorted(order.tolist()) == list(range(n)) and (np.asarray(s.last)[order[size:]] == -1).all()
@@ -552,8 +630,9 @@ def test_a_default_vector_is_read_by_ids_without_a_row_and_never_trained():
 CASES = ["grow", "full_lru_ties", "wide_steps", "negative_steps", "removed", "capacity", "clustered"]
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["wide", "compact"])
 @pytest.mark.parametrize("case", CASES)
-def test_native_insert_equals_the_generic_insert_bit_for_bit(case):
+def test_native_insert_equals_the_generic_insert_bit_for_bit(case, compact):
     """`insert_keys` of the native kernel against `key_set.insert` (the generic kernel's), over rounds that
     fill a set, evict by LRU with many ties (and last-use steps far apart, or steps of -1, the free marker),
     remove slots, cap the capacity and move the span: every array of the set, the slots and the eviction
@@ -568,13 +647,14 @@ def test_native_insert_equals_the_generic_insert_bit_for_bit(case):
     n, q = 256, 64
     native = jax.jit(native_cpu.NativeCpuKernel().insert_keys)
     generic = jax.jit(GENERIC.insert_keys)
-    s = key_set.empty(n)
+    s = key_set.empty(n, compact)
+    top = 2**key_set.compact_bits(n) if compact else 2**63 - 1  # 2**36
     evictions = 0
     for step in range(12):
         if case == "clustered":  # keys below and above everything held: the span changes
-            ids = np.unique(np.concatenate([gen.integers(0, 2**20, q // 2), gen.integers(2**62, 2**63 - 1, q // 2)]))
+            ids = np.unique(np.concatenate([gen.integers(0, 2**20, q // 2), gen.integers(top // 2, top, q // 2)]))
         else:
-            ids = np.unique(gen.integers(0, 2**40 if step % 3 else 600, q))
+            ids = np.unique(gen.integers(0, min(2**40, top) if step % 3 else 600, q))
         words = jnp.asarray(split_words(ids))
         found = np.asarray(key_set.find(s, words))
         want = jnp.asarray((found < 0) & (gen.random(ids.size) < 0.9))
@@ -597,6 +677,7 @@ def test_native_insert_equals_the_generic_insert_bit_for_bit(case):
         for x, y, what in zip(jax.tree.leaves(a), jax.tree.leaves(b), ("sorted_keys", "last", "order", "size",
                                                                           "directory", "span", "slots", "evicted")):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{case}, step {step}: {what}")
+        assert a.set.sorted_keys.ndim == (1 if compact else 2)
         evictions += int(a.evicted)
         s = a.set
     if case in ("grow", "full_lru_ties", "wide_steps", "negative_steps"):

@@ -18,6 +18,9 @@
 // loads after the search (`order`, then `last`) are done one and two groups later (see `search`).
 // Chunks of kChunk sorted queries run on XLA's thread pool; each query's answer is its own, whatever the
 // threads (the queries are distinct keys, so no two touch one slot).
+// A compact set (sorted_keys [N]: low words; key_set's module docstring) has exact buckets, (key >> shift) -
+// base; a bucket's keys share their high word, so the search compares low words (sixteen per AVX-512 compare).
+// A query outside the buckets' range has bucket -1: it finds nothing.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -63,11 +66,34 @@ inline int32_t bucket_of(uint64_t key, float first, float scale, int64_t buckets
 }
 
 struct Set {
-  const int32_t* keys;    // sorted_keys [n, 2]
+  const int32_t* keys;    // sorted_keys [n, 2] (compact: [n])
   const int32_t* order;   // [n]
   const int32_t* dir;     // [buckets + 1]
   int64_t n, live, buckets;
-  float first, scale;
+  float first, scale;     // wide: span
+  bool compact;
+  uint32_t shift;         // compact: span
+  uint64_t base;
+};
+
+// A compact set's bucket of a key (-1: outside the buckets' range).
+inline int32_t compact_bucket(uint64_t key, uint32_t shift, uint64_t base, int64_t buckets) {
+  const uint64_t x = key >> shift;  // shift <= 32
+  return x >= base && x - base < uint64_t(buckets) ? int32_t(x - base) : -1;
+}
+
+// How a search reads the keys: the wide layout's 64-bit keys, or a compact one's low words.
+struct WideKeys {
+  using Key = uint64_t;
+  static Key at(const int32_t* k, int64_t i) { return key_of(k, i); }
+  static Key want(uint64_t key) { return key; }
+  static const int32_t* addr(const int32_t* k, int64_t i) { return k + 2 * i; }
+};
+struct CompactKeys {
+  using Key = uint32_t;
+  static Key at(const int32_t* k, int64_t i) { return uint32_t(k[i]); }
+  static Key want(uint64_t key) { return uint32_t(key); }
+  static const int32_t* addr(const int32_t* k, int64_t i) { return k + i; }
 };
 
 struct Touch {  // last-use update of touch_keys (last == nullptr: find only)
@@ -90,6 +116,7 @@ struct Pending {
 
 // The lower bounds of one group's queries: pos[j] = the first position in [base[j], end[j]] whose key is not
 // below want[j] (end[j] if none), for keys sorted and distinct.
+template <class Keys>
 struct Halving {  // portable: branch-free halving, the same number of rounds for the whole group
   static void lower_bounds(const int32_t* k, int64_t n, int64_t m, const uint64_t* want, const int64_t* base,
                            const int64_t* end, int64_t* pos) {
@@ -103,10 +130,11 @@ struct Halving {  // portable: branch-free halving, the same number of rounds fo
     for (; longest > 1; longest -= longest / 2)
       for (int64_t j = 0; j < m; j++) {
         const int64_t half = len[j] / 2;
-        pos[j] += half & -int64_t(key_of(k, std::min(pos[j] + half, n - 1)) < want[j]);  // no branch
+        pos[j] += half & -int64_t(Keys::at(k, std::min(pos[j] + half, n - 1)) < Keys::want(want[j]));  // no branch
         len[j] -= half;
       }
-    for (int64_t j = 0; j < m; j++) pos[j] += len[j] == 1 && key_of(k, std::min(pos[j], n - 1)) < want[j];
+    for (int64_t j = 0; j < m; j++)
+      pos[j] += len[j] == 1 && Keys::at(k, std::min(pos[j], n - 1)) < Keys::want(want[j]);
   }
 };
 
@@ -142,6 +170,29 @@ struct Avx512Count {  // the keys below want[j], eight per compare (masked loads
     }
   }
 };
+
+struct Avx512CountCompact {  // Avx512Count on a compact set's low words: sixteen per compare
+  static constexpr int64_t kFixed = 32;
+  __attribute__((target("avx512f"), always_inline)) static uint32_t below(const int32_t* k, int64_t i, int64_t to,
+                                                                          __m512i w) {
+    const uint32_t in = uint32_t((uint64_t(1) << std::clamp<int64_t>(to - i, 0, kFixed)) - 1);
+    const __m512i a = _mm512_maskz_loadu_epi32(__mmask16(in), k + i);
+    const __m512i b = _mm512_maskz_loadu_epi32(__mmask16(in >> 16), k + i + 16);
+    return uint32_t(_mm512_mask_cmplt_epu32_mask(__mmask16(in), a, w)) |
+           uint32_t(_mm512_mask_cmplt_epu32_mask(__mmask16(in >> 16), b, w)) << 16;
+  }
+  __attribute__((target("avx512f"))) static void lower_bounds(const int32_t* k, int64_t n, int64_t m,
+                                                               const uint64_t* want, const int64_t* base,
+                                                               const int64_t* end, int64_t* pos) {
+    for (int64_t j = 0; j < m; j++) {
+      const __m512i w = _mm512_set1_epi32(int32_t(uint32_t(want[j])));
+      const int64_t from = base[j], to = std::min(end[j], n);
+      int64_t count = __builtin_popcount(below(k, from, to, w));
+      for (int64_t i = from + kFixed; i < to; i += kFixed) count += __builtin_popcount(below(k, i, to, w));
+      pos[j] = from + count;
+    }
+  }
+};
 #endif
 
 // Searches the sorted queries [from, to) (see the top of the file). Software-pipelined over groups: while one
@@ -149,7 +200,7 @@ struct Avx512Count {  // the keys below want[j], eight per compare (masked loads
 // found them) and the one before that updates `last` (prefetched when its slots were known), so the misses of
 // those dependent loads overlap a whole group's search instead of stalling it.
 // Returns how many of them it did not find, free markers aside.
-template <class LowerBound>
+template <class Keys, class LowerBound>
 int64_t search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int64_t from, int64_t to) {
   const int32_t* k = s.keys;
   const int64_t n = s.n;
@@ -179,20 +230,21 @@ int64_t search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, 
       want[j] = sorted[g + j].key;
       // The bucket of the query kAhead further on: its keys are on their way when its group comes.
       const int64_t ahead = std::min(g + j + kAhead, to - 1);
-      const int32_t* first = k + 2 * std::min<int64_t>(s.dir[sorted[ahead].bucket], n - 1);
+      const int32_t* first = Keys::addr(k, std::min<int64_t>(s.dir[std::max(sorted[ahead].bucket, 0)], n - 1));
       __builtin_prefetch(first);
       __builtin_prefetch(first + 16);
     }
     for (int64_t j = 0; j < m; j++) {
-      const int32_t b = sorted[g + j].bucket;
-      base[j] = s.dir[b];
-      end[j] = int32_t(want[j] >> 32) == -1 ? base[j] : s.dir[b + 1];  // a free marker finds nothing
-      __builtin_prefetch(k + 2 * std::min(base[j], n - 1));
-      __builtin_prefetch(k + 2 * std::max(std::min(end[j], n) - 1, int64_t(0)));
+      const int32_t b = sorted[g + j].bucket;  // -1: outside a compact set's range
+      base[j] = b < 0 ? 0 : s.dir[b];
+      end[j] = b < 0 || int32_t(want[j] >> 32) == -1 ? base[j] : s.dir[b + 1];  // a free marker finds nothing
+      __builtin_prefetch(Keys::addr(k, std::min(base[j], n - 1)));
+      __builtin_prefetch(Keys::addr(k, std::max(std::min(end[j], n) - 1, int64_t(0))));
     }
     LowerBound::lower_bounds(k, n, m, want, base, end, pos);
     for (int64_t j = 0; j < m; j++) {
-      const bool hit = pos[j] < end[j] && pos[j] < s.live && key_of(k, std::min(pos[j], n - 1)) == want[j];
+      const bool hit = pos[j] < end[j] && pos[j] < s.live &&
+                       Keys::at(k, std::min(pos[j], n - 1)) == Keys::want(want[j]);
       now->pos[j] = hit ? pos[j] : -1;
       hits += hit;
       markers += int32_t(want[j] >> 32) == -1;
@@ -212,9 +264,15 @@ int64_t search(const Set& s, const Query* sorted, const Touch& t, int32_t* out, 
 int64_t search_on_isa(const Set& s, const Query* sorted, const Touch& t, int32_t* out, int64_t from, int64_t to) {
 #if defined(__x86_64__)
   if (process_isa() == Isa::kAvx512)
-    return run_avx512([&] { return search<Avx512Count>(s, sorted, t, out, from, to); });
+    return run_avx512([&] {
+      return s.compact ? search<CompactKeys, Avx512CountCompact>(s, sorted, t, out, from, to)
+                       : search<WideKeys, Avx512Count>(s, sorted, t, out, from, to);
+    });
 #endif
-  return with_isa([&] { return search<Halving>(s, sorted, t, out, from, to); });
+  return with_isa([&] {
+    return s.compact ? search<CompactKeys, Halving<CompactKeys>>(s, sorted, t, out, from, to)
+                     : search<WideKeys, Halving<WideKeys>>(s, sorted, t, out, from, to);
+  });
 }
 
 // Scratch of the counting sort, kept per calling thread (devices of one process call from their own threads).
@@ -256,9 +314,12 @@ int64_t find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int
     int32_t* counts = start + p * bins;
     const auto [from, to] = part(p);
     with_isa([&] {  // on the process's instruction set: the bucket pass vectorises
-      for (int64_t i = from; i < to; i++) bucket[i] = bucket_of(key_of(q, i), s.first, s.scale, s.buckets);
+      if (s.compact)
+        for (int64_t i = from; i < to; i++) bucket[i] = compact_bucket(key_of(q, i), s.shift, s.base, s.buckets);
+      else
+        for (int64_t i = from; i < to; i++) bucket[i] = bucket_of(key_of(q, i), s.first, s.scale, s.buckets);
     });
-    for (int64_t i = from; i < to; i++) counts[bucket[i] >> shift]++;  // apart: the loop above vectorises
+    for (int64_t i = from; i < to; i++) counts[std::max(bucket[i], 0) >> shift]++;  // apart: the loop above vectorises
   });
   for (int64_t b = 0, before = 0; b < bins; b++)
     for (int64_t p = 0; p < parts; p++) {
@@ -269,7 +330,7 @@ int64_t find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int
   parallel_for(pool, nt, parts, [&](int64_t p) {
     int32_t* next = start + p * bins;
     for (auto [i, to] = part(p); i < to; i++)
-      sorted[next[bucket[i] >> shift]++] = Query{key_of(q, i), bucket[i], int32_t(i)};
+      sorted[next[std::max(bucket[i], 0) >> shift]++] = Query{key_of(q, i), bucket[i], int32_t(i)};
   });
   std::atomic<int64_t> missing{0};
   parallel_for(pool, nt, (count + kChunk - 1) / kChunk, [&](int64_t c) {
@@ -286,15 +347,23 @@ auto* in_place(In& in, Out& out) {
   return out->typed_data();
 }
 
+// A set's span: wide, float32 [2] (first, scale); compact, int32 [3] (shift, base's high and low word).
 Set set_of(ffi::Buffer<ffi::S32>& sorted_keys, ffi::Buffer<ffi::S32>& order, ffi::Buffer<ffi::S32>& size,
-           ffi::Buffer<ffi::S32>& directory, ffi::Buffer<ffi::F32>& span) {
-  return Set{sorted_keys.typed_data(), order.typed_data(), directory.typed_data(), int64_t(order.element_count()),
-             size.typed_data()[0], int64_t(directory.element_count()) - 1, span.typed_data()[0],
-             span.typed_data()[1]};
+           ffi::Buffer<ffi::S32>& directory, ffi::AnyBuffer& span) {
+  Set s{sorted_keys.typed_data(), order.typed_data(), directory.typed_data(), int64_t(order.element_count()),
+        size.typed_data()[0], int64_t(directory.element_count()) - 1, 0.0f, 0.0f, sorted_keys.dimensions().size() == 1,
+        0, 0};
+  if (s.compact) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(span.untyped_data());
+    s.shift = w[0], s.base = uint64_t(w[1]) << 32 | w[2];
+  } else {
+    s.first = span.typed_data<float>()[0], s.scale = span.typed_data<float>()[1];
+  }
+  return s;
 }
 
 ffi::Error FindKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ffi::Buffer<ffi::S32> order,
-                    ffi::Buffer<ffi::S32> size, ffi::Buffer<ffi::S32> directory, ffi::Buffer<ffi::F32> span,
+                    ffi::Buffer<ffi::S32> size, ffi::Buffer<ffi::S32> directory, ffi::AnyBuffer span,
                     ffi::Buffer<ffi::S32> queries, ffi::ResultBuffer<ffi::S32> slots, int64_t threads) {
   find_all(pool, threads, set_of(sorted_keys, order, size, directory, span), queries.typed_data(),
            int64_t(slots->element_count()), Touch{nullptr, 0, 0}, slots->typed_data());
@@ -302,7 +371,7 @@ ffi::Error FindKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ffi
 }
 
 ffi::Error TouchKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ffi::Buffer<ffi::S32> order,
-                     ffi::Buffer<ffi::S32> size, ffi::Buffer<ffi::S32> directory, ffi::Buffer<ffi::F32> span,
+                     ffi::Buffer<ffi::S32> size, ffi::Buffer<ffi::S32> directory, ffi::AnyBuffer span,
                      ffi::Buffer<ffi::S32> queries, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> stale_before,
                      ffi::Buffer<ffi::S32> last_in, ffi::ResultBuffer<ffi::S32> slots,
                      ffi::ResultBuffer<ffi::S32> last, ffi::ResultBuffer<ffi::S32> missing, int64_t threads) {
@@ -392,40 +461,31 @@ inline std::pair<float, float> span_of(const int32_t* k, int64_t n, int64_t size
   return {first, last > first ? float(buckets) / std::max(last - first, 1e-30f) : 0.0f};
 }
 
-ffi::Error InsertKeys(ffi::Buffer<ffi::S32> keys_in, ffi::Buffer<ffi::S32> order_in, ffi::Buffer<ffi::S32> size_in,
-                      ffi::Buffer<ffi::S32> dir_in, ffi::Buffer<ffi::F32> span_in, ffi::Buffer<ffi::S32> last_in,
-                      ffi::Buffer<ffi::S32> capacity, ffi::Buffer<ffi::S32> queries, ffi::Buffer<ffi::PRED> want,
-                      ffi::Buffer<ffi::PRED> removed, ffi::Buffer<ffi::S32> step,
-                      ffi::ResultBuffer<ffi::S32> keys_out, ffi::ResultBuffer<ffi::S32> order_out,
-                      ffi::ResultBuffer<ffi::S32> size_out, ffi::ResultBuffer<ffi::S32> dir_out,
-                      ffi::ResultBuffer<ffi::F32> span_out, ffi::ResultBuffer<ffi::S32> last_out,
-                      ffi::ResultBuffer<ffi::S32> slots_out, ffi::ResultBuffer<ffi::S32> evicted_out) {
-  int32_t *k = in_place(keys_in, keys_out), *order = in_place(order_in, order_out);
-  int32_t *dir = in_place(dir_in, dir_out), *last = in_place(last_in, last_out);
-  float* span = in_place(span_in, span_out);
-  int32_t* size = in_place(size_in, size_out);
-  const int64_t n = int64_t(order_in.element_count()), buckets = int64_t(dir_in.element_count()) - 1;
-  const int64_t q = int64_t(want.element_count()), live = size[0], now = step.typed_data()[0];
-  const bool* wanted = want.typed_data();
-  const bool* gone_in = removed.element_count() ? removed.typed_data() : nullptr;  // [N] by slot, or none
-  int32_t* slots = slots_out->typed_data();
-  std::fill(slots, slots + q, -1);
-  evicted_out->typed_data()[0] = 0;
-  if (n == 0) return ffi::Error::Success();
+// key_set.insert on a wide set, in place (see above); returns how many live keys it evicted.
+struct WideSet {
+  int32_t *k, *order, *dir, *last, *size;  // sorted_keys [n, 2], order [n], directory [buckets + 1], last [n], size
+  float* span;                            // [2]
+  int64_t n, buckets;
+};
 
+int64_t insert_wide(const WideSet& w, int64_t capacity, const int32_t* queries, const bool* wanted,
+                    const bool* gone_in, int64_t q, int64_t now, int32_t* slots) {
+  int32_t *k = w.k, *order = w.order, *dir = w.dir, *last = w.last, *size = w.size;
+  float* span = w.span;
+  const int64_t n = w.n, buckets = w.buckets, live = size[0];
   static thread_local InsertScratch scratch;
   InsertScratch& sc = scratch;  // one thread-local lookup (each would be a call: this is a shared library)
   sc.add.clear();
   for (int64_t j = 0; j < q; j++)
-    if (wanted[j]) sc.add.push_back({key_of(queries.typed_data(), j), int32_t(j)});
+    if (wanted[j]) sc.add.push_back({key_of(queries, j), int32_t(j)});
   std::sort(sc.add.begin(), sc.add.end());
   const int64_t want_n = int64_t(sc.add.size());
   int64_t n_removed = 0;
   if (gone_in) n_removed = std::count(gone_in, gone_in + n, true);
-  if (want_n == 0 && n_removed == 0) return ffi::Error::Success();  // nothing changes
+  if (want_n == 0 && n_removed == 0) return 0;  // nothing changes
 
   // Slots on offer, in this order: free ones (the first `capacity`), removed ones, least recently used ones.
-  const int64_t free = std::max<int64_t>(capacity.typed_data()[0] - live, 0);
+  const int64_t free = std::max<int64_t>(capacity - live, 0);
   sc.avail.clear();
   for (int64_t j = 0; j < std::min(free, q) && live + j < n; j++) sc.avail.push_back(order[live + j]);
   const int64_t from_free = int64_t(sc.avail.size());
@@ -498,7 +558,85 @@ ffi::Error InsertKeys(ffi::Buffer<ffi::S32> keys_in, ffi::Buffer<ffi::S32> order
   for (int64_t j = from_free; j < from_free + std::min(n_removed, q); j++) last[sc.avail[size_t(j)]] = -1;
   for (int32_t slot : sc.lru) last[slot] = -1;
   for (int64_t r = 0; r < inserted; r++) last[sc.avail[size_t(r)]] = int32_t(now);
-  evicted_out->typed_data()[0] = int32_t(evicted);
+  return evicted;
+}
+
+// A compact set's keys, widened (their high words from the buckets: key_set.full_keys) into wide [n, 2].
+void widen(const int32_t* low, const int32_t* dir, const int32_t* span, int64_t live, int64_t buckets,
+           int32_t* wide) {
+  const uint32_t shift = uint32_t(span[0]);
+  const uint64_t base = uint64_t(uint32_t(span[1])) << 32 | uint32_t(span[2]);
+  for (int64_t b = 0, p = 0; b < buckets && p < live; b++)
+    for (const uint32_t hi = uint32_t(((base + uint64_t(b)) << shift) >> 32); p < std::min<int64_t>(dir[b + 1], live); p++)
+      wide[2 * p] = int32_t(hi), wide[2 * p + 1] = low[p];
+}
+
+// key_set.compacted: a wide set's live keys [live, 2] as low words, with the exact directory and its span.
+void compact(const int32_t* wide, int64_t live, int64_t n, int64_t buckets, int32_t* low, int32_t* dir,
+             int32_t* span) {
+  uint32_t shift = 0;
+  uint64_t base = 0;
+  if (live > 0) {
+    const uint64_t first = key_of(wide, 0), last = key_of(wide, live - 1);
+    shift = 32;  // the smallest shift that puts the keys' range in the buckets (one does, below 2**compact_bits)
+    for (uint32_t t = 0; t <= 32; t++)
+      if ((last >> t) - (first >> t) < uint64_t(buckets)) {
+        shift = t;
+        break;
+      }
+    base = first >> shift;
+  }
+  span[0] = int32_t(shift), span[1] = int32_t(uint32_t(base >> 32)), span[2] = int32_t(uint32_t(base));
+  std::fill(dir, dir + buckets + 1, 0);
+  for (int64_t p = 0; p < live; p++) {
+    low[p] = wide[2 * p + 1];
+    dir[std::min<uint64_t>((key_of(wide, p) >> shift) - base, uint64_t(buckets - 1)) + 1]++;
+  }
+  std::fill(low + live, low + n, 0);
+  for (int64_t b = 0; b < buckets; b++) dir[b + 1] += dir[b];
+}
+
+ffi::Error InsertKeys(ffi::Buffer<ffi::S32> keys_in, ffi::Buffer<ffi::S32> order_in, ffi::Buffer<ffi::S32> size_in,
+                      ffi::Buffer<ffi::S32> dir_in, ffi::AnyBuffer span_in, ffi::Buffer<ffi::S32> last_in,
+                      ffi::Buffer<ffi::S32> capacity, ffi::Buffer<ffi::S32> queries, ffi::Buffer<ffi::PRED> want,
+                      ffi::Buffer<ffi::PRED> removed, ffi::Buffer<ffi::S32> step,
+                      ffi::ResultBuffer<ffi::S32> keys_out, ffi::ResultBuffer<ffi::S32> order_out,
+                      ffi::ResultBuffer<ffi::S32> size_out, ffi::ResultBuffer<ffi::S32> dir_out,
+                      ffi::Result<ffi::AnyBuffer> span_out, ffi::ResultBuffer<ffi::S32> last_out,
+                      ffi::ResultBuffer<ffi::S32> slots_out, ffi::ResultBuffer<ffi::S32> evicted_out) {
+  int32_t *k = in_place(keys_in, keys_out), *order = in_place(order_in, order_out);
+  int32_t *dir = in_place(dir_in, dir_out), *last = in_place(last_in, last_out);
+  int32_t* size = in_place(size_in, size_out);
+  if (span_in.untyped_data() != span_out->untyped_data())
+    std::memcpy(span_out->untyped_data(), span_in.untyped_data(), span_in.size_bytes());
+  const int64_t n = int64_t(order_in.element_count()), buckets = int64_t(dir_in.element_count()) - 1;
+  const int64_t q = int64_t(want.element_count());
+  const bool* gone_in = removed.element_count() ? removed.typed_data() : nullptr;  // [N] by slot, or none
+  int32_t* slots = slots_out->typed_data();
+  std::fill(slots, slots + q, -1);
+  evicted_out->typed_data()[0] = 0;
+  if (n == 0) return ffi::Error::Success();
+  const int64_t cap = capacity.typed_data()[0], now = step.typed_data()[0];
+  if (keys_in.dimensions().size() == 2) {
+    evicted_out->typed_data()[0] = int32_t(insert_wide(
+        WideSet{k, order, dir, last, size, static_cast<float*>(span_out->untyped_data()), n, buckets}, cap,
+        queries.typed_data(), want.typed_data(), gone_in, q, now, slots));
+    return ffi::Error::Success();
+  }
+  // A compact set: widened, inserted into, compacted again (O(n), as the insert is).
+  if (!std::any_of(want.typed_data(), want.typed_data() + q, [](bool b) { return b; }) &&
+      !(gone_in && std::any_of(gone_in, gone_in + n, [](bool b) { return b; })))
+    return ffi::Error::Success();  // nothing changes
+  int32_t* span = static_cast<int32_t*>(span_out->untyped_data());
+  std::vector<int32_t> wide(size_t(2 * n), -1), wide_dir(size_t(buckets + 1), 0);
+  float wide_span[2] = {0.0f, 0.0f};  // the wide insert's directory is not used: one bucket
+  widen(k, dir, span, size[0], buckets, wide.data());
+  wide_dir[1] = size[0];
+  std::fill(wide_dir.begin() + 1, wide_dir.end(), size[0]);
+  evicted_out->typed_data()[0] = int32_t(insert_wide(
+      WideSet{wide.data(), order, wide_dir.data(), last, size, wide_span, n, buckets}, cap, queries.typed_data(),
+      want.typed_data(), gone_in, q, now, slots));
+  compact(wide.data(), size[0], n, buckets, k, dir, span);
   return ffi::Error::Success();
 }
 
@@ -558,7 +696,7 @@ static auto set_and_queries() {
       .Arg<ffi::Buffer<ffi::S32>>()   // order [N]
       .Arg<ffi::Buffer<ffi::S32>>()   // size []
       .Arg<ffi::Buffer<ffi::S32>>()   // directory [B + 1]
-      .Arg<ffi::Buffer<ffi::F32>>()   // span [2]
+      .Arg<ffi::AnyBuffer>()          // span: float32 [2] (compact: int32 [3])
       .Arg<ffi::Buffer<ffi::S32>>();  // queries [Q, 2]
 }
 
@@ -601,7 +739,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedInsertKeys, InsertKeys,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // order [N] (result 1)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // size [] (result 2)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // directory [B + 1] (result 3)
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // span [2] (result 4)
+                                  .Arg<ffi::AnyBuffer>()          // span (result 4; see set_of)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // last [N] (result 5)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // capacity []
                                   .Arg<ffi::Buffer<ffi::S32>>()   // keys [Q, 2]
@@ -612,7 +750,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedInsertKeys, InsertKeys,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()    // slots [Q]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // evicted []
