@@ -1,15 +1,17 @@
 """Raw 64-bit ids against static ids, side by side in one process: train step, preprocess, map memory.
 
 W1 by default (8 tables x 1M rows x 64, batch 4096, 20 ids per sample, 1
-device, SGD). The raw-id run draws ids from a pool of `occupancy x rows`
-ids per table spread over [0, 2**40); the map starts filled with the
-whole pool (loaded with `load_id_tables`), so every step looks ids up in a
-table at that occupancy. The static run draws uniform ids in [0, rows).
-`--new F` replaces a fraction F of each raw batch's ids by ids never seen
-(every step's batch drawn afresh): the step then admits them, and with
-`--occupancy 1` evicts as many.
-Steps alternate between the two systems; the table prints medians and
-ratios, and `--out` records them as JSON.
+device, SGD). The raw-id runs draw ids from a pool of `occupancy x rows`
+ids per table spread over [0, 2**40), with the map's 8-byte keys
+(`Dynamic()`) and its 4-byte ones (`Dynamic(id_bits=40)`); the map starts
+filled with the whole pool (loaded with `load_id_tables`), so every step
+looks ids up in a table at that occupancy. The static run draws uniform
+ids in [0, rows). `--new F` replaces a fraction F of each raw batch's ids
+by ids never seen (every step's batch drawn afresh): the step then admits
+them, and with `--occupancy 1` evicts as many.
+The systems take turns, `--block` steps each, the first of each turn not
+timed (see `_time_steps`); the table prints medians and ratios, and
+`--out` records them as JSON.
 
 `--malloc tuned` (the default) first calls `se.configure_cpu_allocator()`,
 as docs/raw_ids.md recommends for CPU training: glibc then reuses XLA's
@@ -91,18 +93,29 @@ def _step_fn(plan, raw: bool):
     return jax.jit(step_fn, donate_argnums=(0, 1))
 
 
+def _turns(args) -> int:
+    """Turns of `--block` steps per system: the warmup's, then enough for `--steps` timed ones."""
+    return -(-args.warmup // args.block) + -(-args.steps // (args.block - 1))
+
+
 def _time_steps(args, plans, batches, state):
+    """Median step of each system, in blocks of `--block` steps per system, the blocks interleaved; a block's
+    first step is not timed: the first step after another system's pays for the switch (W1: up to ~3 ms, in
+    whichever system comes right after the static one), which a training loop never does."""
     fns = {k: _step_fn(p, k != "static") for k, p in plans.items()}
     times = {k: [] for k in plans}
-    for i in range(args.warmup + args.steps):
-        for k in plans:  # interleaved
+    i = {k: 0 for k in plans}  # each system's step count (its batches and step numbers)
+    for _ in range(_turns(args)):
+        for k in plans:  # interleaved blocks
             tables, maps = state[k]
-            b = batches[k][i % len(batches[k])]
-            t0 = time.perf_counter()
-            tables, maps = fns[k](tables, maps, b, i)
-            jax.block_until_ready(tables)
-            if i >= args.warmup:
-                times[k].append(time.perf_counter() - t0)
+            for j in range(args.block):
+                b = batches[k][i[k] % len(batches[k])]
+                t0 = time.perf_counter()
+                tables, maps = fns[k](tables, maps, b, i[k])
+                jax.block_until_ready(tables)
+                if i[k] >= args.warmup and j > 0:
+                    times[k].append(time.perf_counter() - t0)
+                i[k] += 1
             state[k] = (tables, maps)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
@@ -122,7 +135,7 @@ def run(args) -> dict:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.devices]), ("d",))
     plans, rng = _plans(args, mesh), np.random.default_rng(0)
     pools = _pools(args, rng)
-    batches = {k: _batches(args, rng, pools, k, 4 if k == "static" or not args.new else args.warmup + args.steps)
+    batches = {k: _batches(args, rng, pools, k, 4 if k == "static" or not args.new else _turns(args) * args.block)
                for k in plans}
     for k, p in plans.items():  # sizes every capacity first (no recompiles while timing)
         for b in batches[k]:
@@ -161,7 +174,7 @@ def report(r: dict) -> str:
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, default in (("tables", 8), ("rows", 1_000_000), ("dim", 64), ("batch", 4096), ("ids", 20),
-                          ("devices", 1), ("steps", 20), ("warmup", 3), ("preprocess_reps", 5)):
+                          ("devices", 1), ("steps", 20), ("warmup", 3), ("preprocess_reps", 5), ("block", 5)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--occupancy", type=float, default=0.8)
     ap.add_argument("--new", type=float, default=0.0,
@@ -171,6 +184,8 @@ def main(argv: list[str] | None = None) -> str:
                     help="tuned: se.configure_cpu_allocator() first (see the module docstring); glibc: its defaults")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    if args.block < 2:
+        ap.error("--block must be at least 2 (a turn's first step is not timed)")
     if args.malloc == "tuned" and not se.configure_cpu_allocator():
         args.malloc = "glibc (configure_cpu_allocator: not glibc here)"
     r = run(args)

@@ -190,16 +190,22 @@ def _expired(d, last: jax.Array, slot: jax.Array, step: jax.Array) -> jax.Array:
     return (slot >= 0) & (last[jnp.maximum(slot, 0)] < step - d.expire_after)
 
 
+def _stale_before(d, step: jax.Array):
+    """A train step's touch sets found ids' last = step, except expired ones (they keep theirs, so `_expired`
+    still sees them): those last used before this."""
+    return jnp.iinfo(jnp.int32).min if d.expire_after is None else step - d.expire_after
+
+
 def _map_shard(stack: StackPlan, v: EmbeddingVariables, m: IdMap, u: jax.Array, occ: jax.Array, step: jax.Array,
-               shard: jax.Array, train: bool, search: kernels.KeySearch) -> _Mapped:
+               shard: jax.Array, train: bool, search: kernels.KeySearch, touched) -> _Mapped:
     """One shard: the rows of the distinct ids `u [Q, 2]` (any order; FREE = none), the new map and tables.
 
-    `search` searches a `KeySet` (`key_set`'s functions, or the native kernel's).
+    `search` searches a `KeySet` (`key_set`'s functions, or the native kernel's); `touched`: in a train step,
+    `search.touch`'s result for `m.rows` and `u` (every stack's touched together, see `_map_jit`).
     """
     d, rows, R = stack.dynamic, m.rows, stack.rows_per_shard
-    if train:  # found ids get last = step, except expired ones (which keep theirs, so `_expired` still sees them)
-        stale_before = jnp.iinfo(jnp.int32).min if d.expire_after is None else step - d.expire_after
-        slot, last, missing = search.touch(rows, u, step, stale_before)
+    if train:
+        slot, last, missing = touched
         rows = rows._replace(last=last)
     else:
         slot = search.find(rows, u)
@@ -283,10 +289,20 @@ def _stacked(m: IdMap) -> IdMap:
     return IdMap(fix(m.rows), fix(m.pending), m.counts, m.seed[None])
 
 
-def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: EmbeddingVariables, m: IdMap,
-                step: jax.Array, train: bool, search: kernels.KeySearch):
-    """Inside shard_map, one stack: exchange the ids, map them, send every segment its rows."""
-    S, R = stack.num_shards, stack.rows_per_shard
+class _Received(NamedTuple):
+    """One shard's ids of a stack from every source: the distinct ones `u [Q, 2]` (FREE = none), each entry's
+    index among what was received `slot_of [S * C]`, and those indices' distinct id (`inverse`, None with one
+    source: its ids arrive distinct) and occurrences (`occ`, only for admission counts)."""
+
+    u: jax.Array
+    slot_of: jax.Array
+    inverse: jax.Array | None
+    occ: jax.Array | None
+
+
+def _receive(stack: StackPlan, axis: str, coo: ShardedCooMatrix, search: kernels.KeySearch) -> _Received:
+    """Inside shard_map: every source sends each shard the ids it owns (the lookup's exchange)."""
+    S = stack.num_shards
     C = coo.col_ids.shape[0] // S
     send = lambda x: jax.lax.all_to_all(x.reshape(S, C, *x.shape[1:]), axis, 0, 0, tiled=True)
     cols, keys = send(coo.col_ids), send(coo.keys)  # [D, C], [D, C, 2] from every source
@@ -297,7 +313,16 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     if stack.dynamic.admit_after > 1:
         occ = jnp.zeros((S * C,), jnp.int32).at[slot_of].add(1, mode="drop")
         occ = occ if inverse is None else jnp.zeros((S * C,), jnp.int32).at[inverse].add(occ, mode="drop")
-    mapped = _map_shard(stack, v, m, u, occ, step, jax.lax.axis_index(axis), train, search)
+    return _Received(u, slot_of, inverse, occ)
+
+
+def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: EmbeddingVariables, m: IdMap,
+                step: jax.Array, train: bool, search: kernels.KeySearch, rec: _Received, touched):
+    """Inside shard_map, one stack: map the received ids, send every segment its rows."""
+    S, R = stack.num_shards, stack.rows_per_shard
+    C = coo.col_ids.shape[0] // S
+    u, slot_of, inverse = rec.u, rec.slot_of, rec.inverse
+    mapped = _map_shard(stack, v, m, u, rec.occ, step, jax.lax.axis_index(axis), train, search, touched)
     v = mapped.tables
     # One source: its ids arrive distinct (preprocessing numbered them), so key slot = distinct id.
     row_of_slot = mapped.rows if inverse is None else search.take(mapped.rows, inverse, R)
@@ -353,11 +378,23 @@ def _map_jit(plan: EmbeddingPlan, train: bool, batch, tables, id_maps, step):
         return batch, tables, id_maps, {}
 
     def body(batch, tables, maps, step):
+        coo = {s.name: jax.tree.map(lambda x: x[0], batch[s.name]) for s in dyn}
+        local = {s.name: _local(maps[s.name]) for s in dyn}
+        search = {s.name: kernels.key_search(plan, s) for s in dyn}
+        rec = {s.name: _receive(s, axis, coo[s.name], search[s.name]) for s in dyn}
+        touched = {}
+        if train:  # the stacks of one kernel touch their maps in one call: their searches share the cores
+            groups: dict = {}
+            for s in dyn:
+                groups.setdefault(kernels.for_stack(plan, s), []).append(s)
+            for group in groups.values():
+                done = search[group[0].name].touch_many(
+                    [(local[s.name].rows, rec[s.name].u, _stale_before(s.dynamic, step)) for s in group], step)
+                touched.update({s.name: t for s, t in zip(group, done)})
         out = {}
         for s in dyn:
-            coo = jax.tree.map(lambda x: x[0], batch[s.name])
-            b, v, m, st = _stack_body(s, axis, coo, tables[s.name], _local(maps[s.name]), step, train,
-                                      kernels.key_search(plan, s))
+            b, v, m, st = _stack_body(s, axis, coo[s.name], tables[s.name], local[s.name], step, train,
+                                      search[s.name], rec[s.name], touched.get(s.name))
             out[s.name] = (jax.tree.map(lambda x: x[None], b), v, _stacked(m), st)
         return out
 

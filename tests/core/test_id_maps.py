@@ -396,6 +396,50 @@ def test_compact_and_wide_maps_train_alike_and_restore_into_each_other():
         se.load_id_tables(narrow, {"users": contents[36]})
 
 
+@pytest.mark.parametrize("n_dev", [1, 2])
+def test_several_raw_id_tables_map_as_each_alone(n_dev):
+    """A train step touches every raw-id table's map in one call (`touch_keys_many`): three tables (policies,
+    sizes and key layouts apart) and a static one map, train and count exactly as each table's own plan does,
+    on the native kernel with one thread or all, and on the generic one."""
+    dyns = {"a": se.Dynamic(), "b": se.Dynamic(admit_after=2, expire_after=2), "c": se.Dynamic(id_bits=32)}
+    specs = {n: se.TableSpec(n, v, 4, combiner="sum", dynamic=d) for (n, d), v in zip(dyns.items(), (40, 64, 24))}
+    feats = [se.FeatureSpec(f"f{n}", t, 16) for n, t in specs.items()]
+    static = se.FeatureSpec("s", se.TableSpec("s", 50, 4), 16)
+    gen = np.random.default_rng(n_dev)
+    pool = gen.integers(0, 2**32, 60)
+    stream = [{f"f{n}": pool[gen.integers(0, 60, (16, 3))] for n in dyns} | {"s": gen.integers(0, 50, (16, 3))}
+              for _ in range(6)]
+
+    def train(plan, names):
+        tables, maps = se.init_tables(plan, jax.random.key(0)), se.init_id_maps(plan, jax.random.key(0))
+
+        @jax.jit
+        def step(tables, maps, batch, i):
+            b, tables, maps, stats = se.map_ids(plan, batch, tables, maps, i)
+            loss = lambda t: sum(jnp.sum(jnp.sin(a)) for a in se.lookup(plan, b, t, i).values())
+            return jax.grad(loss)(tables), maps, stats
+
+        counts = []
+        for i, ids in enumerate(stream):
+            batch, _ = se.preprocess(plan, {k: v for k, v in ids.items() if k in names})
+            tables, maps, stats = step(tables, maps, batch, i)
+            counts.append(jax.tree.map(int, stats))
+        return se.id_table_contents(plan, tables, maps), counts
+
+    mesh = make_mesh(n_dev)
+    from sparse_embed.core.kernels import native_cpu
+
+    kernels = ["generic"] + (["native", native_cpu.NativeCpuKernel(threads=1)] if native_cpu.available() else [])
+    runs = {str(k): train(se.plan(feats + [static], mesh, kernel=k), {f.name for f in feats} | {"s"})
+            for k in kernels}
+    for n, f in zip(dyns, feats):
+        alone, counts = train(se.plan([f], mesh), {f.name})
+        for got, got_counts in runs.values():
+            _assert_same_contents(got[n], alone[n])
+            assert [c[n] for c in got_counts] == [c[n] for c in counts]
+        assert alone[n].ids.size > 5
+
+
 def test_a_raw_id_table_is_never_stacked_and_its_batches_must_be_mapped():
     mesh = make_mesh(2)
     raw = se.TableSpec("users", 100, 4, dynamic=se.Dynamic())

@@ -14,7 +14,7 @@ a kernel instance (e.g. `GenericKernel(chunk=5)`, `NativeCpuKernel(threads=1)`).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 
@@ -56,15 +56,21 @@ class KeySearch(NamedTuple):
     insert: Callable[..., key_set.Inserted]
     unique: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
     take: Callable[[jax.Array, jax.Array, int], jax.Array]
+    # `touch` of several `(keys, queries, stale_before)` with one step: a list of its results
+    touch_many: Callable[[Sequence[tuple[key_set.KeySet, jax.Array, jax.Array]], jax.Array], list]
+
+
+def _touch_each(sets, step) -> list:
+    return [key_set.touch(keys, queries, step, stale_before) for keys, queries, stale_before in sets]
 
 
 def key_search(plan: EmbeddingPlan, stack: StackPlan) -> KeySearch:
-    """The stack's kernel's `find_keys` / `touch_keys` / `insert_keys` / `unique_keys` / `take_rows`, else
-    `key_set`'s."""
+    """The stack's kernel's `find_keys` / `touch_keys` / `insert_keys` / `unique_keys` / `take_rows` /
+    `touch_keys_many`, else `key_set`'s."""
     kernel = for_stack(plan, stack)
     return KeySearch(getattr(kernel, "find_keys", key_set.find), getattr(kernel, "touch_keys", key_set.touch),
                      getattr(kernel, "insert_keys", key_set.insert), getattr(kernel, "unique_keys", key_set.unique),
-                     getattr(kernel, "take_rows", key_set.take))
+                     getattr(kernel, "take_rows", key_set.take), getattr(kernel, "touch_keys_many", _touch_each))
 
 
 __all__ = ["GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "NativeCpuKernel", "KeySearch", "Received",

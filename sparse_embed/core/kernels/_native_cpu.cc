@@ -955,7 +955,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedBackward, Backward,
 // ------------------------------------------------------------------ Python module
 
 extern "C" XLA_FFI_Error* SparseEmbedFindKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
-extern "C" XLA_FFI_Error* SparseEmbedTouchKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
+extern "C" XLA_FFI_Error* SparseEmbedTouchKeysMany(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
 extern "C" XLA_FFI_Error* SparseEmbedInsertKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
 extern "C" XLA_FFI_Error* SparseEmbedUniqueKeys(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
 extern "C" XLA_FFI_Error* SparseEmbedTakeRows(XLA_FFI_CallFrame* call_frame);  // _native_keys.cc
@@ -969,7 +969,7 @@ static PyObject* handlers(PyObject*, PyObject*) {
   } targets[] = {{"forward", reinterpret_cast<void*>(SparseEmbedForward)},
                  {"backward", reinterpret_cast<void*>(SparseEmbedBackward)},
                  {"find_keys", reinterpret_cast<void*>(SparseEmbedFindKeys)},
-                 {"touch_keys", reinterpret_cast<void*>(SparseEmbedTouchKeys)},
+                 {"touch_keys_many", reinterpret_cast<void*>(SparseEmbedTouchKeysMany)},
                  {"insert_keys", reinterpret_cast<void*>(SparseEmbedInsertKeys)},
                  {"unique_keys", reinterpret_cast<void*>(SparseEmbedUniqueKeys)},
                  {"take_rows", reinterpret_cast<void*>(SparseEmbedTakeRows)}};

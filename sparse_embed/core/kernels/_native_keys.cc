@@ -8,8 +8,8 @@
 // The lower bound is a count of the bucket's keys below the query with AVX-512 where the CPU has it (a few
 // vector compares instead of ~5 dependent halving rounds: ~10% of the map's time), else a branch-free binary
 // search (_native_isa.h: the process's instruction set). Both give the same position.
-// `touch_keys` also sets last[slot] = step for each key found that is not stale (last >= stale_before), in
-// place: the train step's last-use update, without a scatter of its own.
+// `touch_keys_many` also sets last[slot] = step for each key found that is not stale (last >= stale_before),
+// in place: the train step's last-use update, without a scatter of its own (for several sets in one call).
 //
 // The queries are first put in bucket order (a counting sort), so the searches walk the directory, the keys
 // and `order` from low addresses to high: neighbouring queries share cache lines and the hardware prefetcher
@@ -370,18 +370,51 @@ ffi::Error FindKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ffi
   return ffi::Error::Success();
 }
 
-ffi::Error TouchKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ffi::Buffer<ffi::S32> order,
-                     ffi::Buffer<ffi::S32> size, ffi::Buffer<ffi::S32> directory, ffi::AnyBuffer span,
-                     ffi::Buffer<ffi::S32> queries, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> stale_before,
-                     ffi::Buffer<ffi::S32> last_in, ffi::ResultBuffer<ffi::S32> slots,
-                     ffi::ResultBuffer<ffi::S32> last, ffi::ResultBuffer<ffi::S32> missing, int64_t threads) {
-  const Touch touch{in_place(last_in, last), step.typed_data()[0], stale_before.typed_data()[0]};
-  missing->typed_data()[0] = int32_t(find_all(pool, threads, set_of(sorted_keys, order, size, directory, span),
-                                              queries.typed_data(), int64_t(slots->element_count()), touch,
-                                              slots->typed_data()));
+// touch_keys for several sets in one call (a train step's raw-id stacks): with at least as many sets as
+// threads, each set's touch runs on one thread and the sets spread over the pool (one call keeps both cores
+// busy throughout, where XLA ran the stacks' touch_keys one after another, each joining its own helpers);
+// with fewer, one after another on all threads. The same answers either way.
+// Args: step, then per set (sorted_keys, order, size, directory, span, queries, stale_before, last);
+// results per set (slots, last (aliased), missing).
+ffi::Error TouchKeysMany(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> step, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, int64_t threads) {
+  const int64_t sets = int64_t(rets.size()) / 3;
+  if (int64_t(args.size()) != 8 * sets || int64_t(rets.size()) != 3 * sets)
+    return ffi::Error::InvalidArgument("sparse_embed touch_keys_many: 8 arguments and 3 results per set");
+  struct Job {
+    Set set;
+    const int32_t* queries;
+    int64_t count;
+    Touch touch;
+    int32_t *slots, *missing;
+  };
+  std::vector<Job> jobs;
+  for (int64_t i = 0; i < sets; i++) {
+    auto arg = [&](int64_t k) { return args.get<ffi::Buffer<ffi::S32>>(size_t(8 * i + k)); };
+    auto ret = [&](int64_t k) { return rets.get<ffi::Buffer<ffi::S32>>(size_t(3 * i + k)); };
+    auto keys = arg(0), order = arg(1), size = arg(2), dir = arg(3), queries = arg(5), stale = arg(6), last = arg(7);
+    auto span = args.get<ffi::AnyBuffer>(size_t(8 * i + 4));
+    auto slots = ret(0), last_out = ret(1), missing = ret(2);
+    if (!keys.has_value() || !order.has_value() || !size.has_value() || !dir.has_value() || !span.has_value() ||
+        !queries.has_value() || !stale.has_value() || !last.has_value() || !slots.has_value() ||
+        !last_out.has_value() || !missing.has_value())
+      return ffi::Error::InvalidArgument("sparse_embed touch_keys_many: a set's buffers have the wrong types");
+    jobs.push_back(Job{set_of(*keys, *order, *size, *dir, *span), queries->typed_data(),
+                       int64_t((*slots)->element_count()),
+                       Touch{in_place(*last, *last_out), step.typed_data()[0], stale->typed_data()[0]},
+                       (*slots)->typed_data(), (*missing)->typed_data()});
+  }
+  const int64_t nt = thread_count(pool, threads);
+  const auto run = [&](int64_t i, int64_t on) {
+    const Job& j = jobs[size_t(i)];
+    *j.missing = int32_t(find_all(pool, on, j.set, j.queries, j.count, j.touch, j.slots));
+  };
+  if (sets >= nt)
+    parallel_for(pool, nt, sets, [&](int64_t i) { run(i, 1); });
+  else
+    for (int64_t i = 0; i < sets; i++) run(i, nt);
   return ffi::Error::Success();
 }
-
 
 // --- insert (key_set.insert): the same slots, set and counts, bit for bit, in O(N) passes without a sort of
 // the set. The generic version's O(N) scatters cost ~20 ms per 1M-slot set on XLA:CPU, paid on every step
@@ -688,7 +721,7 @@ ffi::Error UniqueKeys(ffi::Buffer<ffi::S32> queries, ffi::ResultBuffer<ffi::S32>
 
 }  // namespace
 
-// The arguments find_keys and touch_keys start with: the set, then the queries.
+// The arguments of find_keys: the set, then the queries.
 static auto set_and_queries() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -723,14 +756,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedFindKeys, FindKeys,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // slots [Q]
                                   .Attr<int64_t>("threads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedTouchKeys, TouchKeys,
-                              set_and_queries()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedTouchKeysMany, TouchKeysMany,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // step []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // stale_before []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // last [N] (aliased with the second result)
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // slots [Q]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // last [N]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // missing []: queries not found, free markers aside
+                                  .RemainingArgs()               // per set: see TouchKeysMany
+                                  .RemainingRets()
                                   .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedInsertKeys, InsertKeys,

@@ -25,8 +25,10 @@ is a `Kernel`'s, one stack at a time, inside `shard_map`:
 - `find_keys(keys, queries)` and `touch_keys(keys, queries, step,
   stale_before)`: the raw-id map's search of one shard's `KeySet`
   (`key_set.find`), and the same with the found keys' last-use steps set
-  (`key_set.touch`, in a train step), for the stacks this kernel runs.
-  Optional: a kernel without them gets `key_set`'s.
+  (`key_set.touch`, in a train step), for the stacks this kernel runs;
+  `touch_keys_many(sets, step)` the touches of several stacks' sets at
+  once (a train step maps all its raw-id stacks together). Optional: a
+  kernel without them gets `key_set`'s (one set after another).
 
 A kernel owns its tricks: the lookup never knows which algorithm runs.
 """
@@ -95,3 +97,4 @@ class Kernel(Protocol):
     # Optional, see the module docstring:
     # find_keys(keys: KeySet, queries [Q, 2]) -> slots [Q] (-1: absent)
     # touch_keys(keys: KeySet, queries [Q, 2], step [], stale_before []) -> (slots [Q], last [N], missing [])
+    # touch_keys_many([(keys, queries, stale_before), ...], step) -> [touch_keys' result, ...]

@@ -45,7 +45,7 @@ import functools
 import importlib
 import os
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -220,13 +220,24 @@ class NativeCpuKernel:
 
     def touch_keys(self, keys: key_set.KeySet, queries: jax.Array, step: jax.Array,
                    stale_before: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.touch_keys_many([(keys, queries, stale_before)], step)[0]
+
+    def touch_keys_many(self, sets: Sequence[tuple[key_set.KeySet, jax.Array, jax.Array]],
+                        step: jax.Array) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+        """`touch_keys` of several `(keys, queries, stale_before)` in one call: the sets spread over the threads
+        (XLA would run one call per set one after another)."""
         _register()  # `find_keys`, then the found keys' last-use steps set in place (`last` aliased)
-        # results typed like the inputs (inside shard_map: varying over its axes, as `last` is)
-        out = (jax.typeof(queries).update(shape=queries.shape[:1]), jax.typeof(keys.last),
-               jax.typeof(keys.size).update(shape=()))
         i32 = lambda x: jnp.asarray(x, jnp.int32)
-        return tuple(jax.ffi.ffi_call(_TARGET.format("touch_keys"), out, input_output_aliases={8: 1})(
-            *self._set(keys), queries, i32(step), i32(stale_before), keys.last, threads=np.int64(self.threads)))
+        args, out = [], []
+        for keys, queries, stale_before in sets:
+            args += [*self._set(keys), queries, i32(stale_before), keys.last]
+            # results typed like the inputs (inside shard_map: varying over its axes, as `last` is)
+            out += [jax.typeof(queries).update(shape=queries.shape[:1]), jax.typeof(keys.last),
+                    jax.typeof(keys.size).update(shape=())]
+        res = jax.ffi.ffi_call(_TARGET.format("touch_keys_many"), out,
+                               input_output_aliases={1 + 8 * i + 7: 3 * i + 1 for i in range(len(sets))})(
+            i32(step), *args, threads=np.int64(self.threads))
+        return [tuple(res[3 * i: 3 * i + 3]) for i in range(len(sets))]
 
     def insert_keys(self, keys: key_set.KeySet, capacity: jax.Array, queries: jax.Array, want: jax.Array,
                     removed: jax.Array | None, step: jax.Array) -> key_set.Inserted:
