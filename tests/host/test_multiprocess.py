@@ -130,12 +130,13 @@ def test_launcher_kills_all_workers_when_one_fails(tmp_path):
 
 
 def test_raw_id_tables_map_alike_on_two_processes(tmp_path):
-    """2 processes x 4 devices admit, expire, evict and train a raw-id table as 1 x 8 does; its checkpoint
-    restores in this process with the same id -> vector mapping."""
+    """2 processes x 4 devices admit, expire, evict and train raw-id tables (one with 4-byte keys) as 1 x 8
+    does; the checkpoint restores in this process with the same id -> vector mapping."""
     import raw_scenario
 
     plan = raw_scenario.make_plan(make_mesh(8))
     tables, maps, stats = raw_scenario.train(plan)
+    assert maps["visits"].rows.sorted_keys.ndim == 1 and maps["users"].rows.sorted_keys.ndim == 2
     want = raw_scenario.contents(plan, tables, maps)
     assert stats[:, 0].sum() > 0 and stats[:, 1].sum() + stats[:, 2].sum() > 0  # admitted; evicted or expired
     launch.run_workers(os.path.join(HERE, "raw_worker.py"), 2, [str(tmp_path)], devices_per_process=4, timeout=120)
