@@ -227,12 +227,11 @@ def lower_bound(s: KeySet, q: jax.Array) -> jax.Array:
 
 def find(s: KeySet, q: jax.Array) -> jax.Array:
     """`[Q]` slot of each key of `q [Q, 2]`, -1 if absent (or if the query is a free marker)."""
-    if is_compact(s):
-        _, hi, inside = _bucket_bounds(s, q)
-        p = jnp.minimum(lower_bound(s, q), s.order.shape[0] - 1)
-        hit = inside & (p < hi) & (s.sorted_keys[p] == q[:, 1])
+    p = jnp.minimum(lower_bound(s, q), s.order.shape[0] - 1)
+    if is_compact(s):  # the low word, in the query's bucket (whose keys share the query's high word)
+        _, end, inside = _bucket_bounds(s, q)
+        hit = inside & (p < end) & (s.sorted_keys[p] == q[:, 1])
     else:
-        p = jnp.minimum(lower_bound(s, q), s.order.shape[0] - 1)
         hit = same(s.sorted_keys[p], q)
     hit = hit & (p < s.size) & (q[:, 0] != FREE)
     return jnp.where(hit, s.order[p], -1)
