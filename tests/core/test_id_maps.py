@@ -396,8 +396,7 @@ def test_compact_and_wide_maps_train_alike_and_restore_into_each_other():
         se.load_id_tables(narrow, {"users": contents[36]})
 
 
-@pytest.mark.parametrize("n_dev", [1, 2])
-def test_several_raw_id_tables_map_as_each_alone(n_dev):
+def test_several_raw_id_tables_map_as_each_alone(n_dev=2):
     """A train step touches every raw-id table's map in one call (`touch_keys_many`): three tables (policies,
     sizes and key layouts apart) and a static one map, train and count exactly as each table's own plan does,
     on the native kernel with one thread or all, and on the generic one."""
