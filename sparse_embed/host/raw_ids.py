@@ -60,8 +60,8 @@ def _check_range(feature, ids: Any) -> None:
     bits = feature.table.dynamic.id_bits
     for part in _uint64_parts(ids):
         a = np.asarray(part)
-        if a.dtype.kind not in "iu" or not a.size:
-            continue
+        if not a.size or not (a.dtype == np.uint64 or (bits is not None and a.dtype.kind in "iu")):
+            continue  # (no pass over the ids unless one can be out of range)
         top = int(a.max())
         if top > MAX_ID:
             raise error(feature, f"raw id {top} is out of range: raw ids must be < 2**63.")

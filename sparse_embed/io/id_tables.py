@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_embed.core.id_maps import IdMap, dynamic_stacks, pending_per_shard, with_directories
+from sparse_embed.core import key_set
 from sparse_embed.core.key_set import FREE, KeySet, num_buckets
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
@@ -39,15 +40,6 @@ class IdTable(NamedTuple):
     seed: np.ndarray
 
 
-def _compact_ids(low: np.ndarray, directory: np.ndarray, span: np.ndarray, size: int) -> np.ndarray:
-    """A compact set's live ids (`key_set.full_keys` on the host): high words from the buckets."""
-    w = np.asarray(span, np.int32).view(np.uint32).astype(np.uint64)
-    shift, base = w[0], w[1] << np.uint64(32) | w[2]
-    bucket = np.searchsorted(directory, np.arange(size), side="right") - 1
-    hi = ((base + bucket.astype(np.uint64)) << shift) >> np.uint64(32)
-    return (hi << np.uint64(32) | low[:size].view(np.uint32).astype(np.uint64)).astype(np.int64)
-
-
 def _live(ks: KeySet):
     """Global slots that hold an id, and those ids (sorted by id), from one set per shard (host arrays)."""
     sizes = to_host(ks.size)
@@ -56,12 +48,11 @@ def _live(ks: KeySet):
     live = (np.arange(n)[None] < sizes[:, None]).reshape(-1)
     at = (to_host(ks.order) + np.repeat(np.arange(S) * n, n))[live].astype(np.int64)
     keys = to_host(ks.sorted_keys)
-    if keys.ndim == 1:  # compact sets: [S * n] low words
-        dirs, spans = to_host(ks.directory).reshape(S, -1), to_host(ks.span).reshape(S, 3)
-        ids = np.concatenate([_compact_ids(keys[i * n:(i + 1) * n], dirs[i], spans[i], int(sizes[i]))
-                              for i in range(S)]).astype(np.int64)
-    else:
-        ids = join_words(keys[live])
+    if keys.ndim == 1:  # compact sets: [S * n] low words; the high words from each shard's buckets
+        dirs, spans, slots = to_host(ks.directory).reshape(S, -1), to_host(ks.span).reshape(S, 3), to_host(ks.order)
+        part = lambda i: KeySet(keys[i * n:(i + 1) * n], None, slots[i * n:(i + 1) * n], sizes[i], dirs[i], spans[i])
+        keys = np.concatenate([np.asarray(key_set.full_keys(part(i))) for i in range(S)])
+    ids = join_words(keys[live])
     order = np.argsort(ids, kind="stable")
     return at[order], ids[order]
 

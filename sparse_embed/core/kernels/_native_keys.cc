@@ -664,7 +664,6 @@ ffi::Error InsertKeys(ffi::Buffer<ffi::S32> keys_in, ffi::Buffer<ffi::S32> order
   std::vector<int32_t> wide(size_t(2 * n), -1), wide_dir(size_t(buckets + 1), 0);
   float wide_span[2] = {0.0f, 0.0f};  // the wide insert's directory is not used: one bucket
   widen(k, dir, span, size[0], buckets, wide.data());
-  wide_dir[1] = size[0];
   std::fill(wide_dir.begin() + 1, wide_dir.end(), size[0]);
   evicted_out->typed_data()[0] = int32_t(insert_wide(
       WideSet{wide.data(), order, wide_dir.data(), last, size, wide_span, n, buckets}, cap, queries.typed_data(),
