@@ -132,21 +132,26 @@ def trim_heap() -> bool:
 
 
 def measure(prepare: Callable[[], tuple[Runner, dict[str, Any]]], steps: int, warmup: int,
-            ids_per_step: int) -> dict[str, Any]:
+            ids_per_step: int, earlier: tuple[Samples, dict[str, Any]] | None = None) -> tuple[Samples, dict[str, Any]]:
     """Builds a runner, warms up, then times `steps` steps; the runner (and its tables) is dropped on return.
 
-    The peak RSS is the steady state's: the heap is trimmed after the warmup,
-    so what building the system freed (XLA's compiler works in tens of MiB of
-    heap) but glibc kept does not count in the steps' peak.
+    Returns the samples and their summary. With `earlier` (an earlier round's
+    return value) the steps add to its samples, the summary covers all of
+    them, and the peak RSS is the highest of the rounds'. The peak RSS is the
+    steady state's: the heap is trimmed after the warmup, so what building
+    the system freed (XLA's compiler works in tens of MiB of heap) but glibc
+    kept does not count in the steps' peak.
     """
     base = RSS.current()
     runner, info = prepare()
     runner.run(warmup)
     trim_heap()
     RSS.reset()
-    samples = runner.run(steps)
-    return {**info, **timing_summary(samples, ids_per_step), "rss_base_bytes": base,
-            "rss_peak_steps_bytes": RSS.peak(), "rss_now_bytes": RSS.current(), "loadavg_1min": os.getloadavg()[0]}
+    samples = runner.run(steps, None if earlier is None else earlier[0])
+    rss = {"rss_base_bytes": base, "rss_peak_steps_bytes": RSS.peak(), "rss_now_bytes": RSS.current()}
+    if earlier is not None and earlier[1]["rss_peak_steps_bytes"] > rss["rss_peak_steps_bytes"]:
+        rss = {k: earlier[1][k] for k in rss}
+    return samples, {**info, **timing_summary(samples, ids_per_step), **rss, "loadavg_1min": os.getloadavg()[0]}
 
 
 _HLO_ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8,

@@ -148,7 +148,8 @@ def format_comparison(results: dict[str, Any]) -> list[str]:
     env, bound = results["env"], results["lower_bound"]
     bw = bound["bandwidth"]
     lines = [
-        f"side by side (peers: one process, {env['threads']} threads; ratios of medians):",
+        f"side by side (peers: one process, {env['threads']} threads; {results.get('rounds', 1)} rounds; ratios of "
+        "medians over all rounds):",
         f"{'measurement':<22}{'system':<26}{'median':>9}{'p10-p90':>16}{'/FBGEMM':>9}{'/SGD':>9}{'/bound':>9}"
         f"{'/bnd(np)':>9}{'state':>9}{'peakRSS':>9}",
         f"{'':<22}{'':<26}{'ms':>9}{'ms':>16}{'':>9}{'(own)':>9}{'':>9}{'':>9}{'MiB':>9}{'MiB':>9}",

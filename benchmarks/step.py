@@ -21,8 +21,12 @@ ids and loss cotangents:
   alternating blocks of steps, on the same batches (goal: ratio <= 1.3),
   and with ids spread over each whole vocabulary.
 
-Measurements run one after the other, all systems in turn within each; each
-system's tables are freed before the next builds its own. Preprocessing is
+Measurements run one after the other, all systems in turn within each, and
+the whole sequence `--rounds` times over (W1 and small: 3), each round timing a
+share of the steps on fresh tables: medians are over all rounds, so a slow
+stretch of a shared machine falls on every system alike instead of on the
+one that happened to run then. Each system's tables are freed before the
+next builds its own. Preprocessing is
 not timed. Reported: median / p10 / p90 wall time per step, its ratio to
 FBGEMM's, to the same system's SGD step and to the lower bound, CPU time,
 lookups/s, state bytes, peak RSS, page faults and table-shaped `copy` ops in
@@ -101,6 +105,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="sparse_embed's device counts, e.g. 1,8 (>1 on CPU: simulated host devices)")
     p.add_argument("--steps", type=int, help="timed steps per measurement (W1: 50)")
     p.add_argument("--warmup", type=int, help="untimed steps before each measurement (W1: 5)")
+    p.add_argument("--rounds", type=int,
+                   help="run the measurements this many times over, each a share of the steps (W1: 3)")
     p.add_argument("--slow-steps", type=int, default=5,
                    help="at most this many timed steps (after 1 warmup) for the naive Flax train steps")
     p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of the ids (default: uniform)")
@@ -131,6 +137,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.optimizer = tuple(OPTIMIZERS) if preset == "small" else DEFAULT_OPTIMIZERS
     if args.check is None:
         args.check = args.quick
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.zipf is not None and args.zipf <= 1.0:
         p.error("--zipf must be > 1")
     if args.vocab_sizes[0] == args.vocab_sizes[1]:
@@ -160,7 +168,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, Any]:
     primary = systems.primary_kernel(args.kernels)
     results: dict[str, Any] = {"env": environment(argv, threads), "workload": dataclasses.asdict(w),
                                "workload_key": w.key, "ids_per_step": w.ids_per_step,
-                               "target_system": systems.sparse_embed_key(primary)}
+                               "target_system": systems.sparse_embed_key(primary), "rounds": args.rounds}
     if args.check:
         results["agreement"] = systems.check_agreement(w, problem, args, threads)
         free_memory()

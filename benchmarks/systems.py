@@ -90,16 +90,23 @@ def make_systems(args: argparse.Namespace, w: Workload, problem: peers.Problem, 
 
 def run_systems(systems: list[System], measurements: list[str], args: argparse.Namespace,
                 ids_per_step: int) -> dict[str, Any]:
-    """Each measurement for every available system in turn; tables freed between systems."""
+    """Each measurement for every available system in turn, `args.rounds` times over, each time a share of the
+    steps on fresh tables (so a slow stretch of this shared machine falls on every system, not on the one that
+    ran then); tables freed between systems."""
     out = {s.key: {"label": s.label, "status": s.status, "devices": s.devices, "kernel": s.kernel, "steps": {}}
            for s in systems}
-    for m in measurements:
-        for s in systems:
-            if s.prepare is None or m not in s.measurements:
-                continue
-            steps, warmup = s.steps(m, args)
-            out[s.key]["steps"][m] = measure(functools.partial(s.prepare, m), steps, warmup, ids_per_step)
-            free_memory()
+    measured: dict[tuple[str, str], Any] = {}
+    for _ in range(args.rounds):
+        for m in measurements:
+            for s in systems:
+                if s.prepare is None or m not in s.measurements:
+                    continue
+                steps, warmup = s.steps(m, args)
+                steps = -(-steps // args.rounds)  # this round's share
+                measured[s.key, m] = measure(functools.partial(s.prepare, m), steps, warmup, ids_per_step,
+                                             measured.get((s.key, m)))
+                out[s.key]["steps"][m] = measured[s.key, m][1]
+                free_memory()
     return out
 
 

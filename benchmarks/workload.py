@@ -31,11 +31,11 @@ HASH_PRIME = 2_654_435_761  # scatters Zipf ranks over the vocabulary (a bijecti
 # Workload presets; explicit flags override them. "small" is the small model (per-step fixed costs).
 PRESETS: dict[str, dict[str, Any]] = {
     "W1": dict(tables=8, rows=1_000_000, dim=64, batch=4096, ids_per_sample=20,
-               steps=50, warmup=5, vocab_sizes=(10**7, 10**5)),
+               steps=50, warmup=5, rounds=3, vocab_sizes=(10**7, 10**5)),
     "small": dict(tables=2, rows=10_000, dim=64, batch=256, ids_per_sample=20,
-                  steps=200, warmup=20, vocab_sizes=(10**5, 10**3)),
+                  steps=200, warmup=20, rounds=3, vocab_sizes=(10**5, 10**3)),
     "quick": dict(tables=2, rows=10_000, dim=64, batch=512, ids_per_sample=10,
-                  steps=3, warmup=5, vocab_sizes=(10**5, 10**3)),
+                  steps=3, warmup=5, rounds=1, vocab_sizes=(10**5, 10**3)),
 }
 
 

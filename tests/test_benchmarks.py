@@ -31,13 +31,13 @@ def test_free_memory_returns_what_the_last_system_freed(frozen_heap):
 
 def test_step_benchmark_smoke(capsys, frozen_heap):
     """--quick with every optimizer, both kernels and every installed peer; missing peers get a status row."""
-    out = step.main(["--quick", "--optimizer", "all", "--steps", "2", "--vocab-rounds", "1"])
+    out = step.main(["--quick", "--optimizer", "all", "--steps", "3", "--rounds", "2", "--vocab-rounds", "1"])
     measured = {"forward"} | {f"train_{o}" for o in workload.OPTIMIZERS}
     for kernel in systems.KERNELS:
         ours = out["systems"][systems.sparse_embed_key(kernel)]
         assert ours["kernel"] == kernel and set(ours["steps"]) == measured
-        for r in ours["steps"].values():
-            assert r["median_ms"] > 0 and r["hlo_table_copies"] == 0
+        for r in ours["steps"].values():  # two rounds of ceil(3 / 2) steps each
+            assert r["median_ms"] > 0 and r["hlo_table_copies"] == 0 and r["steps"] == 4
     assert out["target_system"] == "sparse_embed_native"
     assert out["agreement"]["sparse_embed_generic"] <= systems.AGREEMENT_TOLERANCE  # the kernels agree
     assert not peers.PEERS["flax"].missing()  # flax and optax are sparse_embed dependencies: always compared
@@ -74,7 +74,8 @@ def test_targets_are_judged_on_the_workload_they_belong_to():
 
 
 def test_bad_flags_are_refused():
-    for argv in (["--kernels", "fast"], ["--preset", "huge"], ["--zipf", "0.5"], ["--optimizer", "lamb"]):
+    for argv in (["--kernels", "fast"], ["--preset", "huge"], ["--zipf", "0.5"], ["--optimizer", "lamb"],
+                 ["--rounds", "0"]):
         with pytest.raises(SystemExit):
             step.parse_args(argv)
 
