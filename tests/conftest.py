@@ -20,9 +20,11 @@ from jax.sharding import Mesh  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # One XLA compilation cache for the session, in a fresh directory: many tests build the same programs from
 # fresh closures, and a hit skips XLA's compile (never the tracing). Fresh per run, so no stale entries; this
-# process only (subprocesses compile for themselves: jax's cache files are not written atomically).
+# process only (subprocesses compile for themselves: jax's cache files are not written atomically), except
+# that a test running pytest in subprocesses one after another may hand them one (XLA_CACHE_ENV).
+XLA_CACHE_ENV = "SPARSE_EMBED_TESTS_XLA_CACHE"
 _XLA_CACHE = tempfile.TemporaryDirectory(prefix="sparse_embed_tests_xla_cache_")
-jax.config.update("jax_compilation_cache_dir", _XLA_CACHE.name)
+jax.config.update("jax_compilation_cache_dir", os.environ.get(XLA_CACHE_ENV) or _XLA_CACHE.name)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
