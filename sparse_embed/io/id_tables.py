@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_embed.core.id_maps import IdMap, dynamic_stacks, pending_per_shard, with_directories
-from sparse_embed.core import key_set
-from sparse_embed.core.key_set import FREE, KeySet, num_buckets
+from sparse_embed.core.key_set import FREE, KeySet, full_keys, num_buckets
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
 from sparse_embed.core.tables import to_host
@@ -51,7 +50,7 @@ def _live(ks: KeySet):
     if keys.ndim == 1:  # compact sets: [S * n] low words; the high words from each shard's buckets
         dirs, spans, slots = to_host(ks.directory).reshape(S, -1), to_host(ks.span).reshape(S, 3), to_host(ks.order)
         part = lambda i: KeySet(keys[i * n:(i + 1) * n], None, slots[i * n:(i + 1) * n], sizes[i], dirs[i], spans[i])
-        keys = np.concatenate([np.asarray(key_set.full_keys(part(i))) for i in range(S)])
+        keys = np.concatenate([np.asarray(full_keys(part(i))) for i in range(S)])
     ids = join_words(keys[live])
     order = np.argsort(ids, kind="stable")
     return at[order], ids[order]

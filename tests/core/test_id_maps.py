@@ -609,14 +609,11 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread, compact):
             assert int(got_missing) == want_missing
         return s._replace(last=jnp.asarray(want_last))
 
-    def padded(ids, size):  # the ids' words, then free markers up to `size` rows: one shape, one compile
-        return jnp.asarray(np.concatenate([split_words(ids), np.full((size - len(ids), 2), -1, np.int32)]))
-
     s, held = key_set.empty(n, compact), {}
     assert (find(s, jnp.asarray(split_words(draw()))) == -1).all()  # an empty set
     for step in range(8):
         ids = np.unique(draw())
-        words = padded(ids, q)
+        words = _padded_words(ids, q)
         slot = find(s, jnp.concatenate([words, jnp.full((3, 2), -1, jnp.int32)]))  # + free markers
         assert (slot[len(ids):] == -1).all()
         slot = slot[:len(ids)]
@@ -641,7 +638,7 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread, compact):
                 assert held[i] == sl
         assert int(s.size) == len(held) and int(s.directory[-1]) == len(held)
         absent = [x for x in draw().tolist() if x not in held][:50]
-        assert (find(s, padded(np.array(absent, np.int64), 50)) < 0).all()
+        assert (find(s, _padded_words(np.array(absent, np.int64), 50)) < 0).all()
     if native_cpu.available():  # many queries: several chunks over the thread pool, the same answers on one thread
         many = jnp.asarray(split_words(np.concatenate([draw() for _ in range(20)] + [np.array(list(held))])))
         one_thread = native_cpu.NativeCpuKernel(threads=1)
@@ -672,6 +669,15 @@ def test_a_default_vector_is_read_by_ids_without_a_row_and_never_trained():
         se.Dynamic(default=float("nan"))
 
 
+def _padded_words(ids: np.ndarray, size: int) -> jax.Array:
+    """The ids' words, then free markers (never wanted, as `map_ids` pads its own) up to `size` rows: queries of
+    one shape whatever the round's number of distinct ids, so a test compiles its calls once."""
+    from sparse_embed.core.key_set import FREE
+    from sparse_embed.host.raw_ids import split_words
+
+    return jnp.asarray(np.concatenate([split_words(ids), np.full((size - len(ids), 2), FREE, np.int32)]))
+
+
 CASES = ["grow", "full_lru_ties", "wide_steps", "negative_steps", "removed", "capacity", "clustered"]
 
 
@@ -684,7 +690,6 @@ def test_native_insert_equals_the_generic_insert_bit_for_bit(case, compact):
     count equal, round after round (each round starts from the native result: a drift shows where it starts)."""
     from sparse_embed.core import key_set
     from sparse_embed.core.kernels import GENERIC, native_cpu
-    from sparse_embed.host.raw_ids import split_words
 
     if not native_cpu.available():
         pytest.skip("the native CPU kernel is not built")
@@ -700,8 +705,7 @@ def test_native_insert_equals_the_generic_insert_bit_for_bit(case, compact):
             ids = np.unique(np.concatenate([gen.integers(0, 2**20, q // 2), gen.integers(top // 2, top, q // 2)]))
         else:
             ids = np.unique(gen.integers(0, min(2**40, top) if step % 3 else 600, q))
-        # the ids, then free markers (never wanted, as map_ids pads them) up to q + 4 rows: one shape, one compile
-        words = jnp.asarray(np.concatenate([split_words(ids), np.full((q + 4 - ids.size, 2), -1, np.int32)]))
+        words = _padded_words(ids, q + 4)
         found = np.asarray(key_set.find(s, words))
         want = jnp.asarray((found < 0) & (gen.random(q + 4) < 0.9) & (np.arange(q + 4) < ids.size))
         if case == "full_lru_ties":  # few distinct last-use steps among the live keys
