@@ -659,17 +659,27 @@ constexpr size_t kKeepSpare = size_t(1) << 18;  // keys a thread keeps room for 
 // Returns the number of records; `buckets` gets the records' bucket boundaries (whole cols).
 int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, const int32_t* rows,
                      const float* vals, int64_t D, int64_t C, int64_t rpd, int64_t num_rows, Buffers& s) {
+  // The loops below read what they need from locals, not through the lambdas' references: their stores (counts,
+  // keys) could alias those, and the compiler would load them again on every entry (the sort took ~1.4x longer).
   const int64_t n = D * C, blocks = (n + kSortBlock - 1) / kSortBlock;
   int bits = 0;
   while (bits < 32 && (uint64_t(num_rows - 1) >> bits) != 0) bits++;
   const int top = std::min(bits, 8), low = bits - top;  // bucket = col >> low
   const int64_t nb = int64_t(1) << top;
-  auto valid = [&](int64_t k) { return uint32_t(cols[k]) < uint64_t(num_rows) && uint32_t(rows[k]) < uint64_t(rpd); };
   std::vector<int64_t> count(size_t(blocks * nb), 0);  // [block, bucket]
+  // Calls f(k, col) for each valid entry k (col < num_rows, row_id < rpd) of block b, in order.
+  const auto for_valid = [cols, rows, num_rows, rpd, n](int64_t b, auto&& f) {
+    const int32_t *cs = cols, *rs = rows;
+    const uint64_t nr = uint64_t(num_rows), np = uint64_t(rpd);
+    for (int64_t k = b * kSortBlock, end = std::min(n, (b + 1) * kSortBlock); k < end; k++) {
+      const uint32_t col = uint32_t(cs[k]);
+      if (col < nr && uint32_t(rs[k]) < np) f(k, col);
+    }
+  };
   parallel_for(pool, threads, blocks, [&](int64_t b) {
     int64_t* c = count.data() + b * nb;
-    for (int64_t k = b * kSortBlock; k < std::min(n, (b + 1) * kSortBlock); k++)
-      if (valid(k)) c[uint32_t(cols[k]) >> low]++;
+    const int shift = low;
+    for_valid(b, [c, shift](int64_t, uint32_t col) { c[col >> shift]++; });
   });
   s.buckets.assign(size_t(nb + 1), 0);  // bucket starts; then each (block, bucket)'s first slot, in place
   for (int64_t bucket = 0, at = 0; bucket < nb; bucket++) {
@@ -684,33 +694,47 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
   Record* out = s.records.data();
   parallel_for(pool, threads, blocks, [&](int64_t b) {
     int64_t* at = count.data() + b * nb;
-    for (int64_t k = b * kSortBlock; k < std::min(n, (b + 1) * kSortBlock); k++)
-      if (valid(k)) keys[at[uint32_t(cols[k]) >> low]++] = (uint64_t(uint32_t(cols[k])) << 32) | uint64_t(k);
+    uint64_t* ks = keys;
+    const int shift = low;
+    for_valid(b, [at, ks, shift](int64_t k, uint32_t col) {
+      ks[at[col >> shift]++] = (uint64_t(col) << 32) | uint64_t(k);
+    });
   });
   // k / C (the entry's source) without a division per record: exact for k < 2**32 and 1 < C < 2**32 (Lemire et
   // al., "Faster remainder by direct computation", 2019); the division was ~0.3 ms of a W1 backward's 655k records.
   const uint64_t inverse_c = C > 1 ? ~uint64_t(0) / uint64_t(C) + 1 : 0;
-  const auto source_of = [inverse_c](int64_t k) {
-    return inverse_c ? int64_t((__uint128_t(inverse_c) * uint64_t(k)) >> 64) : k;  // 0: C == 1
-  };
   const int passes = (low + 10) / 11, digit = passes ? (low + passes - 1) / passes : 0;
   parallel_for(pool, threads, nb, [&](int64_t bucket) {
-    const int64_t lo = s.buckets[bucket], hi = s.buckets[bucket + 1];
+    const int64_t lo = s.buckets[bucket], size = s.buckets[bucket + 1] - lo;
     thread_local std::vector<uint64_t> spare;  // the passes' other buffer: a bucket's size, not the batch's
-    if (spare.size() < size_t(hi - lo)) spare.resize(size_t(hi - lo));  // grown only: no zero-fill per bucket
+    if (spare.size() < size_t(size)) spare.resize(size_t(size));  // grown only: no zero-fill per bucket
     uint64_t *a = keys + lo, *t = spare.data();
-    std::vector<int64_t> c((size_t(1) << digit) + 1);
-    for (int shift = 32; shift < 32 + low; shift += digit) {
-      const uint64_t mask = (uint64_t(1) << digit) - 1;
-      std::fill(c.begin(), c.end(), 0);
-      for (int64_t i = 0; i < hi - lo; i++) c[((a[i] >> shift) & mask) + 1]++;
-      for (size_t i = 1; i < c.size(); i++) c[i] += c[i - 1];
-      for (int64_t i = 0; i < hi - lo; i++) t[c[(a[i] >> shift) & mask]++] = a[i];
+    uint32_t c[(1 << 11) + 1];
+    const int from = 32, to = 32 + low, step = digit;
+    const uint64_t mask = (uint64_t(1) << digit) - 1;
+    for (int shift = from; shift < to; shift += step) {
+      std::fill(c, c + mask + 2, 0u);
+      for (int64_t i = 0; i < size; i++) c[((a[i] >> shift) & mask) + 1]++;
+      for (uint64_t i = 1; i <= mask + 1; i++) c[i] += c[i - 1];
+      for (int64_t i = 0; i < size; i++) t[c[(a[i] >> shift) & mask]++] = a[i];
       std::swap(a, t);
     }
-    for (int64_t i = 0; i < hi - lo; i++) {
+    // The records, in key order: each entry's row_id and value read at random (prefetched a few keys ahead).
+    Record* o = out + lo;
+    const int32_t* rs = rows;
+    const float* vs = vals;
+    const int64_t r = rpd;
+    const uint64_t inverse = inverse_c;
+    constexpr int64_t kAheadKeys = 16;
+    for (int64_t i = 0; i < size; i++) {
+      if (i + kAheadKeys < size) {
+        const int64_t ahead = int64_t(a[i + kAheadKeys] & 0xffffffffu);
+        __builtin_prefetch(rs + ahead, 0, 2);
+        __builtin_prefetch(vs + ahead, 0, 2);
+      }
       const int64_t k = int64_t(a[i] & 0xffffffffu);
-      out[lo + i] = Record{uint32_t(a[i] >> 32), uint32_t(source_of(k) * rpd + rows[k]), vals[k]};
+      const int64_t source = inverse ? int64_t((__uint128_t(inverse) * uint64_t(k)) >> 64) : k;  // else C == 1
+      o[i] = Record{uint32_t(a[i] >> 32), uint32_t(source * r + rs[k]), vs[k]};
     }
     if (spare.capacity() > kKeepSpare) std::vector<uint64_t>().swap(spare);  // a rare huge bucket (skewed ids)
   });
