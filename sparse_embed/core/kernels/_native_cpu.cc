@@ -76,8 +76,9 @@ inline float load(const uint16_t* p) { return bf16_to_f32(*p); }
 inline void store(float* p, float x) { *p = x; }
 inline void store(uint16_t* p, float x) { *p = f32_to_bf16(x); }
 
-// Where a prefetched row goes: L1 to read (the update loop's gradient rows), L2 to read (the forward's gathers),
-// or L1 to write (the update loop's table and slot rows; the L1 hint for writes measured no different from L2).
+// How a row is prefetched: for reading into L1 (the update loop's gradient rows), for reading into L2 (the
+// forward's gathers), or for writing (the update loop's table and slot rows: locality 1, which GCC emits as
+// `prefetcht2` for targets without PREFETCHW, as ours are; the L1 hint measured no different there).
 // The forward's gathers are capped by the misses a core keeps in flight: with the L2 hint they took 0.64-0.71x
 // the time they take with the L1 hint at the same distance (W1, interleaved in one process, with and without
 // huge pages, on a 2-core Zen 4 VM with 1 MiB of L2 per core); an earlier VM had measured the L1 hint ~10% faster.
