@@ -660,8 +660,9 @@ constexpr size_t kKeepSpare = size_t(1) << 18;  // keys a thread keeps room for 
 // Returns the number of records; `buckets` gets the records' bucket boundaries (whole cols).
 int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, const int32_t* rows,
                      const float* vals, int64_t D, int64_t C, int64_t rpd, int64_t num_rows, Buffers& s) {
-  // The loops below read what they need from locals, not through the lambdas' references: their stores (counts,
-  // keys) could alias those, and the compiler would load them again on every entry (the sort took ~1.4x longer).
+  // The count and scatter loops read what they need from locals, not through the lambdas' references: their int64
+  // stores (counts, keys) could alias those, and the compiler would load them again on every entry (the sort
+  // took ~1.4x longer).
   const int64_t n = D * C, blocks = (n + kSortBlock - 1) / kSortBlock;
   int bits = 0;
   while (bits < 32 && (uint64_t(num_rows - 1) >> bits) != 0) bits++;
@@ -704,16 +705,18 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
   // k / C (the entry's source) without a division per record: exact for k < 2**32 and 1 < C < 2**32 (Lemire et
   // al., "Faster remainder by direct computation", 2019); the division was ~0.3 ms of a W1 backward's 655k records.
   const uint64_t inverse_c = C > 1 ? ~uint64_t(0) / uint64_t(C) + 1 : 0;
+  const auto source_of = [inverse_c](int64_t k) {
+    return inverse_c ? int64_t((__uint128_t(inverse_c) * uint64_t(k)) >> 64) : k;  // 0: C == 1
+  };
   const int passes = (low + 10) / 11, digit = passes ? (low + passes - 1) / passes : 0;
   parallel_for(pool, threads, nb, [&](int64_t bucket) {
     const int64_t lo = s.buckets[bucket], size = s.buckets[bucket + 1] - lo;
     thread_local std::vector<uint64_t> spare;  // the passes' other buffer: a bucket's size, not the batch's
     if (spare.size() < size_t(size)) spare.resize(size_t(size));  // grown only: no zero-fill per bucket
     uint64_t *a = keys + lo, *t = spare.data();
-    uint32_t c[(1 << 11) + 1];
-    const int from = 32, to = 32 + low, step = digit;
+    uint32_t c[(1 << 11) + 1];  // a local array: its stores alias nothing the loops read
     const uint64_t mask = (uint64_t(1) << digit) - 1;
-    for (int shift = from; shift < to; shift += step) {
+    for (int shift = 32; shift < 32 + low; shift += digit) {
       std::fill(c, c + mask + 2, 0u);
       for (int64_t i = 0; i < size; i++) c[((a[i] >> shift) & mask) + 1]++;
       for (uint64_t i = 1; i <= mask + 1; i++) c[i] += c[i - 1];
@@ -721,21 +724,15 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
       std::swap(a, t);
     }
     // The records, in key order: each entry's row_id and value read at random (prefetched a few keys ahead).
-    Record* o = out + lo;
-    const int32_t* rs = rows;
-    const float* vs = vals;
-    const int64_t r = rpd;
-    const uint64_t inverse = inverse_c;
     constexpr int64_t kAheadKeys = 16;
     for (int64_t i = 0; i < size; i++) {
       if (i + kAheadKeys < size) {
         const int64_t ahead = int64_t(a[i + kAheadKeys] & 0xffffffffu);
-        __builtin_prefetch(rs + ahead, 0, 2);
-        __builtin_prefetch(vs + ahead, 0, 2);
+        __builtin_prefetch(rows + ahead, 0, 2);
+        __builtin_prefetch(vals + ahead, 0, 2);
       }
       const int64_t k = int64_t(a[i] & 0xffffffffu);
-      const int64_t source = inverse ? int64_t((__uint128_t(inverse) * uint64_t(k)) >> 64) : k;  // else C == 1
-      o[i] = Record{uint32_t(a[i] >> 32), uint32_t(source * r + rs[k]), vs[k]};
+      out[lo + i] = Record{uint32_t(a[i] >> 32), uint32_t(source_of(k) * rpd + rows[k]), vals[k]};
     }
     if (spare.capacity() > kKeepSpare) std::vector<uint64_t>().swap(spare);  // a rare huge bucket (skewed ids)
   });
