@@ -9,8 +9,8 @@
 //           gradient summed, the optimizer applied to the row and its slots, written back in place (the
 //           table and slots are aliased to the outputs), with the loads of the rows after it prefetched.
 //
-// Work is cut into chunks whose boundaries depend only on the inputs; each chunk writes rows no other chunk
-// writes, and runs on whichever thread takes it. So results do not depend on the thread count. The CPython
+// Work is cut into pieces whose boundaries depend only on the inputs (the backward's: buckets of rows, sorted and
+// updated by one thread); each piece writes rows no other piece writes, and runs on whichever thread takes it. So results do not depend on the thread count. The CPython
 // module only hands the handlers to Python as capsules (`handlers()`).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -619,10 +619,9 @@ struct Record {
   float value;       // the gain
 };
 
-// The buffers of one backward call: the sort's keys and records (see sort_records), the non-finite flags.
+// The buffers of one backward call: the sort's keys and buckets (see sort_buckets), the non-finite flags.
 struct Buffers {
   std::vector<uint64_t> keys;
-  std::vector<Record> records;
   std::vector<int64_t> buckets;
   std::vector<uint8_t> bad;  // per output row: its gradient holds a NaN/inf (SGD with skip_nonfinite)
   std::vector<const float*> grad_rows;  // per output row: where its gradient is (Grads::rows)
@@ -657,16 +656,19 @@ class BufferPool {
 BufferPool buffer_pool;
 
 constexpr int64_t kSortBlock = 1 << 16;  // entries a thread counts and places at a time in the first pass
-constexpr size_t kKeepSpare = size_t(1) << 18;  // keys a thread keeps room for between buckets (2 MiB)
+constexpr size_t kKeepSpare = size_t(1) << 18;  // entries a thread keeps room for between buckets
 
-// The valid entries (col < num_rows, row_id < rpd) as records sorted by col, stable (entry order within a col).
+// The valid entries (col < num_rows, row_id < rpd) as records sorted by col, stable (entry order within a col),
+// handed over bucket by bucket: `use(records, size)` gets each bucket's records (whole cols, in order) on the
+// thread that sorted them, while they are in its cache.
 // A most-significant-digit pass splits 64-bit keys `col << 32 | entry` into up to 256 buckets by the top bits
 // of col (in parallel over fixed blocks of entries), then each bucket is sorted by the remaining bits with
-// least-significant-digit passes of at most 11 bits (buckets are small: they stay in cache; their second buffer
-// is the thread's, a bucket's size, so the call's buffers are 20 bytes per entry) and gathered into records.
-// Returns the number of records; `buckets` gets the records' bucket boundaries (whole cols).
-int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, const int32_t* rows,
-                     const float* vals, int64_t D, int64_t C, int64_t rpd, int64_t num_rows, Buffers& s) {
+// least-significant-digit passes of at most 11 bits and gathered into records. A bucket's second key buffer and
+// its records are the thread's, a bucket's size (buckets are small: they stay in cache), so the call's buffers
+// are 8 bytes per entry: a batch-sized records array (12 bytes per entry, written and read back) is not needed.
+template <typename Use>
+void sort_buckets(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, const int32_t* rows, const float* vals,
+                  int64_t D, int64_t C, int64_t rpd, int64_t num_rows, Buffers& s, const Use& use) {
   // The count and scatter loops read what they need from locals, not through the lambdas' references: their int64
   // stores (counts, keys) could alias those, and the compiler would load them again on every entry (the sort
   // took ~1.4x longer).
@@ -696,11 +698,8 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
     for (int64_t b = 0; b < blocks; b++) std::swap(at, count[b * nb + bucket]), at += count[b * nb + bucket];
     s.buckets[bucket + 1] = at;
   }
-  const int64_t m = s.buckets[nb];
-  s.keys.resize(size_t(m) + 1);
-  s.records.resize(size_t(m) + 1);
+  s.keys.resize(size_t(s.buckets[nb]) + 1);
   uint64_t* keys = s.keys.data();
-  Record* out = s.records.data();
   parallel_for(pool, threads, blocks, [&](int64_t b) {
     int64_t* at = count.data() + b * nb;
     uint64_t* ks = keys;
@@ -718,8 +717,10 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
   const int passes = (low + 10) / 11, digit = passes ? (low + passes - 1) / passes : 0;
   parallel_for(pool, threads, nb, [&](int64_t bucket) {
     const int64_t lo = s.buckets[bucket], size = s.buckets[bucket + 1] - lo;
+    if (size == 0) return;
     thread_local std::vector<uint64_t> spare;  // the passes' other buffer: a bucket's size, not the batch's
-    if (spare.size() < size_t(size)) spare.resize(size_t(size));  // grown only: no zero-fill per bucket
+    thread_local std::vector<Record> out;      // the bucket's records
+    if (spare.size() < size_t(size)) spare.resize(size_t(size)), out.resize(size_t(size));  // grown only
     uint64_t *a = keys + lo, *t = spare.data();
     uint32_t c[(1 << 11) + 1];  // a local array: its stores alias nothing the loops read
     const uint64_t mask = (uint64_t(1) << digit) - 1;
@@ -739,11 +740,12 @@ int64_t sort_records(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols
         __builtin_prefetch(vals + ahead, 0, 2);
       }
       const int64_t k = int64_t(a[i] & 0xffffffffu);
-      out[lo + i] = Record{uint32_t(a[i] >> 32), uint32_t(source_of(k) * rpd + rows[k]), vals[k]};
+      out[i] = Record{uint32_t(a[i] >> 32), uint32_t(source_of(k) * rpd + rows[k]), vals[k]};
     }
-    if (spare.capacity() > kKeepSpare) std::vector<uint64_t>().swap(spare);  // a rare huge bucket (skewed ids)
+    use(static_cast<const Record*>(out.data()), size);
+    if (spare.capacity() > kKeepSpare)  // a rare huge bucket (skewed ids): not kept
+      std::vector<uint64_t>().swap(spare), std::vector<Record>().swap(out);
   });
-  return m;
 }
 
 struct State {  // the table and up to two slot arrays, updated in place
@@ -795,10 +797,6 @@ inline bool update_copy(const Options& o, const Grads& gr, const Record* group, 
   return true;
 }
 
-// Records per work chunk (cut where the col changes): at most kBackwardChunk, fewer for small batches so that
-// each thread gets kChunksPerThread of them (the small model's Adam update, 10k records on 2 threads, took
-// 0.30-0.46 ms in chunks of 640 against 0.47-0.61 ms in 5 chunks of 2048), at least kMinBackwardChunk.
-constexpr int64_t kBackwardChunk = 2048, kMinBackwardChunk = 256, kChunksPerThread = 8;
 constexpr int64_t kRowsAhead = 32;        // distinct rows ahead whose table and slot rows are prefetched
 constexpr int64_t kAhead = 64;            // records ahead whose gradient rows are prefetched
 
@@ -853,24 +851,12 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
   }
 }
 
-// Updates every row the sorted records touch, in chunks of records cut where the col changes: each row on one
-// thread, in a fixed order, whatever the thread count (a row's records are never split between chunks).
+// Updates the rows of one bucket's sorted records (see sort_buckets): each row on one thread, in a fixed order,
+// whatever the thread count (a row's records are never split between buckets).
 template <typename T>
-void backward_impl(ffi::ThreadPool& pool, int64_t threads, const Options& o, const Grads& gr, const Record* recs,
-                   int64_t m, const State& st) {
-  const int64_t chunk = std::clamp(m / (kChunksPerThread * threads), kMinBackwardChunk, kBackwardChunk);
-  std::vector<int64_t> bounds{0};
-  while (bounds.back() < m) {
-    int64_t end = std::min(m, bounds.back() + chunk);
-    while (end < m && recs[end].col == recs[end - 1].col) end++;
-    bounds.push_back(end);
-  }
-  parallel_for(pool, threads, int64_t(bounds.size()) - 1, [&](int64_t c) {
-    with_isa([&] {
-      with_width(gr.dim, [&](auto width) {
-        update_range<T, decltype(width)::value>(o, gr, recs, bounds[c], bounds[c + 1], st);
-      });
-    });
+void update_bucket(const Options& o, const Grads& gr, const Record* recs, int64_t m, const State& st) {
+  with_isa([&] {
+    with_width(gr.dim, [&](auto width) { update_range<T, decltype(width)::value>(o, gr, recs, 0, m, st); });
   });
 }
 
@@ -936,10 +922,10 @@ ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Mat
     for (int i = 0; i < 2; i++)
       if (st.slot[i]) hugepages::advise(pool, nt, st.slot[i], size_t(num_rows * st.width[i]) * 4);
   }
+  if (dtype != ffi::F32 && dtype != ffi::BF16)
+    return ffi::Error::InvalidArgument("sparse_embed backward: tables must be float32 or bfloat16");
   BufferPool::Lease lease{buffer_pool, buffer_pool.take()};
   Buffers& buf = *lease.buffers;
-  const int64_t m = sort_records(pool, nt, cols.typed_data(), rows.typed_data(), vals.typed_data(), D, cd[1], rpd,
-                                 num_rows, buf);
   buf.grad_rows.resize(size_t(D * rpd) + 1);
   for (int64_t d = 0; d < D; d++)
     for (int64_t r = 0; r < rpd; r++) buf.grad_rows[size_t(d * rpd + r)] = grads.row(d, r);
@@ -952,12 +938,14 @@ ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Mat
     });
     gr.bad = b;
   }
-  if (dtype == ffi::F32)
-    backward_impl<float>(pool, nt, o, gr, buf.records.data(), m, st);
-  else if (dtype == ffi::BF16)
-    backward_impl<uint16_t>(pool, nt, o, gr, buf.records.data(), m, st);
-  else
-    return ffi::Error::InvalidArgument("sparse_embed backward: tables must be float32 or bfloat16");
+  const bool bf16 = dtype == ffi::BF16;
+  sort_buckets(pool, nt, cols.typed_data(), rows.typed_data(), vals.typed_data(), D, cd[1], rpd, num_rows, buf,
+               [&](const Record* recs, int64_t m) {
+                 if (bf16)
+                   update_bucket<uint16_t>(o, gr, recs, m, st);
+                 else
+                   update_bucket<float>(o, gr, recs, m, st);
+               });
   return ffi::Error::Success();
 }
 
