@@ -9,9 +9,10 @@
 //           gradient summed, the optimizer applied to the row and its slots, written back in place (the
 //           table and slots are aliased to the outputs), with the loads of the rows after it prefetched.
 //
-// Work is cut into pieces whose boundaries depend only on the inputs (the backward's: buckets of rows, sorted and
-// updated by one thread); each piece writes rows no other piece writes, and runs on whichever thread takes it. So results do not depend on the thread count. The CPython
-// module only hands the handlers to Python as capsules (`handlers()`).
+// Work is cut into pieces whose boundaries depend only on the inputs (the backward's: buckets of rows, each
+// sorted and updated by one thread); each piece writes rows no other piece writes, and runs on whichever thread
+// takes it. So results do not depend on the thread count. The CPython module only hands the handlers to Python
+// as capsules (`handlers()`).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -793,15 +794,14 @@ inline bool update_copy(const Options& o, const Grads& gr, const Record* group, 
 constexpr int64_t kRowsAhead = 32;        // distinct rows ahead whose table and slot rows are prefetched
 constexpr int64_t kAhead = 64;            // records ahead whose gradient rows are prefetched
 
-// Updates the rows of records [lo, hi) (whole runs of one col), in order: each row and its slots are copied out,
+// Updates the rows of records [0, m) (whole runs of one col), in order: each row and its slots are copied out,
 // updated and written back. Loads are prefetched a fixed distance ahead, a little with each row: one more row
 // (first record of a run) and the gradient rows of the records up to kAhead past this row's. Spread so, the
 // prefetches never come in bursts that fill the core's miss buffers and stall it (updating rows in batches of
 // 32, with each batch's prefetches issued together, was 20-25% slower). Rows go by distinct rows, not records:
 // a hot row's many records would hide the rows after it.
 template <typename T, int64_t kDim>
-inline void update_range(const Options& o, const Grads& gr, const Record* recs, int64_t lo, int64_t hi,
-                         const State& st) {
+inline void update_range(const Options& o, const Grads& gr, const Record* recs, int64_t m, const State& st) {
   const int64_t dim = kDim > 0 ? kDim : gr.dim, w0 = st.slot[0] ? st.width[0] : 0, w1 = st.slot[1] ? st.width[1] : 0;
   // The copies of the row and its slots (width dim or 1, see decode_state) and update_copy's scratch. For a
   // width known at compile time, local arrays: distinct objects, so the compiler needs no aliasing checks and
@@ -812,24 +812,24 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
   std::vector<float> heap(kDim > 0 ? 0 : size_t(5 * dim + w0 + w1));
   if constexpr (kDim == 0) w = heap.data(), s0 = w + dim, s1 = s0 + w0, g = s1 + w1, tmp = g + dim;
   T* table = static_cast<T*>(st.table);
-  int64_t next_row = lo, next_grad = lo;  // the next row and the next record whose loads are not yet asked for
+  int64_t next_row = 0, next_grad = 0;  // the next row and the next record whose loads are not yet asked for
   auto prefetch_rows = [&](int64_t rows) {
-    for (; rows > 0 && next_row < hi; rows--) {
+    for (; rows > 0 && next_row < m; rows--) {
       const uint32_t col = recs[next_row].col;
       prefetch_row<Prefetch::kWrite>(table + int64_t(col) * dim, dim * int64_t(sizeof(T)));
       if (w0) prefetch_row<Prefetch::kWrite>(st.slot[0] + int64_t(col) * w0, w0 * 4);
       if (w1) prefetch_row<Prefetch::kWrite>(st.slot[1] + int64_t(col) * w1, w1 * 4);
-      while (++next_row < hi && recs[next_row].col == col) {
+      while (++next_row < m && recs[next_row].col == col) {
       }
     }
   };
   prefetch_rows(kRowsAhead);
-  for (int64_t b = lo; b < hi;) {
+  for (int64_t b = 0; b < m;) {
     const int64_t col = recs[b].col;
     int64_t e = b + 1;
-    while (e < hi && recs[e].col == col) e++;
+    while (e < m && recs[e].col == col) e++;
     prefetch_rows(1);
-    for (; next_grad < std::min(e + kAhead, hi); next_grad++)
+    for (; next_grad < std::min(e + kAhead, m); next_grad++)
       prefetch_row<Prefetch::kReadL1>(gr.row(recs[next_grad]), dim * 4);
     T* row = table + col * dim;
     for (int64_t j = 0; j < dim; j++) w[j] = load(row + j);
@@ -849,7 +849,7 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
 template <typename T>
 void update_bucket(const Options& o, const Grads& gr, const Record* recs, int64_t m, const State& st) {
   with_isa([&] {
-    with_width(gr.dim, [&](auto width) { update_range<T, decltype(width)::value>(o, gr, recs, 0, m, st); });
+    with_width(gr.dim, [&](auto width) { update_range<T, decltype(width)::value>(o, gr, recs, m, st); });
   });
 }
 
