@@ -11,10 +11,10 @@ reads the gradients in the same blocks: no stacked copy either way.
 Backward: the entries are sorted by table row (a radix sort, no scratch
 array the size of the table), so the table is updated in address order,
 a bucket of rows at a time on the thread that sorted the bucket (its
-sorted entries still in that core's cache).
-Each distinct row is read, updated with its slots and written once, in
-place on the donated table and slots (`input_output_aliases`), one row at
-a time while the rows 32 ahead are prefetched. SGD applies each
+sorted entries still in that core's cache). Each distinct row is read,
+updated with its slots and written once, in place on the donated table
+and slots (`input_output_aliases`), one row at a time while the rows 32
+ahead are prefetched. SGD applies each
 occurrence on its own, as the generic kernel does; every other optimizer
 sums the row's gradient first. Each row's arithmetic runs in a fixed order
 on one thread, so results do not depend on the number of threads (nor on
