@@ -122,6 +122,17 @@ def structure(x: Any) -> str:
     return "dense"
 
 
+def fixed_width(x: Any) -> int | None:
+    """Id slots per sample of dense input (`[B]`: 1, `[B, L]`: L); None for ragged input, whose count varies.
+
+    For input `canonical` accepted: it bounds the ids of every batch of that shape.
+    """
+    if structure(x) != "dense":
+        return None
+    shape = np.shape(x)
+    return 1 if len(shape) == 1 else int(shape[1])
+
+
 def _check_lengths(feature: FeatureSpec, values: Any, lengths: Any) -> None:
     if lengths.ndim != 1 or values.ndim != 1:
         raise error(feature, "ragged (values, row_lengths) must both be 1-D.")

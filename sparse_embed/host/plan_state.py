@@ -6,7 +6,8 @@ made by two `plan()` calls keep separate marks, even if they are equal),
 dropped when the plan is garbage-collected:
 
 - With `capacity=None`, each stack's capacity is sized from the first batch
-  (with headroom, on a coarse grid) and grows, never shrinks, when a later
+  (with headroom, on a coarse grid, capped at what fixed-length ids can
+  fill) and grows, never shrinks, when a later
   batch needs more. The batch carries the capacity it was built with in its
   shapes, so a jitted step recompiles once per growth.
 - A SparseCore stack's `max_ids_per_partition` (the size of its CSR input)
@@ -28,16 +29,22 @@ import zlib
 from sparse_embed.core.planning import CAPACITY_ALIGNMENT, EmbeddingPlan, StackPlan, round_up
 
 
-def auto_capacity_for(needed: int) -> int:
-    """Capacity for `needed` entries with headroom, on a coarse grid.
+def auto_capacity_for(needed: int, bound: int | None = None) -> int:
+    """Capacity for `needed` entries with headroom, on a coarse grid, but no more than `bound`.
 
     Headroom: 10%, or 3 sqrt(needed) if larger (the batch-to-batch spread of
     small counts); the grid (8 steps per power of two) keeps growth, and so
-    recompiles, rare.
+    recompiles, rare. `bound`: the most entries a partition can get from
+    batches of this shape (fixed-length ids), if known: room past it is
+    padding that every step would carry and never use (on one device, all
+    of the headroom).
     """
     target = max(CAPACITY_ALIGNMENT, math.ceil(needed + max(0.1 * needed, 3 * math.sqrt(needed))))
     granule = max(CAPACITY_ALIGNMENT, 1 << max(0, target.bit_length() - 4))
-    return round_up(target, granule)
+    capacity = round_up(target, granule)
+    if bound is not None:
+        capacity = min(capacity, round_up(max(bound, needed, 1), CAPACITY_ALIGNMENT))
+    return capacity
 
 
 class PlanState:
@@ -50,14 +57,15 @@ class PlanState:
         self._limits: dict[str, int] = {}  # SparseCore stacks: max_ids_per_partition
         self._exchanges = 0
 
-    def capacity(self, stack: StackPlan, needed: int) -> int:
-        """The capacity of `stack`'s next batch: the explicit one, or the high-water mark grown to `needed`."""
+    def capacity(self, stack: StackPlan, needed: int, bound: int | None = None) -> int:
+        """The capacity of `stack`'s next batch: the explicit one, or the high-water mark grown to `needed`
+        (at most `bound`, see `auto_capacity_for`)."""
         if stack.capacity is not None:
             return stack.capacity
         with self._lock:
             current = self._marks.get(stack.name, 0)
             if needed > current:
-                current = self._marks[stack.name] = auto_capacity_for(needed)
+                current = self._marks[stack.name] = auto_capacity_for(needed, bound)
             return current
 
     def sparsecore_limit(self, stack: StackPlan, needed: int, capacity: int) -> int:

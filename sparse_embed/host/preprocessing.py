@@ -18,7 +18,7 @@ import numpy as np
 from sparse_embed.core.batch import ShardedCooMatrix, Stats
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.host import csr, distributed, native, plan_state
-from sparse_embed.host.ids import CanonicalIds, FlatIds, checked, error, flatten
+from sparse_embed.host.ids import CanonicalIds, FlatIds, checked, error, fixed_width, flatten
 from sparse_embed.host.partition import Partitioned, partition
 from sparse_embed.host.raw_ids import checked_raw, flatten_raw, partition_raw
 
@@ -83,19 +83,34 @@ class _Numbers(NamedTuple):
     num_ids: int
     dropped: int  # with an explicit capacity: entries past it
     worst: int  # the process with the fullest partition
+    bound: int | None  # most entries a partition can get from batches of this shape (None: a ragged feature)
 
 
-_FIELDS = 4  # numbers per stack exchanged between processes: needed, max_unique, num_ids, dropped
+_FIELDS = 5  # numbers per stack exchanged between processes: needed, max_unique, num_ids, dropped, bound
 
 
-def _agree(plan: EmbeddingPlan, parts: dict[str, Partitioned], failed: bool) -> dict[str, _Numbers]:
+def _entry_bound(stack: StackPlan, ids: Mapping[str, Any]) -> int:
+    """The most entries one of `stack`'s partitions can get from batches shaped like `ids`: every id of a
+    device (its samples times each dense feature's width, a sequence feature's at most its length); -1 if a
+    feature is ragged (its count varies by batch)."""
+    total = 0
+    for lay in stack.features:
+        f, width = lay.feature, fixed_width(ids[lay.feature.name])
+        if width is None:
+            return -1
+        total += lay.samples_per_device * (min(width, f.max_sequence_length) if f.is_sequence else width)
+    return total
+
+
+def _agree(plan: EmbeddingPlan, ids, parts: dict[str, Partitioned], failed: bool) -> dict[str, _Numbers]:
     """Every stack's numbers over all processes (one process: its own); raises on every process if one failed."""
     mine = [int(failed)]
     for s in plan.stacks:
         p = parts.get(s.name)
         # An explicit capacity is known up front, so each process can count its own drops.
         mine += [0] * _FIELDS if p is None else [
-            p.needed, p.max_unique, p.num_ids, p.dropped(s.capacity) if s.capacity is not None else 0]
+            p.needed, p.max_unique, p.num_ids, p.dropped(s.capacity) if s.capacity is not None else 0,
+            _entry_bound(s, ids)]
     processes = distributed.mesh_processes(plan.mesh)
     if len(processes) == 1:
         table = np.asarray([mine], np.int64)
@@ -112,7 +127,8 @@ def _agree(plan: EmbeddingPlan, parts: dict[str, Partitioned], failed: bool) -> 
     for i, s in enumerate(plan.stacks):
         col = table[:, 1 + _FIELDS * i: 1 + _FIELDS * (i + 1)]
         out[s.name] = _Numbers(int(col[:, 0].max()), int(col[:, 1].max()), int(col[:, 2].sum()),
-                               int(col[:, 3].sum()), processes[int(np.argmax(col[:, 0]))])
+                               int(col[:, 3].sum()), processes[int(np.argmax(col[:, 0]))],
+                               None if (col[:, 4] < 0).any() else int(col[:, 4].max()))
     return out
 
 
@@ -126,7 +142,7 @@ def _partitions(plan: EmbeddingPlan, ids, weights, positions: list[int], several
         if not several:
             raise
         failure = e
-    agreed = _agree(plan, parts, failure is not None)
+    agreed = _agree(plan, ids, parts, failure is not None)
     if failure is not None:
         raise failure
     return parts, agreed
@@ -196,7 +212,7 @@ def preprocess(
     state, batch, fields = plan_state.of(plan), {}, {k: {} for k in Stats.__dataclass_fields__}
     for s in plan.stacks:
         part, numbers = parts[s.name], agreed[s.name]
-        cap = state.capacity(s, max(numbers.needed, 1))  # the same on every process: the same numbers
+        cap = state.capacity(s, max(numbers.needed, 1), numbers.bound)  # the same on every process
         if numbers.needed > cap and plan.on_overflow == "error":
             raise _overflow_error(s, part, numbers, cap, positions)
         batch[s.name] = part.fill(s, cap)

@@ -169,3 +169,5 @@ def test_auto_capacity_headroom(needed):
     cap = auto_capacity_for(needed)
     assert cap % 8 == 0 and cap >= needed + max(0.1 * needed, 3 * needed**0.5)
     assert cap <= 1.3 * needed + 64  # coarse grid, but not wasteful
+    assert auto_capacity_for(needed, bound=needed) == -(-needed // 8) * 8  # no room past the bound
+    assert auto_capacity_for(needed, bound=10 * needed) == cap  # a bound far off changes nothing

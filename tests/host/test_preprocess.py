@@ -163,6 +163,73 @@ def test_auto_capacity_sizes_from_first_batch_and_only_grows(mesh8):
     assert plan_state.of(_plan(mesh8, stacking=None)).marks() == {}
 
 
+def _dense_ids(plan, widths, rng, pad=0.0):
+    """Dense `[B, width]` ids per feature; a `pad` share of them -1."""
+    ids = {n: rng.integers(0, f.table.vocabulary_size, (f.batch_size, widths[n])) for n, f in plan.features.items()}
+    return {n: np.where(rng.random(x.shape) < pad, -1, x) for n, x in ids.items()}
+
+
+@pytest.mark.parametrize("n_dev", [1, 8])
+def test_auto_capacity_stops_at_what_fixed_length_ids_can_fill(n_dev):
+    """Dense ids bound a partition's entries (a device's samples x width; a sequence feature's width at most its
+    length): the capacity adds no headroom past that bound, and grows when a batch is wider."""
+    plan = _plan(make_mesh(n_dev), stacking=None)
+    rng = np.random.default_rng(0)
+    widths = {"fa": 3, "fb": 5, "fseq": 4}
+    bound = {"a": 16 // n_dev * 3, "b": 8 // n_dev * (5 + 2)}  # fseq: 4 ids per sample, at most 2 kept
+    batch, stats = se.preprocess(plan, _dense_ids(plan, widths, rng))
+    for stack in ("a", "b"):
+        want = min(plan_state.auto_capacity_for(stats.max_ids_per_partition[stack]), -(-bound[stack] // 8) * 8)
+        assert batch[stack].capacity == stats.capacity[stack] == want, stack
+    if n_dev == 1:  # every id of a device in one partition: no padding left but the alignment's
+        assert stats.capacity == {"a": 48, "b": 56} and stats.max_ids_per_partition == {"a": 48, "b": 56}
+    padded, _ = se.preprocess(plan, _dense_ids(plan, widths, rng, pad=0.5))  # fewer ids: the same capacity
+    assert padded["a"].capacity == batch["a"].capacity
+    _, stats = se.preprocess(plan, _dense_ids(plan, {**widths, "fa": 5}, rng))  # wider: a new bound
+    if n_dev == 1:
+        assert stats.capacity["a"] == stats.max_ids_per_partition["a"] == 80
+    else:  # grown with headroom (or not at all), within the new bound
+        assert stats.max_ids_per_partition["a"] <= stats.capacity["a"] <= max(16 // n_dev * 5, batch["a"].capacity)
+    roomy = _plan(make_mesh(n_dev), stacking=None, capacity=256)  # the same lookup with padding to spare
+    roomy_batch, _ = se.preprocess(roomy, _dense_ids(plan, widths, np.random.default_rng(0)))
+    tables = se.init_tables(plan, jax.random.key(0))
+    got, want = se.lookup(plan, batch, tables), se.lookup(roomy, roomy_batch, tables)
+    for name in plan.features:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+
+
+def test_ragged_ids_keep_the_headroom():
+    """Ragged ids have no fixed bound (the next batch may hold more): one device keeps the usual headroom."""
+    plan = _plan(make_mesh(1), stacking=None)
+    rng = np.random.default_rng(1)
+    ids = {n: [rng.integers(0, f.table.vocabulary_size, rng.integers(1, 5)) for _ in range(f.batch_size)]
+           for n, f in plan.features.items()}
+    ids["fb"] = np.zeros((8, 2), np.int64)  # one dense feature does not bound a stack with a ragged one
+    _, stats = se.preprocess(plan, ids)
+    for stack in ("a", "b"):
+        needed = stats.max_ids_per_partition[stack]
+        assert stats.capacity[stack] == plan_state.auto_capacity_for(needed) > needed
+
+
+def test_processes_agree_on_the_bound(monkeypatch, mesh8):
+    """Under several processes the bound is the largest process's, and none if any process's ids are ragged."""
+    from sparse_embed.host import distributed, preprocessing
+    from sparse_embed.host.partition import partition
+
+    plan = _plan(mesh8, stacking=None)
+    ids = _dense_ids(plan, {"fa": 3, "fb": 1, "fseq": 2}, np.random.default_rng(2))
+    parts = {s.name: partition(s, preprocessing._checked_features(plan, ids, None, 8), 8)
+             for s in plan.stacks}
+    others = {}
+    monkeypatch.setattr(distributed, "mesh_processes", lambda mesh: [0, 1])
+    monkeypatch.setattr(distributed, "allgather_ints", lambda procs, mine, **kw: np.asarray([mine, others["row"]]))
+    for other_a, want_a in ((20, 20), (2, 6), (-1, None)):  # a: this process's bound is 2 samples x 3 = 6
+        row = [0] + [v for s in plan.stacks for v in (1, 1, 1, 0, other_a if s.name == "a" else 2)]
+        others["row"] = row
+        agreed = preprocessing._agree(plan, ids, parts, False)
+        assert agreed["a"].bound == want_a and agreed["b"].bound == 3  # b: 1 x 1 + 1 x 2 against 2
+
+
 def test_stats_merge():
     a = se.Stats({"s": 3}, {"s": 2}, {"s": 1}, {"s": 10}, {"s": 8})
     b = se.Stats({"s": 5, "t": 1}, {"s": 1, "t": 1}, {"s": 2, "t": 0}, {"s": 4, "t": 1}, {"s": 8, "t": 8})
