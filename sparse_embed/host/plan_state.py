@@ -54,18 +54,30 @@ class PlanState:
         self.tag = tag  # names this plan's exchanges between processes (the same on every process)
         self._lock = threading.Lock()
         self._marks: dict[str, int] = {}
+        self._bounded: set[str] = set()  # stacks whose capacity a bound cut short of the usual headroom
+        self._outgrown: set[str] = set()  # stacks a batch grew past such a capacity: their shapes vary
         self._limits: dict[str, int] = {}  # SparseCore stacks: max_ids_per_partition
         self._exchanges = 0
 
     def capacity(self, stack: StackPlan, needed: int, bound: int | None = None) -> int:
-        """The capacity of `stack`'s next batch: the explicit one, or the high-water mark grown to `needed`
-        (at most `bound`, see `auto_capacity_for`)."""
+        """The capacity of `stack`'s next batch: the explicit one, or the high-water mark grown to `needed`.
+
+        At most `bound` (see `auto_capacity_for`) until a batch outgrows a
+        capacity a bound cut short: the stack's batch shapes vary, so from
+        then on it keeps the full headroom (else each wider batch recompiles).
+        """
         if stack.capacity is not None:
             return stack.capacity
         with self._lock:
-            current = self._marks.get(stack.name, 0)
+            name, current = stack.name, self._marks.get(stack.name, 0)
             if needed > current:
-                current = self._marks[stack.name] = auto_capacity_for(needed, bound)
+                if name in self._bounded:
+                    self._outgrown.add(name)
+                headroom = auto_capacity_for(needed)
+                current = headroom if name in self._outgrown else auto_capacity_for(needed, bound)
+                if current < headroom:
+                    self._bounded.add(name)
+                self._marks[name] = current
             return current
 
     def sparsecore_limit(self, stack: StackPlan, needed: int, capacity: int) -> int:
