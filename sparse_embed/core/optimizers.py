@@ -249,7 +249,8 @@ class RowwiseAdagrad(Optimizer):
 
     def rule(self, rows, slots, grads, step, lr, row_mean):
         acc = slots["accumulator"] + row_mean(grads * grads)
-        return rows - lr * grads / (jnp.sqrt(acc) + self.epsilon), {"accumulator": acc}
+        # One division per row, not per element (the native kernel's order too: ~3% of its W1 step).
+        return rows - grads * (lr / (jnp.sqrt(acc) + self.epsilon)), {"accumulator": acc}
 
 
 @dataclasses.dataclass(frozen=True)

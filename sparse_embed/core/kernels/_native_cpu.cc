@@ -461,10 +461,10 @@ void update_row(const Options& o, int64_t width, float* w, float* g, float* tmp,
     case kRowwiseAdagrad: {
       float acc = s0[0] + sum_squares(g, dim) / float(dim);
       s0[0] = acc;
-      float denom = std::sqrt(acc) + h[0];
+      const float scale = lr / (std::sqrt(acc) + h[0]);  // one division per row (the generic rule's order too)
       for (int64_t j = 0; j < dim; j++) {
         float old = w[j];
-        w[j] = old - (lr * g[j]) / denom;
+        w[j] = old - g[j] * scale;
       }
       break;
     }
