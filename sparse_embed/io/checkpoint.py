@@ -56,13 +56,14 @@ from sparse_embed.core.specs import Dynamic, TableSpec
 from sparse_embed.core.state import EmbeddingVariables, check_state
 from sparse_embed.core.tables import empty_tables, init_tables, natural_table
 from sparse_embed.io import store
-from sparse_embed.io.id_checkpoint import read_array_host, read_id_tables, write_id_tables
-from sparse_embed.io.integrity import ALGORITHM, checksum
+from sparse_embed.io.id_checkpoint import PENDING, raw_layout, read_id_tables, write_id_tables
+from sparse_embed.io.integrity import ALGORITHM, bind, checksum, matches, meaning
 
 FORMAT = "sparse_embed/3"  # the table store (io.store)
 PYTREE_FORMAT, UNVERIFIED_FORMAT = "sparse_embed/2", "sparse_embed/1"  # orbax PyTree arrays; 1: before checksums
 STAGING = ".sparse_embed-staging"  # tables written before orbax commits the step; moved into it
 EMBEDDINGS, USER, META = "embeddings", "user", "meta"
+_STEP_ITEMS = (EMBEDDINGS, USER, "_CHECKPOINT_METADATA")  # what a step directory holds beside META
 
 
 class CheckpointError(ValueError):
@@ -186,7 +187,7 @@ def user_checksums(user: Any) -> dict[str, str]:
     for path, leaf in jax.tree_util.tree_leaves_with_path(user):
         a = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
         if a.dtype.kind in "biufc" and a.dtype.itemsize in (1, 2, 4, 8):
-            out[leaf_key(path)] = f"{checksum(a)} {a.dtype} {tuple(a.shape)}"
+            out[leaf_key(path)] = bind(checksum(a), a.dtype, a.shape)
     return out
 
 
@@ -196,33 +197,48 @@ def _array_name(table: str, key: str) -> str:
 
 def verify_embeddings(step_dir: str, info: CheckpointInfo, arrays: Mapping[str, Mapping[str, Any]]) -> None:
     """Raises CorruptCheckpointError naming every array whose values do not match its saved checksum."""
-    if info.verified:
-        check_sums(step_dir, info, {f"{name}/{key}": checksum(a, info.table(name).vocabulary_size)
-                                    for name, keys in arrays.items() for key, a in keys.items()})
+    def bound(name: str, a: Any) -> str:
+        rows = info.table(name).vocabulary_size
+        return bind(checksum(a, rows), a.dtype, (rows, *a.shape[1:]))
+
+    check_sums(step_dir, info, {f"{name}/{key}": bound(name, a) for name, keys in arrays.items()
+                                for key, a in keys.items()})
 
 
 def check_sums(step_dir: str, info: CheckpointInfo, sums: Mapping[str, str]) -> None:
-    """Raises CorruptCheckpointError naming every array ("table/key") whose checksum differs from the saved one."""
-    bad = [_array_name(*k.split("/", 1)) for k, v in sums.items() if info.checksums.get(k) != v]
+    """Raises CorruptCheckpointError naming every array ("table/key") whose bound checksum (of the values as
+    read, with their dtype and shape) is not the saved one. The one check of every reader."""
+    if not info.verified:
+        return
+    bad = [_array_name(*k.split("/", 1)) for k, v in sums.items() if not matches(info.checksums.get(k), v)]
     if bad:
         raise CorruptCheckpointError(f"{step_dir} (step {info.step}) is corrupt: the values of {', '.join(bad)} do not "
                                      f"match the checksum saved with them; {_WHAT_TO_DO}.")
 
 
-def verify_user(step_dir: str, info: CheckpointInfo, user: Any) -> int:
+def _meanings(tree: Any) -> dict[str, str]:
+    """`{leaf_key: "dtype shape"}` of a pytree's leaves that have a dtype (arrays, `ShapeDtypeStruct`s)."""
+    return {leaf_key(p): meaning(x.dtype, x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+            if hasattr(x, "dtype")}
+
+
+def verify_user(step_dir: str, info: CheckpointInfo, user: Any, target: Any = None) -> int:
     """Checks a restored user pytree's leaves against their checksums; returns how many could not be checked.
 
-    A leaf restored with another dtype or shape than it was saved with (the
-    target asked for a cast) cannot be checked, nor one saved without a checksum.
+    A leaf for which `target` asked another dtype or shape than it was saved
+    with (a cast) cannot be checked, nor one saved without a checksum. Any
+    other leaf must come back as saved: its values, dtype and shape.
+    Without `target` (read as stored) nothing is asked for.
     """
     if not info.verified or info.user_checksums is None:
         return 0
+    asked = None if target is None else _meanings(target)
     bad, unchecked = [], 0
     for key, got in user_checksums(user).items():
         want = info.user_checksums.get(key, "")
-        if want.split(" ", 1)[1:] != got.split(" ", 1)[1:]:
+        if not want or (asked is not None and asked.get(key) != want.split(" ", 1)[-1]):
             unchecked += 1
-        elif want != got:
+        elif not matches(want, got):
             bad.append(key)
     if bad:
         raise CorruptCheckpointError(f"{step_dir} (step {info.step}) is corrupt: the user pytree's leaves {bad} do not "
@@ -254,6 +270,9 @@ def resolve(path: str | os.PathLike, step: int | None = None) -> str:
         raise CheckpointError(f"No checkpoint at {path}: the directory does not exist.")
     if os.path.isdir(os.path.join(path, META)):
         return path
+    if any(os.path.exists(os.path.join(path, item)) for item in _STEP_ITEMS):
+        raise CorruptCheckpointError(f"{path} is an incomplete or damaged checkpoint step: its '{META}' item is "
+                                     f"missing; {_WHAT_TO_DO}.")
     steps = sorted(int(n) for n in os.listdir(path) if n.isdigit() and os.path.isdir(os.path.join(path, n)))
     if not steps:
         raise CheckpointError(f"No complete checkpoint in {path} (no step directories with a '{META}' item).")
@@ -479,20 +498,29 @@ def restore_state(plan: EmbeddingPlan, step_dir: str, *, allow_vocab_growth: boo
     if len(static.stacks) == len(plan.stacks):
         return tables, {}
     slots = {t.name: [k for k, _ in t.slots] for t in info.tables}
-    try:
-        raw, maps = read_id_tables(os.path.join(step_dir, EMBEDDINGS), plan, slots, info.checksums,
-                                   with_slots=with_slots)
-    except store.StoreReadError as e:
-        raise _unreadable_error(step_dir, info, [_array_name(*e.array)], e) from None
+    raw, maps = read_id_tables(plan, slots, lambda group, key: read_host_array(step_dir, info, group, key),
+                               with_slots=with_slots)
     return {**tables, **raw}, maps
 
 
+def stored_layout(info: CheckpointInfo, group: str, key: str) -> store.Layout:
+    """What the stored array `key` of `group` (a table, or a raw-id table's waiting ids) must be."""
+    suffix = PENDING if group.endswith(PENDING) and group not in info.table_names else ""
+    rec = info.table(group[: len(group) - len(suffix)])
+    widths = {TABLE_KEY: rec.embedding_dim, **dict(rec.slots)}
+    if suffix or key not in widths:
+        return raw_layout(key, suffix, rec.vocabulary_size)
+    return store.Layout(np.dtype(rec.dtype) if key == TABLE_KEY else np.float32, widths[key], rec.vocabulary_size)
+
+
 def read_host_array(step_dir: str, info: CheckpointInfo, group: str, key: str) -> np.ndarray:
-    """One stored array of the table store on the host, verified against its checksum."""
+    """One stored array of the table store on the host, its metadata and checksum verified."""
     try:
-        return read_array_host(os.path.join(step_dir, EMBEDDINGS), group, key, info.checksums)
+        a, got = store.read_host(os.path.join(step_dir, EMBEDDINGS), group, key, stored_layout(info, group, key))
     except store.StoreReadError as e:
         raise _unreadable_error(step_dir, info, [_array_name(*e.array)], e) from None
+    check_sums(step_dir, info, {f"{group}/{key}": got})
+    return a
 
 
 def _legacy_in(plan: EmbeddingPlan, step_dir: str, info: CheckpointInfo, *, rng: jax.Array | None,
@@ -539,17 +567,15 @@ def read_user(step_dir: str, info: CheckpointInfo, target: Any) -> Any:
         user = checkpointer().restore(step_dir, args=ocp.args.Composite(**{USER: args}))[USER]
     except Exception as e:  # noqa: BLE001
         saved = {k: v.split(" ", 1)[1] for k, v in (info.user_checksums or {}).items()}
-        wanted = {leaf_key(p): f"{np.dtype(x.dtype)} {tuple(x.shape)}"
-                  for p, x in jax.tree_util.tree_leaves_with_path(target) if hasattr(x, "dtype")}
-        if saved and saved == wanted:  # the target fits what was saved: the stored data is damaged
+        if saved and saved == _meanings(target):  # the target fits what was saved: the stored data is damaged
             raise CorruptCheckpointError(f"{step_dir}: its user pytree cannot be read ({type(e).__name__}: "
                                          f"{_first_line(e)}); {_WHAT_TO_DO}.") from None
         raise CheckpointError(f"{step_dir}: its user pytree does not match the target given "
                               f"({type(e).__name__}: {_first_line(e)}).") from None
-    unchecked = verify_user(step_dir, info, user)
+    unchecked = verify_user(step_dir, info, user, target)
     if unchecked and info.verified:
         warnings.warn(f"{step_dir}: {unchecked} leaves of the user pytree were restored with another dtype or shape "
-                      "than saved, so their checksums could not be checked.", stacklevel=3)
+                      "than saved (as the target asked), so their checksums could not be checked.", stacklevel=3)
     return user
 
 
@@ -564,7 +590,8 @@ def read_user_host(step_dir: str, info: CheckpointInfo) -> Any:
     except Exception as e:  # noqa: BLE001
         raise CorruptCheckpointError(f"{step_dir}: its user pytree cannot be read ({type(e).__name__}: "
                                      f"{_first_line(e)}); {_WHAT_TO_DO}.") from None
-    verify_user(step_dir, info, user)
+    if verify_user(step_dir, info, user):  # read as stored: a leaf without a checksum was not saved
+        raise CorruptCheckpointError(f"{step_dir}: the user pytree has leaves that were not saved; {_WHAT_TO_DO}.")
     missing = sorted(set(info.user_checksums or ()) - set(user_checksums(user)))
     if missing:
         raise CorruptCheckpointError(f"{step_dir}: the user pytree's leaves {missing} are missing; {_WHAT_TO_DO}.")

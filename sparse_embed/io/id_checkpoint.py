@@ -11,7 +11,7 @@ the ids onto the new plan's owner shards (`id_tables.load_id_tables`).
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import numpy as np
@@ -23,11 +23,17 @@ from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.host.raw_ids import join_words, split_words
 from sparse_embed.io import store
 from sparse_embed.io.id_tables import IdTable, id_table_contents, load_id_tables
-from sparse_embed.io.integrity import combine, partial_sums
 
 PENDING = ".pending"  # suffix of the store group holding a table's waiting ids
 IDS_KEY = "ids"
 RAW_KEYS = ((IDS_KEY, ""), ("last", ""), ("seed", ""), (IDS_KEY, PENDING), ("counts", PENDING), ("last", PENDING))
+
+
+def raw_layout(key: str, suffix: str, vocab: int) -> store.Layout:
+    """What a raw-id table's stored array `key` of group `table + suffix` must be (see the module doc)."""
+    if key == "seed":
+        return store.Layout(np.uint32, 2, 1)
+    return store.Layout(np.int32, 2 if key == IDS_KEY else 1, vocab if suffix == "" else None)
 
 
 def _padded(a: np.ndarray, rows: int, fill) -> np.ndarray:
@@ -56,19 +62,7 @@ def write_id_tables(directory: str, plan: EmbeddingPlan, tables: Mapping[str, Em
         arrays.update(_host_arrays(name, plan.tables[name].vocabulary_size, t))
     if jax.process_index() == 0:
         return store.write_host(directory, arrays)
-    return {f"{g}/{k}": combine([partial_sums(np.ascontiguousarray(a), 0)], False)
-            for g, keys in arrays.items() for k, a in keys.items()}
-
-
-def read_array_host(directory: str, group: str, key: str, sums: Mapping[str, str] | None) -> np.ndarray:
-    """A stored array, whole, on the host; checked against `sums` (StoreReadError) unless None."""
-    a = store.open_array(directory, group, key).read().result()
-    a = np.asarray(a)
-    if sums is not None:
-        got, want = combine([partial_sums(a, 0)], False), sums.get(f"{group}/{key}")
-        if got != want:
-            raise store.StoreReadError((group, key), ValueError(f"checksum {got} != saved {want}"))
-    return a
+    return {f"{g}/{k}": store.host_checksum(np.ascontiguousarray(a)) for g, keys in arrays.items() for k, a in keys.items()}
 
 
 def raw_arrays(read, name: str, serving: bool):
@@ -77,16 +71,16 @@ def raw_arrays(read, name: str, serving: bool):
     return ((name + suffix, key, read(name + suffix, key)) for key, suffix in keys)
 
 
-def read_id_tables(directory: str, plan: EmbeddingPlan, slots: Mapping[str, list[str]],
-                   sums: Mapping[str, str] | None, *, with_slots: bool = True):
+def read_id_tables(plan: EmbeddingPlan, slots: Mapping[str, list[str]], read: Callable[[str, str], np.ndarray], *,
+                   with_slots: bool = True):
     """The plan's raw-id stacks from the store: `({stack: EmbeddingVariables}, {stack: IdMap})`.
 
-    `slots[table]`: the slot names saved with it. Raises `store.StoreReadError` on a checksum mismatch.
+    `slots[table]`: the slot names saved with it; `read(group, key)`: a stored array on the host, verified.
     """
     contents = {}
     for s in dynamic_stacks(plan):
         name = s.first.name
-        get = lambda key, group=name: read_array_host(directory, group, key, sums)
+        get = lambda key, group=name: read(group, key)  # noqa: E731
         words = get("ids")
         n = int((words[:, 0] != -1).sum())
         p_words = get("ids", name + PENDING)

@@ -18,6 +18,11 @@ a random corruption of several words escapes with probability about 2^-64.
 Being a sum over positions, it is computed shard by shard (each from its
 first word's position; replicas counted once; across processes summed),
 in C at memory speed (`host/_native.c`), or in numpy without the extension.
+
+The sums see bits only (float32 1.0 and int32 1065353216 sum alike), so
+what a checkpoint saves is the checksum bound to what the values mean,
+`"<16 hex digits> <dtype> <shape>"` (`bind`), and a reader binds what it
+read the same way before comparing (`matches`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import numpy as np
 
 from sparse_embed.host.native import extension
 
-ALGORITHM = "oddmul32x2/1"
+ALGORITHM = "oddmul32x2/2"  # /2: bound to dtype and shape (`bind`); /1 saved the digest alone
 _K1, _K2, _K3 = 0x9E3779B9, 0x85EBCA77, 0x165667B1
 _CHUNK_WORDS = 1 << 24  # numpy fallback: words per step (bounded temporaries)
 _PIECE_WORDS = 1 << 26  # words per piece handed to a thread (256 MiB of f32)
@@ -135,3 +140,20 @@ def checksum(x: Any, rows: int | None = None) -> str:
     with concurrent.futures.ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1)) as pool:  # C drops the GIL
         return combine(pool.map(lambda p: partial_sums(*p), pieces), across)
 
+
+
+def meaning(dtype: Any, shape: Iterable[int]) -> str:
+    """`"<dtype> <shape>"`, e.g. `"float32 (40, 16)"`: what a bound checksum says its values are."""
+    return f"{np.dtype(dtype).name} {tuple(int(n) for n in shape)}"
+
+
+def bind(digest: str, dtype: Any, shape: Iterable[int]) -> str:
+    """`"<digest> <dtype> <shape>"`: a checksum bound to what its values mean (the form a checkpoint saves)."""
+    return f"{digest} {meaning(dtype, shape)}"
+
+
+def matches(saved: str | None, got: str) -> bool:
+    """Whether a bound checksum of values as read is the saved one (checkpoints of `oddmul32x2/1`: the digest)."""
+    if not saved:
+        return False
+    return saved == got if " " in saved else saved == got.split(" ", 1)[0]

@@ -21,9 +21,10 @@ are written or read, so the whole state is never held twice.
 
 from __future__ import annotations
 
+import json
 import os
 import urllib.parse
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import numpy as np
@@ -32,7 +33,7 @@ import tensorstore as ts
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.relayout import TABLE_KEY, chunk_rows, natural_chunk_fn, natural_width, table_range, write_chunk_fn
 from sparse_embed.core.state import EmbeddingVariables
-from sparse_embed.io.integrity import combine, partial_sums, words_per_value
+from sparse_embed.io.integrity import bind, combine, partial_sums, words_per_value
 
 _IN_FLIGHT = 3  # chunks written or read ahead of the one being converted
 CHUNK_BYTES = 1 << 22  # bytes of a device's piece of a chunk (and of a stored chunk); 4 MiB by measurement
@@ -51,6 +52,51 @@ def array_path(directory: str, table: str, key: str) -> str:
     return os.path.join(directory, quote(table), quote(key))
 
 
+class Layout(NamedTuple):
+    """What a stored array must be: its dtype, its width and (None: any) its rows."""
+
+    dtype: Any
+    width: int
+    rows: int | None = None
+
+
+_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+
+
+def _metadata(shape: tuple[int, int], dtype: Any, chunk: int) -> dict:
+    """The zarr3 metadata of a stored array: the one format this module writes and reads."""
+    return {
+        "zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": np.dtype(dtype).name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, min(chunk, shape[0])), shape[1]]}},
+        "chunk_key_encoding": {"name": "default"}, "codecs": _CODECS, "fill_value": np.zeros((), dtype).item(),
+    }
+
+
+def metadata_problem(meta: Any, want: Layout) -> str | None:
+    """What in a stored array's zarr3 metadata differs from the format and `want`, or None.
+
+    Every field is checked, since each changes what the stored bytes mean
+    (dtype, shape, chunking, codecs, fill value) and the CRC32C of a chunk
+    covers its bytes only: a dtype edited from float32 to int32 reads the
+    same bits as other numbers.
+    """
+    if not isinstance(meta, dict):
+        return "its metadata is not a JSON object"
+    rows = want.rows if want.rows is not None else (meta.get("shape") or [0])[0]
+    expected = _metadata((rows, want.width), want.dtype, 1)
+    for field in sorted(set(meta) | set(expected)):
+        got, exp = meta.get(field), expected.get(field)
+        if field == "chunk_grid":  # any number of rows per chunk (chosen when written), whole rows
+            shape = (got or {}).get("configuration", {}).get("chunk_shape") if isinstance(got, dict) else None
+            ok = (isinstance(shape, list) and len(shape) == 2 and shape[1] == want.width and isinstance(shape[0], int)
+                  and shape[0] >= 1 and got.get("name") == "regular" and set(got) == {"name", "configuration"})
+        else:
+            ok = got == exp and type(got) is type(exp)
+        if not ok:
+            return f"its stored {field} is {json.dumps(got)}, expected {json.dumps(exp)}"
+    return None
+
+
 def _context() -> ts.Context:
     return ts.Context({"data_copy_concurrency": {"limit": os.cpu_count() or 1}, "file_io_concurrency": {"limit": 8}})
 
@@ -58,22 +104,24 @@ def _context() -> ts.Context:
 def _create(path: str, shape: tuple[int, int], dtype: np.dtype, chunk: int, context: ts.Context) -> ts.TensorStore:
     """A new zarr3 array in chunks of `chunk` rows (at most the array's): a device's piece of a streamed chunk
     is one stored chunk, so no two processes ever write the same file."""
-    metadata = {
-        "shape": list(shape), "data_type": np.dtype(dtype).name,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, min(chunk, shape[0])), shape[1]]}},
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
-    }
+    metadata = _metadata(shape, dtype, chunk)
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "metadata": metadata}
     return ts.open(spec, create=True, delete_existing=True, context=context).result()
 
 
 def open_array(directory: str, table: str, key: str, context: ts.Context | None = None, *,
-               write: bool = False) -> ts.TensorStore:
+               expect: Layout | None = None, write: bool = False) -> ts.TensorStore:
+    """Opens a stored array; with `expect`, checks every field of its metadata first (StoreReadError)."""
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": array_path(directory, table, key)}}
     try:
-        return ts.open(spec, open=True, read=True, write=write, context=context or _context()).result()
+        store = ts.open(spec, open=True, read=True, write=write, context=context or _context()).result()
+        problem = None if expect is None else metadata_problem(
+            json.loads(store.kvstore.read("zarr.json").result().value), expect)
     except Exception as e:  # noqa: BLE001 - missing or damaged metadata
         raise StoreReadError((table, key), e) from None
+    if problem:
+        raise StoreReadError((table, key), ValueError(problem))
+    return store
 
 
 class _Padded:
@@ -115,8 +163,9 @@ def write_state(directory: str, plan: EmbeddingPlan, tables: Mapping[str, Embedd
         multihost_utils.sync_global_devices("sparse_embed store created")
         stores = {(name, key): open_array(directory, name, key, context, write=True) for _, _, name, key, _, _ in arrays}
     for s, i, name, key, a, m in arrays:
-        sums[f"{name}/{key}"] = _write_table(plan, s, i, a, stores[name, key], m)
-    return {k: combine([v], multi) for k, v in sums.items()}
+        store = stores[name, key]
+        sums[f"{name}/{key}"] = _write_table(plan, s, i, a, store, m), a.dtype, store.shape
+    return {k: bind(combine([v], multi), dtype, shape) for k, (v, dtype, shape) in sums.items()}
 
 
 def _write_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: ts.TensorStore,
@@ -150,7 +199,8 @@ def _write_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store:
 
 
 def write_host(directory: str, arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, str]:
-    """Writes host arrays `{table: {key: [vocab, w]}}` into the store (one process); returns their checksums."""
+    """Writes host arrays `{table: {key: [vocab, w]}}` into the store (one process); returns their checksums
+    (`host_checksum`)."""
     context, sums = _context(), {}
     for name, keys in arrays.items():
         for key, a in keys.items():
@@ -158,17 +208,20 @@ def write_host(directory: str, arrays: Mapping[str, Mapping[str, np.ndarray]]) -
             m = max(1, CHUNK_BYTES // max(1, a.shape[1] * a.dtype.itemsize))
             store = _create(array_path(directory, name, key), a.shape, a.dtype, m, context)
             store.write(a).result()
-            sums[f"{name}/{key}"] = combine([partial_sums(a, 0)], False)
+            sums[f"{name}/{key}"] = host_checksum(a)
     return sums
+
+
+def host_checksum(a: np.ndarray) -> str:
+    """The bound checksum (`integrity.bind`) of a whole host array, as `write_host` saves it."""
+    return bind(combine([partial_sums(a, 0)], False), a.dtype, a.shape)
 
 
 # ----------------------------------------------------------------- reading
 def read_array(directory: str, table: str, key: str, target: jax.ShapeDtypeStruct) -> jax.Array:
-    """One stored array into `target`'s shape (rows padded with zeros or cut), dtype and sharding."""
-    store = open_array(directory, table, key)
+    """One stored array, exactly `target`'s shape and dtype (StoreReadError otherwise), into its sharding."""
     rows, width = target.shape
-    if store.shape[1] != width:
-        raise StoreReadError((table, key), ValueError(f"stored width {store.shape[1]}, expected {width}"))
+    store = open_array(directory, table, key, expect=Layout(target.dtype, width, rows))
 
     def shard(index):
         lo, hi, _ = index[0].indices(rows)
@@ -176,16 +229,27 @@ def read_array(directory: str, table: str, key: str, target: jax.ShapeDtypeStruc
             x = _Padded(store, lo, hi - lo, min(hi, store.shape[0]) - lo).result()
         except Exception as e:  # noqa: BLE001 - a damaged chunk
             raise StoreReadError((table, key), e) from None
-        return x.astype(target.dtype)[:, index[1]]
+        return x[:, index[1]]
 
     return jax.make_array_from_callback(target.shape, target.sharding, shard)
+
+
+def read_host(directory: str, table: str, key: str, expect: Layout) -> tuple[np.ndarray, str]:
+    """A stored array, whole, on the host (its metadata checked against `expect`), and its bound checksum."""
+    store = open_array(directory, table, key, expect=expect)
+    try:
+        a = np.asarray(store.read().result())
+    except Exception as e:  # noqa: BLE001 - a damaged chunk
+        raise StoreReadError((table, key), e) from None
+    return a, host_checksum(a)
 
 
 def read_into_state(directory: str, plan: EmbeddingPlan, state: dict[str, EmbeddingVariables],
                     valid_rows: Mapping[str, int]) -> tuple[dict[str, EmbeddingVariables], dict[str, str]]:
     """Streams the stored arrays into `state` (donated), ids `< valid_rows[table]` only.
 
-    Returns the new state and `{"table/key": checksum}` of the rows read (to compare with the saved ones).
+    Every stored array must have exactly `valid_rows` rows and the state's dtype (StoreReadError). Returns
+    the new state and `{"table/key": bound checksum}` of the values read (to compare with the saved ones).
     """
     context, sums, out = _context(), {}, {}
     multi = jax.process_count() > 1
@@ -193,20 +257,19 @@ def read_into_state(directory: str, plan: EmbeddingPlan, state: dict[str, Embedd
         arrays = _keys(state[s.name])
         for key in list(arrays):
             for i, p in enumerate(s.tables):
-                store = open_array(directory, p.table.name, key, context)
-                arrays[key], sums[f"{p.table.name}/{key}"] = _read_table(
-                    plan, s, i, arrays[key], store, valid_rows[p.table.name], (p.table.name, key), natural_width(s, key))
+                expect = Layout(arrays[key].dtype, natural_width(s, key), valid_rows[p.table.name])
+                store = open_array(directory, p.table.name, key, context, expect=expect)
+                arrays[key], part = _read_table(plan, s, i, arrays[key], store, (p.table.name, key))
+                sums[f"{p.table.name}/{key}"] = part, store.dtype.numpy_dtype, store.shape
         out[s.name] = EmbeddingVariables(arrays.pop(TABLE_KEY), arrays)
-    return out, {k: combine([v], multi) for k, v in sums.items()}
+    return out, {k: bind(combine([v], multi), dtype, shape) for k, (v, dtype, shape) in sums.items()}
 
 
-def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: ts.TensorStore, valid: int,
-                name: tuple[str, str], width: int) -> tuple[jax.Array, tuple[int, int]]:
-    """Writes ids `< valid` of table i (`width` columns in id order) from `store` into the stacked array `a`
-    (donated), chunk by chunk."""
-    S = s.num_shards
-    if store.shape[1] != width or store.shape[0] < valid:
-        raise StoreReadError(name, ValueError(f"stored shape {tuple(store.shape)}, expected [>= {valid}, {width}]"))
+def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: ts.TensorStore,
+                name: tuple[str, str]) -> tuple[jax.Array, tuple[int, int]]:
+    """Writes table i's rows (`[valid, width]` in id order, checked by `open_array`) from `store` into the
+    stacked array `a` (donated), chunk by chunk."""
+    S, (valid, width) = s.num_shards, store.shape
     m = chunk_rows(s, width * a.dtype.itemsize, CHUNK_BYTES)
     fn, (start, count, rotation) = write_chunk_fn(plan, s), table_range(s, i)
     sharding = plan.table_sharding()
@@ -232,7 +295,7 @@ def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: 
             if valid > lo:
                 xa, xb = partial_sums(x[: valid - lo], lo * row_words)
                 sa, sb = sa + xa, sb + xb
-            host.append(x.astype(a.dtype))
+            host.append(x)
         chunk = jax.make_array_from_single_device_arrays(
             (S * m, width), sharding, [jax.device_put(x, d) for x, (d, _) in zip(host, mine)])
         a = fn(a, chunk, np.array([c0, start, count, rotation, valid], np.int32))

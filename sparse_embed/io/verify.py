@@ -37,10 +37,11 @@ def verify_checkpoint(path: str | os.PathLike, *, step: int | None = None,
     the iteration over arrays (e.g. `tqdm`). Raises CheckpointError only if
     the step cannot be found.
     """
-    step_dir = resolve(path, step)
+    step_dir = os.fspath(path)
     try:
+        step_dir = resolve(path, step)
         info = read_info(step_dir)
-    except CorruptCheckpointError as e:
+    except CorruptCheckpointError as e:  # its metadata is missing or damaged: no array can be checked
         return Verification(step_dir, 0, (str(e),), True)
     progress = progress or (lambda it, **_: it)
     problems, checked = [], 0

@@ -280,3 +280,27 @@ def test_plain_file_is_not_a_checkpoint_directory(tmp_path, capsys):
         assert cli.main([command, str(f)]) == 1
         assert "is a file, not a checkpoint directory" in capsys.readouterr().err
     assert cli.main(["verify", str(tmp_path / "missing")]) == 1
+
+
+@pytest.mark.parametrize("damage", ["meta item removed", "meta file removed", "embeddings item removed"])
+def test_a_step_missing_an_item_falls_back_with_a_warning_naming_it(two_steps, tmp_path, capsys, damage):
+    path, values = two_steps
+    case = tmp_path / "case"
+    shutil.copytree(path, case)
+    target = {"meta item removed": "meta", "meta file removed": "meta/metadata",
+              "embeddings item removed": "embeddings"}[damage]
+    victim = case / "2" / target
+    shutil.rmtree(victim) if victim.is_dir() else victim.unlink()
+    with pytest.warns(UserWarning, match=r"Step 2 of .* is corrupt, trying an older step: .*2"):
+        step, tables, user = _restore(case)
+    assert step == 1
+    _assert_values((tables, user), values[1])
+    with pytest.raises(se.CorruptCheckpointError, match="2"):
+        _restore(case, step=2)
+    for args in (["verify", str(case)], ["verify", str(case), "--step", "2"], ["verify", str(case / "2")]):
+        assert cli.main(args) == 1
+        out = capsys.readouterr()
+        assert "CORRUPT:" in out.out and "of 0 arrays" not in out.err, (args, out)
+        if damage != "embeddings item removed":
+            assert "its metadata cannot be read, so none of its arrays can be checked" in out.err
+    assert cli.main(["verify", str(case), "--step", "1"]) == 0
