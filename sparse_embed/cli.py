@@ -8,17 +8,24 @@
 CKPT / SRC is a checkpoint manager directory (its latest complete step is
 used) or one step directory. `plan` prints `EmbeddingPlan.describe()` for
 the FeatureSpecs that `MODULE.NAME` holds (or returns, if callable), on N
-simulated devices. Errors print one line to stderr and exit 1; `verify`
-exits 1 when any array is corrupt.
+simulated devices. Errors print one line to stderr and exit 1, and a bad
+command line (an argument out of range, a missing one) prints one line and
+exits 2, as argparse does; `verify` exits 1 when any array is corrupt.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import math
 import os
 import re
 import sys
+from collections.abc import Iterator, Mapping
 
+PROG = "sparse-embed"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _human(n: float) -> str:
@@ -74,6 +81,9 @@ def _verify(args) -> int:
               "their values cannot be checked")
     elif v.ok:
         print(f"{v.step_dir}: all {v.checked} arrays match their checksums")
+    elif not v.checked:
+        print(f"{v.step_dir}: corrupt: its metadata cannot be read, so none of its arrays can be checked",
+              file=sys.stderr)
     else:
         print(f"{v.step_dir}: {len(v.problems)} of {v.checked} arrays are corrupt", file=sys.stderr)
     return 0 if v.ok else 1
@@ -89,82 +99,161 @@ def _convert(args) -> None:
     print(f"wrote {out}")
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a count of devices, 1 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
+def _step(text: str) -> int:
+    """An argparse type: a checkpoint step, 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a step number (an integer >= 0), got {text!r}")
+    return n
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (e.g. ids per sample)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return x
+
+
 def _bytes(text: str) -> int:
-    """"2GiB", "512 MiB", "1e9" -> bytes."""
-    m = re.fullmatch(r"\s*([\d.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1e9)")
-    unit = (m.group(2) or "B").replace("i", "")
-    return int(float(m.group(1)) * 1024 ** "BKMGT".index(unit[0]))
+    """An argparse type: "2GiB", "512 MiB", "1e9" -> bytes, at least 1."""
+    m = re.fullmatch(r"\s*((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([KMGT]i?B|B)?\s*", text)
+    size = float(m.group(1)) * 1024 ** "BKMGT".index((m.group(2) or "B")[0]) if m else math.nan
+    if not (math.isfinite(size) and size >= 1):
+        raise argparse.ArgumentTypeError(f"not a size of at least 1 byte: {text!r} (e.g. 2GiB, 512MiB, 1e9)")
+    return int(size)
+
+
+@contextlib.contextmanager
+def _simulated_devices(n: int) -> Iterator[None]:
+    """`XLA_FLAGS` asking for `n` CPU devices while JAX starts its backends, restored after.
+
+    XLA reads the flag when the first backend starts (the first `jax.devices()`
+    or computation), not at `import jax`, and importing sparse_embed starts
+    none; restoring it keeps a caller's environment (and its subprocesses') as it was.
+    """
+    old = os.environ.get("XLA_FLAGS")
+    others = re.sub(rf"{DEVICE_COUNT_FLAG}=\S*", "", old or "")
+    os.environ["XLA_FLAGS"] = f"{others} {DEVICE_COUNT_FLAG}={n}".strip()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = old
+
+
+def _load_features(target: str):
+    """The list or dict of FeatureSpecs that `MODULE:NAME` holds (or returns, if callable).
+
+    Whatever the user's module raises, and anything but FeatureSpecs, becomes a
+    ValueError naming `target`, which `main` prints as one line.
+    """
+    from sparse_embed.core.specs import FeatureSpec
+
+    module, _, name = target.partition(":")
+    sys.path.insert(0, os.getcwd())
+    try:
+        obj = getattr(importlib.import_module(module), name or "features")
+        obj = obj() if callable(obj) else obj
+    except Exception as e:  # the user's code: any error is an error of the argument  # noqa: BLE001
+        raise ValueError(f"cannot load the features {target!r}: {type(e).__name__}: {e}") from None
+    want = f"{target!r} must name a non-empty list or dict of FeatureSpecs (or a function returning one), got"
+    specs = list(obj.values()) if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else None
+    if specs is None:
+        raise ValueError(f"{want} {type(obj).__name__} {obj!r:.60}")
+    if not specs:
+        raise ValueError(f"{want} an empty {type(obj).__name__}")
+    bad = next((f for f in specs if not isinstance(f, FeatureSpec)), None)
+    if bad is not None:
+        raise ValueError(f"{want} a {type(obj).__name__} holding {type(bad).__name__} {bad!r:.60}")
+    return obj
 
 
 def _plan(args) -> None:
-    if "jax" not in sys.modules:  # simulated devices, before JAX starts
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={args.devices}").strip()
-    import importlib
-
     import jax
     import numpy as np
 
     import sparse_embed as se
 
-    module, _, name = args.features.partition(":")
-    sys.path.insert(0, os.getcwd())
-    try:
-        obj = getattr(importlib.import_module(module), name or "features")
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load the features {args.features!r}: {e}") from None
-    devices = jax.devices()
+    with _simulated_devices(args.devices):  # before the user's module, which may start a backend
+        features = _load_features(args.features)
+        devices = jax.devices()
+        devices = devices if len(devices) >= args.devices else jax.devices("cpu")
     if len(devices) < args.devices:
-        raise ValueError(f"--devices {args.devices}, but JAX has {len(devices)} devices")
+        raise ValueError(f"--devices {args.devices}, but JAX had started with {len(devices)} devices already")
     mesh = jax.sharding.Mesh(np.array(devices[: args.devices]), ("device",))
-    plan = se.plan(obj() if callable(obj) else obj, mesh, placement=args.placement, memory_budget=args.memory_budget,
+    plan = se.plan(features, mesh, placement=args.placement, memory_budget=args.memory_budget,
                    ids_per_sample=args.ids_per_sample)
     print(plan.describe())
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is reported as one line on stderr (exit 2), like every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{PROG}: error: {' '.join(message.split())}\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparse-embed",
-                                description="Inspect, verify and convert sparse_embed checkpoints; print plans.")
+    p = _Parser(prog=PROG, description="Inspect, verify and convert sparse_embed checkpoints; print plans.")
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("inspect", help="tables, shapes, dtypes, stacking and memory of a checkpoint")
     i.add_argument("ckpt")
-    i.add_argument("--step", type=int, default=None, help="step to read (default: the latest complete one)")
+    i.add_argument("--step", type=_step, default=None, help="step to read (default: the latest complete one)")
     i.set_defaults(fn=_inspect)
     v = sub.add_parser("verify", help="read every array of a step and check it against its checksum")
     v.add_argument("ckpt")
-    v.add_argument("--step", type=int, default=None, help="step to check (default: the latest complete one)")
+    v.add_argument("--step", type=_step, default=None, help="step to check (default: the latest complete one)")
     v.set_defaults(fn=_verify)
     c = sub.add_parser("convert", help="rewrite a training checkpoint in the current format, or export a serving one")
     c.add_argument("src")
     c.add_argument("dst")
-    c.add_argument("--devices", type=int, default=None, help="record N devices as its mesh size (it restores onto any mesh)")
+    c.add_argument("--devices", type=_positive_int, default=None,
+                   help="record N devices as its mesh size (it restores onto any mesh)")
     c.add_argument("--serving", action="store_true", help="write a serving checkpoint: tables only, no slots")
     c.add_argument("--dtype", default=None, choices=["bf16", "bfloat16", "f16", "float16", "f32", "float32"],
                    help="table dtype of a serving export")
-    c.add_argument("--step", type=int, default=None, help="step to read (default: the latest complete one)")
+    c.add_argument("--step", type=_step, default=None, help="step to read (default: the latest complete one)")
     c.set_defaults(fn=_convert)
     pl = sub.add_parser("plan", help="where each table of a model's features lives, its memory and traffic")
     pl.add_argument("features", help="MODULE:NAME of a list or dict of FeatureSpecs, or of a function returning one")
-    pl.add_argument("--devices", type=int, default=8, help="devices of the mesh (simulated on CPU)")
+    pl.add_argument("--devices", type=_positive_int, default=8, help="devices of the mesh (simulated on CPU)")
     pl.add_argument("--placement", default="auto", choices=["auto", "row", "table", "replicated", "column"])
     pl.add_argument("--memory-budget", type=_bytes, default=None, help="bytes per device, e.g. 2GiB")
-    pl.add_argument("--ids-per-sample", type=float, default=None, help="the cost model's ids per sample")
+    pl.add_argument("--ids-per-sample", type=_positive_float, default=None, help="the cost model's ids per sample")
     pl.set_defaults(fn=_plan)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.command == "convert" and args.dtype and not args.serving:
-        print("sparse-embed: error: --dtype applies to --serving exports only", file=sys.stderr)
-        return 2
+        p.error("argument --dtype: applies to --serving exports only")
     try:
         return args.fn(args) or 0
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         msg = " ".join(str(e).split())
-        print(f"sparse-embed: error: {msg}", file=sys.stderr)
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
         return 1
 
 

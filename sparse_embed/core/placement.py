@@ -27,8 +27,9 @@ plan, exactly, and a test checks it against the compiled program):
 
 `cheapest` takes the least; ties go to the earlier of row, table,
 replicated, column; `choose` then corrects "table" for the stacks it
-makes. Memory per device (`row_bytes` per row: the table's and its slots')
-decides what a `memory_budget` demotes.
+makes. Memory per device (`TableLoad.memory`: the padded rows and columns
+a device holds, times the bytes of the table's and its slots' row) decides
+where `to_move` takes a table when the plan exceeds a `memory_budget`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ import dataclasses
 import numpy as np
 
 ORDER = ("row", "table", "replicated", "column")
-DEMOTION = {"replicated": "table", "table": "row", "column": "row"}  # where a table moves to need less memory
+# Where `to_move` may take a table to need less memory: never "column", which needs at least what "row" needs
+# (`ceil(dim/D)` columns of every row, per-row slots whole), so "row" is always among the least.
+MOVE_TARGETS = ("row", "table", "replicated")
 SLOT_ITEMSIZE = 4  # optimizer slots are float32 (`core.state.SLOT_DTYPE`)
 
 
@@ -92,10 +95,20 @@ class TableLoad:
         return self.traffic(placement, num_devices, share) + work
 
     def memory(self, placement: str, num_devices: int) -> float:
-        """Bytes of the table and its slots on the devices that hold it."""
-        if placement == "column":  # a share of every row's columns, its per-row slots whole
-            return self.vocab * ((self.row_bytes - self.whole_bytes) / num_devices + self.whole_bytes)
-        return float(self.vocab * self.row_bytes / (num_devices if placement == "row" else 1))
+        """Bytes of the table and its slots on the devices that hold it, as the plan pads them.
+
+        Rows are padded to a multiple of D (`StackPlan`), and "column" gives
+        each device `ceil(dim/D)` columns of every row (its per-row slots
+        whole), so a table whose dim D does not divide needs more by columns
+        than by rows. Exact for every placement but "table", where a device
+        holds as many rows as the busiest device of the stack.
+        """
+        D = num_devices
+        rows = -(-self.vocab // D) * D
+        if placement == "column":
+            split = (self.row_bytes - self.whole_bytes) // max(self.dim, 1)  # bytes of one column of a row
+            return float(rows * (-(-self.dim // D) * split + self.whole_bytes))
+        return float(rows * self.row_bytes // (D if placement == "row" else 1))
 
 
 def row_bytes(table) -> int:
@@ -147,11 +160,26 @@ def choose(loads: dict[str, TableLoad], fixed: dict[str, str], stack_of, num_dev
     return chosen
 
 
-def to_demote(chosen: dict[str, str], fixed: dict[str, str], loads: dict[str, TableLoad], num_devices: int) -> str | None:
-    """The table to move to a placement that needs less memory: the largest that can be and is not fixed."""
-    saves = lambda n, p: p != "column" or loads[n].memory("row", num_devices) < loads[n].memory(p, num_devices)  # noqa: E731
-    movable = [n for n, p in chosen.items() if p in DEMOTION and n not in fixed and saves(n, p)]
-    return max(movable, key=lambda n: (loads[n].memory(chosen[n], num_devices), n), default=None)
+def to_move(chosen: dict[str, str], fixed: dict[str, str], loads: dict[str, TableLoad],
+            num_devices: int) -> tuple[str, str] | None:
+    """`(table, placement)`: where to move a table so the plan needs less memory per device, or None.
+
+    The largest table (by its memory where it is) that is not fixed and has
+    a `MOVE_TARGETS` placement needing less memory goes to the cheapest of
+    those (`cost`; ties as in `ORDER`): replicated to table, table to row,
+    column to row when its padding or per-row slots make it larger. Each
+    move lowers one table's memory, so the moves end, at worst with every
+    movable table on "row".
+    """
+    D = num_devices
+    moves = {}
+    for n, p in chosen.items():
+        now = loads[n].memory(p, D)
+        less = [q for q in MOVE_TARGETS if q != p and loads[n].memory(q, D) < now]
+        if n not in fixed and less:
+            moves[n] = min(less, key=lambda q: (loads[n].cost(q, D), ORDER.index(q)))
+    n = max(moves, key=lambda n: (loads[n].memory(chosen[n], D), n), default=None)
+    return None if n is None else (n, moves[n])
 
 
 def balance(items: list[tuple[str, TableLoad]], memory: list[float]) -> dict[str, int]:

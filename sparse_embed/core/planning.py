@@ -697,7 +697,12 @@ def _check_batch_sizes(feats: dict[str, FeatureSpec], num_shards: int, axis: str
 def _fit_budget(make, fixed: dict[str, str], loads: dict, num_shards: int,
                 memory_budget: int | None) -> tuple[StackPlan, ...]:
     """`make(placements)` of the cost model's choice, with tables moved to placements cheaper in memory
-    until the stacks fit the budget."""
+    (`core.placement.to_move`) until the stacks fit the budget.
+
+    The moves end only when every table not fixed needs no more memory where it is than on "row"
+    (memory per table is exact but for "table", which a move always leaves for "row" on D > 1 devices),
+    so a budget that the plan with those tables on "row" meets always gives a plan.
+    """
     groups = lambda chosen: {t.table.name: s.name for s in make(chosen) for t in s.tables}  # noqa: E731
     chosen = placement_lib.choose(loads, fixed, groups, num_shards)
     while True:
@@ -705,13 +710,13 @@ def _fit_budget(make, fixed: dict[str, str], loads: dict, num_shards: int,
         need = sum(s.memory_per_device() for s in stacks)
         if memory_budget is None or need <= memory_budget:
             return stacks
-        demote = placement_lib.to_demote(chosen, fixed, loads, num_shards)
-        if demote is None:
+        move = placement_lib.to_move(chosen, fixed, loads, num_shards)
+        if move is None:
             raise ValueError(
                 f"No placement fits memory_budget={memory_budget} bytes per device: the plan needs {need} "
                 f"({', '.join(f'{t}: {p}' for t, p in sorted(chosen.items()))}). Give more devices, a larger "
                 "budget or smaller tables, or let more tables be placed \"auto\".")
-        chosen[demote] = placement_lib.DEMOTION[chosen[demote]]
+        chosen[move[0]] = move[1]
 
 
 def _fixed_placements(tables: dict[str, TableSpec], placement: Any) -> dict[str, str]:

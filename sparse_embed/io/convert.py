@@ -159,7 +159,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
                                   "training checkpoints.")
         if dtype is not None:
             raise ValueError("dtype= applies to serving exports only (training tables keep the dtype of their spec).")
-        n = devices or info.num_shards
+        n = info.num_shards if devices is None else devices
         if n <= 0:
             raise ValueError(f"devices must be >= 1, got {n}.")
         keys = []

@@ -8,10 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import sparse_embed as se
 from sparse_embed import optimizers as opt
 from sparse_embed.core import kernels
+from sparse_embed.core import placement as placement_lib
 from sparse_embed.core.placement import TableLoad
 from benchmarks.measuring import hlo_collective_bytes
 from conftest import make_mesh
@@ -356,6 +358,80 @@ def test_memory_budget_demotes_until_the_plan_fits(mesh8):
     want = sum(s.rows_per_shard * 4 * (s.array_dim + (1 if s.first.name.startswith("l") else s.array_dim))
                for s in free.stacks)
     assert free.memory_per_device() == want
+
+
+def _narrow_workload():
+    """12-wide tables: on 8 devices "column" pads each row to 16 columns, more memory than "row" needs."""
+    return [se.FeatureSpec(f"f{i}", se.TableSpec(f"t{i}", 1000 * (i + 1), 12, optimizer=opt.Adagrad(0.1)), 64)
+            for i in range(3)]
+
+
+def test_memory_budget_moves_padded_columns_back_to_row(mesh8):
+    feats = _narrow_workload()
+    free, row = se.plan(feats, mesh8, placement="auto"), se.plan(feats, mesh8)
+    assert {s.placement for s in free.stacks} == {"column"}
+    assert free.memory_per_device() > row.memory_per_device()  # 2 of 12 columns per device, not 1.5
+    # the all-row plan's need, and every budget between it and the free choice's, gives a plan that fits
+    budgets = np.linspace(row.memory_per_device(), free.memory_per_device(), 6).astype(int)
+    for budget in budgets:
+        fit = se.plan(feats, mesh8, placement="auto", memory_budget=int(budget))
+        assert fit.memory_per_device() <= budget, budget
+    fit = se.plan(feats, mesh8, placement="auto", memory_budget=row.memory_per_device())
+    assert {s.placement for s in fit.stacks} == {"row"}
+    assert se.plan(feats, mesh8, placement="auto", memory_budget=free.memory_per_device()).stacks == free.stacks
+    with pytest.raises(ValueError, match=r"No placement fits .* the plan needs %d " % row.memory_per_device()):
+        se.plan(feats, mesh8, placement="auto", memory_budget=row.memory_per_device() - 1)
+
+
+def test_table_load_memory_is_what_the_plan_holds(mesh8):
+    """`TableLoad.memory` counts the rows and columns that the plan pads, for every placement it can size."""
+    rowwise = se.TableSpec("rw", 1001, 12, optimizer=opt.RowwiseAdagrad(0.1))  # a per-row slot, whole by columns
+    feats = _narrow_workload() + [se.FeatureSpec("r", rowwise, 64)]
+    loads = placement_lib.table_loads({f.name: f for f in feats}, {f.table.name: f.table for f in feats}, 8,
+                                      dict.fromkeys((f.name for f in feats), 1.0))
+    for p in ("row", "replicated", "column"):
+        plan = se.plan(feats, mesh8, placement=p, stacking=None)
+        for s in plan.stacks:
+            assert loads[s.first.name].memory(p, 8) == s.memory_per_device(), (p, s.name)
+    plan = se.plan(feats, mesh8, placement="table", stacking=None)  # alone in its stack: the whole padded table
+    for s in plan.stacks:
+        assert loads[s.first.name].memory("table", 8) == s.memory_per_device(), s.name
+
+
+@st.composite
+def _table_sets(draw):
+    """A few tables of random vocab, dim, optimizer, max_norm and dtype, each read by one or two features."""
+    devices = draw(st.sampled_from([1, 2, 4, 8]))
+    optimizers = [opt.SGD(0.1), opt.Adagrad(0.1), opt.RowwiseAdagrad(0.1), opt.Adam(0.01), opt.Custom(_sgd, ())]
+    feats = []
+    for i in range(draw(st.integers(1, 5))):
+        t = se.TableSpec(f"t{i}", draw(st.integers(1, 3000)), draw(st.integers(1, 40)),
+                         optimizer=draw(st.sampled_from(optimizers)),
+                         max_norm=draw(st.sampled_from([None, 1.0])),
+                         dtype=draw(st.sampled_from([np.float32, jnp.bfloat16])))
+        for j in range(draw(st.integers(1, 2))):
+            feats.append(se.FeatureSpec(f"f{i}_{j}", t, 8 * draw(st.integers(1, 64)),
+                                        max_sequence_length=draw(st.sampled_from([0, 0, 3]))))
+    ids = {f.name: draw(st.sampled_from([1, 4, 50])) for f in feats}
+    fixed = {f.table.name: "row" for f in feats if draw(st.integers(0, 9)) == 0}  # a few tables placed by hand
+    return devices, feats, ids, fixed, draw(st.sampled_from(["auto", None])), draw(st.floats(0, 1))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(_table_sets())
+def test_memory_budget_the_row_plan_meets_always_gives_a_plan(case):
+    devices, feats, ids, fixed, stacking, between = case
+    mesh = make_mesh(devices)
+    placement = fixed or "auto"  # {table: "row"}: the others "auto"
+    row = se.plan(feats, mesh, stacking=stacking).memory_per_device()
+    free = se.plan(feats, mesh, placement=placement, stacking=stacking, ids_per_sample=ids).memory_per_device()
+    # the all-row plan's need, and a budget between it and what the cost model's choice needs
+    for budget in {row, int(row + between * max(free - row, 0))}:
+        fit = se.plan(feats, mesh, placement=placement, stacking=stacking, ids_per_sample=ids, memory_budget=budget)
+        assert fit.memory_per_device() <= budget
+    if row > 0:
+        with pytest.raises(ValueError, match="No placement fits"):
+            se.plan(feats, mesh, placement=placement, stacking=stacking, ids_per_sample=ids, memory_budget=row - 1)
 
 
 def test_explicit_placements_override_auto_and_describe_prints_them(mesh8):

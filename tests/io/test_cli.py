@@ -122,3 +122,146 @@ def test_plan_prints_each_tables_placement(tmp_path, monkeypatch, capsys):
     assert "cannot load the features 'my_model:nothing'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["plan", "my_model:features", "--memory-budget", "lots"])
+
+
+_MODEL = (
+    "import sparse_embed as se\n"
+    "def features():\n"
+    "    small, big = se.TableSpec('small', 20, 8), se.TableSpec('big', 1000, 8)\n"
+    "    return [se.FeatureSpec('s', small, 64), se.FeatureSpec('b', big, 64)]\n"
+    "number = 3\n"
+    "numbers = {'a': 1, 'b': 2}\n"
+    "text = 'features'\n"
+    "nothing = []\n"
+    "def fails():\n"
+    "    raise RuntimeError('no features today')\n")
+
+
+def test_plan_console_script_simulates_the_devices_without_xla_flags(tmp_path):
+    """The documented `sparse-embed plan my_model:features --devices 8`, in a shell without XLA_FLAGS: importing
+    sparse_embed imports jax but starts no backend, so the command's flag still takes effect."""
+    exe = os.path.join(os.path.dirname(sys.executable), "sparse-embed")
+    if not os.path.exists(exe):
+        pytest.skip("console script not installed (pip install -e .)")
+    (tmp_path / "my_model.py").write_text(_MODEL)
+    (tmp_path / "elsewhere").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(tmp_path)
+    p = subprocess.run([exe, "plan", "my_model:features", "--devices", "8"], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=tmp_path / "elsewhere")
+    assert p.returncode == 0, p.stderr
+    assert "EmbeddingPlan on 8 device(s)" in p.stdout
+    assert {x.split()[0] for x in p.stdout.splitlines()[2:]} == {"small", "big"}
+
+
+def _write_model(tmp_path, monkeypatch) -> None:
+    """`my_model` (`_MODEL`) in the working directory, not the one an earlier test imported."""
+    (tmp_path / "my_model.py").write_text(_MODEL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_model", raising=False)
+
+
+def _run(argv: list[str]) -> int:
+    """`cli.main`'s exit status, whether it returns it or argparse exits."""
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("sparse-embed: error: ") and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("name, match", [
+    ("number", "got int 3"),
+    ("numbers", "got a dict holding int 1"),
+    ("text", "got str 'features'"),
+    ("nothing", "got an empty list"),
+    ("missing", "AttributeError: module 'my_model' has no attribute 'missing'"),
+    ("fails", "RuntimeError: no features today"),
+])
+def test_plan_of_something_else_than_feature_specs_is_one_line(tmp_path, monkeypatch, capsys, name, match):
+    _write_model(tmp_path, monkeypatch)
+    assert _run(["plan", f"my_model:{name}", "--devices", "2"]) == 1
+    err = _one_line_error(capsys)
+    assert f"'my_model:{name}'" in err and match in err
+
+
+@pytest.mark.parametrize("module, match", [
+    ("no_such_module", "ModuleNotFoundError: No module named 'no_such_module'"),
+    ("raises_on_import", "ValueError: configure me first"),
+    ("bad_syntax", "SyntaxError"),
+])
+def test_plan_of_a_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch, capsys, module, match):
+    (tmp_path / "raises_on_import.py").write_text("raise ValueError('configure me first')\n")
+    (tmp_path / "bad_syntax.py").write_text("def features(:\n")
+    monkeypatch.chdir(tmp_path)
+    assert _run(["plan", f"{module}:features"]) == 1
+    err = _one_line_error(capsys)
+    assert f"cannot load the features '{module}:features'" in err and match in err
+
+
+@pytest.mark.parametrize("argv, argument", [
+    (["plan", "m:f", "--devices", "0"], "--devices"),
+    (["plan", "m:f", "--devices", "-2"], "--devices"),
+    (["plan", "m:f", "--devices", "2.5"], "--devices"),
+    (["plan", "m:f", "--devices", "eight"], "--devices"),
+    (["plan", "m:f", "--memory-budget", "abc"], "--memory-budget"),
+    (["plan", "m:f", "--memory-budget=-1GiB"], "--memory-budget"),
+    (["plan", "m:f", "--memory-budget", "-1GiB"], "--memory-budget"),
+    (["plan", "m:f", "--memory-budget", "0"], "--memory-budget"),
+    (["plan", "m:f", "--memory-budget", "0.1B"], "--memory-budget"),
+    (["plan", "m:f", "--memory-budget", "1e400"], "--memory-budget"),
+    (["plan", "m:f", "--memory-budget", "2XB"], "--memory-budget"),
+    (["plan", "m:f", "--placement", "rows"], "--placement"),
+    (["plan", "m:f", "--ids-per-sample", "0"], "--ids-per-sample"),
+    (["plan", "m:f", "--ids-per-sample", "-3"], "--ids-per-sample"),
+    (["plan", "m:f", "--ids-per-sample", "nan"], "--ids-per-sample"),
+    (["inspect", "ck", "--step", "-1"], "--step"),
+    (["inspect", "ck", "--step", "x"], "--step"),
+    (["verify", "ck", "--step", "-1"], "--step"),
+    (["verify", "ck", "--step", "1.5"], "--step"),
+    (["convert", "ck", "out", "--step", "-4"], "--step"),
+    (["convert", "ck", "out", "--devices", "0"], "--devices"),
+    (["convert", "ck", "out", "--devices", "-2"], "--devices"),
+    (["convert", "ck", "out", "--serving", "--dtype", "int8"], "--dtype"),
+    (["convert", "ck", "out", "--dtype", "bf16"], "--dtype"),  # only for --serving
+])
+def test_bad_arguments_exit_2_with_one_line_naming_them(tmp_path, capsys, argv, argument):
+    argv = [str(tmp_path / a) if a in ("ck", "out") else a for a in argv]
+    assert _run(argv) == 2
+    err = _one_line_error(capsys)
+    assert f"argument {argument}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_good_arguments_still_parse():
+    args = cli.parser().parse_args(["plan", "m:f", "--devices", "1", "--memory-budget", "1.5 KiB",
+                                    "--ids-per-sample", "2.5", "--placement", "row"])
+    assert (args.devices, args.memory_budget, args.ids_per_sample, args.placement) == (1, 1536, 2.5, "row")
+    assert cli.parser().parse_args(["plan", "m:f", "--memory-budget", "1e9"]).memory_budget == 10**9
+    assert cli.parser().parse_args(["plan", "m:f", "--memory-budget", "2GiB"]).memory_budget == 2 * 2**30
+    assert cli.parser().parse_args(["verify", "ck", "--step", "0"]).step == 0
+    assert cli.parser().parse_args(["convert", "a", "b", "--devices", "3"]).devices == 3
+
+
+def test_plan_leaves_xla_flags_as_they_were(tmp_path, monkeypatch, capsys):
+    _write_model(tmp_path, monkeypatch)
+    before = os.environ.get("XLA_FLAGS")
+    assert cli.main(["plan", "my_model:features", "--devices", "2"]) == 0
+    assert "EmbeddingPlan on 2 device(s)" in capsys.readouterr().out
+    assert os.environ.get("XLA_FLAGS") == before
+
+
+@pytest.mark.parametrize("devices", [0, -2])
+def test_convert_checkpoint_rejects_a_device_count_below_one(tmp_path, devices):
+    t = se.TableSpec("items", 40, 4)
+    plan = se.plan({"i": se.FeatureSpec("i", t, 8)}, make_mesh(1))
+    with se.CheckpointManager(tmp_path / "ck", async_save=False) as m:
+        m.save(1, plan, se.init_tables(plan, jax.random.key(0)))
+    with pytest.raises(ValueError, match=f"devices must be >= 1, got {devices}"):
+        se.convert_checkpoint(tmp_path / "ck", tmp_path / "out", devices=devices)
+    assert not (tmp_path / "out").exists()
