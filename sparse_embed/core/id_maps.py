@@ -36,7 +36,7 @@ from sparse_embed.core.batch import ShardedCooMatrix
 from sparse_embed.core.initializers import TruncatedNormal, mix32, seeds, truncated_normal_rows
 from sparse_embed.core.key_set import FREE, KeySet
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
-from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
+from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state
 from sparse_embed.core.tables import table_key
 
 
@@ -338,16 +338,44 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     return batch, v, mapped.ids, stats
 
 
-def check_raw_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix], id_maps) -> None:
-    """Clear errors for a batch or maps that do not fit the plan's raw-id stacks."""
+def _check_raw_coo(plan: EmbeddingPlan, stack: StackPlan, coo: ShardedCooMatrix) -> None:
+    """One raw-id stack's batch entry: keyed, and shaped (`[D, S * capacity]`) and typed as this plan's."""
+    if not isinstance(coo, ShardedCooMatrix):
+        raise TypeError(f"Stack {stack.name!r}: batch entry must be a ShardedCooMatrix, got {type(coo).__name__}.")
+    if coo.keys is None:
+        raise ValueError(f"Stack {stack.name!r} is keyed by raw ids but its batch holds rows (no keys): it was "
+                         "already mapped, or built for a plan where the table is not dynamic.")
+    D, S, n = plan.num_shards, stack.num_shards, tuple(coo.col_ids.shape)
+    arrays = coo[:6]  # shard_starts, shard_ends, col_ids, row_ids, values, keys
+    shapes = [(D, S), (D, S), n, n, n, (*n, 2)]
+    dtypes = [jnp.int32] * 4 + [jnp.float32, jnp.int32]
+    if (len(n) != 2 or n[0] != D or n[1] % S or any(tuple(x.shape) != w for x, w in zip(arrays, shapes))
+            or any(x.dtype != w for x, w in zip(arrays, dtypes))):
+        raise ValueError(f"Stack {stack.name!r}: batch arrays have shapes {[tuple(x.shape) for x in arrays]} and "
+                         f"dtypes {[str(x.dtype) for x in arrays]}, which do not fit this plan ({D} devices, {S} "
+                         "shards): the batch was built by another plan; build it with "
+                         "sparse_embed.preprocess(plan, ...).")
+
+
+def check_raw_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix], id_maps,
+                    tables: Mapping[str, EmbeddingVariables]) -> None:
+    """Clear errors for a batch, tables or maps that do not fit the plan, before `map_ids` reads an array.
+
+    Only the stacks' names and the arrays' shapes tell which plan built a batch: one from a plan that stacks
+    its tables otherwise, or from another mesh, is named as such (not a KeyError or a shard_map error).
+    """
     dyn = {s.name for s in dynamic_stacks(plan)}
     if set(id_maps) != dyn:
         raise ValueError(f"id_maps has stacks {sorted(id_maps)} but the plan's raw-id stacks are {sorted(dyn)}; "
                          "make them with sparse_embed.init_id_maps(plan, rng).")
-    for name in dyn:
-        if batch[name].keys is None:
-            raise ValueError(f"Stack {name!r} is keyed by raw ids but its batch holds rows (no keys): it was "
-                             "already mapped, or built for a plan where the table is not dynamic.")
+    missing, unknown = sorted(set(plan.stack_names) - set(batch)), sorted(set(batch) - set(plan.stack_names))
+    if missing or unknown:
+        raise ValueError(f"batch has stacks {sorted(batch)} but the plan has {sorted(plan.stack_names)} (stacks "
+                         f"missing {missing}, unknown {unknown}): the batch was built by another plan (other tables, "
+                         "or tables stacked otherwise); build it with sparse_embed.preprocess(plan, ...).")
+    check_state(plan, tables)
+    for s in dynamic_stacks(plan):
+        _check_raw_coo(plan, s, batch[s.name])
 
 
 def map_ids(
@@ -367,7 +395,7 @@ def map_ids(
     Stacks without raw ids pass through. `train=False` (eval) admits,
     evicts and touches nothing: unknown ids read zeros.
     """
-    check_raw_batch(plan, batch, id_maps)
+    check_raw_batch(plan, batch, id_maps, tables)
     return _map_jit(plan, train, dict(batch), dict(tables), dict(id_maps), jnp.asarray(step, jnp.int32))
 
 

@@ -9,6 +9,11 @@ Accepted per feature (`weights` has the same structure, floats):
 - ragged: a *list* of B 1-D int arrays, or a *tuple* `(values, row_lengths)`.
   Ragged input has no padding value: every id must be valid.
 
+A list holds one row per sample (all 1-D: ragged) or one id per sample (all
+scalars: dense `[B]`); anything else (a 2-D or unevenly nested row, rows
+mixed with scalars) is an error naming the sample, as is any input numpy
+cannot read as an array. uint64 ids must be < 2**63 (int64 would wrap them).
+
 (`serving_lookup` also takes SparseTensor-style COO; see `io.serving`.)
 
 Two stages. `canonical` checks the structure (types, shapes, batch size)
@@ -31,6 +36,8 @@ from sparse_embed.core.specs import FeatureSpec
 from sparse_embed.host import native
 
 PADDING_ID = -1
+INT64_MAX = 2**63 - 1
+_UINT64 = np.dtype(np.uint64)
 
 
 class FlatIds(NamedTuple):
@@ -80,18 +87,35 @@ def _bad_id(feature: FeatureSpec, value: int, sample: int, padding_ok: bool) -> 
 
 
 def _bad_weight(feature: FeatureSpec, weight: np.float32, sample: int) -> ValueError:
-    return error(feature, f"weight {weight} for sample {sample} is not finite.")
+    why = " (weights are float32: past +-3.4e38 they are inf)" if np.isinf(weight) else ""
+    return error(feature, f"weight {weight} for sample {sample} is not finite{why}.")
 
 
 def _concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def _read(feature: FeatureSpec, x: Any, what: str, xp) -> Any:
+    """x as an array (traced arrays as they are): a named error where numpy or jax can make none of it
+    (nested unevenly, say), instead of theirs."""
+    if not _concrete(x):
+        return x
+    try:
+        return xp.asarray(x)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise error(feature, f"{what} could not be read as an array: {e}") from e
+
+
 def _int_array(feature: FeatureSpec, x: Any, what: str, xp) -> Any:
     """x as int32 or int64 (other integer dtypes become int64; jax arrays keep their int dtype)."""
-    a = xp.asarray(x) if _concrete(x) else x
+    return _as_int(feature, _read(feature, x, what, xp), what, xp)
+
+
+def _as_int(feature: FeatureSpec, a: Any, what: str, xp) -> Any:
+    """`_int_array` of an array `_read` made."""
     if a.dtype == object:
-        raise error(feature, f"{what} could not be read as an integer array (ragged rows must be a list of arrays).")
+        raise error(feature, f"{what} must be integers, got dtype object (values past int64, None or other "
+                             "objects; ragged rows go in a list).")
     if a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
         if a.size == 0 and a.dtype in (np.float64, np.float32):  # np.asarray([]) is float64
             return a.astype(np.int32 if xp is not np else np.int64)
@@ -99,8 +123,23 @@ def _int_array(feature: FeatureSpec, x: Any, what: str, xp) -> Any:
     return a if xp is not np or a.dtype in (np.int32, np.int64) else a.astype(np.int64)
 
 
+def _id_array(feature: FeatureSpec, x: Any, what: str, xp, sample: int | None = None) -> Any:
+    """`_int_array` for ids: uint64 ids past int64 are out of range (the cast would wrap 2**64 - 1 to -1, padding).
+
+    Costs a pass over the ids only for uint64 input.
+    """
+    a = _read(feature, x, what, xp)
+    if a.dtype == _UINT64 and _concrete(a) and a.size and (top := int(a.max())) > INT64_MAX:
+        if feature.table.dynamic is not None:
+            raise error(feature, f"raw id {top} is out of range: raw ids must be < 2**63.")
+        where = "" if sample is None else f" in sample {sample}"
+        raise error(feature, f"id {top}{where} is out of range: ids must be < vocabulary_size "
+                             f"{feature.table.vocabulary_size}.")
+    return _as_int(feature, a, what, xp)
+
+
 def _float_array(feature: FeatureSpec, x: Any, shape: tuple[int, ...], what: str, xp) -> Any:
-    a = xp.asarray(x) if _concrete(x) else x
+    a = _read(feature, x, what, xp)
     if a.dtype == object or a.dtype == bool or not (np.issubdtype(a.dtype, np.floating)
                                                     or np.issubdtype(a.dtype, np.integer)):
         raise error(feature, f"{what} must be numbers, got dtype {a.dtype}.")
@@ -109,17 +148,40 @@ def _float_array(feature: FeatureSpec, x: Any, shape: tuple[int, ...], what: str
     return a if a.dtype == np.float32 else a.astype(np.float32)
 
 
-def _is_ragged_list(x: Any) -> bool:
-    return isinstance(x, list) and len(x) > 0 and all(np.ndim(r) == 1 for r in x)
+def _row_ndim(row: Any) -> int | None:
+    """A list element's number of dimensions as numpy reads it; None if it is nested unevenly."""
+    try:
+        return np.ndim(row)
+    except (ValueError, TypeError):  # numpy: "setting an array element with a sequence... inhomogeneous"
+        return None
 
 
-def structure(x: Any) -> str:
-    """Which input format `x` is: "pair" (a tuple), "list" (ragged rows) or "dense"."""
+def _row_kind(row: Any, ndim: int | None) -> str:
+    """What a list element that is not a 1-D row is, for the error."""
+    if ndim is None:
+        return "are nested unevenly"
+    return "are a single value, not a row" if ndim == 0 else f"are {ndim}-D, shape {np.shape(row)}"
+
+
+def structure(feature: FeatureSpec, x: Any, what: str = "ids") -> str:
+    """Which input format `x` is: "pair" (a tuple), "list" (ragged rows) or "dense".
+
+    A non-empty list must be all 1-D rows (ragged) or all scalars (dense `[B]`): else a
+    ValueError naming the first sample that is neither (numpy's own error names nothing).
+    """
     if isinstance(x, tuple):
         return "pair"
-    if _is_ragged_list(x):
+    if not isinstance(x, list) or not x:
+        return "dense"
+    dims = [_row_ndim(r) for r in x]
+    if all(d == 1 for d in dims):
         return "list"
-    return "dense"
+    if all(d == 0 for d in dims):
+        return "dense"
+    want = 1 if 1 in dims else 0  # rows (ragged) if any sample has one, else one id per sample
+    i = next(i for i, d in enumerate(dims) if d != want)
+    raise error(feature, f"{what} of sample {i} {_row_kind(x[i], dims[i])}: a list holds one 1-D row per sample "
+                         "(ragged) or one value per sample.")
 
 
 def fixed_width(x: Any) -> int | None:
@@ -178,7 +240,7 @@ def _pair(feature: FeatureSpec, ids: tuple, weights: Any, xp) -> tuple:
     """(values, lengths, weights) of ragged `(values, row_lengths)` input."""
     if len(ids) != 2:
         raise error(feature, f"a ragged tuple must be (values, row_lengths), got a tuple of {len(ids)}.")
-    values = _int_array(feature, ids[0], "ids", xp)
+    values = _id_array(feature, ids[0], "ids", xp)
     lengths = _int_array(feature, ids[1], "row_lengths", xp)
     if xp is np:
         lengths = lengths.astype(np.int64, copy=False)
@@ -187,15 +249,15 @@ def _pair(feature: FeatureSpec, ids: tuple, weights: Any, xp) -> tuple:
         return values, lengths, None
     if not isinstance(weights, tuple) or len(weights) != 2:
         raise error(feature, "weights must be (values, row_lengths) like the ids.")
-    if _concrete(weights[1]) and _concrete(lengths) and not np.array_equal(np.asarray(weights[1]),
-                                                                            np.asarray(lengths)):
+    w_lengths = _int_array(feature, weights[1], "weights' row_lengths", xp)
+    if _concrete(w_lengths) and _concrete(lengths) and not np.array_equal(np.asarray(w_lengths), np.asarray(lengths)):
         raise error(feature, "weights' row_lengths differ from the ids' row_lengths.")
     return values, lengths, _float_array(feature, weights[0], values.shape, "weights", xp)
 
 
 def _list(feature: FeatureSpec, ids: list, weights: Any, xp) -> tuple:
     """(values, lengths, weights) of a ragged list of rows."""
-    rows = [_int_array(feature, r, f"ids of sample {i}", xp) for i, r in enumerate(ids)]
+    rows = [_id_array(feature, r, f"ids of sample {i}", xp, i) for i, r in enumerate(ids)]
     lengths = np.array([r.shape[0] for r in rows], np.int64)
     values = xp.concatenate(rows) if rows else xp.zeros((0,), np.int32)
     if weights is None:
@@ -208,10 +270,22 @@ def _list(feature: FeatureSpec, ids: list, weights: Any, xp) -> tuple:
 
 def _dense(feature: FeatureSpec, ids: Any, weights: Any, xp) -> tuple:
     """(values [B] or [B, L], None, weights) of dense input."""
-    a = _int_array(feature, ids, "ids", xp)
+    a = _id_array(feature, ids, "ids", xp)
     if a.ndim not in (1, 2):
         raise error(feature, f"dense ids must be 1-D [batch] or 2-D [batch, L], got shape {tuple(a.shape)}.")
     return a, None, None if weights is None else _float_array(feature, weights, a.shape, "weights", xp)
+
+
+def _parse(feature: FeatureSpec, ids: Any, weights: Any, xp) -> tuple:
+    """(values, lengths, weights) of any input format (lengths None: dense)."""
+    fast = _native_rows(ids, weights) if xp is np and isinstance(ids, list) else None  # skips a loop over rows
+    if fast is not None:
+        return fast
+    kind = structure(feature, ids)
+    w_kind = kind if weights is None else structure(feature, weights, "weights")
+    if w_kind != kind:
+        raise error(feature, f"weights are {w_kind} but ids are {kind}; give them the same structure.")
+    return {"pair": _pair, "list": _list, "dense": _dense}[kind](feature, ids, weights, xp)
 
 
 def canonical(feature: FeatureSpec, ids: Any, weights: Any = None, *, xp=np, check_batch: bool = True) -> CanonicalIds:
@@ -221,14 +295,10 @@ def canonical(feature: FeatureSpec, ids: Any, weights: Any = None, *, xp=np, che
     `check_batch` requires `B == feature.batch_size`. A dense `[B]` becomes
     `[B, 1]`.
     """
-    fast = _native_rows(ids, weights) if xp is np and isinstance(ids, list) else None  # skips a loop over rows
-    if fast is not None:
-        values, lengths, w = fast
-    else:
-        kind = structure(ids)
-        if weights is not None and structure(weights) != kind:
-            raise error(feature, f"weights are {structure(weights)} but ids are {kind}; give them the same structure.")
-        values, lengths, w = {"pair": _pair, "list": _list, "dense": _dense}[kind](feature, ids, weights, xp)
+    # Weights past float32's range become inf, which the finite checks name: not numpy's overflow warning (an
+    # exception under `-W error`). One context for the feature, not one per row.
+    with np.errstate(over="ignore"):
+        values, lengths, w = _parse(feature, ids, weights, xp)
     one_d = lengths is None and values.ndim == 1
     batch = values.shape[0] if lengths is None else lengths.shape[0]
     if check_batch and batch != feature.batch_size:
@@ -245,7 +315,11 @@ def checked(feature: FeatureSpec, ids: Any, weights: Any = None, *, raw: bool = 
 
     Needs the C extension (`native.extension()` is not None). `raw`: as `flatten`'s.
     """
-    c = canonical(feature, ids, weights)
+    return validated(feature, canonical(feature, ids, weights), raw=raw)
+
+
+def validated(feature: FeatureSpec, c: CanonicalIds, *, raw: bool = False) -> CanonicalIds:
+    """`checked` of ids `canonical` already read (`raw_ids` adds its own checks in between)."""
     vocab = -1 if raw else feature.table.vocabulary_size  # -1: any id in [0, 2**63)
     bad_id, bad_weight = native.extension().validate(c.ids, c.weights, vocab, c.dense)
     if bad_id >= 0:
@@ -260,7 +334,11 @@ def flatten(feature: FeatureSpec, ids: Any, weights: Any = None, *, raw: bool = 
 
     `raw`: the ids are raw ids of a `dynamic` table (any int64 >= 0), not rows.
     """
-    c = canonical(feature, ids, weights)
+    return flattened(feature, canonical(feature, ids, weights), raw=raw)
+
+
+def flattened(feature: FeatureSpec, c: CanonicalIds, *, raw: bool = False) -> FlatIds:
+    """`flatten` of ids `canonical` already read."""
     if c.dense:
         keep = c.ids != PADDING_ID
         samples, positions = np.nonzero(keep)

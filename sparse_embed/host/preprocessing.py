@@ -24,12 +24,14 @@ from sparse_embed.host.raw_ids import checked_raw, flatten_raw, partition_raw
 
 
 def _check_keys(plan: EmbeddingPlan, ids, weights) -> dict:
+    """`weights` as a mapping; errors listing the features `ids` or `weights` lack or have beyond the plan's."""
     features = plan.features
-    if not isinstance(ids, Mapping):
-        raise TypeError(f"ids must be a mapping feature name -> ids, got {type(ids).__name__}.")
     weights = {} if weights is None else weights
     for what, given in (("ids", ids), ("weights", weights)):
-        unknown = sorted(set(given) - set(features))
+        if not isinstance(given, Mapping):
+            raise TypeError(f"{what} must be a mapping feature name -> {what}, got {type(given).__name__}.")
+    for what, given in (("ids", ids), ("weights", weights)):
+        unknown = sorted(set(given) - set(features), key=str)  # (key=str: names of any type, e.g. 1 and 'a')
         if unknown:
             raise ValueError(f"{what} has unknown features {unknown}; the plan's features are {sorted(features)}.")
     missing = sorted(set(features) - set(ids))

@@ -16,10 +16,8 @@ from typing import Any
 import numpy as np
 
 from sparse_embed.core.planning import StackPlan
-from sparse_embed.host.ids import CanonicalIds, FlatIds, checked, error, flatten
+from sparse_embed.host.ids import CanonicalIds, FlatIds, canonical, error, flattened, validated
 from sparse_embed.host.partition import Partitioned, gains, partition_native
-
-MAX_ID = 2**63 - 1
 
 
 def owner_shards(ids: np.ndarray, num_shards: int) -> np.ndarray:
@@ -45,41 +43,27 @@ def join_words(words: np.ndarray) -> np.ndarray:
     return ((w[:, 0] << np.uint64(32)) | w[:, 1]).astype(np.int64)
 
 
-def _uint64_parts(x: Any) -> list:
-    """The integer arrays inside one feature's input (to find uint64 values >= 2**63)."""
-    if isinstance(x, tuple):
-        return [x[0]]
-    if isinstance(x, list):
-        return list(x)
-    return [x]
+def _within_id_bits(feature, c: CanonicalIds) -> CanonicalIds:
+    """Every id below `2**id_bits` if the table declares it (a pass over the ids only then).
 
-
-def _check_range(feature, ids: Any) -> None:
-    """uint64 ids below 2**63, and every id below `2**id_bits` if the table declares it (other problems:
-    `flatten`'s errors)."""
+    Runs on what `canonical` read (which already rejects uint64 ids >= 2**63), so every input format and
+    every malformed one get `canonical`'s checks first; negative ids: `validated`'s or `flattened`'s errors.
+    """
     bits = feature.table.dynamic.id_bits
-    for part in _uint64_parts(ids):
-        a = np.asarray(part)
-        if not a.size or not (a.dtype == np.uint64 or (bits is not None and a.dtype.kind in "iu")):
-            continue  # (no pass over the ids unless one can be out of range)
-        top = int(a.max())
-        if top > MAX_ID:
-            raise error(feature, f"raw id {top} is out of range: raw ids must be < 2**63.")
-        if bits is not None and top >= 2**bits:
-            raise error(feature, f"raw id {top} is out of range: the table's ids must be < 2**{bits} "
-                                 f"(Dynamic(id_bits={bits})).")
+    if bits is not None and c.ids.size and int(c.ids.max()) >= 2**bits:
+        raise error(feature, f"raw id {int(c.ids.max())} is out of range: the table's ids must be < 2**{bits} "
+                             f"(Dynamic(id_bits={bits})).")
+    return c
 
 
 def flatten_raw(feature, ids: Any, weights: Any = None) -> FlatIds:
     """`flatten` for a raw-id table: ids are integers in `[0, 2**63)` (dense -1 = padding), as int64."""
-    _check_range(feature, ids)
-    return flatten(feature, ids, weights, raw=True)
+    return flattened(feature, _within_id_bits(feature, canonical(feature, ids, weights)), raw=True)
 
 
 def checked_raw(feature, ids: Any, weights: Any = None) -> CanonicalIds:
     """`flatten_raw`'s checks in C, without flattening (the input of `partition_raw`'s C path)."""
-    _check_range(feature, ids)
-    return checked(feature, ids, weights, raw=True)
+    return validated(feature, _within_id_bits(feature, canonical(feature, ids, weights)), raw=True)
 
 
 def _entries(stack: StackPlan, flats: dict[str, FlatIds]):

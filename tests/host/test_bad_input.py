@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 import sparse_embed as se
 import reference as ref
+from conftest import make_mesh
 
 
 
@@ -59,6 +62,16 @@ def test_non_finite_weights(setup, bad):
     _expect(setup, F + r"weight .* for sample 5 is not finite", weights={"f": w})
 
 
+def test_weights_past_float32_are_not_finite(setup):
+    """float64 weights past float32's range: the finite check's error (inf), never numpy's overflow warning."""
+    w = np.ones((8, 2))
+    w[5, 1] = -1e300
+    _expect(setup, F + r"weight -inf for sample 5 is not finite \(weights are float32", weights={"f": w})
+    _expect(setup, G + r"weight inf for sample 3 is not finite \(weights are float32",  # a list: the C path
+            weights={"g": [np.ones(1)] * 3 + [np.array([1e300])] + [np.ones(1)] * 4})
+    _expect(setup, G + r"weight inf for sample 0 is not finite", weights={"g": [[1e300]] + [[1.0]] * 7})  # numpy
+
+
 def test_weights_structure_and_shape(setup):
     _expect(setup, F + "weights are list but ids are dense", weights={"f": [np.ones(2)] * 8})
     _expect(setup, F + r"weights have shape \(8, 3\), but the ids have shape \(8, 2\)", weights={"f": np.ones((8, 3))})
@@ -73,6 +86,55 @@ def test_ragged_pair_errors(setup):
     _expect(setup, F + "row_lengths sum to 9 but there are 8 values", {"f": (np.ones(8, int), np.r_[2, np.ones(7, int)])})
     _expect(setup, F + "row_lengths must be >= 0", {"f": (np.ones(8, int), np.r_[-1, 2, np.ones(6, int)])})
     _expect(setup, F + r"a ragged tuple must be \(values, row_lengths\)", {"f": (np.ones(8, int),)})
+
+
+@pytest.mark.parametrize("ids, match", [
+    ([np.ones((2, 2), int)] + [np.array([1])] * 7, r"ids of sample 0 are 2-D, shape \(2, 2\)"),
+    ([np.array([1])] * 7 + [[[1], [2, 3]]], "ids of sample 7 are nested unevenly"),
+    ([[1, [2]]] + [[1]] * 7, "ids of sample 0 are nested unevenly"),
+    ([np.array([1])] * 3 + [4] + [np.array([1])] * 4, "ids of sample 3 are a single value, not a row"),
+    ([[np.array([1]), np.array([2, 3])]] * 8, "ids of sample 0 are nested unevenly"),
+    ([np.ones((1, 2), int)] * 8, r"ids of sample 0 are 2-D"),
+    (([[1], [2, 3]], np.ones(8, int)), "ids could not be read as an array"),
+    ((np.ones(8, int), [[1], [1, 1]] + [1] * 6), "row_lengths could not be read as an array"),
+], ids=["2d_row", "nested_row", "uneven_row", "scalar_among_rows", "list_of_arrays_row", "all_2d_rows",
+        "pair_values", "pair_lengths"])
+def test_nested_ragged_input(setup, ids, match):
+    """A ragged row that is 2-D or nested: a ValueError naming the feature (and the sample), never numpy's."""
+    _expect(setup, F + match, {"f": ids})
+
+
+@pytest.mark.parametrize("ids, match", [
+    ((), r"a ragged tuple must be \(values, row_lengths\), got a tuple of 0"),
+    ([np.ones((2, 2), int)] + [np.array([1])] * 7, r"ids of sample 0 are 2-D"),
+    ([[2**63]] * 8, r"raw id 9223372036854775808 is out of range: raw ids must be < 2\*\*63"),
+    (([[1], [2, 3]], np.ones(8, int)), "ids could not be read as an array"),
+], ids=["empty_tuple", "2d_row", "past_int64", "pair_values"])
+def test_malformed_raw_ids(ids, match):
+    """A raw-id table's input goes through the same parser first (its range checks run on what it read)."""
+    t = se.TableSpec("users", 100, 4, dynamic=se.Dynamic())
+    plan = se.plan([se.FeatureSpec("u", t, 8)], make_mesh(2))
+    with pytest.raises(ValueError, match=r"Feature 'u' \(table 'users'\): " + match):
+        se.preprocess(plan, {"u": ids})
+
+
+def test_nested_weights(setup):
+    _expect(setup, F + "weights of sample 0 are nested unevenly", {"f": [np.array([1, 2])] * 8},
+            {"f": [[1.0, [2.0]]] * 8})
+    _expect(setup, F + "weights of sample 7 are a single value", {"f": [np.array([1])] * 8},
+            {"f": [np.ones(1)] * 7 + [1.0]})
+    _expect(setup, F + "weights' row_lengths could not be read as an array", {"f": (np.ones(8, int), np.ones(8, int))},
+            {"f": (np.ones(8), [[1], [1, 1]] + [1] * 6)})
+
+
+@pytest.mark.parametrize("ids", [np.full((8, 2), 2**64 - 1, np.uint64), np.full(8, 2**63, np.uint64),
+                                 [np.array([2**63], np.uint64)] * 8, [[2**63]] * 8,
+                                 (np.full(8, 2**64 - 1, np.uint64), np.ones(8, int))],
+                         ids=["dense_max", "1d", "list_rows", "python_ints", "pair"])
+def test_uint64_ids_past_int64_never_wrap(setup, ids):
+    """uint64 ids >= 2**63 are out of range; cast to int64 they would wrap (2**64 - 1 would read as -1, padding)."""
+    _expect(setup, F + r"id (18446744073709551615|9223372036854775808)( in sample 0)? is out of range: "
+                       r"ids must be < vocabulary_size 20", {"f": ids})
 
 
 def test_dense_rank(setup):
@@ -90,6 +152,11 @@ def test_missing_and_unknown_features(setup):
         se.preprocess(plan, good, {"h": np.ones((8, 2))})
     with pytest.raises(TypeError, match="mapping"):
         se.preprocess(plan, [good["f"]])
+    for weights in (["f"], 5, np.ones((8, 2))):  # not a mapping: never an AttributeError or "unhashable"
+        with pytest.raises(TypeError, match="weights must be a mapping feature name -> weights"):
+            se.preprocess(plan, good, weights)
+    with pytest.raises(ValueError, match=r"ids has unknown features \[1, 'h'\]"):  # names of mixed types sort
+        se.preprocess(plan, {**good, 1: good["f"], "h": good["f"]})
 
 
 @pytest.mark.parametrize("rows", [4, 9, 16])
@@ -121,6 +188,31 @@ def test_lookup_rejects_foreign_batch_and_tables(setup, mesh8):
     with pytest.raises(TypeError, match="ShardedCooMatrix"):
         se.lookup(plan, {"tbl": tuple(batch["tbl"])}, tables)
 
+
+
+def test_map_ids_rejects_a_batch_built_by_another_plan():
+    """Same table names, but static and auto-stacked (or another mesh): a ValueError naming the stacks, never a
+    KeyError or a shard_map shape error."""
+    visitors = se.TableSpec("visitors", 100, 4, dynamic=se.Dynamic())
+    feats = [se.FeatureSpec("v", visitors, 8), se.FeatureSpec("i", se.TableSpec("items", 100, 4), 8)]
+    plan = se.plan(feats, make_mesh(2))
+    tables, maps = se.init_tables(plan, jax.random.key(0)), se.init_id_maps(plan, jax.random.key(0))
+    ids = {"v": np.arange(8), "i": np.arange(8)}
+    static = se.plan([se.FeatureSpec("v", dataclasses.replace(visitors, dynamic=None), 8), feats[1]], make_mesh(2))
+    assert static.stack_names == ("items_visitors",)
+    with pytest.raises(ValueError, match=r"batch has stacks \['items_visitors'\] but the plan has \['items', "
+                                         r"'visitors'\] \(stacks missing \['items', 'visitors'\], unknown "
+                                         r"\['items_visitors'\]\): the batch was built by another plan"):
+        se.map_ids(plan, se.preprocess(static, ids)[0], tables, maps, 0)
+    other_mesh = se.plan(feats, make_mesh(1))
+    with pytest.raises(ValueError, match=r"Stack 'visitors': batch arrays have shapes .* which do not fit this "
+                                         r"plan \(2 devices, 2 shards\): the batch was built by another plan"):
+        se.map_ids(plan, se.preprocess(other_mesh, ids)[0], tables, maps, 0)
+    batch, _ = se.preprocess(plan, ids)
+    with pytest.raises(ValueError, match=r"tables do not match the plan: stacks missing \['visitors'\]"):
+        se.map_ids(plan, batch, {"items": tables["items"]}, maps, 0)
+    with pytest.raises(TypeError, match="Stack 'visitors': batch entry must be a ShardedCooMatrix"):
+        se.map_ids(plan, {**batch, "visitors": tuple(batch["visitors"])}, tables, maps, 0)
 
 # ---------------------------------------------------------------- ids that would land on padding or another table
 @pytest.fixture
