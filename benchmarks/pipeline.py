@@ -215,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     environment.configure_devices(cfg.workload.devices)
     import sparse_embed
 
-    sparse_embed.configure_xla_cpu()  # before the backend starts: no whole-table copies in the generic kernel
+    sparse_embed.tuning.configure_xla_cpu()  # before the backend starts: no whole-table copies in the generic kernel
 
     pipeline = Pipeline.create(cfg.workload, environment.make_mesh(cfg.workload.devices), cfg.seed)
     load_before = os.getloadavg()[0]

@@ -76,7 +76,7 @@ def _hlo_bytes(plan, tables, batch) -> float:
 
 
 def run(args) -> dict:
-    se.configure_xla_cpu()
+    se.tuning.configure_xla_cpu()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.devices]), ("d",))
     feats = features(args)
     hot = ids_per_sample(args, feats)

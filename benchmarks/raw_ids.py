@@ -13,7 +13,7 @@ The systems take turns, `--block` steps each, the first of each turn not
 timed (see `_time_steps`); the table prints medians and ratios, and
 `--out` records them as JSON.
 
-`--malloc tuned` (the default) first calls `se.configure_cpu_allocator()`,
+`--malloc tuned` (the default) first calls `se.tuning.configure_cpu_allocator()`,
 as docs/raw_ids.md recommends for CPU training: glibc then reuses XLA's
 per-step block of temporaries instead of mapping fresh pages for it on
 every step; `--malloc glibc` keeps glibc's defaults. Both systems run in
@@ -74,10 +74,10 @@ def _filled_maps(plan, pools, rng_key):
     contents = {}
     for i, p in enumerate(pools):
         s = plan.stack(f"t{i}")
-        contents[f"t{i}"] = se.IdTable(p, np.zeros((p.size, s.embedding_dim), np.float32), {},
+        contents[f"t{i}"] = se.raw_ids.IdTable(p, np.zeros((p.size, s.embedding_dim), np.float32), {},
                                        np.zeros(p.size, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int32),
                                        np.zeros(0, np.int32), np.zeros(2, np.uint32))
-    return se.load_id_tables(plan, contents)
+    return se.raw_ids.load_id_tables(plan, contents)
 
 
 def _step_fn(plan, raw: bool):
@@ -181,12 +181,13 @@ def main(argv: list[str] | None = None) -> str:
                     help="fraction of each step's raw ids never seen before (each batch drawn afresh): the cost of "
                          "admission, and of eviction with --occupancy 1")
     ap.add_argument("--malloc", choices=("tuned", "glibc"), default="tuned",
-                    help="tuned: se.configure_cpu_allocator() first (see the module docstring); glibc: its defaults")
+                    help="tuned: se.tuning.configure_cpu_allocator() first (see the module docstring); "
+                         "glibc: its defaults")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.block < 2:
         ap.error("--block must be at least 2 (a turn's first step is not timed)")
-    if args.malloc == "tuned" and not se.configure_cpu_allocator():
+    if args.malloc == "tuned" and not se.tuning.configure_cpu_allocator():
         args.malloc = "glibc (configure_cpu_allocator: not glibc here)"
     r = run(args)
     out = report(r)

@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     configure_devices(max(args.devices))
     import sparse_embed
 
-    sparse_embed.configure_xla_cpu()  # before the backend starts: no whole-table copies in the generic kernel
+    sparse_embed.tuning.configure_xla_cpu()  # before the backend starts: no whole-table copies in the generic kernel
 
     try:
         results = run(args, argv)

@@ -11,40 +11,19 @@ The implementation lives in layers, each importing only those below it:
 `core` (pure JAX), `host` (preprocessing), `io` (checkpoints, serving) and
 `integrations` (optax, Flax, LayoutMap, jax-tpu-embedding). This module
 re-exports the public API (`__all__`; a few more names are importable for
-type annotations); importing it has no side effects.
+type annotations). Each name is imported on first use (`_lazy`), so
+`import sparse_embed.core` loads neither orbax, tensorstore, flax nor optax,
+and importing this module has no side effects.
+
+Specialist names live in namespaces of their own: `sparse_embed.jte`
+(jax-tpu-embedding's layout and SparseCore input), `sparse_embed.tuning`
+(XLA:CPU and allocator settings), `sparse_embed.raw_ids` (raw-id tables'
+natural form and map state); `sparse_embed.flax.linen` / `.nnx` hold the
+Flax modules. Their old top-level names work until the next release, with
+a `DeprecationWarning`.
 """
 
-from sparse_embed import distributed, initializers, optimizers
-from sparse_embed.core.batch import CsrBatch, ShardedCooMatrix, Stats
-from sparse_embed.core.id_maps import IdMap, IdMapStats, init_id_maps, map_ids
-from sparse_embed.core.kernels.generic import configure_xla_cpu
-from sparse_embed.core.planning import EmbeddingPlan, FeatureLayout, StackPlan, TablePlacement, grow_capacity, plan
-from sparse_embed.core.sharded_lookup import lookup, nonfinite_rows
-from sparse_embed.core.specs import Dynamic, FeatureSpec, TableSpec
-from sparse_embed.core.state import EmbeddingVariables
-from sparse_embed.core.tables import init_tables, stack_tables, unstack_state, unstack_tables
-from sparse_embed.host.ids import FlatIds, flatten
-from sparse_embed.host.malloc import configure_cpu_allocator
-from sparse_embed.host.prefetching import Prefetched, Prefetcher, prefetch
-from sparse_embed.host.preprocessing import preprocess
-from sparse_embed.integrations.jte import JteTableLayout, from_jte, jte_layout, jte_layout_from_specs, to_jte
-from sparse_embed.integrations.layout_map import LayoutMap
-from sparse_embed.integrations.sparsecore import sparsecore_csr
-from sparse_embed.integrations.optax_utils import apply_updates, optax_tx, param_labels
-from sparse_embed.io.checkpoint import (
-    CheckpointError,
-    CheckpointInfo,
-    CheckpointManager,
-    CorruptCheckpointError,
-    Restored,
-    TableRecord,
-    read_info,
-    restore_embeddings,
-)
-from sparse_embed.io.id_tables import IdTable, id_table_contents, load_id_tables
-from sparse_embed.io.convert import convert_checkpoint, export_serving, load_serving
-from sparse_embed.io.verify import Verification, verify_checkpoint
-from sparse_embed.io.serving import serving_lookup
+from sparse_embed import _lazy
 
 __version__ = "0.2.0"
 
@@ -65,31 +44,22 @@ __all__ = [
     "unstack_state",
     "unstack_tables",
     # host: batches
-    "Prefetched",
-    "Prefetcher",
     "ShardedCooMatrix",
     "Stats",
     "distributed",
     "prefetch",
     "preprocess",
-    # the lookup
-    "configure_cpu_allocator",
-    "configure_xla_cpu",
+    # the lookup (XLA:CPU and allocator settings: sparse_embed.tuning)
     "lookup",
     "nonfinite_rows",
-    # raw-id tables
-    "IdMap",
-    "IdMapStats",
-    "IdTable",
-    "id_table_contents",
+    # raw-id tables (their natural form and map state: sparse_embed.raw_ids)
     "init_id_maps",
-    "load_id_tables",
     "map_ids",
     # training with optax and flax (flax modules: sparse_embed.flax.linen / .nnx)
     "LayoutMap",
     "apply_updates",
     "optax_tx",
-    # checkpoints and serving
+    # checkpoints and serving (jax-tpu-embedding's layout: sparse_embed.jte)
     "CheckpointError",
     "CheckpointManager",
     "CorruptCheckpointError",
@@ -100,11 +70,37 @@ __all__ = [
     "restore_embeddings",
     "serving_lookup",
     "verify_checkpoint",
-    # jax-tpu-embedding's layout and SparseCore input
-    "CsrBatch",
-    "from_jte",
-    "jte_layout",
-    "jte_layout_from_specs",
-    "sparsecore_csr",
-    "to_jte",
 ]
+
+# Where each name comes from: `__all__` and the names importable for type annotations.
+_NAMES = {
+    "sparse_embed.core.batch": ("ShardedCooMatrix", "Stats"),
+    "sparse_embed.core.id_maps": ("init_id_maps", "map_ids"),
+    "sparse_embed.core.planning": ("EmbeddingPlan", "FeatureLayout", "StackPlan", "TablePlacement", "grow_capacity",
+                                   "plan"),
+    "sparse_embed.core.sharded_lookup": ("lookup", "nonfinite_rows"),
+    "sparse_embed.core.specs": ("Dynamic", "FeatureSpec", "TableSpec"),
+    "sparse_embed.core.state": ("EmbeddingVariables",),
+    "sparse_embed.core.tables": ("init_tables", "stack_tables", "unstack_state", "unstack_tables"),
+    "sparse_embed.host.ids": ("FlatIds", "flatten"),
+    "sparse_embed.host.prefetching": ("Prefetched", "Prefetcher", "prefetch"),
+    "sparse_embed.host.preprocessing": ("preprocess",),
+    "sparse_embed.integrations.layout_map": ("LayoutMap",),
+    "sparse_embed.integrations.optax_utils": ("apply_updates", "optax_tx", "param_labels"),
+    "sparse_embed.io.checkpoint": ("CheckpointError", "CheckpointInfo", "CheckpointManager", "CorruptCheckpointError",
+                                   "Restored", "TableRecord", "read_info", "restore_embeddings"),
+    "sparse_embed.io.convert": ("convert_checkpoint", "export_serving", "load_serving"),
+    "sparse_embed.io.serving": ("serving_lookup",),
+    "sparse_embed.io.verify": ("Verification", "verify_checkpoint"),
+}
+_SUBMODULES = ("distributed", "flax", "initializers", "jte", "optimizers", "raw_ids", "tuning")
+# Old top-level names -> their namespace now (each still resolves, with a DeprecationWarning)
+_MOVED = {
+    **dict.fromkeys(("CsrBatch", "JteTableLayout", "from_jte", "jte_layout", "jte_layout_from_specs",
+                     "sparsecore_csr", "to_jte"), "sparse_embed.jte"),
+    **dict.fromkeys(("configure_cpu_allocator", "configure_xla_cpu"), "sparse_embed.tuning"),
+    **dict.fromkeys(("IdMap", "IdMapStats", "IdTable", "id_table_contents", "load_id_tables"),
+                    "sparse_embed.raw_ids"),
+}
+
+__getattr__, __dir__ = _lazy.attach(__name__, _NAMES, submodules=_SUBMODULES, moved=_MOVED)

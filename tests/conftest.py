@@ -1,10 +1,11 @@
 """Test configuration: a simulated 8-device CPU mesh, set before JAX starts."""
 
+import importlib
 import os
 import tempfile
 
 # 8 simulated devices; region-analysis copy insertion keeps the generic kernel's train steps copy-free
-# (sparse_embed.configure_xla_cpu() adds the same flag).
+# (sparse_embed.tuning.configure_xla_cpu() adds the same flag).
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_cpu_copy_insertion_use_region_analysis=true"
@@ -30,18 +31,85 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 from sparse_embed.core.kernels import native_cpu  # noqa: E402
+from sparse_embed.host import native  # noqa: E402
 
 LOOKUP_KERNELS = ["generic", "native"]
+
+# ---- the native extensions: optional for a user, required in CI -------------------------------------------------
+# setup.py builds them as optional, so a broken build still installs and every native test would skip: a green
+# suite on the generic path only. Under CI (CI=true or CI=1 in the environment, as .ci/run runs), a missing
+# extension fails the session at its start and any test that needs it, naming the extension and the fix.
+NATIVE_EXTENSIONS = {  # what: (module, is it there?, what building it needs)
+    "kernel": ("sparse_embed.core.kernels._native_cpu", lambda: native_cpu.available(),
+               "a C++17 compiler and jaxlib's XLA FFI headers (jaxlib/include/xla/ffi/api/ffi.h)"),
+    "preprocess": ("sparse_embed.host._native", lambda: native.extension() is not None, "a C compiler"),
+}
+
+
+def native_required() -> bool:
+    """Whether a missing native extension is a failure (CI) rather than a skip."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def _missing(what: str) -> str | None:
+    """Why the native extension `what` ("kernel" or "preprocess") is missing, or None when it is there."""
+    module, present, needs = NATIVE_EXTENSIONS[what]
+    if present():
+        return None
+    why = f"the native extension {module} is not built"
+    if what == "preprocess" and os.environ.get(native.ENV) == "0":
+        why += f" or is switched off ({native.ENV}=0)"
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        why += f" ({type(e).__name__}: {e})"
+    return why
+
+
+def _fix(what: str) -> str:
+    return (f"Building it needs {NATIVE_EXTENSIONS[what][2]}; install what is missing, then reinstall "
+            f"(`pip install -e .`) and read setup.py's output for the compiler's error.")
+
+
+def require_native(what: str) -> None:
+    """Skips the calling test when the native extension `what` ("kernel" or "preprocess") is missing; under CI,
+    fails it instead."""
+    why = _missing(what)
+    if why is None:
+        return
+    if native_required():
+        pytest.fail(f"CI={os.environ['CI']}: {why}. {_fix(what)}", pytrace=False)
+    pytest.skip(why)
+
+
+@pytest.fixture
+def needs_native_kernel() -> None:
+    require_native("kernel")
+
+
+@pytest.fixture
+def needs_native_preprocess() -> None:
+    require_native("preprocess")
+
+
+def pytest_sessionstart(session) -> None:
+    """Under CI, a missing native extension stops the run before any test, loudly."""
+    if not native_required():
+        return
+    missing = [f"{why}. {_fix(what)}" for what in NATIVE_EXTENSIONS if (why := _missing(what))]
+    if missing:
+        pytest.exit(f"CI={os.environ['CI']} and a native extension is missing, so the native tests would skip:\n- "
+                    + "\n- ".join(missing), returncode=pytest.ExitCode.TESTS_FAILED)
 
 
 @pytest.fixture(params=LOOKUP_KERNELS)
 def each_kernel(request, monkeypatch) -> str:
-    """Runs a test once per implementation of the lookup's per-shard work.
+    """Runs a test once per implementation of the lookup's per-shard work (native: `require_native`).
 
     Plans made with the default `kernel="auto"` take it from `$SPARSE_EMBED_KERNEL`.
     """
-    if request.param == "native" and not native_cpu.available():
-        pytest.skip("the native CPU kernel (sparse_embed.core.kernels._native_cpu) is not built")
+    if request.param == "native":
+        require_native("kernel")
     monkeypatch.setenv("SPARSE_EMBED_KERNEL", request.param)
     return request.param
 

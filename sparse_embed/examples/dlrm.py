@@ -533,6 +533,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    se.configure_xla_cpu()  # before the first JAX computation: no whole-table copies on CPU
-    se.configure_cpu_allocator()  # XLA's per-step temporaries reused, not mapped afresh (the raw-id map's)
+    se.tuning.configure_xla_cpu()  # before the first JAX computation: no whole-table copies on CPU
+    se.tuning.configure_cpu_allocator()  # XLA's per-step temporaries reused, not mapped afresh (the raw-id map's)
     main()

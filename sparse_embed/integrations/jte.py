@@ -11,8 +11,8 @@ this per table; build it from jax-tpu-embedding's own prepared `TableSpec`s
 (`jte_layout`). Host numpy; the package itself is not needed.
 
     arrays = se.unstack_tables(plan, tables)                 # {table: [vocab, dim]}
-    stacked = se.to_jte(layout, arrays, num_shards=8)        # {stack: [8 * rows, stack_dim]}
-    back = se.from_jte(layout, stacked, num_shards=8)        # == arrays
+    stacked = se.jte.to_jte(layout, arrays, num_shards=8)    # {stack: [8 * rows, stack_dim]}
+    back = se.jte.from_jte(layout, stacked, num_shards=8)    # == arrays
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from sparse_embed.core import kernels
 from sparse_embed.core import placement as placement_lib
 from sparse_embed.core.placement import TableLoad
 from benchmarks.measuring import hlo_collective_bytes
-from conftest import make_mesh
+from conftest import make_mesh, require_native
 import reference as ref
 
 B = 16
@@ -222,8 +222,7 @@ def test_column_skips_a_nonfinite_row_on_every_device(mesh8):
 
 
 def test_forcing_the_native_kernel_on_split_rows_that_need_whole_row_statistics_says_so(mesh8):
-    if not kernels.NATIVE.unsupported(se.plan(_features(opt.SGD(0.1)), mesh8).stacks[0]) is None:
-        pytest.skip("the native CPU kernel is not built")
+    require_native("kernel")
     feats = _wide_features(opt.RowwiseAdagrad(0.1))
     auto = se.plan(feats, mesh8, placement="column", stacking=None)
     assert {kernels.for_stack(auto, s).name for s in auto.stacks} == {"generic"}

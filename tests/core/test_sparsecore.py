@@ -25,7 +25,7 @@ import pytest
 import sparse_embed as se
 from sparse_embed import optimizers as opt
 from sparse_embed.core.kernels import sparsecore as sc_kernel
-from conftest import make_mesh
+from conftest import make_mesh, require_native
 import reference as ref
 
 pytest.importorskip("jax_tpu_embedding")
@@ -191,10 +191,9 @@ def test_the_sparsecore_limit_grows_with_the_data_and_never_shrinks():
 @pytest.mark.parametrize("devices,S", [(1, 4), (8, 2), (2, 3)])  # 3: SparseCores not a power of 2
 def test_the_c_and_numpy_preprocessing_are_bitwise_equal(devices, S, monkeypatch):
     """The partition into the SparseCore layout and the CSR, in C and in numpy: the same bits."""
-    from sparse_embed.host import csr, native
+    from sparse_embed.host import csr
 
-    if native.extension() is None:
-        pytest.skip("the C extension (sparse_embed.host._native) is not built")
+    require_native("preprocess")
     plan, _ = _plans(make_mesh(devices), opt.SGD(0.1), S, 96)
     assert all(s.sparsecores == S for s in plan.stacks)
     batch, _ = se.preprocess(plan, *_ids(plan.features, 4), device_put=False)
@@ -274,8 +273,8 @@ def test_a_custom_initializer_gives_the_same_tables_in_the_sparsecore_layout(dev
     jax.tree.map(np.testing.assert_array_equal, natural, want)
     order = [p.table.name for p in sc.stacks[0].tables]
     assert order == ["a", "b", "c"]  # a plan stacks tables in name order
-    theirs = se.to_jte(se.jte_layout(sc.tables, devices * S, stacking=[order], rotation=S), natural, devices * S,
-                       pad_value=0.0)
+    layout = se.jte.jte_layout(sc.tables, devices * S, stacking=[order], rotation=S)
+    theirs = se.jte.to_jte(layout, natural, devices * S, pad_value=0.0)
     np.testing.assert_array_equal(np.asarray(got["a_b_c"].table), theirs["a_b_c"])
 
 
@@ -283,8 +282,8 @@ def test_tables_convert_to_the_natural_format_and_jax_tpu_embeddings_layout_and_
     sc, _ = _plans(make_mesh(2), opt.Adagrad(0.1), 4, 16)
     tables = se.init_tables(sc, jax.random.key(1))
     arrays = se.unstack_tables(sc, tables)
-    layout = se.jte_layout(sc.tables, num_shards=8, stacking=[["a", "b"], ["c"]], rotation=4)
-    back = se.from_jte(layout, se.to_jte(layout, arrays, num_shards=8), num_shards=8)
+    layout = se.jte.jte_layout(sc.tables, num_shards=8, stacking=[["a", "b"], ["c"]], rotation=4)
+    back = se.jte.from_jte(layout, se.jte.to_jte(layout, arrays, num_shards=8), num_shards=8)
     again = se.unstack_tables(sc, se.stack_tables(sc, back))
     jax.tree.map(np.testing.assert_array_equal, again, arrays)
 

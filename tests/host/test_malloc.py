@@ -17,7 +17,7 @@ _PROBE = """
 import ctypes, resource, sys
 import sparse_embed as se
 if sys.argv[1] == "tuned":
-    assert se.configure_cpu_allocator(128 << 20)
+    assert se.tuning.configure_cpu_allocator(128 << 20)
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -51,4 +51,4 @@ def test_a_freed_large_block_is_reused_once_the_thresholds_are_raised():
 @pytest.mark.parametrize("bad", [0, -1, 2**31, 1.5, "1", True, None])
 def test_bad_thresholds_are_refused(bad):
     with pytest.raises(ValueError, match="threshold must be an int of bytes"):
-        se.configure_cpu_allocator(bad)
+        se.tuning.configure_cpu_allocator(bad)

@@ -24,8 +24,7 @@ import reference as ref
 from conftest import make_mesh
 
 NATIVE = native.extension()
-pytestmark = pytest.mark.skipif(
-    NATIVE is None, reason="the C extension sparse_embed.host._native is not built (or SPARSE_EMBED_NATIVE=0)")
+pytestmark = pytest.mark.usefixtures("needs_native_preprocess")  # a skip, or under CI a failure
 
 
 def _both(monkeypatch, fn):

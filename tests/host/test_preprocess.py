@@ -14,14 +14,14 @@ import pytest
 import sparse_embed as se
 from sparse_embed.host import native, plan_state
 import reference as ref
-from conftest import make_mesh
+from conftest import make_mesh, require_native
 
 
 @pytest.fixture(autouse=True, params=["native", "numpy"])
 def path(request, monkeypatch) -> str:
     """Runs the test with the C kernels, then with SPARSE_EMBED_NATIVE=0 (numpy, as without the extension)."""
-    if request.param == "native" and native.extension() is None:
-        pytest.skip("the C extension sparse_embed.host._native is not built (or SPARSE_EMBED_NATIVE=0)")
+    if request.param == "native":
+        require_native("preprocess")
     if request.param == "numpy":
         monkeypatch.setenv(native.ENV, "0")
     return request.param

@@ -36,19 +36,19 @@ def test_matches_jax_tpu_embedding(stack):
     specs = _jte_features(stack)
     rng = np.random.default_rng(0)
     arrays = {n: rng.normal(size=(VOCABS[n], DIMS[n])).astype(np.float32) for n in DIMS}
-    layout = se.jte_layout_from_specs(specs.values(), S)
-    ours = se.to_jte(layout, arrays, S)
+    layout = se.jte.jte_layout_from_specs(specs.values(), S)
+    ours = se.jte.to_jte(layout, arrays, S)
     theirs = jte_stacking.stack_and_shard_tables(specs, arrays, S)
     assert sorted(ours) == sorted(theirs)
     for k in ours:
         np.testing.assert_array_equal(ours[k], np.asarray(theirs[k]).reshape(ours[k].shape))
-    back = se.from_jte(layout, ours, S)
+    back = se.jte.from_jte(layout, ours, S)
     via_jte = jte_stacking.unshard_and_unstack_tables(specs, ours, S)
     for n in DIMS:
         np.testing.assert_array_equal(back[n], arrays[n])
         np.testing.assert_array_equal(np.asarray(via_jte[n]), arrays[n])
     # Our own layout computation agrees with jax-tpu-embedding's stack_tables.
-    ours_layout = se.jte_layout({n: se.TableSpec(n, VOCABS[n], DIMS[n]) for n in DIMS}, S,
+    ours_layout = se.jte.jte_layout({n: se.TableSpec(n, VOCABS[n], DIMS[n]) for n in DIMS}, S,
                                 stacking=[["a", "b"], ["c"]] if stack else [["a"], ["b"], ["c"]], rotation=2)
     assert sorted(ours_layout, key=lambda t: t.name) == sorted(layout, key=lambda t: t.name)
 
@@ -58,11 +58,11 @@ def test_training_state_round_trip_through_jte_layout():
     c = se.TableSpec("c", 19, 8, optimizer=se.optimizers.Adagrad(0.1))
     plan = se.plan({"fa": se.FeatureSpec("fa", a, 8), "fc": se.FeatureSpec("fc", c, 8)}, make_mesh(4))
     state = se.init_tables(plan, jax.random.key(1))
-    layout = se.jte_layout(plan.tables, 4, stacking=[["a", "c"]])
+    layout = se.jte.jte_layout(plan.tables, 4, stacking=[["a", "c"]])
     per_table = se.unstack_state(plan, state)
     for key in ("table", "accumulator"):
         arrays = {n: v[key] for n, v in per_table.items()}
-        back = se.from_jte(layout, se.to_jte(layout, arrays, 4), 4)
+        back = se.jte.from_jte(layout, se.jte.to_jte(layout, arrays, 4), 4)
         restacked = se.stack_tables(plan, back) if key == "table" else None
         for n in arrays:
             np.testing.assert_array_equal(back[n], arrays[n])

@@ -161,14 +161,14 @@ def test_matches_jax_tpu_embedding(G, S, fmt, combiner, stacking):
     features = _features(combiner, num_sc)
     rng = np.random.default_rng(0)
     inputs = {f: _inputs(rng, fmt, spec, _samples(rng, spec, fmt == "dense_full")) for f, spec in features.items()}
-    layout = se.jte_layout({f.table.name: f.table for f in features.values()}, num_sc, stacking=groups, rotation=S)
+    layout = se.jte.jte_layout({f.table.name: f.table for f in features.values()}, num_sc, stacking=groups, rotation=S)
     ours = sparsecore_csr(features, layout, {f: x[0] for f, x in inputs.items()},
                           {f: x[1] for f, x in inputs.items() if x[1] is not None},
                           num_devices=G, sc_per_device=S, max_ids_per_partition=limit)
     specs = _jte_specs(features, groups, G, S, limit)
     jte_tables = {f.table_spec.name: f.table_spec for f in specs.values()}
     by_name = operator.attrgetter("name")
-    assert sorted(se.jte_layout_from_specs(jte_tables.values(), num_sc), key=by_name) == sorted(layout, key=by_name)
+    assert sorted(se.jte.jte_layout_from_specs(jte_tables.values(), num_sc), key=by_name) == sorted(layout, key=by_name)
     pre, _ = embedding.preprocess_sparse_dense_matmul_input(
         {f: x[2] for f, x in inputs.items()}, {f: x[3] for f, x in inputs.items()} if "weighted" in fmt else None,
         specs, local_device_count=G, global_device_count=G, num_sc_per_device=S)
@@ -217,9 +217,9 @@ def test_a_sparsecore_plans_tables_are_jax_tpu_embeddings_stacked_arrays():
     features = _features("sum", 8)
     plan = se.plan(features, make_mesh(4), sparsecores=2, stacking=PLAN_STACKINGS["stacked"])
     tables = se.init_tables(plan, jax.random.key(3))
-    layout = se.jte_layout(plan.tables, 8, stacking=[[p.table.name for p in s.tables] for s in plan.stacks],
+    layout = se.jte.jte_layout(plan.tables, 8, stacking=[[p.table.name for p in s.tables] for s in plan.stacks],
                            rotation=2)
-    theirs = se.to_jte(layout, se.unstack_tables(plan, tables), 8)
+    theirs = se.jte.to_jte(layout, se.unstack_tables(plan, tables), 8)
     for s in plan.stacks:
         ours = np.asarray(tables[s.name].table)
         real = ~np.isnan(theirs[s.name]).any(axis=1)  # jte pads with NaN; the plan with zeros
@@ -285,7 +285,7 @@ def test_decodes_to_the_input(G, S, combiner, stacking):
     features = _features(combiner, num_sc)
     rng = np.random.default_rng(1)
     samples = {f: _samples(rng, spec, False) for f, spec in features.items()}
-    layout = se.jte_layout({f.table.name: f.table for f in features.values()}, num_sc, stacking=STACKINGS[stacking],
+    layout = se.jte.jte_layout({f.table.name: f.table for f in features.values()}, num_sc, stacking=STACKINGS[stacking],
                            rotation=S)
     out = sparsecore_csr(features, layout, {f: [r for r, _ in s] for f, s in samples.items()},
                          {f: [w for _, w in s] for f, s in samples.items()},
@@ -305,7 +305,7 @@ def test_decodes_to_the_input(G, S, combiner, stacking):
 
 def test_partition_over_the_limit_is_a_value_error():
     t = se.TableSpec("t", 64, 8, combiner="sum")
-    layout = se.jte_layout({"t": t}, 2)
+    layout = se.jte.jte_layout({"t": t}, 2)
     f = {"f": se.FeatureSpec("f", t, 4)}
     # 2 slices of 2 samples; the even ids go to partition 0: slice 0 sends it 5 ids
     ids = {"f": np.array([[0, 2, 4, 6], [8, -1, -1, -1], [1, -1, -1, -1], [3, -1, -1, -1]])}
@@ -334,7 +334,7 @@ def test_bad_ids_give_preprocess_errors(ids, weights):
     with pytest.raises(ValueError) as theirs:
         se.preprocess(se.plan(features, make_mesh(1)), ids, weights, device_put=False)
     with pytest.raises(ValueError) as ours:
-        sparsecore_csr(features, se.jte_layout({"t": t}, 2), ids, weights, num_devices=1, sc_per_device=2,
+        sparsecore_csr(features, se.jte.jte_layout({"t": t}, 2), ids, weights, num_devices=1, sc_per_device=2,
                        max_ids_per_partition=64)
     assert str(ours.value) == str(theirs.value)
 
@@ -345,13 +345,13 @@ def test_features_and_layout_must_agree():
     ids = {"f": np.array([[1], [2], [3], [4]])}
     kw = dict(num_devices=1, sc_per_device=2, max_ids_per_partition=64)
     with pytest.raises(ValueError, match=r"the layout has no tables \['t'\]"):
-        sparsecore_csr(f, se.jte_layout({"u": se.TableSpec("u", 19, 8)}, 2), ids, **kw)
+        sparsecore_csr(f, se.jte.jte_layout({"u": se.TableSpec("u", 19, 8)}, 2), ids, **kw)
     with pytest.raises(ValueError, match=r"no ids for features \['f'\]"):
-        sparsecore_csr(f, se.jte_layout({"t": t}, 2), {}, **kw)
+        sparsecore_csr(f, se.jte.jte_layout({"t": t}, 2), {}, **kw)
     with pytest.raises(ValueError, match="table 't' has 19 rows, its layout 20"):
-        sparsecore_csr(f, se.jte_layout({"t": se.TableSpec("t", 20, 8)}, 2), ids, **kw)
+        sparsecore_csr(f, se.jte.jte_layout({"t": se.TableSpec("t", 20, 8)}, 2), ids, **kw)
     with pytest.raises(ValueError, match="4 samples are not a multiple of 8 SparseCores"):
-        sparsecore_csr(f, se.jte_layout({"t": t}, 8), ids, **{**kw, "num_devices": 4})
+        sparsecore_csr(f, se.jte.jte_layout({"t": t}, 8), ids, **{**kw, "num_devices": 4})
     raw = se.TableSpec("t", 19, 8, dynamic=se.Dynamic())
     with pytest.raises(ValueError, match="keyed by raw ids"):
-        sparsecore_csr({"f": se.FeatureSpec("f", raw, 4)}, se.jte_layout({"t": raw}, 2), ids, **kw)
+        sparsecore_csr({"f": se.FeatureSpec("f", raw, 4)}, se.jte.jte_layout({"t": raw}, 2), ids, **kw)

@@ -73,7 +73,7 @@ def warn_if_slow_on_cpu(plan: EmbeddingPlan, stacks: list[str]) -> None:
     if stacks and missing and plan.mesh.devices.flat[0].platform == "cpu":
         warnings.warn(
             f"XLA_FLAGS lacks {' '.join(missing)}: on CPU this train step may copy the whole tables of stacks "
-            f"{stacks} (the generic kernel) on every step. Call sparse_embed.configure_xla_cpu() before the "
+            f"{stacks} (the generic kernel) on every step. Call sparse_embed.tuning.configure_xla_cpu() before the "
             "first JAX computation, or put the flag in XLA_FLAGS before starting Python.", stacklevel=2)
 
 

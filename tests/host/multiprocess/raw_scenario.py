@@ -54,7 +54,7 @@ def train(plan, feed=lambda plan, ids: ids):
 def contents(plan, tables, maps) -> dict[str, np.ndarray]:
     """The raw-id tables and the static one, mesh-independent, as flat named arrays."""
     out = {}
-    for name, t in se.id_table_contents(plan, tables, maps).items():
+    for name, t in se.raw_ids.id_table_contents(plan, tables, maps).items():
         out.update({f"{name}/{k}": np.asarray(v) for k, v in t._asdict().items() if k != "slots"})
         out.update({f"{name}/slot/{k}": v for k, v in t.slots.items()})
     static = [s for s in plan.stacks if s.dynamic is None]
