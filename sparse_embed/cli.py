@@ -37,7 +37,8 @@ def _human(n: float) -> str:
 
 
 def _inspect(args) -> None:
-    from sparse_embed.io.checkpoint import read_info, resolve
+    from sparse_embed.io.ckpt_format import resolve
+    from sparse_embed.io.orbax_items import read_info
 
     step_dir = resolve(args.ckpt, args.step)
     info = read_info(step_dir)
@@ -57,7 +58,7 @@ def _inspect(args) -> None:
 
 def _occupancy(step_dir: str, info, t) -> str:
     """"n of capacity rows used (p%), m ids waiting" of a raw-id table."""
-    from sparse_embed.io.checkpoint import read_host_array
+    from sparse_embed.io.restoring import read_host_array
     from sparse_embed.io.id_checkpoint import IDS_KEY, PENDING
 
     used = int((read_host_array(step_dir, info, t.name, IDS_KEY)[:, 0] != -1).sum())

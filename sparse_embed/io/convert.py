@@ -32,10 +32,12 @@ from sparse_embed.core.state import EmbeddingVariables, check_state
 from sparse_embed.core.tables import unstack_tables
 from sparse_embed.host.raw_ids import join_words, split_words
 from sparse_embed.io import store
-from sparse_embed.io.checkpoint import (
-    FORMAT, STAGING, USER, CheckpointError, CheckpointInfo, TableRecord, checkpointer, read_embeddings,
-    read_host_array, read_info, read_user_host, resolve, training_info, warn_unverified, write_step,
+from sparse_embed.io.checks import warn_unverified
+from sparse_embed.io.ckpt_format import (
+    FORMAT, STAGING, USER, CheckpointError, CheckpointInfo, TableRecord, resolve, training_info,
 )
+from sparse_embed.io.orbax_items import checkpointer, read_info, read_user_host, write_step
+from sparse_embed.io.restoring import read_embeddings, read_host_array
 from sparse_embed.io.id_checkpoint import IDS_KEY, raw_arrays
 from sparse_embed.io.id_tables import id_table_contents
 

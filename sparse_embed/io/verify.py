@@ -7,9 +7,9 @@ import os
 from typing import Callable, Iterable
 
 from sparse_embed.core.relayout import TABLE_KEY
-from sparse_embed.io.checkpoint import (
-    CheckpointError, CorruptCheckpointError, read_host_array, read_info, read_user_host, resolve,
-)
+from sparse_embed.io.ckpt_format import CheckpointError, CorruptCheckpointError, resolve
+from sparse_embed.io.orbax_items import read_info, read_user_host
+from sparse_embed.io.restoring import read_host_array
 from sparse_embed.io.id_checkpoint import RAW_KEYS, raw_arrays
 from sparse_embed.io.convert import read_tables
 
