@@ -3,6 +3,7 @@
 import importlib
 import os
 import tempfile
+import warnings
 
 # 8 simulated devices; region-analysis copy insertion keeps the generic kernel's train steps copy-free
 # (sparse_embed.tuning.configure_xla_cpu() adds the same flag).
@@ -54,8 +55,10 @@ def native_required() -> bool:
 def _missing(what: str) -> str | None:
     """Why the native extension `what` ("kernel" or "preprocess") is missing, or None when it is there."""
     module, present, needs = NATIVE_EXTENSIONS[what]
-    if present():
-        return None
+    with warnings.catch_warnings(record=True) as said:  # a loader's note (a built copy shadowed) goes into the reason
+        warnings.simplefilter("always")
+        if present():
+            return None
     why = f"the native extension {module} is not built"
     if what == "preprocess" and os.environ.get(native.ENV) == "0":
         why += f" or is switched off ({native.ENV}=0)"
@@ -63,7 +66,7 @@ def _missing(what: str) -> str | None:
         importlib.import_module(module)
     except ImportError as e:
         why += f" ({type(e).__name__}: {e})"
-    return why
+    return why + "".join(f"; {str(w.message).rstrip('.')}" for w in said)
 
 
 def _fix(what: str) -> str:
