@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import sparse_embed as se
-from tests.conftest import make_mesh
+from sparse_embed.raw_ids import IdTable, id_table_contents, load_id_tables
+from tests.conftest import make_mesh, require_native
 
 M64 = (1 << 64) - 1
 
@@ -176,7 +177,7 @@ def _check_against_reference(n_dev: int, dyn: se.Dynamic, vocab: int, space: lis
             for i in row:
                 if i >= 0 and int(i) in ref.vec:
                     ref.vec[int(i)] = ref.vec[int(i)] - lr * g[bi]
-    got = se.id_table_contents(plan, tables, maps)["users"]
+    got = id_table_contents(plan, tables, maps)["users"]
     assert sorted(got.ids.tolist()) == sorted(ref.vec)
     for i, v in zip(got.ids.tolist(), got.vectors):
         np.testing.assert_allclose(v, ref.vec[i], rtol=1e-5, atol=1e-5)
@@ -239,7 +240,7 @@ def _run(plan, tables, maps, stream, first_step=0):
     return tables, maps
 
 
-def _assert_same_contents(a: se.IdTable, b: se.IdTable):
+def _assert_same_contents(a: IdTable, b: IdTable):
     np.testing.assert_array_equal(a.ids, b.ids)
     np.testing.assert_allclose(a.vectors, b.vectors, rtol=1e-6, atol=1e-6)
     for k in a.slots:
@@ -257,14 +258,14 @@ def test_the_mapping_is_mesh_independent_and_restores_onto_another_mesh(src, dst
     a, b = _train_plan(make_mesh(src)), _train_plan(make_mesh(dst))
     ta, ma = _run(a, se.init_tables(a, rng), se.init_id_maps(a, rng), stream[:4])
     tb, mb = _run(b, se.init_tables(b, rng), se.init_id_maps(b, rng), stream[:4])
-    got_a, got_b = se.id_table_contents(a, ta, ma)["users"], se.id_table_contents(b, tb, mb)["users"]
+    got_a, got_b = id_table_contents(a, ta, ma)["users"], id_table_contents(b, tb, mb)["users"]
     assert got_a.ids.size > 10 and got_a.pending_ids.size > 0
     _assert_same_contents(got_a, got_b)  # trained on either mesh: the same ids, vectors, slots and counts
-    moved_t, moved_m = se.load_id_tables(b, se.id_table_contents(a, ta, ma))
-    _assert_same_contents(se.id_table_contents(b, moved_t, moved_m)["users"], got_a)
+    moved_t, moved_m = load_id_tables(b, id_table_contents(a, ta, ma))
+    _assert_same_contents(id_table_contents(b, moved_t, moved_m)["users"], got_a)
     ta, ma = _run(a, ta, ma, stream[4:], 4)  # and training goes on alike
     moved_t, moved_m = _run(b, moved_t, moved_m, stream[4:], 4)
-    _assert_same_contents(se.id_table_contents(b, moved_t, moved_m)["users"], se.id_table_contents(a, ta, ma)["users"])
+    _assert_same_contents(id_table_contents(b, moved_t, moved_m)["users"], id_table_contents(a, ta, ma)["users"])
 
 
 def test_restoring_onto_fewer_rows_keeps_the_most_recent_ids_and_warns():
@@ -276,8 +277,8 @@ def test_restoring_onto_fewer_rows_keeps_the_most_recent_ids_and_warns():
     t, m = _run(big, se.init_tables(big, rng), se.init_id_maps(big, rng), stream)
     small = _train_plan(mesh, vocab=20, dyn=se.Dynamic())
     with pytest.warns(UserWarning, match="did not fit"):
-        t2, m2 = se.load_id_tables(small, se.id_table_contents(big, t, m))
-    got = se.id_table_contents(small, t2, m2)["users"]
+        t2, m2 = load_id_tables(small, id_table_contents(big, t, m))
+    got = id_table_contents(small, t2, m2)["users"]
     assert got.ids.size <= 20 and got.ids.size >= 16
     assert got.last.min() >= 3  # the ids of the last steps are kept first (steps 3 and 4 hold 24 ids)
 
@@ -295,7 +296,7 @@ def test_eval_mapping_changes_nothing_and_unknown_ids_read_zero():
     chex_equal = lambda x, y: jax.tree.map(lambda p, q: np.testing.assert_array_equal(np.asarray(p), np.asarray(q)), x, y)
     chex_equal(m2, maps)
     acts = np.asarray(se.lookup(plan, b, t2, 5)["u"])
-    row11 = se.id_table_contents(plan, tables, maps)["users"]
+    row11 = id_table_contents(plan, tables, maps)["users"]
     np.testing.assert_allclose(acts[0], row11.vectors[list(row11.ids).index(11)], rtol=1e-6)
 
 
@@ -315,7 +316,7 @@ def test_features_of_every_format_share_a_raw_id_table():
     b, tables, maps, stats = se.map_ids(plan, batch, tables, maps, 0)
     assert int(stats["t"].admitted) == len({int(i) for r in rows for i in r} | {int(i) for r in seq for i in r[:3]})
     acts = se.lookup(plan, b, tables, 0)
-    got = se.id_table_contents(plan, tables, maps)["t"]
+    got = id_table_contents(plan, tables, maps)["t"]
     vec = dict(zip(got.ids.tolist(), got.vectors))
     want_bag = np.stack([sum(x * vec[int(i)] for i, x in zip(r, wr)) / wr.sum() for r, wr in zip(rows, w)])
     np.testing.assert_allclose(np.asarray(acts["bag"]), want_bag, rtol=1e-5, atol=1e-6)
@@ -379,21 +380,21 @@ def test_compact_and_wide_maps_train_alike_and_restore_into_each_other():
         maps = se.init_id_maps(plan, jax.random.key(1))
         assert maps["users"].rows.sorted_keys.ndim == (2 if bits is None else 1)
         tables, maps = _run(plan, se.init_tables(plan, jax.random.key(1)), maps, stream[:6])
-        contents[bits] = se.id_table_contents(plan, tables, maps)["users"]
+        contents[bits] = id_table_contents(plan, tables, maps)["users"]
     _assert_same_contents(contents[36], contents[None])
     assert contents[36].ids.size > 40 and contents[36].ids.max() == 2**36 - 1
     after = {}
     for src, dst in ((None, 36), (36, None)):  # restore into the other layout, on 8 devices, and go on
         plan = _train_plan(make_mesh(8), vocab=4096, dyn=se.Dynamic(admit_after=2, expire_after=5, id_bits=dst))
-        tables, maps = se.load_id_tables(plan, {"users": contents[src]})
+        tables, maps = load_id_tables(plan, {"users": contents[src]})
         assert maps["users"].rows.sorted_keys.ndim == (2 if dst is None else 1)
-        _assert_same_contents(se.id_table_contents(plan, tables, maps)["users"], contents[src])
+        _assert_same_contents(id_table_contents(plan, tables, maps)["users"], contents[src])
         tables, maps = _run(plan, tables, maps, stream[6:], first_step=6)
-        after[dst] = se.id_table_contents(plan, tables, maps)["users"]
+        after[dst] = id_table_contents(plan, tables, maps)["users"]
     _assert_same_contents(after[36], after[None])
     narrow = _train_plan(make_mesh(2), vocab=4096, dyn=se.Dynamic(admit_after=2, expire_after=5, id_bits=30))
     with pytest.raises(ValueError, match=r"Table 'users': the contents hold id \d+, .* below 2\*\*30"):
-        se.load_id_tables(narrow, {"users": contents[36]})
+        load_id_tables(narrow, {"users": contents[36]})
 
 
 def test_several_raw_id_tables_map_as_each_alone(n_dev=2):
@@ -423,7 +424,7 @@ def test_several_raw_id_tables_map_as_each_alone(n_dev=2):
             batch, _ = se.preprocess(plan, {k: v for k, v in ids.items() if k in names})
             tables, maps, stats = step(tables, maps, batch, i)
             counts.append(jax.tree.map(int, stats))
-        return se.id_table_contents(plan, tables, maps), counts
+        return id_table_contents(plan, tables, maps), counts
 
     mesh = make_mesh(n_dev)
     from sparse_embed.core.kernels import native_cpu
@@ -483,8 +484,8 @@ def test_checkpoints_save_the_map_and_restore_it_onto_another_mesh(tmp_path, src
             ck.save(4, a, ta)
         ck.save(4, a, ta, id_maps=ma)
         r = ck.restore(b)
-    _assert_same_contents(se.id_table_contents(b, r.tables, r.id_maps)["users"],
-                          se.id_table_contents(a, ta, ma)["users"])
+    _assert_same_contents(id_table_contents(b, r.tables, r.id_maps)["users"],
+                          id_table_contents(a, ta, ma)["users"])
     static_part = lambda p: dataclasses.replace(p, stacks=tuple(s for s in p.stacks if s.name == "items"))
     np.testing.assert_array_equal(se.unstack_tables(static_part(a), {"items": ta["items"]})["items"],
                                   se.unstack_tables(static_part(b), {"items": r.tables["items"]})["items"])
@@ -691,8 +692,7 @@ def test_native_insert_equals_the_generic_insert_bit_for_bit(case, compact):
     from sparse_embed.core import key_set
     from sparse_embed.core.kernels import GENERIC, native_cpu
 
-    if not native_cpu.available():
-        pytest.skip("the native CPU kernel is not built")
+    require_native("kernel")
     gen = np.random.default_rng(CASES.index(case))
     n, q = 256, 64
     native = jax.jit(native_cpu.NativeCpuKernel().insert_keys)
@@ -748,8 +748,7 @@ def test_native_unique_equals_the_generic_unique_bit_for_bit(spread, q):
     from sparse_embed.core.kernels import GENERIC, native_cpu
     from sparse_embed.host.raw_ids import split_words
 
-    if not native_cpu.available():
-        pytest.skip("the native CPU kernel is not built")
+    require_native("kernel")
     gen = np.random.default_rng(["uniform", "clustered", "extremes", "all_free", "one_key"].index(spread))
     ids = {"uniform": lambda: gen.integers(0, 2**63 - 1, q, dtype=np.int64),
            "clustered": lambda: np.concatenate([gen.integers(0, 300, q // 2), gen.integers(2**62, 2**62 + 70, q // 2)]),
