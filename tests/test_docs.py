@@ -110,3 +110,75 @@ def test_optimizer_table_is_the_docstring_table():
 
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+# ---- a formula the docs state is the code's: the owner shard of a raw id (docs/raw_ids.md) ------------------------
+
+
+def _documented_owner_shard():
+    """`owner_shard(raw_id, S)` as docs/raw_ids.md states it (its Python block, run as it stands)."""
+    (code,) = [b for b in python_blocks((ROOT / "docs" / "raw_ids.md").read_text()) if "def owner_shard(" in b]
+    ns: dict = {}
+    exec(compile(code, "docs/raw_ids.md", "exec"), ns)
+    return ns["owner_shard"]
+
+
+def _edge_and_random_ids(seed: int) -> np.ndarray:
+    """0, 1, 2**63 - 1, 2**64 - 1 (what -1 is as uint64), words' edges, and random 64-bit ids."""
+    edges = np.array([0, 1, 2**31 - 1, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1], np.uint64)
+    return np.concatenate([edges, np.random.default_rng(seed).integers(0, 2**64, 4000, dtype=np.uint64)])
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 5, 8, 12, 1000, 2**31 - 1])
+def test_the_documented_owner_shard_is_owner_shards(S):
+    from sparse_embed.host.raw_ids import owner_shards
+
+    owner, ids = _documented_owner_shard(), _edge_and_random_ids(S)
+    assert owner_shards(ids, S).tolist() == [owner(int(i), S) for i in ids]
+    assert owner_shards(ids.view(np.int64), S).tolist() == [owner(int(i), S) for i in ids]  # int64 input alike
+
+
+def test_the_documented_owner_shard_is_not_splitmix64_with_its_increment():
+    """The doc's point: a user simulating `splitmix64(id) % S` with the usual increment gets other shards."""
+    owner, M = _documented_owner_shard(), 2**64 - 1
+
+    def splitmix64(x: int) -> int:
+        z = (x + 0x9E3779B97F4A7C15) & M
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+        return z ^ (z >> 31)
+
+    assert splitmix64(0) == 0xE220A8397B1DCDAF  # the reference implementation's first output from seed 0
+    ids = [int(i) for i in _edge_and_random_ids(0)]
+    assert sum(owner(i, 8) != splitmix64(i) % 8 for i in ids) > len(ids) // 2
+
+
+@pytest.mark.parametrize("path", ["C", "numpy"])
+@pytest.mark.parametrize("S", [2, 3, 8])
+def test_preprocess_sends_each_raw_id_to_its_documented_owner(monkeypatch, path, S):
+    """Every id of a raw-id batch sits in the segment of the shard the doc's formula names (the C extension's
+    partitioning and numpy's)."""
+    import sparse_embed as se
+    from conftest import make_mesh
+    from sparse_embed.host import native
+
+    if path == "C" and native.extension() is None:
+        pytest.skip("the C extension (sparse_embed.host._native) is not built")
+    if path == "numpy":
+        monkeypatch.setattr(native, "extension", lambda: None)
+    owner = _documented_owner_shard()
+    table = se.TableSpec("users", 10_000, 4, dynamic=se.Dynamic())
+    plan = se.plan([se.FeatureSpec("u", table, 24)], make_mesh(S))
+    ids = _edge_and_random_ids(S)[:24 * 40] % np.uint64(2**63)  # raw ids lie in [0, 2**63)
+    batch, _ = se.preprocess(plan, {"u": ids.reshape(24, 40).astype(np.int64)}, device_put=False)
+    coo = batch["users"]
+    keys = np.asarray(coo.keys).reshape(S, -1, 2)  # [device, S * capacity, (hi, lo)]
+    cap = keys.shape[1] // S
+    seen = set()
+    for d in range(S):
+        real = keys[d, :, 0] != -1
+        words = keys[d][real].view(np.uint32).astype(np.uint64)  # (hi, lo) int32 words, as the batch holds ids
+        for at, i in zip(np.flatnonzero(real), ((words[:, 0] << np.uint64(32)) | words[:, 1]).tolist()):
+            assert at // cap == owner(i, S), (i, d, at // cap)
+            seen.add(i)
+    assert seen == {int(i) for i in ids}

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
 import pathlib
 import pkgutil
+import platform
+import re
+import shutil
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -105,8 +110,173 @@ def test_the_tpu_extra_picks_the_jax_tpu_embedding_that_has_wheels_for_the_pytho
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
-    env = {"python_version": python, "platform_machine": "x86_64"}
+    env = {"python_version": python, "platform_machine": "x86_64", "sys_platform": "linux"}
     picked = [Requirement(r) for r in project["optional-dependencies"]["tpu"]]
     picked = [str(r.specifier) for r in picked if r.name == "jax-tpu-embedding" and r.marker.evaluate(env)]
     assert picked == [want]
     assert not any(Requirement(r).name == "jax-tpu-embedding" for r in project["dependencies"])  # core: not needed
+
+
+# ---- every combination of the extras installs on every supported Python (pip's resolver, --dry-run) -------------
+#
+# jax-tpu-embedding's wheels are manylinux x86_64 only: 0.1.0 has cp311-cp314 wheels, 0.2.0 requires Python >= 3.12
+# (and jax >= 0.10.1, flax >= 0.10.3). Elsewhere the tpu extra installs nothing, and the resolution below checks that.
+# pip's `--python-version` does not evaluate the requirements' markers for the target Python (it picks the running
+# Python's line), so each Python's own interpreter runs the resolver: `pip --python TARGET` where the running pip is
+# >= 25.3 (the test extra asks for it), else TARGET's own pip. The registry this runs against serves no metadata
+# files, so pip reads each wheel's metadata with range requests (`--use-feature=fast-deps`; a dry run of pip >= 25.3
+# then downloads no wheel): ~25-35 s for all of it, in parallel. An older pip downloads every wheel it considers
+# (~1.5 GB for the bench extra's CUDA torch on 3.12+, nothing is cached here): ~90-150 s.
+
+PYTHONS = ("3.11", "3.12", "3.13")
+EXTRAS = ("test", "tpu", "bench")
+_NETWORK_TROUBLE = ("connection broken by", "NewConnectionError", "ConnectTimeout", "ReadTimeout",
+                    "Could not fetch URL", "Max retries exceeded", "Temporary failure in name resolution",
+                    "Network is unreachable")
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _project() -> dict:
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+
+
+def _requirements(extras) -> list[str]:
+    """What `pip install ".[extras]"` asks for, read from pyproject.toml (the project's own name expanded in place),
+    so that pip need not build the project's metadata (its build environment would fetch jaxlib for every Python)."""
+    from packaging.requirements import Requirement
+
+    project, out, todo, seen = _project(), [], [*extras], set()
+    out += project["dependencies"]
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for line in project["optional-dependencies"][extra]:
+            req = Requirement(line)
+            if _canonical(req.name) == _canonical(project["name"]):
+                todo += sorted(req.extras)  # a self-reference, e.g. "sparse-embed[tpu]"
+            else:
+                out.append(line)
+    return out
+
+
+def _interpreter(version: str) -> str | None:
+    """Python `version`: the running one, pyenv's, or one on PATH, whichever reports that version and has pip."""
+    if "%d.%d" % sys.version_info[:2] == version:
+        return sys.executable
+    pyenv = pathlib.Path(os.environ.get("PYENV_ROOT", pathlib.Path.home() / ".pyenv")) / "versions"
+    found = [str(p) for p in sorted(pyenv.glob(f"{version}.*/bin/python{version}"), reverse=True)]
+    found += [p for p in [shutil.which(f"python{version}")] if p]
+    probe = "import sys, pip; print('%d.%d' % sys.version_info[:2])"
+    for path in found:
+        try:
+            out = subprocess.run([path, "-c", probe], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and out.stdout.strip() == version:
+            return path
+    return None
+
+
+def _pip_version(python: str) -> tuple[int, ...]:
+    probe = [python, "-c", "import pip; print(pip.__version__)"]
+    out = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    return tuple(int(x) for x in re.findall(r"\d+", out.stdout)[:2]) if out.returncode == 0 else (0,)
+
+
+def _start_resolve(python: str, extras, workdir: pathlib.Path, new_pip: bool) -> tuple[subprocess.Popen, pathlib.Path]:
+    name = "_".join(extras)
+    reqs, report = workdir / f"{name}.txt", workdir / f"{name}.json"
+    reqs.write_text("\n".join(_requirements(extras)) + "\n")
+    if new_pip:  # metadata by range requests, and no wheel downloaded
+        pip = [sys.executable, "-m", "pip", *(["--python", python] if python != sys.executable else []),
+               "install", "--use-feature=fast-deps"]
+    else:
+        pip = [python, "-m", "pip", "install"]
+    cmd = [*pip, "--dry-run", "--ignore-installed", "--quiet", "--no-input", "--disable-pip-version-check",
+           "--timeout", "30", "--retries", "2", "--report", str(report), "-r", str(reqs)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), report
+
+
+@pytest.fixture(scope="module")
+def resolutions(tmp_path_factory):
+    """{python: (interpreter, {extras: (pip's return code, its output, {package: version} or None)})}: every extra
+    together (a subset of an installable set is installable, so this one resolution covers every combination of the
+    extras) and the tpu extra alone (what a [tpu] user gets), all started at once; seconds taken in "elapsed"."""
+    started, out, t0 = {}, {}, time.monotonic()
+    new_pip = _pip_version(sys.executable) >= (25, 3)
+    for version in PYTHONS:
+        python = _interpreter(version)
+        out[version] = (python, {})
+        for extras in (EXTRAS, ("tpu",)) if python is not None else ():
+            workdir = tmp_path_factory.mktemp(f"py{version}")
+            started[version, extras] = _start_resolve(python, extras, workdir, new_pip)
+    for (version, extras), (proc, report) in started.items():
+        try:
+            text = proc.communicate(timeout=max(1.0, 420 - (time.monotonic() - t0)))[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text = proc.communicate()[0] + "\n(pip was stopped after 420 s: ReadTimeout?)"
+        noise = ("' is ignored: it is neither a file", "pip is using lazily downloaded wheels")
+        lines = "\n".join(line for line in text.splitlines() if not any(n in line for n in noise))
+        got = None
+        if proc.returncode == 0:
+            got = {_canonical(i["metadata"]["name"]): i["metadata"]["version"]
+                   for i in json.loads(report.read_text())["install"]}
+        out[version][1][extras] = (proc.returncode, lines, got)
+    out["elapsed"] = time.monotonic() - t0
+    return out
+
+
+def test_the_test_extra_asks_for_the_jax_tpu_embedding_the_tpu_extra_asks_for():
+    """So that the SparseCore tests run against what a [tpu] user gets, on every Python and platform."""
+    from packaging.requirements import Requirement
+
+    def jte(extra):
+        return sorted(r for r in _requirements([extra]) if _canonical(Requirement(r).name) == "jax-tpu-embedding")
+
+    assert jte("tpu") and jte("test") == jte("tpu")
+
+
+def test_the_requirement_expansion_follows_self_references(monkeypatch):
+    project = {"name": "sparse-embed", "dependencies": ["numpy"],
+               "optional-dependencies": {"a": ["Sparse_Embed[b]", "x"], "b": ["y; python_version >= '3.12'"]}}
+    monkeypatch.setitem(globals(), "_project", lambda: project)
+    assert _requirements(["a"]) == ["numpy", "x", "y; python_version >= '3.12'"]
+
+
+@pytest.mark.parametrize("version", PYTHONS)
+def test_every_combination_of_the_extras_resolves(resolutions, version):
+    """pip's resolver (`pip install --dry-run`) on each supported Python: [test,tpu,bench] installs, so does every
+    combination of them, and jax-tpu-embedding comes in the same version with every extra as with [tpu] alone:
+    0.1.0 on 3.11, >= 0.2.0 on 3.12+, on x86_64 Linux (on other machines, none)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    assert Version(version) in SpecifierSet(_project()["requires-python"])
+    python, runs = resolutions[version]
+    if python is None:
+        why = f"Python {version} is not installed (pyenv install {version}, or python{version} on PATH)"
+        if os.environ.get("CI"):  # CI's machine image has pyenv's 3.11, 3.12 and 3.13: the check must not vanish
+            pytest.fail(why)
+        pytest.skip(why)
+    print(f"pip resolved {len(PYTHONS)} Pythons x 2 sets of extras in {resolutions['elapsed']:.0f} s, in parallel")
+    for extras, (rc, text, _) in runs.items():
+        if rc != 0 and any(t in text for t in _NETWORK_TROUBLE) and not os.environ.get("CI"):
+            pytest.skip(f"the package index cannot be reached: {text.splitlines()[-1] if text else rc}")
+        assert rc == 0, f"pip cannot install .[{','.join(extras)}] on Python {version} ({python}):\n{text}"
+    every, tpu_alone = runs[EXTRAS][2], runs[("tpu",)][2]
+    assert every.get("jax-tpu-embedding") == tpu_alone.get("jax-tpu-embedding")
+    jte = every.get("jax-tpu-embedding")
+    if platform.machine() != "x86_64" or sys.platform != "linux":
+        assert jte is None
+    elif version == "3.11":
+        assert jte == "0.1.0"
+    else:
+        assert jte is not None and Version(jte) >= Version("0.2.0")
+        assert Version(every["jax"]) >= Version("0.10.1")  # jax-tpu-embedding 0.2.0's own requirement
