@@ -9,7 +9,7 @@ them up in the shard's `KeySet`, admits new ids (after `admit_after`
 occurrences), gives them free rows or the rows of the least recently used
 ids, re-initialises those rows and their slots, and sends each segment its
 rows back. The batch it returns is an ordinary one for `lookup`; ids without
-a row become padding (they read zeros and get no update).
+a row become padding (they read zeros, or `Dynamic.default`, and get no update).
 
 Because an id's row and its map entry live on the same shard and every
 decision is a function of the (global) batch and the state, the mapping is
@@ -62,7 +62,7 @@ class IdMapStats(NamedTuple):
     admitted: ids given a row. evicted: ids that lost their row to a new id
     (least recently used). expired: ids that lost their row after
     `expire_after` idle steps. waiting: distinct ids looked up that have no
-    row yet (below `admit_after`; they read zeros). no_room: ids admitted
+    row yet (below `admit_after`; they read zeros or the default). no_room: ids admitted
     but left without a row (every row of their shard was used this step).
     forgotten: waiting ids dropped from a full pending set. occupancy: rows
     in use after the step. pending: ids waiting after the step.
@@ -393,7 +393,7 @@ def map_ids(
     `preprocess` and the state from `init_id_maps`; replace `tables` and
     `id_maps` with what it returns (new ids' rows are re-initialised).
     Stacks without raw ids pass through. `train=False` (eval) admits,
-    evicts and touches nothing: unknown ids read zeros.
+    evicts and touches nothing: ids without a row read zeros (or `Dynamic.default`).
     """
     check_raw_batch(plan, batch, id_maps, tables)
     return _map_jit(plan, train, dict(batch), dict(tables), dict(id_maps), jnp.asarray(step, jnp.int32))

@@ -47,7 +47,7 @@ class Dynamic:
 
     Attributes:
       admit_after: occurrences (in training batches) before an id gets a row;
-        1 = at once. Until then it reads zeros and its gradient is dropped.
+        1 = at once. Until then it reads zeros (or `default`) and its gradient is dropped.
       expire_after: steps without a lookup after which an id loses its row
         (None = never); a later occurrence counts as a new id.
       pending_capacity: ids one shard tracks while they wait for admission
