@@ -379,3 +379,23 @@ def test_bad_input_table_names_existing_tests():
         assert named, f"row names no test: {row}"
         for file, name in named:
             assert re.search(rf"^def {name}\(", (tests / file).read_text(), re.M), f"{file}::{name} not found"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("admit_after", 0, "admit_after must be a positive int, got 0"),
+    ("admit_after", -1, "admit_after must be a positive int"),
+    ("admit_after", True, "admit_after must be a positive int, got True"),
+    ("admit_after", 1.5, "admit_after must be a positive int"),
+    ("admit_after", "2", "admit_after must be a positive int"),
+    ("expire_after", 0, "expire_after must be a positive int"),
+    ("expire_after", -3, "expire_after must be a positive int"),
+    ("pending_capacity", 0, "pending_capacity must be a positive int"),
+    ("id_bits", 0, "id_bits must be a positive int"),
+    ("id_bits", 64, "id_bits must be at most 63"),
+    ("default", [], "finite float or vector"),
+    ("default", [[1.0, 2.0]], "finite float or vector"),
+    ("default", float("inf"), "finite float or vector"),
+])
+def test_dynamic_rejects_bad_settings_naming_them(field, value, message):
+    with pytest.raises(ValueError, match=f"Dynamic: {message}" if field != "default" else message):
+        se.Dynamic(**{field: value})
