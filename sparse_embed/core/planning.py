@@ -7,28 +7,13 @@ argument of `jit` and an immutable value: nothing in it depends on data. (An
 auto capacity's high-water mark is host state, kept by `preprocess`; the
 capacity a batch was built with travels in the batch's array shapes.)
 
-Placements (`StackPlan.placement`; docs/placement.md), with S devices:
-
-- "row" (MOD sharding): stack row `r` lives on shard `r % S` at local row
-  `r // S`. Every table's padded size is a multiple of S, so table rows
-  `[0, vocabulary_size)` map to stack rows `[row_offset, row_offset +
-  vocabulary_size)` and shard `id % S` (for any table in a stack).
-  A SparseCore stack (`sparsecores=C`) is MOD-sharded over all N = S * C
-  SparseCores instead, in jax-tpu-embedding's layout: stack row `r` of a
-  table rotated by `rotation` lives on SparseCore `p = (r % N + rotation)
-  % N` (device `p // C`) at its row `r // N`, i.e. at local row
-  `(p % C) * R + r // N` of its device (R = `sc_rows`).
-- "table": each table whole on one device (`TablePlacement.shard`), the
-  stack's tables balanced over the devices; device d holds stack rows
-  `[d * R, (d + 1) * R)` (R = `rows_per_shard`), so a stack row is a global
-  row of the array.
-- "replicated": every device holds all `total_rows` rows; the array is S
-  copies one after the other.
-- "column": every device holds all `total_rows` rows but only its
-  `shard_dim` columns (the dim split over the S devices, padded to a
-  multiple of S); the array is the S column blocks one after the other.
-  A per-row slot (RowwiseAdagrad's) is whole on every device; statistics
-  of whole rows (norms, row means) are summed over the devices.
+Placements (`StackPlan.placement`; docs/placement.md) are strategies
+(`core.placements`): each one owns how a stack's rows and columns map to the
+devices, its relayout, its exchange and its cost. The plan holds their
+layout as plain data and asks `StackPlan.strategy` for what follows from
+it; the cost model (`core.cost`) and the planner's choice ("auto",
+`core.placement`) read it. SparseCore geometry (`sparsecores`, `mod_shards`,
+`sc_rows`, slices) is the "row" layout over every SparseCore (`core.sparsecore`).
 """
 
 from __future__ import annotations
@@ -43,16 +28,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from sparse_embed.core import cost
 from sparse_embed.core import placement as placement_lib
+from sparse_embed.core import placements
 from sparse_embed.core import sparsecore as sparsecore_lib
+from sparse_embed.core.collectives import KernelStack  # noqa: F401 (kernels.interface imports it from here)
+from sparse_embed.core.placements import CAPACITY_ALIGNMENT, round_up
 from sparse_embed.core.specs import FeatureSpec, TableSpec
 
 OVERFLOW_POLICIES = ("error", "drop")
 KERNELS = ("auto", "generic", "native")  # implementations of the lookup's per-shard work (`core.kernels`)
 KERNEL_ENV = "SPARSE_EMBED_KERNEL"  # overrides kernel="auto" when a plan is made
 NONFINITE_POLICIES = ("skip", "apply")
-PLACEMENTS = ("row", "table", "replicated", "column")
-CAPACITY_ALIGNMENT = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +49,7 @@ class TablePlacement:
     table: TableSpec
     row_offset: int  # stack row of the table's id 0; a multiple of num_shards
     padded_rows: int  # vocabulary_size rounded up to a multiple of num_shards
-    shard: int | None = None  # "table" placement: the device that holds the table
+    shard: int | None = None  # the one device that holds the table, where its placement puts it on one
     expected_ids: float = 0.0  # ids its features send per device and step, as the cost model expects them
     rotation: int = 0  # SparseCore stacks: SparseCore of id 0 (jax-tpu-embedding's shard_rotation)
 
@@ -75,8 +62,8 @@ class FeatureLayout:
     table_row_offset: int  # row_offset of the feature's table in the stack
     row_offset: int  # first per-device output row of this feature
     samples_per_device: int  # batch_size // num_devices
-    shard: int | None = None  # "table" placement: the device holding the feature's table
-    partial_offset: int | None = None  # "table": first row of this feature in its shard's partials
+    shard: int | None = None  # the one device that holds the feature's table, if one does (`TablePlacement`)
+    partial_offset: int | None = None  # then: first row of this feature in its shard's partials
     table_rotation: int = 0  # rotation of the feature's table in the stack (SparseCores; `TablePlacement`)
     slices: int = 1  # SparseCore stacks: its rows are cut into one slice per SparseCore of the device,
     slice_rows: int = 0  # slice k at output rows `[k * slice_rows + row_offset, ... + rows_per_device / slices)`
@@ -110,16 +97,26 @@ class FeatureLayout:
 
 @dataclasses.dataclass(frozen=True)
 class StackPlan:
-    """One stacked table: `[num_shards * rows_per_shard, embedding_dim]`."""
+    """One stacked table: `[num_shards * rows_per_shard, embedding_dim]`, a frozen value.
+
+    Its layout follows from its data and its placement's strategy
+    (`strategy`); its cost is `core.cost`'s, its exchange the strategy's
+    (called by the lookup).
+    """
 
     name: str
     tables: tuple[TablePlacement, ...]
     features: tuple[FeatureLayout, ...]
-    num_shards: int  # devices of the mesh axis (each one a source of ids; for "row" also a shard of rows)
+    num_shards: int  # devices of the mesh axis (each one a source of ids, and a holder of rows)
     capacity: int | None  # COO entries per (device, shard) partition; None = auto
-    placement: str = "row"  # see the module docstring
-    shard_rows: int = 0  # "table": rows each device holds (its tables', padded to the most on one device)
+    placement: str = placements.DEFAULT  # a registered placement's name (`core.placements`)
+    shard_rows: int = 0  # rows each device holds where the placement fixes them when it assigns tables (else 0)
     sparsecores: int = 0  # SparseCores per device that run it on TPU (0: none; `core.sparsecore`)
+
+    @property
+    def strategy(self) -> placements.Placement:
+        """The placement's strategy object: its layout, relayout, exchange and cost."""
+        return placements.get(self.placement)
 
     @property
     def first(self) -> TableSpec:
@@ -148,17 +145,13 @@ class StackPlan:
 
     @property
     def total_rows(self) -> int:
-        """Rows of the stack-row space (every table's rows, padded; "table": every device's block)."""
-        if self.placement == "table":
-            return self.num_shards * self.shard_rows
-        return sum(t.padded_rows for t in self.tables)
+        """Rows of the stack-row space (every table's rows, padded; or every device's block)."""
+        return self.strategy.total_rows(self)
 
     @property
     def rows_per_shard(self) -> int:
         """Rows each device holds."""
-        if self.placement == "table":
-            return self.shard_rows
-        return self.total_rows // self.num_shards if self.placement == "row" else self.total_rows
+        return self.strategy.rows_per_shard(self)
 
     @property
     def slice_rows(self) -> int:
@@ -167,12 +160,12 @@ class StackPlan:
 
     @property
     def mod_shards(self) -> int:
-        """"row": the shards rows are MOD-sharded over: the devices, or on SparseCores every SparseCore."""
+        """The shards rows are MOD-sharded over ("row"): the devices, or on SparseCores every SparseCore."""
         return self.num_shards * max(self.sparsecores, 1)
 
     @property
     def sc_rows(self) -> int:
-        """"row": rows of one of `mod_shards` (a device's rows, or one SparseCore's)."""
+        """Rows of one of `mod_shards` ("row": a device's rows, or one SparseCore's)."""
         return self.rows_per_shard // max(self.sparsecores, 1)
 
     def join_rows(self, parts):
@@ -187,11 +180,11 @@ class StackPlan:
 
     @property
     def array_dim(self) -> int:
-        """Columns of the stacked arrays: `embedding_dim`, or "column", each device's share of it."""
-        return -(-self.embedding_dim // self.num_shards) if self.placement == "column" else self.embedding_dim
+        """Columns of the stacked arrays on each device: `embedding_dim`, or its share of it."""
+        return self.strategy.array_dim(self)
 
     def slot_widths(self) -> dict[str, int]:
-        """Columns of each optimizer slot's stacked array (a "column" device holds its share)."""
+        """Columns of each optimizer slot's stacked array (a slot split like the table: its share)."""
         return {k: self.array_dim if self.splits(v.width) else v.width
                 for k, v in self.optimizer.slots(self.embedding_dim).items()}
 
@@ -203,8 +196,8 @@ class StackPlan:
     @property
     def segments(self) -> int:
         """Destination segments of each device's COO batch: the devices ids go to (1: the device's own ids,
-        which "replicated" reads locally and "column" gathers from every device)."""
-        return self.num_shards if self.placement in ("row", "table") else 1
+        read locally or gathered by every device)."""
+        return self.strategy.segments(self)
 
     @property
     def rows_per_device(self) -> int:
@@ -213,73 +206,9 @@ class StackPlan:
 
     @property
     def partial_rows(self) -> int:
-        """Rows of the partial activations a shard computes for each source device.
-
-        "table": only the features of the shard's own tables (the most on one
-        device); otherwise every feature's rows (`rows_per_device`).
-        """
-        if self.placement != "table":
-            return self.rows_per_device
-        per = [0] * self.num_shards
-        for f in self.features:
-            per[f.shard] += f.rows_per_device
-        return max(per)
-
-    def expected_capacity(self) -> int:
-        """The explicit capacity, else the cost model's: the most ids one device is expected to send one shard."""
-        if self.capacity is not None:
-            return self.capacity
-        if self.placement == "table":
-            per = [0.0] * self.num_shards
-            for t in self.tables:
-                per[t.shard] += t.expected_ids
-            most = max(per)
-        else:
-            most = sum(t.expected_ids for t in self.tables) / self.segments
-        return round_up(max(1, math.ceil(most)), CAPACITY_ALIGNMENT)
-
-    def collective_bytes(self, capacity: int | None = None, skip_nonfinite: bool = True) -> int:
-        """Bytes one device receives through the collectives of one train step of `lookup` for this stack.
-
-        Forward and backward (the exchanged COO entries, the partial
-        activations, the activation gradients; "replicated": the all-reduce
-        of the dense gradient), at `capacity` (default: `expected_capacity`).
-        Each collective counts what arrives from the other devices: an
-        all_to_all or all_gather `(D-1)/D` of its result, an all-reduce twice
-        that (a ring). Raw-id tables' `map_ids` exchange is not counted.
-        """
-        D, dim = self.num_shards, self.embedding_dim
-        if self.placement == "replicated":
-            return 2 * (D - 1) * self.total_rows * (dim + 1) * 4 // D
-        C = self.expected_capacity() if capacity is None else capacity
-        if self.placement == "column":  # every device's entries to every device; activations by columns
-            sums = 8 * C * self.row_sums(skip_nonfinite)  # each an all-reduce of D*C f32: 2 (D-1)/D * 4 D C
-            gathers = 4 * D * C * self.array_dim * self.row_gathers()  # (D-1)/D of [D*C, D*array_dim] f32 each
-            return (D - 1) * (12 * C + 2 * 4 * self.rows_per_device * self.array_dim + sums + gathers)
-        return (D - 1) * (12 * self.segments * C + 2 * 4 * self.partial_rows * dim * D) // D
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row of the stacked table and slots, as one device holds it."""
-        return (self.array_dim * np.dtype(self.dtype).itemsize
-                + sum(self.slot_widths().values()) * placement_lib.SLOT_ITEMSIZE)
-
-    def memory_per_device(self) -> int:
-        """Bytes of this stack's table and slots on each device."""
-        return self.rows_per_shard * self.row_bytes
-
-    def kernel_view(self, sources: int | None = None, out_rows: int | None = None,
-                    axis: str | None = None, per_feature: bool = False) -> "KernelStack":
-        """What a kernel sees of this stack: sources of entries, their output rows and the local rows.
-
-        `axis`: the mesh axis (inside shard_map); "column" stacks sum a row's statistics over it.
-        `per_feature`: the partial activations in one block per feature (see `KernelStack.out_blocks`).
-        """
-        blocks = tuple(f.rows_per_device for f in self.features) if per_feature else ()
-        return KernelStack(self.name, self.optimizer, self.max_norm, self.dtype, self.array_dim,
-                           self.num_shards if sources is None else sources,
-                           self.partial_rows if out_rows is None else out_rows, self.rows_per_shard,
-                           self.embedding_dim, axis if self.placement == "column" else None, blocks)
+        """Rows of the partial activations a shard computes for each source device (every feature's rows, or
+        only those of the shard's own tables where each table is on one device)."""
+        return self.strategy.partial_rows(self)
 
     @property
     def activations_per_feature(self) -> bool:
@@ -288,92 +217,17 @@ class StackPlan:
         activations as an array of its own, which the lookup returns without a copy."""
         tiled = all(f.row_offset == sum(g.rows_per_device for g in self.features[:i]) and f.slices == 1
                     for i, f in enumerate(self.features))
-        whole = self.placement == "replicated" or (self.placement == "row" and self.num_shards == 1)
-        return (whole and not self.sparsecores and tiled
+        return (self.strategy.whole_activations(self) and not self.sparsecores and tiled
                 and sum(f.rows_per_device for f in self.features) == self.rows_per_device)
 
     def splits(self, width: int) -> bool:
-        """Is an array of `width` natural columns split over the devices ("column": the table and the slots
+        """Is an array of `width` natural columns split over the devices (e.g. "column": the table and the slots
         as wide as it), rather than held whole where its rows are (every other array, e.g. a per-row slot)?"""
-        return self.placement == "column" and width == self.embedding_dim
+        return self.strategy.splits(self, width)
 
     def row_sums(self, skip_nonfinite: bool = True) -> int:
-        """"column": f32 all-reduced per received entry in a train step for whole-row statistics (0 otherwise).
-
-        A row's norm (max_norm: 1 forward, 2 backward), a row-wise optimizer's mean (1) and, when either
-        needs them, whether any column's summed gradient is non-finite (1, under `skip_nonfinite`).
-        """
-        if self.placement != "column":
-            return 0
-        if not self.optimizer.splits_columns:  # the update gathers whole rows: only max_norm sums
-            return 3 * (self.max_norm is not None)
-        return placement_lib.column_row_sums(self.max_norm is not None, self.optimizer.elementwise, skip_nonfinite)
-
-    def row_gathers(self) -> int:
-        """"column" with an optimizer that sees whole rows: f32 arrays `[D*C, array_dim]` all_gathered whole
-        in a train step (the touched rows, their gradients and the slots as wide as a row; 0 otherwise)."""
-        if self.placement != "column" or self.optimizer.splits_columns:
-            return 0
-        slots = self.optimizer.slots(self.embedding_dim).values()
-        return 2 + sum(self.splits(s.width) for s in slots)
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelStack:
-    """One stack as a kernel (`core.kernels`) sees it on one shard.
-
-    `num_shards` sources each send entries whose row ids index their
-    `rows_per_device` output rows; their col ids index this shard's
-    `rows_per_shard` rows. `out_blocks` (when not empty) cuts those output
-    rows into consecutive blocks, one per feature, that the forward returns
-    as separate arrays and the backward takes as such (see `core.kernels`).
-    """
-
-    name: str
-    optimizer: Any
-    max_norm: float | None
-    dtype: Any
-    embedding_dim: int  # columns of the local arrays
-    num_shards: int
-    rows_per_device: int
-    rows_per_shard: int
-    row_width: int = 0  # elements of a whole row (past embedding_dim when its columns are split)
-    row_axis: str | None = None  # the mesh axis a row's columns are split over ("column"), else None
-    out_blocks: tuple[int, ...] = ()  # output rows of each block (summing to rows_per_device); () = one array
-
-    def row_sum(self, partial: jax.Array) -> jax.Array:
-        """Per-row partial sums `[..., k]` -> the whole rows' sums (a psum over `row_axis` if split)."""
-        return partial if self.row_axis is None else jax.lax.psum(partial, self.row_axis)
-
-    def row_mean(self, x: jax.Array) -> jax.Array:
-        """`x [U, embedding_dim]` -> the mean over each whole row `[U, 1]`."""
-        if self.row_axis is None:
-            return x.mean(axis=-1, keepdims=True)
-        return self.row_sum(x.sum(axis=-1, keepdims=True)) / self.row_width
-
-    @property
-    def needs_row_sums(self) -> bool:
-        """Are this stack's rows split over devices and does it need statistics of whole rows?"""
-        return self.row_axis is not None and (self.max_norm is not None or not self.optimizer.elementwise)
-
-    @property
-    def gathers_rows(self) -> bool:
-        """Are this stack's rows split over devices and does its optimizer see whole rows (`Custom`)?"""
-        return self.row_axis is not None and not self.optimizer.splits_columns
-
-    def splits_slot(self, name: str) -> bool:
-        """Is slot `name` split by columns like the table (as wide as a row), or whole on every device?"""
-        return self.optimizer.slots(self.row_width)[name].width == self.row_width
-
-    def whole(self, x: jax.Array) -> jax.Array:
-        """This device's columns `[U, embedding_dim]` -> whole rows `[U, row_width]` (an all_gather)."""
-        return jax.lax.all_gather(x, self.row_axis, axis=1, tiled=True)[:, :self.row_width]
-
-    def own(self, x: jax.Array) -> jax.Array:
-        """Whole rows `[U, row_width]` -> this device's columns `[U, embedding_dim]` (the inverse of `whole`)."""
-        w = self.embedding_dim
-        x = jnp.pad(x, ((0, 0), (0, self.num_shards * w - x.shape[1])))
-        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.row_axis) * w, w, axis=1)
+        """`core.cost.row_sums` (kept here for `kernels.native_cpu`)."""
+        return cost.row_sums(self, skip_nonfinite)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -408,45 +262,25 @@ class EmbeddingPlan:
                 f.feature.name + (f"[seq {f.feature.max_sequence_length}]" if f.feature.is_sequence else "")
                 for f in s.features)
             raw = f", raw ids {s.dynamic}" if s.dynamic else ""
-            where = ("" if s.placement == "row" else f", {s.placement}") + (
+            where = ("" if s.placement == placements.DEFAULT else f", {s.placement}") + (
                 f", {s.sparsecores} SparseCores per device" if s.sparsecores else "")
             lines.append(f"  stack {s.name!r}: [{s.array_rows}, {s.embedding_dim}] {type(s.optimizer).__name__}, "
                          f"tables {tables}; features {feats}; capacity {s.capacity or 'auto'}{raw}{where}")
         return "\n".join(lines)
 
     def collective_bytes(self, capacities: Mapping[str, int] | None = None) -> int:
-        """Bytes one device receives through collectives in one train step of `lookup` (see
-        `StackPlan.collective_bytes`); `capacities` (e.g. `Stats.capacity`) for stacks of auto capacity."""
-        skip = self.nonfinite_gradients == "skip"
-        return sum(s.collective_bytes((capacities or {}).get(s.name), skip) for s in self.stacks)
+        """Bytes one device receives through collectives in one train step of `lookup` (`core.cost`);
+        `capacities` (e.g. `Stats.capacity`) for stacks of auto capacity."""
+        return cost.plan_collective_bytes(self, capacities)
 
     def memory_per_device(self) -> int:
         """Bytes of tables and optimizer slots on each device."""
-        return sum(s.memory_per_device() for s in self.stacks)
+        return cost.plan_memory(self)
 
     def describe(self, capacities: Mapping[str, int] | None = None) -> str:
-        """A table of where every table lives, its memory per device and the bytes its stack exchanges.
-
-        Bytes are per device and train step (`collective_bytes`), at the
-        stacks' explicit capacities, else `capacities` (e.g. `Stats.capacity`),
-        else the cost model's expectation.
-        """
-        D, caps = self.num_shards, capacities or {}
-        lines = [f"EmbeddingPlan on {D} device(s) of mesh axis {self.axis_name!r}: "
-                 f"{_size(self.memory_per_device())} of tables and slots per device, "
-                 f"{_size(self.collective_bytes(caps))} through collectives per device and train step",
-                 f"{'table':<24} {'stack':<24} {'placement':<16} {'rows x dim':>16} {'memory/device':>14} "
-                 f"{'stack bytes/step':>17}"]
-        for s in self.stacks:
-            stack_bytes = _size(s.collective_bytes(caps.get(s.name)))
-            for p in s.tables:
-                where = s.placement if p.shard is None else f"table (device {p.shard})"
-                per_device = p.padded_rows // (D if s.placement == "row" else 1) * s.row_bytes
-                stack = s.name if len(s.name) <= 24 else s.name[:23] + "…"
-                lines.append(f"{p.table.name:<24} {stack:<24} {where:<16} "
-                             f"{f'{p.table.vocabulary_size} x {p.table.embedding_dim}':>16} "
-                             f"{_size(per_device):>14} {stack_bytes:>17}")
-        return "\n".join(lines)
+        """A table of where every table lives, its memory per device and the bytes its stack exchanges
+        (`core.cost.describe`)."""
+        return cost.describe(self, capacities)
 
     def stack(self, name: str) -> StackPlan:
         for s in self.stacks:
@@ -484,19 +318,6 @@ class EmbeddingPlan:
     def capacity(self, stack: str) -> int | None:
         """The explicit capacity of a stack; None = auto (sized by `preprocess` from the data)."""
         return self.stack(stack).capacity
-
-
-def _size(n: float) -> str:
-    """Bytes, human-readable (KiB, MiB, GiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def round_up(x: int, m: int) -> int:
-    """The smallest multiple of m that is >= x."""
-    return -(-x // m) * m
 
 
 def _stack_key(t: TableSpec) -> tuple:
@@ -635,7 +456,7 @@ def plan(
     on_overflow: str = "error",
     nonfinite_gradients: str = "skip",
     kernel: Any = "auto",
-    placement: str | Mapping[str, str] = "row",
+    placement: str | Mapping[str, str] = placements.DEFAULT,
     memory_budget: int | None = None,
     ids_per_sample: float | Mapping[str, float] | None = None,
     stats: Any = None,
@@ -680,7 +501,7 @@ def plan(
     num_shards, sc = mesh.shape[axis], sparsecore_lib.count(sparsecores, mesh.devices.flat)
     _check_policies(on_overflow, nonfinite_gradients)
     _check_batch_sizes(feats, num_shards, axis)
-    loads = placement_lib.table_loads(feats, tables, num_shards,
+    loads = cost.table_loads(feats, tables, num_shards,
                                       _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats))
     stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sc),
                          _fixed_placements(tables, placement), loads, num_shards, memory_budget)
@@ -699,15 +520,15 @@ def _fit_budget(make, fixed: dict[str, str], loads: dict, num_shards: int,
     """`make(placements)` of the cost model's choice, with tables moved to placements cheaper in memory
     (`core.placement.to_move`) until the stacks fit the budget.
 
-    The moves end only when every table not fixed needs no more memory where it is than on "row"
-    (memory per table is exact but for "table", which a move always leaves for "row" on D > 1 devices),
-    so a budget that the plan with those tables on "row" meets always gives a plan.
+    The moves end only when every table not fixed needs no more memory where it is than on the default
+    placement (memory per table is exact but for "table", which a move always leaves for "row" on D > 1
+    devices), so a budget that the plan with those tables on "row" meets always gives a plan.
     """
     groups = lambda chosen: {t.table.name: s.name for s in make(chosen) for t in s.tables}  # noqa: E731
     chosen = placement_lib.choose(loads, fixed, groups, num_shards)
     while True:
         stacks = make(chosen)
-        need = sum(s.memory_per_device() for s in stacks)
+        need = sum(cost.memory_per_device(s) for s in stacks)
         if memory_budget is None or need <= memory_budget:
             return stacks
         move = placement_lib.to_move(chosen, fixed, loads, num_shards)
@@ -721,12 +542,13 @@ def _fit_budget(make, fixed: dict[str, str], loads: dict, num_shards: int,
 
 def _fixed_placements(tables: dict[str, TableSpec], placement: Any) -> dict[str, str]:
     """The placements the caller fixed: `{table: placement}` (the rest are chosen by the cost model)."""
+    names, raw = placements.names(), {n: placements.DEFAULT for n, t in tables.items() if t.dynamic}
     if isinstance(placement, str):
-        if placement != "auto" and placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {(*PLACEMENTS, 'auto')} or {{table: placement}}, "
+        if placement != placements.AUTO and placement not in names:
+            raise ValueError(f"placement must be one of {(*names, placements.AUTO)} or {{table: placement}}, "
                              f"got {placement!r}.")
-        fixed = {} if placement == "auto" else dict.fromkeys(tables, placement)
-        fixed.update({n: "row" for n, t in tables.items() if t.dynamic})  # raw ids: always row
+        fixed = {} if placement == placements.AUTO else dict.fromkeys(tables, placement)
+        fixed.update(raw)  # raw ids: always the default placement
         for n, p in fixed.items():
             _check_placement(tables[n], p)
         return fixed
@@ -736,16 +558,17 @@ def _fixed_placements(tables: dict[str, TableSpec], placement: Any) -> dict[str,
     if unknown:
         raise ValueError(f"placement names tables {unknown}, which no feature reads; tables are {sorted(tables)}.")
     for n, p in placement.items():
-        if p not in PLACEMENTS:
-            raise ValueError(f"Table {n!r}: placement must be one of {PLACEMENTS}, got {p!r}.")
+        if p not in names:
+            raise ValueError(f"Table {n!r}: placement must be one of {names}, got {p!r}.")
         _check_placement(tables[n], p)
-    return {**{n: "row" for n, t in tables.items() if t.dynamic}, **placement}
+    return {**raw, **placement}
 
 
 def _check_placement(t: TableSpec, placement: str) -> None:
     """Raises a ValueError naming the table if it cannot have this placement."""
-    if t.dynamic and placement != "row":
-        raise ValueError(f"Table {t.name!r} is keyed by raw ids (dynamic=...), which only the \"row\" placement "
+    if t.dynamic and not placements.get(placement).raw_ids:
+        which = " or ".join(f'"{n}"' for n in placements.raw_id_names())
+        raise ValueError(f"Table {t.name!r} is keyed by raw ids (dynamic=...), which only the {which} placement "
                          f"supports; got {placement!r}.")
 
 
@@ -777,13 +600,13 @@ def _ids_per_sample(feats: dict[str, FeatureSpec], tables: dict[str, TableSpec],
 
 
 def _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sparsecores) -> tuple[StackPlan, ...]:
-    """The stacks of one choice of placements; "table" stacks balanced over the devices together."""
+    """The stacks of one choice of placements (those that balance tables over the devices share `device_load`)."""
     groups = _group_tables(tables, stacking, chosen)
     names = ["_".join(g) for g in groups]
     if len(set(names)) != len(names):
         raise ValueError(f"Stack names collide: {names}; rename tables or pass stacking explicitly.")
     caps = _capacities(names, capacity)
-    device_load = [0.0] * num_shards  # "table" stacks: bytes of tables already on each device
+    device_load = [0.0] * num_shards  # bytes of tables already on each device (placements that balance them)
 
     def cores(name, group):  # the stack's SparseCores (0 with a warning if it cannot use them)
         rows = {f.name: f.batch_size // num_shards * max(f.max_sequence_length, 1)
@@ -810,40 +633,19 @@ def _capacities(names: list[str], capacity: int | Mapping[str, int] | None) -> d
 def _stack_plan(name: str, tables: list[TableSpec], feats: dict[str, FeatureSpec], num_shards: int,
                 capacity: int | None, placement: str, loads: dict, device_load: list, sparsecores: int = 0
                 ) -> StackPlan:
-    """Tables one after the other (each padded to a multiple of S rows, `8 * sparsecores * S` on SparseCores);
-    the features that read them, by name.
+    """The tables where their placement puts them (`Placement.assign`), the features that read them, by name.
 
-    SparseCores (jax-tpu-embedding's layout): table k of the stack is
-    rotated by `k * sparsecores` SparseCores, and each device's output rows
-    are one slice per SparseCore, each holding its share of every feature.
-
-    "table": each table goes to the device with the least traffic so far in
-    this stack (ties: the least memory of earlier "table" stacks,
-    `device_load`, updated here), largest first; a device's tables lie one
-    after the other in its block.
+    SparseCores (jax-tpu-embedding's layout): each device's output rows are
+    one slice per SparseCore, each holding its share of every feature.
     """
-    placements = {}
-    if placement == "table":
-        owner = placement_lib.balance([(t.name, loads[t.name]) for t in tables], device_load)
-        used = [0] * num_shards
-        for t in tables:
-            used[owner[t.name]] += round_up(t.vocabulary_size, num_shards)
-        shard_rows, fill = max(used), [0] * num_shards
-        for t in tables:
-            d, padded = owner[t.name], round_up(t.vocabulary_size, num_shards)
-            placements[t.name] = TablePlacement(t, d * shard_rows + fill[d], padded, d, loads[t.name].ids)
-            fill[d] += padded
-    else:
-        shard_rows, offset, align = 0, 0, num_shards * (8 * sparsecores or 1)
-        for k, t in enumerate(tables):
-            placements[t.name] = TablePlacement(t, offset, round_up(t.vocabulary_size, align), None,
-                                                loads[t.name].ids, k * sparsecores % (num_shards * sparsecores or 1))
-            offset += placements[t.name].padded_rows
+    where, shard_rows = placements.get(placement).assign(tables, loads, device_load, num_shards, sparsecores)
+    placed = {t.name: TablePlacement(t, w.row_offset, w.padded_rows, w.shard, loads[t.name].ids, w.rotation)
+              for t, w in zip(tables, where)}
     layouts, row, partial = [], 0, [0] * num_shards
     for fname in sorted(feats):
         f = feats[fname]
-        if f.table.name in placements:
-            p = placements[f.table.name]
+        if f.table.name in placed:
+            p = placed[f.table.name]
             lay = FeatureLayout(f, p.row_offset, row, f.batch_size // num_shards, p.shard,
                                 None if p.shard is None else partial[p.shard], p.rotation)
             layouts.append(lay)
@@ -852,7 +654,7 @@ def _stack_plan(name: str, tables: list[TableSpec], feats: dict[str, FeatureSpec
                 partial[p.shard] += lay.rows_per_device
     if sparsecores:
         layouts = [dataclasses.replace(lay, slices=sparsecores, slice_rows=row) for lay in layouts]
-    return StackPlan(name, tuple(placements.values()), tuple(layouts), num_shards, capacity, placement, shard_rows,
+    return StackPlan(name, tuple(placed.values()), tuple(layouts), num_shards, capacity, placement, shard_rows,
                      sparsecores)
 
 

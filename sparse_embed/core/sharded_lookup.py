@@ -15,8 +15,11 @@ tables. Under the plan's default `nonfinite_gradients="skip"`, a row whose
 gradient is NaN/inf keeps its values and slots; `nonfinite_rows` counts such
 rows.
 
-The per-shard work is a `core.kernels` implementation; this module only
-moves data between devices and knows nothing of how a kernel works. A
+Which entries and activations move where is the stack's placement's
+(`core.placements`: its `exchange`, `activations` and `backward`, with the
+collectives of `core.collectives`); the per-shard work is a `core.kernels`
+implementation. This module runs them inside `shard_map` and knows nothing
+of how either works. A
 SparseCore stack (`plan(sparsecores=S)`) runs `kernels.sparsecore` instead
 on TPU, which does the exchange itself (`jax.lax.platform_dependent`).
 """
@@ -33,34 +36,15 @@ from jax.sharding import PartitionSpec as P
 from sparse_embed.core import kernels
 from sparse_embed.core.batch import ShardedCooMatrix
 from sparse_embed.core.kernels import Received
-from sparse_embed.core.kernels.interface import join_blocks
 from sparse_embed.core.kernels import sparsecore
 from sparse_embed.core.kernels.generic import nonfinite_row_count, warn_if_slow_on_cpu
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import EmbeddingVariables, check_state, check_trainable
 
 
-def _gather(x: jax.Array, axis: str) -> jax.Array:
-    """Every device's `x`, `[D, ...]` (inside shard_map). On one device `x[None]`: XLA:CPU copies the array for
-    an all_gather even then (~65 us per W1 table and step), while it drops a one-device all_to_all."""
-    return x[None] if jax.lax.axis_size(axis) == 1 else jax.lax.all_gather(x, axis, tiled=False)
-
-
 def _exchange(stack: StackPlan, axis: str, coo: ShardedCooMatrix) -> Received:
-    """Sends segment s of this device's batch to shard s (inside shard_map): `[D, C]` from each source.
-
-    "replicated": the device keeps its one segment, `[1, C]`. "column": every device gets every segment.
-    """
-    if stack.placement == "replicated":
-        return Received(*(x.reshape(1, -1) for x in (coo.col_ids, coo.row_ids, coo.values)))
-    if stack.placement == "column":  # every device's entries, on every device
-        return Received(*(_gather(x, axis) for x in (coo.col_ids, coo.row_ids, coo.values)))
-    S = stack.segments
-
-    def send(x):
-        return jax.lax.all_to_all(x.reshape(S, -1), axis, 0, 0, tiled=True)
-
-    return Received(send(coo.col_ids), send(coo.row_ids), send(coo.values))
+    """The entries this device's kernel reads (inside shard_map), `[sources, C]`, by the stack's placement."""
+    return Received(*stack.strategy.exchange(stack, axis, coo))
 
 
 def _activations(stack: StackPlan, axis: str, partials: jax.Array) -> jax.Array:
@@ -68,56 +52,7 @@ def _activations(stack: StackPlan, axis: str, partials: jax.Array) -> jax.Array:
     (or, in blocks, `([n_i, dim], ...)` from `([1, n_i, dim], ...)`: see `StackPlan.activations_per_feature`)."""
     if isinstance(partials, tuple):
         return tuple(p[0] for p in partials)
-    if stack.placement == "replicated":
-        return partials[0]
-    pooled = jax.lax.all_to_all(partials, axis, 0, 0, tiled=True)  # [S, partial_rows, dim], from each shard
-    if stack.placement == "row":
-        return pooled.sum(axis=0)
-    if stack.placement == "column":  # each shard's columns, side by side
-        return pooled.transpose(1, 0, 2).reshape(pooled.shape[1], -1)[:, :stack.embedding_dim]
-    return jnp.concatenate([pooled[f.shard, f.partial_offset:f.partial_offset + f.rows_per_device]
-                            for f in stack.features])  # "table": each feature from its table's shard
-
-
-def _to_owners(stack: StackPlan, axis: str, grads: jax.Array) -> jax.Array:
-    """"table": this device's activation gradients `[rows_per_device, dim]` -> each shard's share of every
-    source's, `[D, partial_rows, dim]` (the transpose of `_activations`)."""
-    P, dim = stack.partial_rows, stack.embedding_dim
-    send = []
-    for d in range(stack.num_shards):
-        mine = [grads[f.row_offset:f.row_offset + f.rows_per_device] for f in stack.features if f.shard == d]
-        block = jnp.concatenate(mine) if mine else jnp.zeros((0, dim), grads.dtype)
-        send.append(jnp.pad(block, ((0, P - block.shape[0]), (0, 0))))
-    return jax.lax.all_to_all(jnp.stack(send), axis, 0, 0, tiled=True)
-
-
-def _to_columns(stack: StackPlan, axis: str, grads: jax.Array, poison: bool) -> jax.Array:
-    """"column": this device's activation gradients `[rows_per_device, dim]` -> each shard's columns of every
-    source's, `[D, rows_per_device, w]`. With `poison`, a row with a NaN/inf anywhere becomes NaN in every
-    column, so every shard skips the table rows it reaches (as one device holding whole rows would)."""
-    D, w = stack.num_shards, stack.array_dim
-    if poison:
-        grads = jnp.where(jnp.isfinite(grads).all(axis=-1, keepdims=True), grads, jnp.nan)
-    g = jnp.pad(grads, ((0, 0), (0, D * w - grads.shape[1]))).reshape(grads.shape[0], D, w).transpose(1, 0, 2)
-    return jax.lax.all_to_all(g, axis, 0, 0, tiled=True)
-
-
-def _combined(stack: StackPlan, axis: str, rec: Received, grads: jax.Array) -> tuple[Received, jax.Array]:
-    """"replicated": every device's gradients summed into one entry per touched row (an all-reduce).
-
-    Returns entries `[1, total_rows]` (row r reads output row r; untouched
-    rows are padding) and their gradients `[1, total_rows, dim]`, equal on
-    every device. A row is touched when any entry reads it, whatever its gain.
-    """
-    n, dim = stack.total_rows, stack.embedding_dim
-    g = jnp.pad(grads, ((0, 1), (0, 0)))[rec.row_ids.reshape(-1)] * rec.values.reshape(-1, 1)  # padding: row 0s
-    contrib = jnp.concatenate([g, jnp.ones_like(g[:, :1])], axis=1)
-    dense = jax.lax.psum(jnp.zeros((n, dim + 1), jnp.float32).at[rec.col_ids.reshape(-1)].add(contrib, mode="drop"),
-                         axis)
-    rows = jnp.arange(n, dtype=jnp.int32)
-    touched = Received(jnp.where(dense[:, dim] > 0, rows, n)[None], rows[None], jnp.ones((1, n), jnp.float32))
-    # Equal on every device, but typed as varying like the table they update (shard_map's scan carries).
-    return jax.lax.pcast((touched, dense[None, :, :dim]), axis, to="varying")
+    return stack.strategy.activations(stack, axis, partials)
 
 
 def _local(tree):
@@ -128,15 +63,6 @@ def _local(tree):
 def _stacked(tree):
     """Inside shard_map: add a leading device axis to every leaf (row-sharded outputs)."""
     return jax.tree.map(lambda x: x[None], tree)
-
-
-def _view(stack: StackPlan, axis: str):
-    """The stack as the forward's kernel sees it ("replicated": one source, this device); its partial
-    activations in one block per feature where they are the activations."""
-    blocks = stack.activations_per_feature
-    if stack.placement == "replicated":
-        return stack.kernel_view(sources=1, per_feature=blocks)
-    return stack.kernel_view(axis=axis, per_feature=blocks)
 
 
 def _on_tpu_sparsecores(stack: StackPlan, axis: str, tpu, default, *args):
@@ -171,7 +97,8 @@ def _forward(plan: EmbeddingPlan, batch, tables):
         for s in plan.stacks:
             def usual(coo, table, s=s):
                 rec = _exchange(s, axis, coo)
-                fwd = kernels.for_stack(plan, s).forward(_view(s, axis), rec, table)
+                view = s.strategy.view(s, axis, s.activations_per_feature)
+                fwd = kernels.for_stack(plan, s).forward(view, rec, table)
                 return _activations(s, axis, fwd.partials), _stacked(rec), fwd.table, _stacked(fwd.saved)
 
             def on_sparsecores(coo, table, s=s):
@@ -185,20 +112,9 @@ def _forward(plan: EmbeddingPlan, batch, tables):
 
 def _kernel_backward(plan: EmbeddingPlan, s: StackPlan, rec: Received, saved, state: EmbeddingVariables,
                      grads: jax.Array, step, skip: bool) -> EmbeddingVariables:
-    """Inside shard_map: a stack's update by its kernel, from this device's activation gradients."""
-    axis, kernel = plan.axis_name, kernels.for_stack(plan, s)
-    if s.placement == "replicated":  # every replica applies the same update: the summed gradients
-        rec, g = _combined(s, axis, rec, join_blocks(grads))
-        view = s.kernel_view(sources=1, out_rows=s.total_rows)
-        fwd = kernel.forward(view, rec, state.table)  # what the kernel's backward needs of its forward
-        return kernel.backward(view, rec, fwd.saved, state._replace(table=fwd.table), g, step, skip)
-    if s.placement == "table":
-        g = _to_owners(s, axis, grads)
-    elif s.placement == "column":
-        g = _to_columns(s, axis, grads, skip)
-    else:
-        g = jax.tree.map(lambda x: _gather(x, axis), grads)  # [D, rpd, dim] (or blocks)
-    return kernel.backward(_view(s, axis), rec, saved, state, g, step, skip)
+    """Inside shard_map: a stack's update by its kernel, from this device's activation gradients (routed to the
+    shards by the stack's placement)."""
+    return s.strategy.backward(s, plan.axis_name, kernels.for_stack(plan, s), rec, saved, state, grads, step, skip)
 
 
 def _backward(plan: EmbeddingPlan, recs, saved, csrs, tables, grads, step):
@@ -355,17 +271,7 @@ def _nonfinite_rows_jit(plan: EmbeddingPlan, batch, grads) -> dict[str, jax.Arra
         out = {}
         for s in plan.stacks:
             rec = _exchange(s, axis, _local(batch[s.name]))
-            if s.placement == "replicated":  # the same rows on every device: count them once
-                rec, g = _combined(s, axis, rec, grads[s.name])
-                out[s.name] = jax.lax.pmax(nonfinite_row_count(s.kernel_view(sources=1, out_rows=s.total_rows), rec, g),
-                                           axis)
-                continue
-            if s.placement == "column":  # every shard counts the same rows
-                count = nonfinite_row_count(s.kernel_view(), rec, _to_columns(s, axis, grads[s.name], True))
-                out[s.name] = jax.lax.pmax(count, axis)
-                continue
-            g = _to_owners(s, axis, grads[s.name]) if s.placement == "table" else _gather(grads[s.name], axis)
-            out[s.name] = jax.lax.psum(nonfinite_row_count(s.kernel_view(), rec, g), axis)
+            out[s.name] = s.strategy.nonfinite_rows(s, axis, rec, grads[s.name], nonfinite_row_count)
         return out
 
     return jax.shard_map(body, mesh=plan.mesh, in_specs=P(axis), out_specs=P())(batch, _stack_grads(plan, grads))

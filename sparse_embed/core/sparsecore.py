@@ -23,6 +23,7 @@ import importlib.util
 import warnings
 from typing import Mapping, Sequence
 
+from sparse_embed.core import placements
 from sparse_embed.core.specs import TableSpec
 
 # SparseCores per TPU chip by `device_kind` (jax-tpu-embedding's table; other TPUs have none).
@@ -73,8 +74,9 @@ def unsupported(tables: Sequence[TableSpec], placement: str, sparsecores: int = 
     """
     t = tables[0]
     opt = t.resolved_optimizer
-    if placement != "row":
-        return f"it is placed {placement!r}; SparseCores shard rows (placement 'row')"
+    if not placements.get(placement).sparsecores:
+        which = ", ".join(repr(n) for n in placements.names() if placements.get(n).sparsecores)
+        return f"it is placed {placement!r}; SparseCores shard rows (placement {which})"
     if t.dynamic is not None:
         return "its table is keyed by raw ids (dynamic=)"
     if t.max_norm is not None:

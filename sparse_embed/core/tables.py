@@ -17,7 +17,8 @@ import numpy as np
 
 from sparse_embed.core.initializers import TruncatedNormal, seeds, truncated_normal_rows
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
-from sparse_embed.core.relayout import block_rows, blocks_to_mod, from_shard_major, natural_width, stack_rows
+from sparse_embed.core.relayout import (TABLE_KEY, block_rows, blocks_to_mod, from_shard_major, natural_width,
+                                        stack_rows)
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state
 
 
@@ -85,10 +86,7 @@ def _positional_stack(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array) -> 
     keys = jnp.stack([seeds(table_key(rng, p.table.name)) for p in tables])[which]
     stddev = jnp.asarray(np.array([p.table.resolved_initializer.stddev for p in tables], np.float32))[which]
     values = truncated_normal_rows(keys, ids, stack.embedding_dim, stddev, stack.dtype)
-    if stack.placement == "column":  # each global row holds one column block of its stack row
-        D, w = stack.num_shards, stack.array_dim
-        values = jnp.pad(values, ((0, 0), (0, D * w - values.shape[1]))).reshape(-1, D, w)
-        values = jnp.take_along_axis(values, (g // stack.total_rows).astype(jnp.int32)[:, None, None], axis=1)[:, 0]
+    values = stack.strategy.local_columns(stack, g, values, 0, jnp)  # the columns each global row holds
     return jnp.where((ids < vocab)[:, None], values, jnp.zeros((), stack.dtype))
 
 
@@ -108,22 +106,19 @@ def _check_arrays(plan: EmbeddingPlan, arrays: Mapping[str, np.ndarray], what: s
 
 
 def _stacked_global(plan: EmbeddingPlan, stack: StackPlan, per_table: dict[str, np.ndarray], width: int, fill, dtype):
-    """Builds a sharded global array from per-table `[vocab, width]` host arrays, shard by shard ("column":
-    each device's columns of them, or the whole rows of a per-row slot)."""
-    D, column = stack.num_shards, stack.splits(width)
-    w = -(-width // D) if column else width  # the array's columns
+    """Builds a sharded global array from per-table `[vocab, width]` host arrays, shard by shard (each global
+    row's columns of them, where the placement splits arrays as wide as the table over the devices)."""
+    w = stack.array_dim if stack.splits(width) else width  # the array's columns
 
     def shard(index):
         g = np.arange(stack.array_rows)[index[0]]
         rows = stack_rows(stack, g)
-        out = np.full((rows.size, D * w if column else w), fill, dtype)
+        out = np.full((rows.size, width), fill, dtype)
         for p in stack.tables:
             ids = rows - p.row_offset
             hit = (ids >= 0) & (ids < p.table.vocabulary_size)
-            out[hit, :width] = per_table[p.table.name][ids[hit]]
-        if column:  # global row g holds column block g // total_rows of its row
-            out = out.reshape(rows.size, D, w)[np.arange(rows.size), g // stack.total_rows]
-        return out[:, index[1]]
+            out[hit] = per_table[p.table.name][ids[hit]]
+        return stack.strategy.local_columns(stack, g, out, fill, np)[:, index[1]]
 
     return jax.make_array_from_callback((stack.array_rows, w), plan.table_sharding(), shard, dtype=dtype)
 
@@ -181,7 +176,7 @@ def to_host(a: jax.Array) -> np.ndarray:
 
 def unstack_tables(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, np.ndarray]:
     """The stacked state -> `{table_name: np.ndarray [vocabulary_size, dim]}` (mesh-independent)."""
-    return {name: arrays["table"] for name, arrays in unstack_state(plan, tables).items()}
+    return {name: arrays[TABLE_KEY] for name, arrays in unstack_state(plan, tables).items()}
 
 
 def unstack_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, dict[str, np.ndarray]]:
@@ -190,7 +185,8 @@ def unstack_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables])
     out: dict[str, dict[str, np.ndarray]] = {}
     for s in plan.stacks:
         v = tables[s.name]
-        rows = {k: from_shard_major(s, to_host(a), natural_width(s, k)) for k, a in {"table": v.table, **v.slots}.items()}
+        rows = {k: from_shard_major(s, to_host(a), natural_width(s, k))
+                for k, a in {TABLE_KEY: v.table, **v.slots}.items()}
         for p in s.tables:
             sl = slice(p.row_offset, p.row_offset + p.table.vocabulary_size)
             out[p.table.name] = {k: r[sl] for k, r in rows.items()}

@@ -21,6 +21,7 @@ import test_lookup
 from conftest import XLA_CACHE_ENV, make_mesh
 from sparse_embed import optimizers as opt
 from sparse_embed.core import kernels
+from sparse_embed.core.collectives import kernel_stack
 from sparse_embed.core.kernels import GenericKernel, NativeCpuKernel, native_cpu
 from train_fixtures import assert_trees_equal
 
@@ -417,7 +418,7 @@ def test_native_forward_of_any_entry_order_matches_numpy(dim, order, blocks):
     in one array or in blocks of rows of uneven sizes (one array each)."""
     t = se.TableSpec("t", 300, dim)
     plan = se.plan({"f": se.FeatureSpec("f", t, 16)}, make_mesh(2), kernel="native")
-    stack = plan.stacks[0].kernel_view()
+    stack = kernel_stack(plan.stacks[0])
     D, rpd, R = stack.num_shards, stack.rows_per_device, stack.rows_per_shard
     if blocks:
         stack = dataclasses.replace(stack, out_blocks=(1, rpd // 3, rpd - rpd // 3 - 1))

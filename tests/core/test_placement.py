@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 import sparse_embed as se
 from sparse_embed import optimizers as opt
 from sparse_embed.core import kernels
-from sparse_embed.core import placement as placement_lib
-from sparse_embed.core.placement import TableLoad
+from sparse_embed.core import cost
+from sparse_embed.core.cost import TableLoad
 from benchmarks.measuring import hlo_collective_bytes
 from conftest import make_mesh, require_native
 import reference as ref
@@ -181,7 +181,7 @@ def test_column_sums_whole_row_statistics_over_devices(mesh, o, update, sums):
     a Custom rule sees whole rows."""
     feats = _wide_features(o)
     plan = se.plan(feats, mesh, placement="column", stacking=None)
-    assert plan.stack("t").row_sums() == sums
+    assert cost.row_sums(plan.stack("t")) == sums
     got, want = _train_against_numpy(plan, feats, o, update, steps=4)
     for t in want:
         for k in want[t]:
@@ -386,15 +386,15 @@ def test_table_load_memory_is_what_the_plan_holds(mesh8):
     """`TableLoad.memory` counts the rows and columns that the plan pads, for every placement it can size."""
     rowwise = se.TableSpec("rw", 1001, 12, optimizer=opt.RowwiseAdagrad(0.1))  # a per-row slot, whole by columns
     feats = _narrow_workload() + [se.FeatureSpec("r", rowwise, 64)]
-    loads = placement_lib.table_loads({f.name: f for f in feats}, {f.table.name: f.table for f in feats}, 8,
-                                      dict.fromkeys((f.name for f in feats), 1.0))
+    loads = cost.table_loads({f.name: f for f in feats}, {f.table.name: f.table for f in feats}, 8,
+                              dict.fromkeys((f.name for f in feats), 1.0))
     for p in ("row", "replicated", "column"):
         plan = se.plan(feats, mesh8, placement=p, stacking=None)
         for s in plan.stacks:
-            assert loads[s.first.name].memory(p, 8) == s.memory_per_device(), (p, s.name)
+            assert loads[s.first.name].memory(p, 8) == cost.memory_per_device(s), (p, s.name)
     plan = se.plan(feats, mesh8, placement="table", stacking=None)  # alone in its stack: the whole padded table
     for s in plan.stacks:
-        assert loads[s.first.name].memory("table", 8) == s.memory_per_device(), s.name
+        assert loads[s.first.name].memory("table", 8) == cost.memory_per_device(s), s.name
 
 
 @st.composite
