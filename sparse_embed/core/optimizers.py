@@ -11,6 +11,14 @@ jit-static plan) with two pure pieces:
   A rule that needs a statistic of a whole row takes it from `row_mean`,
   so a row whose columns live on several devices updates as one.
 
+It also declares, once, how a native kernel encodes it: `native()` returns
+a `NativeEncoding` (its case in the kernel, its constants and its slots in
+the order the case reads them), or None when it runs on the generic kernel
+only. So adding an optimizer means its rule, plus a native case only if it
+wants one (an entry in `_native_cpu.cc`'s `SPARSE_EMBED_OPTIMIZERS` and its
+case in `update_row`); tests/core/test_native_encoding.py fails when a
+built-in optimizer declares neither, or a case the C++ code lacks.
+
 `update(rows, slots, grads, step)` wraps `rule` with the options every
 optimizer has, in this order:
 
@@ -43,6 +51,7 @@ from typing import Callable, Mapping, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Schedule = Callable[[jax.Array], jax.Array]
 LearningRate = Union[float, Schedule]
@@ -80,6 +89,27 @@ def _check_range(name: str, what: str, r) -> Range | None:
     if not lo <= hi:
         raise ValueError(f"{name}: {what} needs min <= max, got {r!r}.")
     return (lo, hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeEncoding:
+    """How a native kernel encodes an optimizer: what `Optimizer.native()` returns (see the module docstring).
+
+    The options every optimizer has (clip_gradient, weight_decay, clip_weight) are encoded by the kernel
+    itself; this is what is the optimizer's own.
+
+    Attributes:
+      case: the name of its case in the native kernel (`optimizers()` of `core/kernels/_native_cpu.cc`).
+      hyper: its constants, in the order the case reads them (`h[0]`, `h[1]`, ...), as float32.
+      slots: its slot names in the order the case reads them (`s0`, `s1`).
+      step_factors: `(step, lr) -> (f1, ...)`, the factors that depend on the step, which the case reads
+        after the learning rate (`scalars[1:]`); None: the learning rate only.
+    """
+
+    case: str
+    hyper: tuple[float, ...] = ()
+    slots: tuple[str, ...] = ()
+    step_factors: Callable[[jax.Array | None, jax.Array], tuple[jax.Array, ...]] | None = None
 
 
 def _require_step(name: str, step):
@@ -138,6 +168,14 @@ class Optimizer:
     def slots(self, dim: int) -> dict[str, SlotSpec]:
         return {}
 
+    def native(self) -> NativeEncoding | None:
+        """How a native kernel encodes this optimizer, or None: it runs on the generic kernel only.
+
+        Each optimizer class declares its own (`native_encoding` reads it only from the object's own class: a
+        subclass may change the rule, so it does not inherit its parent's case).
+        """
+        return None
+
     def rule(self, rows: jax.Array, slots: Slots, grads: jax.Array, step, lr: jax.Array,
              row_mean: RowMean) -> tuple[jax.Array, Slots]:
         raise NotImplementedError
@@ -194,6 +232,9 @@ class SGD(Optimizer):
 
     learning_rate: LearningRate = 0.01
 
+    def native(self):
+        return NativeEncoding("sgd")
+
     def rule(self, rows, slots, grads, step, lr, row_mean):
         return rows - lr * grads, slots
 
@@ -217,6 +258,9 @@ class Adagrad(Optimizer):
 
     def slots(self, dim):
         return {"accumulator": SlotSpec(dim, self.initial_accumulator_value)}
+
+    def native(self):
+        return NativeEncoding("adagrad", slots=("accumulator",))
 
     def rule(self, rows, slots, grads, step, lr, row_mean):
         acc = slots["accumulator"] + grads * grads
@@ -243,6 +287,9 @@ class RowwiseAdagrad(Optimizer):
     def slots(self, dim):
         return {"accumulator": SlotSpec(1, self.initial_accumulator_value)}
 
+    def native(self):
+        return NativeEncoding("rowwise_adagrad", (self.epsilon,), ("accumulator",))
+
     @property
     def elementwise(self) -> bool:
         return False  # the accumulator averages over the whole row
@@ -268,6 +315,10 @@ class Adam(Optimizer):
 
     def slots(self, dim):
         return {"momentum": SlotSpec(dim, 0.0), "velocity": SlotSpec(dim, 0.0)}
+
+    def native(self):
+        return NativeEncoding("adam", (1.0 - self.b1, 1.0 - self.b2), ("momentum", "velocity"),
+                              self.bias_corrected)
 
     def bias_corrected(self, step, lr) -> tuple[jax.Array, jax.Array]:
         """`(alpha_t, eps_t)`: the step size and epsilon with the bias correction of step t folded in."""
@@ -304,6 +355,11 @@ class AdagradMomentum(Optimizer):
 
     def slots(self, dim):
         return {"accumulator": SlotSpec(dim, self.initial_accumulator_value), "momentum": SlotSpec(dim, 0.0)}
+
+    def native(self):
+        hyper = (self.momentum, self.beta2, 1.0 - self.beta2, self.epsilon, -1.0 / self.exponent,
+                 float(self.use_nesterov))
+        return NativeEncoding("adagrad_momentum", hyper, ("accumulator", "momentum"))
 
     def rule(self, rows, slots, grads, step, lr, row_mean):
         g2 = grads * grads
@@ -346,6 +402,10 @@ class FTRL(Optimizer):
     def slots(self, dim):
         return {"accumulator": SlotSpec(dim, self.initial_accumulator_value), "linear": SlotSpec(dim, 0.0)}
 
+    def native(self):
+        hyper = (-self.learning_rate_power, self.l1, self.l2, self.beta, float(self.multiply_linear_by_learning_rate))
+        return NativeEncoding("ftrl", hyper, ("accumulator", "linear"))
+
     def rule(self, rows, slots, grads, step, lr, row_mean):
         k = -self.learning_rate_power
         acc = slots["accumulator"]
@@ -376,6 +436,16 @@ class LaProp(Optimizer):
 
     def slots(self, dim):
         return {"mu": SlotSpec(dim, 0.0), "nu": SlotSpec(dim, 0.0)}
+
+    def native(self):
+        # sqrt(1 - b1^2) rounded as the generic rule's f32 arithmetic rounds it
+        hyper = (self.b1, float(np.sqrt(np.float32(1.0 - self.b1**2))), self.eps)
+        return NativeEncoding("laprop", hyper, ("mu", "nu"), self._decays)
+
+    def _decays(self, step, lr) -> tuple[jax.Array, jax.Array]:
+        """`(d, 1 - d)` at step t: the native case's step factors."""
+        d = self.nu_decay(step)
+        return d, 1.0 - d
 
     def nu_decay(self, step) -> jax.Array:
         """`d`, the decay of `nu` at step t that keeps it a bias-corrected average."""
@@ -414,6 +484,9 @@ class Custom(Optimizer):
     def slots(self, dim):
         return dict(self.slot_specs)
 
+    def native(self):
+        return None  # fn is any jax function: the generic kernel only
+
     @property
     def elementwise(self) -> bool:
         return False  # fn sees whole rows
@@ -431,7 +504,17 @@ class Custom(Optimizer):
 
 DEFAULT: Optimizer = SGD(learning_rate=0.01)
 
+
+def native_encoding(o: Optimizer) -> NativeEncoding | None:
+    """`o.native()` if `o`'s own class declares it, else None (the generic kernel only).
+
+    A subclass of a built-in optimizer may change its rule, so it runs on the generic kernel until it declares
+    its own encoding.
+    """
+    return o.native() if "native" in vars(type(o)) else None
+
+
 __all__ = [
-    "Optimizer", "SlotSpec", "SGD", "Adagrad", "RowwiseAdagrad", "Adam", "AdagradMomentum", "FTRL", "LaProp",
-    "Custom", "DEFAULT",
+    "Optimizer", "SlotSpec", "NativeEncoding", "SGD", "Adagrad", "RowwiseAdagrad", "Adam", "AdagradMomentum", "FTRL",
+    "LaProp", "Custom", "DEFAULT", "native_encoding",
 ]

@@ -397,10 +397,28 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer table, I32Matrix cols, I
 
 // ------------------------------------------------------------------ optimizers
 
-enum Optimizer : int64_t { kSGD = 0, kAdagrad, kRowwiseAdagrad, kAdam, kAdagradMomentum, kFTRL, kLaProp };
+// The optimizers update_row has a case for: (enumerator, the case name that an optimizer's `native()` declares in
+// core/optimizers.py). An optimizer's code is its place in this list; Python reads {name: code} from `optimizers()`.
+// Adding one: an entry here, its case in update_row (a missing case does not compile: -Wswitch is an error there)
+// and its `native()` in core/optimizers.py (tests/core/test_native_encoding.py checks the three agree).
+#define SPARSE_EMBED_OPTIMIZERS(X)          \
+  X(kSGD, "sgd")                            \
+  X(kAdagrad, "adagrad")                    \
+  X(kRowwiseAdagrad, "rowwise_adagrad")     \
+  X(kAdam, "adam")                          \
+  X(kAdagradMomentum, "adagrad_momentum")   \
+  X(kFTRL, "ftrl")                          \
+  X(kLaProp, "laprop")
+
+#define SPARSE_EMBED_ENUMERATOR(k, name) k,
+#define SPARSE_EMBED_ONE(k, name) +1
+enum Optimizer : int64_t { SPARSE_EMBED_OPTIMIZERS(SPARSE_EMBED_ENUMERATOR) };
+constexpr int64_t kNumOptimizers = 0 SPARSE_EMBED_OPTIMIZERS(SPARSE_EMBED_ONE);
+#undef SPARSE_EMBED_ONE
+#undef SPARSE_EMBED_ENUMERATOR
 
 struct Options {
-  int64_t optimizer;
+  Optimizer optimizer;
   float max_norm;         // <= 0: none
   bool skip_nonfinite;
   bool clip_gradient;
@@ -434,6 +452,8 @@ inline float clipf(float x, float lo, float hi) { return std::min(std::max(x, lo
 // `w` holds the old row (f32), `g` its summed gradient, `tmp` is [3 * dim] scratch; slot pointers point at copies of
 // the row's (f32) slot rows. Every loop is free of branches, so that it vectorizes.
 // kDim: the row width when known at compile time (see with_width), else 0 and `width`.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic error "-Wswitch"  // every optimizer has its case
 template <int64_t kDim>
 void update_row(const Options& o, int64_t width, float* w, float* g, float* tmp, float* s0, float* s1) {
   const int64_t dim = kDim > 0 ? kDim : width;
@@ -595,6 +615,7 @@ void update_row(const Options& o, int64_t width, float* w, float* g, float* tmp,
   if (o.clip_weight)
     for (int64_t j = 0; j < dim; j++) w[j] = clipf(w[j], o.clip_w_lo, o.clip_w_hi);
 }
+#pragma GCC diagnostic pop
 
 // Adds to acc [dim] the gradient of one entry through the forward's max_norm clipping of row x: with
 // gv = g * v (the entry's activation gradient times its gain), scale * (gv - (x.gv / norm^2) x) if the row was
@@ -930,11 +951,13 @@ ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Mat
   const int64_t rpd = grads.rpd();
   if (!same_dims(rows.dimensions(), cd) || !same_dims(vals.dimensions(), cd) || options.size() != 5)
     return ffi::Error::InvalidArgument("sparse_embed backward: inconsistent shapes");
+  if (optimizer < 0 || optimizer >= kNumOptimizers)
+    return ffi::Error::InvalidArgument("sparse_embed backward: unknown optimizer code");
   if (cd[0] * cd[1] >= (int64_t(1) << 32) || D * rpd >= (int64_t(1) << 32))
     return ffi::Error::InvalidArgument("sparse_embed backward: 2**32 or more entries or output rows");
-  Options o{optimizer, max_norm, (flags & kSkipNonfinite) != 0, (flags & kClipGradient) != 0, options[0], options[1],
-            options[2], (flags & kClipWeight) != 0, options[3], options[4], (flags & kLinear) != 0, hyper.begin(),
-            scalars.typed_data()};
+  Options o{Optimizer(optimizer), max_norm, (flags & kSkipNonfinite) != 0, (flags & kClipGradient) != 0,
+            options[0], options[1], options[2], (flags & kClipWeight) != 0, options[3], options[4],
+            (flags & kLinear) != 0, hyper.begin(), scalars.typed_data()};
   const int64_t nt = thread_count(pool, threads);
   if (huge_pages) {
     hugepages::advise(pool, nt, st.table, size_t(num_rows * dim) * (dtype == ffi::F32 ? 4 : 2));
@@ -1037,10 +1060,30 @@ static PyObject* handlers(PyObject*, PyObject*) {
 
 static PyObject* native_isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name(process_isa())); }
 
+static PyObject* optimizers(PyObject*, PyObject*) {
+  PyObject* d = PyDict_New();
+  if (!d) return nullptr;
+#define SPARSE_EMBED_ENTRY(k, name)                                        \
+  {                                                                        \
+    PyObject* code = PyLong_FromLongLong(k);                               \
+    if (!code || PyDict_SetItemString(d, name, code) < 0) {                \
+      Py_XDECREF(code);                                                    \
+      Py_DECREF(d);                                                        \
+      return nullptr;                                                      \
+    }                                                                      \
+    Py_DECREF(code);                                                       \
+  }
+  SPARSE_EMBED_OPTIMIZERS(SPARSE_EMBED_ENTRY)
+#undef SPARSE_EMBED_ENTRY
+  return d;
+}
+
 static PyMethodDef methods[] = {
     {"handlers", handlers, METH_NOARGS, "handlers() -> {name: PyCapsule of an XLA FFI handler}"},
     {"isa", native_isa, METH_NOARGS,
      "isa() -> 'avx512', 'avx2' or 'baseline': the instruction set of the hot loops in this process"},
+    {"optimizers", optimizers, METH_NOARGS,
+     "optimizers() -> {case name: code}: the optimizers the backward has a case for (see Optimizer.native())"},
     {nullptr, nullptr, 0, nullptr},
 };
 

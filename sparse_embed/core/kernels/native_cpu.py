@@ -35,7 +35,9 @@ deduplicate the ids a shard receives from several sources with
 
 The backward takes a token that the forward outputs after its reads, so
 XLA orders the in-place writes after them without copying a table, with or
-without `configure_xla_cpu()`. `Custom` optimizers run on the generic
+without `configure_xla_cpu()`. Each optimizer declares how it is encoded
+(`Optimizer.native()`: its case in `update_row`, its constants and its
+slots in order); one that declares none (`Custom`) runs on the generic
 kernel. The extension is built by `pip install` when a C++ compiler and
 jaxlib's FFI headers are there; without it, "auto" picks the generic kernel.
 """
@@ -60,16 +62,6 @@ from sparse_embed.core.planning import StackPlan
 from sparse_embed.core.shadowed import shadow_note, warn_if_shadowed
 from sparse_embed.core.state import EmbeddingVariables
 
-# The optimizers the C++ code implements, with its code for each and the order of their slots.
-_OPTIMIZERS: dict[type, tuple[int, tuple[str, ...]]] = {
-    opt.SGD: (0, ()),
-    opt.Adagrad: (1, ("accumulator",)),
-    opt.RowwiseAdagrad: (2, ("accumulator",)),
-    opt.Adam: (3, ("momentum", "velocity")),
-    opt.AdagradMomentum: (4, ("accumulator", "momentum")),
-    opt.FTRL: (5, ("accumulator", "linear")),
-    opt.LaProp: (6, ("mu", "nu")),
-}
 _SKIP_NONFINITE, _CLIP_GRADIENT, _CLIP_WEIGHT, _LINEAR = 1, 2, 4, 8  # the C++ code's flags
 _TARGET = "sparse_embed_{}"
 HUGE_PAGES_ENV = "SPARSE_EMBED_HUGE_PAGES"  # "0": leave the tables on the pages XLA gave them
@@ -112,43 +104,37 @@ def isa() -> str | None:
     return None if _extension() is None else _extension().isa()
 
 
-def _hyper(o: opt.Optimizer) -> np.ndarray:
-    """The optimizer's constants, f32, as the C++ code reads them (see `update_row` in _native_cpu.cc)."""
-    f32 = np.float32
-    if isinstance(o, opt.RowwiseAdagrad):
-        values = [o.epsilon]
-    elif isinstance(o, opt.Adam):
-        values = [1.0 - o.b1, 1.0 - o.b2]
-    elif isinstance(o, opt.AdagradMomentum):
-        values = [o.momentum, o.beta2, 1.0 - o.beta2, o.epsilon, -1.0 / o.exponent, float(o.use_nesterov)]
-    elif isinstance(o, opt.FTRL):
-        values = [-o.learning_rate_power, o.l1, o.l2, o.beta, float(o.multiply_linear_by_learning_rate)]
-    elif isinstance(o, opt.LaProp):
-        values = [o.b1, np.sqrt(f32(1.0 - o.b1**2)), o.eps]
-    else:
-        values = [0.0]  # SGD, Adagrad: none (an empty array attribute is not allowed)
-    return np.asarray(values, f32)
+def native_cases() -> dict[str, int]:
+    """The optimizer cases the built extension implements, `{case: code}` (empty when it is not built)."""
+    return {} if _extension() is None else dict(_extension().optimizers())
 
 
-def _scalars(o: opt.Optimizer, step) -> jax.Array:
+def _encoding(o: opt.Optimizer) -> opt.NativeEncoding:
+    """The optimizer's own declaration (`Optimizer.native`) of how this kernel encodes it."""
+    enc = opt.native_encoding(o)
+    assert enc is not None and enc.case in native_cases(), "unsupported() turns these away"
+    return enc
+
+
+def _scalars(o: opt.Optimizer, enc: opt.NativeEncoding, step) -> jax.Array:
     """The step's learning rate, then the optimizer's step-dependent factors: f32 `[k]`."""
     lr = o.learning_rate_at(step)
-    if isinstance(o, opt.Adam):
-        return jnp.stack([lr, *o.bias_corrected(step, lr)])
-    if isinstance(o, opt.LaProp):
-        d = o.nu_decay(step)
-        return jnp.stack([lr, d, 1.0 - d]).astype(jnp.float32)
-    return lr[None]
+    if enc.step_factors is None:
+        return lr[None]
+    return jnp.stack([lr, *enc.step_factors(step, lr)]).astype(jnp.float32)
 
 
-def _options(stack: StackPlan, skip_nonfinite: bool, linear: bool) -> dict:
+def _options(stack: StackPlan, enc: opt.NativeEncoding, skip_nonfinite: bool, linear: bool) -> dict:
     o = stack.optimizer
     lo_g, hi_g = o.clip_gradient or (0.0, 0.0)
     lo_w, hi_w = o.clip_weight or (0.0, 0.0)
     flags = ((_SKIP_NONFINITE if skip_nonfinite else 0) | (_CLIP_GRADIENT if o.clip_gradient else 0)
              | (_CLIP_WEIGHT if o.clip_weight else 0) | (_LINEAR if linear else 0))
-    return dict(optimizer=np.int64(_OPTIMIZERS[type(o)][0]), flags=np.int64(flags),
-                max_norm=np.float32(stack.max_norm or 0.0), hyper=_hyper(o),
+    # the constants as the case reads them (see `update_row` in _native_cpu.cc); none: one unread 0 (an empty
+    # array attribute is not allowed)
+    hyper = np.asarray(enc.hyper or (0.0,), np.float32)
+    return dict(optimizer=np.int64(native_cases()[enc.case]), flags=np.int64(flags),
+                max_norm=np.float32(stack.max_norm or 0.0), hyper=hyper,
                 options=np.asarray([lo_g, hi_g, o.weight_decay, lo_w, hi_w], np.float32))
 
 
@@ -180,8 +166,11 @@ class NativeCpuKernel:
             note = shadow_note(_MODULE, _WHAT)
             return ("its C++ extension is not built (pip install builds it when a C++ compiler and jaxlib's "
                     "headers are there" + (f"; {note}" if note else "") + ")")
-        if type(stack.optimizer) not in _OPTIMIZERS:
-            return f"{type(stack.optimizer).__name__} optimizers run on the generic kernel"
+        enc, name = opt.native_encoding(stack.optimizer), type(stack.optimizer).__name__
+        if enc is None:
+            return f"{name} optimizers run on the generic kernel"
+        if enc.case not in native_cases():
+            return f"{name} optimizers declare the native case {enc.case!r}, which this build of the extension lacks"
         if stack.row_sums():
             return ("its rows are split by columns and it needs statistics of whole rows (max_norm or a row-wise "
                     "optimizer), which the generic kernel sums across devices")
@@ -204,16 +193,18 @@ class NativeCpuKernel:
     def backward(self, stack: StackPlan, rec: Received, saved, variables: EmbeddingVariables, grads: Any,
                  step, skip_nonfinite: bool) -> EmbeddingVariables:
         _register()
-        o, names = stack.optimizer, _OPTIMIZERS[type(stack.optimizer)][1]
+        o = stack.optimizer
+        enc = _encoding(o)
         linear = o.is_linear and stack.max_norm is None and variables.table.dtype == jnp.float32
-        state = [variables.table, *(variables.slots[k] for k in names)]
+        state = [variables.table, *(variables.slots[k] for k in enc.slots)]
         blocks = grads if isinstance(grads, tuple) else (grads,)  # read where they are: no copy into one array
-        fixed = (rec.col_ids, rec.row_ids, rec.values, _scalars(o, step), saved, *blocks)
+        fixed = (rec.col_ids, rec.row_ids, rec.values, _scalars(o, enc, step), saved, *blocks)
         out = jax.ffi.ffi_call(
             _TARGET.format("backward"), [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state],
             input_output_aliases={len(fixed) + i: i for i in range(len(state))},
-        )(*fixed, *state, blocks=np.int64(len(blocks)), **self._attrs(), **_options(stack, skip_nonfinite, linear))
-        return EmbeddingVariables(out[0], dict(zip(names, out[1:])))
+        )(*fixed, *state, blocks=np.int64(len(blocks)), **self._attrs(),
+          **_options(stack, enc, skip_nonfinite, linear))
+        return EmbeddingVariables(out[0], dict(zip(enc.slots, out[1:])))
 
     def find_keys(self, keys: key_set.KeySet, queries: jax.Array) -> jax.Array:
         _register()  # `_native_keys.cc`: queries in bucket order, each bucket searched (AVX-512 compares or halving)
