@@ -371,7 +371,8 @@ static int fill_ids(const Feature *fs, Py_ssize_t nf, const Layout *lay, float *
 
 /* ------------------------------------------------------------------ raw 64-bit ids */
 
-/* A raw id's owner shard is splitmix64(id) % S (host/raw_ids.py: owner_shards). */
+/* A raw id's owner shard is splitmix64(id) % S: core/raw_keys.py's owner_shards, whose constants these are (the
+   numpy definition; tests check this one against it through owner_shards below). */
 static inline u64 splitmix64(u64 z)
 {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -557,6 +558,36 @@ static PyObject *py_validate(PyObject *self, PyObject *args)
     PyBuffer_Release(&ids);
     PyBuffer_Release(&w);
     return Py_BuildValue("LL", bad_id, bad_w);
+}
+
+/* owner_shards(ids int64 [n], shards, out int64 [n]): each raw id's owner shard, as the partition of raw ids
+   computes it (core/raw_keys.py: owner_shards, which tests compare it with). */
+static PyObject *py_owner_shards(PyObject *self, PyObject *args)
+{
+    PyObject *ids_obj, *out_obj;
+    i64 shards;
+    Layout lay;
+    Py_buffer ids, out;
+    if (!PyArg_ParseTuple(args, "OLO", &ids_obj, &shards, &out_obj) || make_layout(&lay, 1, shards, 0) < 0
+        || get_buffer(ids_obj, &ids, 'l', 0, "ids") < 0)
+        return NULL;
+    if (get_buffer(out_obj, &out, 'l', 1, "out") < 0) {
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    if (out.len != ids.len) {
+        PyBuffer_Release(&ids);
+        PyBuffer_Release(&out);
+        return PyErr_Format(PyExc_ValueError, "owner_shards: ids and out differ in size");
+    }
+    const int64_t *id = ids.buf;
+    int64_t *o = out.buf;
+    const i64 n = ids.len / 8;
+    for (i64 k = 0; k < n; k++)
+        o[k] = owner_of(&lay, splitmix64((u64)id[k]));
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
 }
 
 static PyObject *py_count(PyObject *self, PyObject *args)
@@ -909,6 +940,8 @@ done:
 static PyMethodDef methods[] = {
     {"validate", py_validate, METH_VARARGS,
      "validate(ids, weights|None, vocab, padding) -> (first bad id index, first non-finite weight index), -1 = none"},
+    {"owner_shards", py_owner_shards, METH_VARARGS,
+     "owner_shards(ids int64 [n], shards, out int64 [n]): splitmix64(id) % shards, as raw ids are partitioned"},
     {"count", py_count, METH_VARARGS,
      "count(features, devices, shards, total_rows, counts_out int64 [D*S]) -> max unique rows in a partition"},
     {"fill", py_fill, METH_VARARGS,

@@ -2,11 +2,12 @@
 
 A raw-id table's entries are partitioned like a static table's (per
 device, per destination shard, entries in row order), but the destination
-is the id's *owner* shard, `splitmix64(id) % S`, and instead of a row the
-entry carries `j`, the index of its id among the distinct ids of its
-partition (those that fit the capacity), numbered by first occurrence;
-`keys[d, s * cap + j]` holds that id as two int32 words, so `j < cap`.
-Padding entries have `col_id = cap`.
+is the id's *owner* shard, `splitmix64(id) % S` (`core.raw_keys`, where the
+key format lives too), and instead of a row the entry carries `j`, the
+index of its id among the distinct ids of its partition (those that fit
+the capacity), numbered by first occurrence; `keys[d, s * cap + j]` holds
+that id as two int32 words, so `j < cap`. Padding entries have
+`col_id = cap`.
 """
 
 from __future__ import annotations
@@ -16,31 +17,9 @@ from typing import Any
 import numpy as np
 
 from sparse_embed.core.planning import StackPlan
+from sparse_embed.core.raw_keys import owner_shards, split_words
 from sparse_embed.host.ids import CanonicalIds, FlatIds, canonical, error, flattened, validated
 from sparse_embed.host.partition import Partitioned, gains, partition_native
-
-
-def owner_shards(ids: np.ndarray, num_shards: int) -> np.ndarray:
-    """The shard that owns each raw id: splitmix64's finalizer mod `num_shards` (int64 `[N]`)."""
-    z = np.asarray(ids).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z % np.uint64(num_shards)).astype(np.int64)
-
-
-def split_words(ids: np.ndarray) -> np.ndarray:
-    """int64 ids `[N]` -> `[N, 2]` int32 (hi, lo) words, as `map_ids` holds keys."""
-    u = np.asarray(ids).astype(np.uint64)
-    return np.stack([(u >> np.uint64(32)).astype(np.uint32), (u & np.uint64(0xFFFFFFFF)).astype(np.uint32)],
-                    -1).view(np.int32).reshape(-1, 2)
-
-
-def join_words(words: np.ndarray) -> np.ndarray:
-    """`[N, 2]` int32 (hi, lo) words -> int64 ids."""
-    w = np.asarray(words).view(np.uint32).astype(np.uint64).reshape(-1, 2)
-    return ((w[:, 0] << np.uint64(32)) | w[:, 1]).astype(np.int64)
 
 
 def _within_id_bits(feature, c: CanonicalIds) -> CanonicalIds:

@@ -26,11 +26,11 @@ import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
 from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.core.raw_keys import join_words, split_words
 from sparse_embed.core.relayout import TABLE_KEY
 from sparse_embed.core.specs import TableSpec
 from sparse_embed.core.state import EmbeddingVariables, check_state
 from sparse_embed.core.tables import unstack_tables
-from sparse_embed.host.raw_ids import join_words, split_words
 from sparse_embed.io import store
 from sparse_embed.io.checks import warn_unverified
 from sparse_embed.io.ckpt_format import (

@@ -18,9 +18,9 @@ import numpy as np
 
 from sparse_embed.core.id_maps import IdMap, dynamic_stacks
 from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.core.raw_keys import join_words, split_words
 from sparse_embed.core.relayout import TABLE_KEY
 from sparse_embed.core.state import EmbeddingVariables
-from sparse_embed.host.raw_ids import join_words, split_words
 from sparse_embed.io import store
 from sparse_embed.io.id_tables import IdTable, id_table_contents, load_id_tables
 

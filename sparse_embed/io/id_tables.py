@@ -20,9 +20,9 @@ import numpy as np
 from sparse_embed.core.id_maps import IdMap, dynamic_stacks, pending_per_shard, with_directories
 from sparse_embed.core.key_set import FREE, KeySet, full_keys, num_buckets
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
+from sparse_embed.core.raw_keys import join_words, owner_shards, split_words
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables
 from sparse_embed.core.tables import to_host
-from sparse_embed.host.raw_ids import join_words, owner_shards, split_words
 
 
 class IdTable(NamedTuple):

@@ -112,7 +112,7 @@ def _init_fn(plan, rng):
     from sparse_embed.core.id_maps import initial_rows
     from sparse_embed.core.initializers import seeds
     from sparse_embed.core.tables import table_key
-    from sparse_embed.host.raw_ids import split_words
+    from sparse_embed.core.raw_keys import split_words
 
     s = plan.stacks[0]
     seed = seeds(table_key(rng, s.first.name))
@@ -568,7 +568,7 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread, compact):
     Compact sets (4-byte keys) hold ids below 2**compact_bits(n), here 2**39."""
     from sparse_embed.core import key_set
     from sparse_embed.core.kernels import GENERIC, NATIVE, native_cpu
-    from sparse_embed.host.raw_ids import join_words, split_words
+    from sparse_embed.core.raw_keys import join_words, split_words
 
     gen = np.random.default_rng(0)
     n, q = 2048, 512
@@ -674,7 +674,7 @@ def _padded_words(ids: np.ndarray, size: int) -> jax.Array:
     """The ids' words, then free markers (never wanted, as `map_ids` pads its own) up to `size` rows: queries of
     one shape whatever the round's number of distinct ids, so a test compiles its calls once."""
     from sparse_embed.core.key_set import FREE
-    from sparse_embed.host.raw_ids import split_words
+    from sparse_embed.core.raw_keys import split_words
 
     return jnp.asarray(np.concatenate([split_words(ids), np.full((size - len(ids), 2), FREE, np.int32)]))
 
@@ -746,7 +746,7 @@ def test_native_unique_equals_the_generic_unique_bit_for_bit(spread, q):
     keys in key order then free markers, and every query's index among them (Q for a free marker), with
     duplicates, free markers and keys that share or differ in any of their 16-bit digits."""
     from sparse_embed.core.kernels import GENERIC, native_cpu
-    from sparse_embed.host.raw_ids import split_words
+    from sparse_embed.core.raw_keys import split_words
 
     require_native("kernel")
     gen = np.random.default_rng(["uniform", "clustered", "extremes", "all_free", "one_key"].index(spread))
