@@ -23,6 +23,7 @@ from sparse_embed.core import kernels
 from sparse_embed.core import optimizers as opt
 from sparse_embed.core.kernels import GenericKernel, NativeCpuKernel, native_cpu
 
+needs_native = pytest.mark.usefixtures("needs_native_kernel")  # a skip, or under CI a failure
 SOURCE = pathlib.Path(native_cpu.__file__).with_name("_native_cpu.cc").read_text()
 
 
@@ -88,7 +89,7 @@ def test_every_case_of_the_native_list_is_in_the_switch_and_declared_by_an_optim
     assert declared == {n for _, n in listed}, "a native case no built-in optimizer declares"
 
 
-@pytest.mark.skipif(not native_cpu.available(), reason="the native CPU kernel is not built")
+@needs_native
 def test_the_built_extension_has_the_sources_cases():
     assert native_cpu.native_cases() == {n: code for code, (_, n) in enumerate(_source_cases())}
 
@@ -105,7 +106,7 @@ def test_a_subclass_does_not_inherit_its_parents_native_case(mesh8):
     assert "HalfSGD optimizers run on the generic kernel" in NativeCpuKernel().unsupported(plan.stack("t"))
 
 
-@pytest.mark.skipif(not native_cpu.available(), reason="the native CPU kernel is not built")
+@needs_native
 def test_a_case_the_build_lacks_runs_on_the_generic_kernel(mesh8, monkeypatch):
     plan = se.plan({"a": se.FeatureSpec("a", se.TableSpec("t", 40, 8, optimizer=opt.Adam(0.1)), 16)}, mesh8)
     assert NativeCpuKernel().unsupported(plan.stack("t")) is None
@@ -114,7 +115,7 @@ def test_a_case_the_build_lacks_runs_on_the_generic_kernel(mesh8, monkeypatch):
     assert isinstance(kernels.for_stack(plan, plan.stack("t")), GenericKernel)
 
 
-@pytest.mark.skipif(not native_cpu.available(), reason="the native CPU kernel is not built")
+@needs_native
 def test_the_encoding_reaches_the_kernel_as_declared():
     """What the backward's FFI call gets: the case's code, the constants as f32, the step's factors after lr."""
     o = opt.Adam(0.05, b1=0.8, b2=0.9)

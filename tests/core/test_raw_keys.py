@@ -47,7 +47,7 @@ def test_words_are_hi_lo_int32_and_round_trip():
     assert raw_keys.join_words(np.zeros((0, 2), np.int32)).shape == (0,)
 
 
-@pytest.mark.skipif(native.extension() is None, reason="the C preprocess extension is not built (or switched off)")
+@pytest.mark.usefixtures("needs_native_preprocess")  # a skip, or under CI a failure
 @pytest.mark.parametrize("S", [1, 2, 3, 8, 7, 64, 1000])
 def test_the_c_owner_shards_match_core(S):
     """host/_native.c's splitmix64 (its speed path, power-of-2 shortcut included) against core.raw_keys'."""
