@@ -131,7 +131,7 @@ def _edge_and_random_ids(seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("S", [1, 2, 3, 5, 8, 12, 1000, 2**31 - 1])
 def test_the_documented_owner_shard_is_owner_shards(S):
-    from sparse_embed.host.raw_ids import owner_shards
+    from sparse_embed.core.raw_keys import owner_shards
 
     owner, ids = _documented_owner_shard(), _edge_and_random_ids(S)
     assert owner_shards(ids, S).tolist() == [owner(int(i), S) for i in ids]

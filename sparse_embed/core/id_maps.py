@@ -2,7 +2,7 @@
 
 A table declared with `TableSpec(dynamic=Dynamic(...))` is keyed by raw
 ids. Preprocessing sends each id to the shard chosen by a hash of the id
-(`host.raw_ids.owner_shards`), with the distinct ids of each segment in
+(`core.raw_keys.owner_shards`), with the distinct ids of each segment in
 `ShardedCooMatrix.keys`. `map_ids`, inside the train step before `lookup`,
 runs on every shard (`shard_map`): it exchanges the ids (`all_to_all`), looks
 them up in the shard's `KeySet`, admits new ids (after `admit_after`

@@ -2,12 +2,12 @@
 
 A raw-id table's entries are partitioned like a static table's (per
 device, per destination shard, entries in row order), but the destination
-is the id's *owner* shard, `splitmix64(id) % S` (`core.raw_keys`, where the
-key format lives too), and instead of a row the entry carries `j`, the
-index of its id among the distinct ids of its partition (those that fit
-the capacity), numbered by first occurrence; `keys[d, s * cap + j]` holds
-that id as two int32 words, so `j < cap`. Padding entries have
-`col_id = cap`.
+is the id's *owner* shard, splitmix64's finalizer of the id mod S, without
+the usual increment (`core.raw_keys.owner_shards`, where the key format
+lives too), and instead of a row the entry carries `j`, the index of its id
+among the distinct ids of its partition (those that fit the capacity),
+numbered by first occurrence; `keys[d, s * cap + j]` holds that id as two
+int32 words, so `j < cap`. Padding entries have `col_id = cap`.
 """
 
 from __future__ import annotations
