@@ -258,7 +258,7 @@ def _reinit(stack: StackPlan, v: EmbeddingVariables, seed: jax.Array, u: jax.Arr
     """The new rows (and their slots) set to their initial values, `_REINIT_CHUNK` new ids per round.
 
     Only the new ids' initial values are computed (a truncated normal per
-    value is not cheap: for every id of a W1 batch, ~9 ms per table), in as
+    value is not cheap: a hash and an inverse error function), in as
     many rounds as there are chunks of new ids; none without a new id.
     """
     R, q = stack.rows_per_shard, u.shape[0]

@@ -7,9 +7,9 @@ MiB) from a fresh `mmap`, so every run faults in, and the kernel zeroes,
 every page of the block that the run touches. A train step with raw-id
 tables has a large block (`map_ids`' insert works on whole id maps: ~55 MiB
 at 1M rows per shard, more with more rows), so even its steps without an
-insert paid ~3,200 page faults and ~3.5 ms at W1 (8 tables). Raising the
-mmap and trim thresholds above the block makes glibc keep it in the heap and
-hand it back on the next run.
+insert pay a page fault, and the zeroing of a page, for every page of it
+they touch. Raising the mmap and trim thresholds above the block makes
+glibc keep it in the heap and hand it back on the next run.
 
 The settings are process-wide and last until the process ends. Their cost:
 up to `threshold` bytes of freed memory stay with the process instead of

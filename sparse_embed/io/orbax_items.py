@@ -44,13 +44,11 @@ class StagedSave(ocp.args.CheckpointArgs):
 def item_handlers(*, write: bool = False) -> dict[str, ocp.CheckpointHandler]:
     """The orbax handler of each item: `embeddings` moved in from staging (write) or an older PyTree (read).
 
-    The user pytree's options were chosen by measurement (2.5M x 64 f32 with
-    Adagrad slots, one CPU core, benchmarks/checkpoint.py):
+    The user pytree's options (compared with benchmarks/checkpoint.py):
 
-    - no zstd: it made saving 1.5x and restoring 1.6x slower and shrank an initialised table by ~7% (only
-      untrained, constant slots shrink a lot);
-    - no OCDBT: its per-process database is merged after the write, which copies the data a second time:
-      save + sync took 1.8-6.0 s with it, 0.8-1.0 s without (np.save: 1.7 s); restore 5.0-5.6 vs 3.8-4.9 s.
+    - no zstd: float tables hardly compress (only untrained, constant slots shrink a lot), so it would
+      slow saving and restoring for little space;
+    - no OCDBT: its per-process database is merged after the write, which copies the data a second time.
       Checkpoints written with OCDBT still restore.
     """
     arrays = lambda: ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False)  # noqa: E731

@@ -11,9 +11,9 @@ stacked MOD layout (`relayout.natural_chunk_fn`, one all_to_all) and each
 process writes the rows of its own devices, while the next chunk is being
 converted; restoring reads one chunk at a time and writes it into the
 stacked state in place (`relayout.write_chunk_fn`, donated). Memory above
-the state is a few chunks (`relayout.chunk_rows`, ~4 MiB per device;
-chosen by measurement: 5M x 64 f32 + Adagrad, 1 device, save and restore
-in seconds: 4 MiB 2.0-2.9 and 1.9-3.9, 16 MiB 2.2 and 4.3, 64 MiB 2.6 and 7.0-7.2).
+the state is a few chunks (`relayout.chunk_rows`, ~4 MiB per device:
+small chunks keep that memory low, and larger ones saved no faster and
+restored slower in benchmarks/checkpoint.py).
 
 Each array's checksum (`io.integrity`) is summed from the pieces as they
 are written or read, so the whole state is never held twice.
@@ -36,7 +36,7 @@ from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.io.integrity import bind, combine, partial_sums, words_per_value
 
 _IN_FLIGHT = 3  # chunks written or read ahead of the one being converted
-CHUNK_BYTES = 1 << 22  # bytes of a device's piece of a chunk (and of a stored chunk); 4 MiB by measurement
+CHUNK_BYTES = 1 << 22  # bytes of a device's piece of a chunk (and of a stored chunk); 4 MiB: see the docstring
 
 
 class StoreReadError(Exception):

@@ -4,10 +4,11 @@
 //           value * clip(table[col]), in entry order (each output row's entries are contiguous: preprocess
 //           writes segments sorted by row).
 // backward: the entries, as self-contained records (col, output row, value), sorted by col with a stable
-//           radix sort: the table is then updated in address order (page walks and DRAM reward it here:
-//           2-3x over entry order), each distinct row once, from its run of records in entry order: its
-//           gradient summed, the optimizer applied to the row and its slots, written back in place (the
-//           table and slots are aliased to the outputs), with the loads of the rows after it prefetched.
+//           radix sort: the table is then updated in address order (neighbouring rows share pages and DRAM
+//           rows, which entry order's random jumps do not), each distinct row once, from its run of records in
+//           entry order: its gradient summed, the optimizer applied to the row and its slots, written back in
+//           place (the table and slots are aliased to the outputs), with the loads of the rows after it
+//           prefetched.
 //
 // Work is cut into pieces whose boundaries depend only on the inputs (the backward's: buckets of rows, each
 // sorted and updated by one thread); each piece writes rows no other piece writes, and runs on whichever thread
@@ -79,11 +80,10 @@ inline void store(uint16_t* p, float x) { *p = f32_to_bf16(x); }
 
 // How a row is prefetched: for reading into L1 (the update loop's gradient rows), for reading into L2 (the
 // forward's gathers), or for writing (the update loop's table and slot rows: locality 1, which GCC emits as
-// `prefetcht2` for targets without PREFETCHW, as ours are; the L1 hint measured no different there).
-// The forward's gathers are capped by the misses a core keeps in flight: with the L2 hint they took 0.64-0.71x
-// the time they take with the L1 hint at the same distance (W1, interleaved in one process, with and without
-// huge pages, on a 2-core Zen 4 VM with 1 MiB of L2 per core); an earlier VM had measured the L1 hint ~10% faster.
-// The update loop's prefetches measured no faster with the L2 hint, for any of its rows.
+// `prefetcht2` for targets without PREFETCHW, as ours are; the L1 hint made no difference there).
+// The forward's gathers are capped by the misses a core keeps in flight, and which hint overlaps more of them
+// depends on the CPU's caches: the L2 hint was chosen on a Zen 4 (1 MiB of L2 per core); an earlier CPU favoured
+// the L1 hint. The update loop's prefetches gained nothing from the L2 hint, for any of its rows.
 enum class Prefetch { kReadL1, kReadL2, kWrite };
 
 // Prefetches the `bytes` bytes of a row starting at `p`.
@@ -101,10 +101,12 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 // ------------------------------------------------------------------ huge pages
 
 // Tables and slots are large arrays read and written at random rows: on 4 KiB pages nearly every row costs a
-// TLB miss and a page walk (here, in a VM, a two-level one). Backed by 2 MiB pages they run up to 2x faster.
+// TLB miss and a page walk (in a VM, a two-level one). A 2 MiB page covers 512 small ones per TLB entry, so
+// most of those misses and walks go.
 // XLA allocates the buffers, so the kernel asks Linux to back them with huge pages itself: the third time it
 // sees a buffer (a donated table is the same buffer every step), it marks it MADV_HUGEPAGE and collapses it
-// (MADV_COLLAPSE, Linux >= 6.1), in 2 MiB pieces over the thread pool; once per buffer, a few seconds per GiB.
+// (MADV_COLLAPSE, Linux >= 6.1), in 2 MiB pieces over the thread pool; once per buffer, as the collapse copies
+// every page of it.
 // A buffer freed and another allocated at the same address (a new table of the same size: a restore, a new
 // model, the next benchmark) is a fresh mapping on small pages again. MADV_HUGEPAGE made [lo, hi) a mapping of
 // its own (Linux splits a mapping where its flags change), so every kProbe-th later sighting looks the address up
@@ -433,7 +435,7 @@ struct Options {
 
 // Copies a row of n floats: n is 0, 1 or the row's width (kDim when known at compile time, see with_width). Inline,
 // and for a known width a loop of fixed length: GCC turns a loop of variable length into a memcpy call, and a call
-// per slot row (four per Adam row) cost 13% of the small model's Adam step.
+// per slot row (four per Adam row) costs more than copying a row this short.
 template <int64_t kDim>
 inline void copy_row(float* dst, const float* src, int64_t n) {
   if (n == 1) {
@@ -543,7 +545,7 @@ void update_row(const Options& o, int64_t width, float* w, float* g, float* tmp,
     case kFTRL: {  // h: k = -learning_rate_power, l1, l2, beta, multiply_linear_by_learning_rate
       const float k = h[0], l1 = h[1], l2 = h[2], beta = h[3];
       // The accumulator's power before and after: for the default power -0.5 a sqrt in the rule's own pass
-      // (passes through scratch rows, one per quantity, made FTRL's small-model step ~10% slower); else pow in a
+      // (passes through scratch rows, one per quantity, would store and reload every element); else pow in a
       // pass of its own (a call in the rule's loop would keep all of it from vectorizing).
       const bool root = k == 0.5f;
       float *pow_old = tmp + dim, *pow_new = tmp + 2 * dim;
@@ -687,14 +689,13 @@ constexpr size_t kKeepSpare = size_t(1) << 18;  // entries a thread keeps room f
 // col (in parallel over fixed blocks of entries, each block's records in entry order), reading the entries once,
 // in order; then each bucket is sorted by the remaining bits with least-significant-digit passes of at most 11
 // bits (buckets are small: they stay in cache; their second buffer is the thread's, a bucket's size). The call's
-// buffer is 12 bytes per entry. (Sorting 8-byte keys `col << 32 | entry` instead and gathering each bucket's row
-// ids and values by entry afterwards, at random, took 14-17% of a W1 SGD step's CPU time against 12-13%.)
+// buffer is 12 bytes per entry. (Sorting 8-byte keys `col << 32 | entry` instead would then gather each bucket's
+// row ids and values by entry, at random: a cache miss per entry where the records move in streams.)
 template <typename Use>
 void sort_buckets(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, const int32_t* rows, const float* vals,
                   int64_t D, int64_t C, int64_t rpd, int64_t num_rows, Buffers& s, const Use& use) {
   // The count and scatter loops read what they need from locals, not through the lambdas' references: their
-  // stores (counts, records) could alias those, and the compiler would load them again on every entry (the sort
-  // took ~1.4x longer).
+  // stores (counts, records) could alias those, and the compiler would load them again on every entry.
   const int64_t n = D * C, blocks = (n + kSortBlock - 1) / kSortBlock;
   // Calls f(k, col, row_id) for each valid entry k (col < num_rows, row_id < rpd) of block b, in order.
   const auto for_valid = [cols, rows, num_rows, rpd, n](int64_t b, auto&& f) {
@@ -707,8 +708,8 @@ void sort_buckets(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, c
   };
   // The digits cover the bits of the table's rows, or of the largest col present if it has fewer: ids in a
   // small part of a large table (the first 10^5 rows of 10^7) would otherwise fall in a bucket or two, one
-  // thread's work, sorted by passes over empty bits (W1's vocabulary test: an SGD step on 10^7 rows 1.15-1.47x
-  // the one on 10^5 rows, the same ids; 0.98-1.01x counted again). Counted again only then.
+  // thread's work, sorted by passes over empty bits (so the same ids would cost more in a larger table).
+  // Counted again only then.
   const auto bit_width = [](uint64_t x) {  // the bits of x
     int b = 0;
     while (b < 64 && (x >> b) != 0) b++;
@@ -745,7 +746,8 @@ void sort_buckets(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, c
   s.records.resize(size_t(s.buckets[nb]) + 1);
   Record* records = s.records.data();
   // k / C (the entry's source) without a division per entry: exact for k < 2**32 and 1 < C < 2**32 (Lemire et
-  // al., "Faster remainder by direct computation", 2019); the division was ~0.3 ms of a W1 backward's 655k entries.
+  // al., "Faster remainder by direct computation", 2019): a multiply and a shift, where a 64-bit division is
+  // many times a multiply's cost, once per entry in the sort's hottest loop.
   const uint64_t inverse_c = C > 1 ? ~uint64_t(0) / uint64_t(C) + 1 : 0;
   parallel_for(pool, threads, blocks, [&](int64_t b) {
     int64_t* at = count.data() + b * nb;
@@ -756,8 +758,8 @@ void sort_buckets(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, c
     for_valid(b, [at, out, vs, inv, per_source, shift](int64_t k, uint32_t col, uint32_t row) {
       const uint64_t source = inv ? uint64_t((__uint128_t(inv) * uint64_t(k)) >> 64) : uint64_t(k);  // 0: C == 1
       // Each bucket's records are written in a stream of their own (up to 256 at once); a store that misses
-      // stalls the loop, so the stream's line 16 records (3 lines) ahead is asked for first: this pass took
-      // 2.8-3.4% of a W1 SGD step's CPU time against 5.4-5.9% without (8, 16 or 32 ahead alike).
+      // stalls the loop, so the stream's line 16 records (3 lines) ahead is asked for first, and the misses of
+      // the streams overlap (the distance matters little: 8 or 32 ahead do as well).
       const int64_t p = at[col >> shift]++;
       __builtin_prefetch(out + p + 16, 1, 3);
       out[p] = Record{col, uint32_t(source * per_source + row), vs[k]};
@@ -776,7 +778,7 @@ void sort_buckets(ffi::ThreadPool& pool, int64_t threads, const int32_t* cols, c
       std::fill(c, c + mask + 2, 0u);
       for (int64_t i = 0; i < size; i++) {
         // The first pass reads the bucket from the batch-sized array, from memory: a line asked for every 4
-        // records, 64 records ahead (the sort's share of a W1 SGD step's CPU time 18-19% -> 12-13%).
+        // records (a line holds 5 and a third: none skipped), 64 records ahead, so its misses overlap.
         if (shift == 0 && (i & 3) == 0) __builtin_prefetch(a + i + 64, 0, 3);
         c[((a[i].col >> shift) & mask) + 1]++;
       }
@@ -845,14 +847,14 @@ constexpr int64_t kAhead = 64;            // records ahead whose gradient rows a
 // updated and written back. Loads are prefetched a fixed distance ahead, a little with each row: one more row
 // (first record of a run) and the gradient rows of the records up to kAhead past this row's. Spread so, the
 // prefetches never come in bursts that fill the core's miss buffers and stall it (updating rows in batches of
-// 32, with each batch's prefetches issued together, was 20-25% slower). Rows go by distinct rows, not records:
+// 32, with each batch's prefetches issued together, stalls on those bursts). Rows go by distinct rows, not records:
 // a hot row's many records would hide the rows after it.
 template <typename T, int64_t kDim>
 inline void update_range(const Options& o, const Grads& gr, const Record* recs, int64_t m, const State& st) {
   const int64_t dim = kDim > 0 ? kDim : gr.dim, w0 = st.slot[0] ? st.width[0] : 0, w1 = st.slot[1] ? st.width[1] : 0;
   // The copies of the row and its slots (width dim or 1, see decode_state) and update_copy's scratch. For a
   // width known at compile time, local arrays: distinct objects, so the compiler needs no aliasing checks and
-  // keeps them in registers (W1: RowwiseAdagrad's step ~20% faster, SGD's ~10%); else one heap buffer.
+  // keeps them in registers; else one heap buffer.
   constexpr int64_t kLocal = kDim > 0 ? kDim : 1;
   float local_w[kLocal], local_g[kLocal], local_tmp[3 * kLocal], local_s0[kLocal], local_s1[kLocal];
   float *w = local_w, *s0 = local_s0, *s1 = local_s1, *g = local_g, *tmp = local_tmp;

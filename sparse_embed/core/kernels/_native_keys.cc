@@ -6,7 +6,7 @@
 // bound among that bucket's positions of `sorted_keys` (side by side: one or two cache lines), then `order`
 // at the position found. Keys in a set are distinct, so the answer is the generic search's, bit for bit.
 // The lower bound is a count of the bucket's keys below the query with AVX-512 where the CPU has it (a few
-// vector compares instead of ~5 dependent halving rounds: ~10% of the map's time), else a branch-free binary
+// vector compares instead of ~5 halving rounds, each waiting on the load of the last), else a branch-free binary
 // search (_native_isa.h: the process's instruction set). Both give the same position.
 // `touch_keys_many` also sets last[slot] = step for each key found that is not stale (last >= stale_before),
 // in place: the train step's last-use update, without a scatter of its own (for several sets in one call).
@@ -142,7 +142,7 @@ struct Halving {  // portable: branch-free halving, the same number of rounds fo
 struct Avx512Count {  // the keys below want[j], eight per compare (masked loads: nothing read past the bucket)
   // The first 24 keys of a bucket (a bucket holds ~13) in three compares under one mask and one count,
   // whatever its length (mask bits clear past its end): no loop and no branch for all but the rare longer
-  // bucket. (As a loop of three, counting each compare, the search took ~15% longer.)
+  // bucket. (A loop of three, counting each compare, would add a branch and a dependent count per compare.)
   static constexpr int64_t kFixed = 24;
   // The bits of `in` whose key among the eight at `at` is below w.
   __attribute__((target("avx512f"), always_inline)) static uint32_t below(const int32_t* at, __mmask8 in,
@@ -283,7 +283,8 @@ struct Scratch {
 
 // Finds (and with t.last, touches) every query; see the top of the file. Returns how many it did not find,
 // free markers (hi word -1: they find nothing) aside. The markers after the last key (where a batch's distinct
-// ids and `unique_keys` leave them: ~12% of a W1 table's queries) are answered without the sort and search.
+// ids and `unique_keys` leave them: the padding of the queries' static size) are answered without the sort and
+// search.
 int64_t find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int32_t* q, int64_t count,
                  const Touch& t, int32_t* out) {
   const int64_t all = count;
@@ -296,8 +297,8 @@ int64_t find_all(ffi::ThreadPool& pool, int64_t threads, const Set& s, const int
     return missing;
   }
   // A stable counting sort by bucket >> shift (at most max(count / 2, 4096) bins, so a large set with few
-  // queries costs no more; two buckets a bin measured faster than one, four slower), its two passes split over
-  // the threads: the order is the same for any number of parts.
+  // queries costs no more: fewer bins keep the counts in cache, more put the queries closer to bucket order),
+  // its two passes split over the threads: the order is the same for any number of parts.
   int shift = 0;
   while ((s.buckets >> shift) > std::max<int64_t>(count / 2, 4096)) shift++;
   const int64_t bins = ((s.buckets - 1) >> shift) + 1, nt = thread_count(pool, threads);
@@ -417,7 +418,7 @@ ffi::Error TouchKeysMany(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> step, ffi::
 }
 
 // --- insert (key_set.insert): the same slots, set and counts, bit for bit, in O(N) passes without a sort of
-// the set. The generic version's O(N) scatters cost ~20 ms per 1M-slot set on XLA:CPU, paid on every step
+// the set. The generic version's O(N) scatters go over the whole set at random on XLA:CPU, on every step
 // that admits an id; here: the live keys that go are compacted out (front to back), the new keys merged in
 // (back to front, from the first insertion point on), the free slots rewritten only when a slot was freed, and
 // the directory updated by bucket counts while the span (the smallest and largest key) stays put.
@@ -675,8 +676,8 @@ ffi::Error InsertKeys(ffi::Buffer<ffi::S32> keys_in, ffi::Buffer<ffi::S32> order
 
 // --- unique (key_set.unique): the distinct keys of q [Q, 2] in key order (free markers, hi = -1, dropped),
 // then free markers; inverse[i] = the index of q[i]'s key among them (Q for a free marker). By an LSD radix
-// sort of (key, index) on 16-bit digits, skipping the digits all keys share: linear, where XLA:CPU's
-// comparison sort took ~18 ms per 90k keys.
+// sort of (key, index) on 16-bit digits, skipping the digits all keys share: linear, where XLA:CPU's sort
+// compares (O(Q log Q)).
 constexpr int64_t kSmallSort = 4096;
 
 ffi::Error UniqueKeys(ffi::Buffer<ffi::S32> queries, ffi::ResultBuffer<ffi::S32> keys_out,
@@ -733,8 +734,7 @@ static auto set_and_queries() {
 }
 
 // --- take (key_set.take): out[e] = values[index[e]] for an index in [0, Q) and a value >= 0 (a row), else fill;
-// the map's rows per entry, in chunks over the pool (XLA:CPU's gather of the same: ~0.1 ms per 80k entries, per
-// table and step).
+// the map's rows per entry, in chunks over the pool (in place of an XLA:CPU gather, one per table and step).
 constexpr int64_t kTakeChunk = 16384;
 
 ffi::Error TakeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> values, ffi::Buffer<ffi::S32> index,

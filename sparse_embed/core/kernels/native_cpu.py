@@ -29,7 +29,7 @@ Raw-id tables (`id_maps`) look their ids up with `find_keys` and
 in bucket order (so the set is read from low addresses to high) and the
 cache misses of 32 queries overlapped; grow them with `insert_keys`:
 `key_set.insert`'s result, bit for bit, in place, in linear passes (the
-generic version's whole-set scatters cost ~20 ms per 1M-slot set); and
+generic version scatters over the whole set); and
 deduplicate the ids a shard receives from several sources with
 `unique_keys` (`key_set.unique`'s result by a radix sort).
 
@@ -149,7 +149,7 @@ class NativeCpuKernel:
       huge_pages: back the tables and slots with 2 MiB pages (Linux
         `madvise`), once per buffer, when a call sees the same buffer a third
         time (a donated table), and again for a new buffer at a freed one's
-        address; up to 2x faster lookups and updates on large tables.
+        address: far fewer TLB misses for the random rows of large tables.
         `$SPARSE_EMBED_HUGE_PAGES=0` turns it off for "auto" plans.
     """
 
@@ -246,12 +246,12 @@ class NativeCpuKernel:
         return key_set.Inserted(key_set.KeySet(sorted_keys, last, order, size, directory, span), slots, evicted)
 
     def unique_keys(self, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
-        _register()  # `key_set.unique`, bit for bit, by a radix sort (XLA:CPU's sort: ~18 ms per 90k keys)
+        _register()  # `key_set.unique`, bit for bit, by a radix sort (linear; XLA:CPU's sort compares)
         out = (jax.typeof(queries), jax.typeof(queries).update(shape=queries.shape[:1]))
         return tuple(jax.ffi.ffi_call(_TARGET.format("unique_keys"), out)(queries))
 
     def take_rows(self, values: jax.Array, index: jax.Array, fill: int) -> jax.Array:
-        _register()  # `key_set.take` for int32 rows (XLA:CPU's gather: ~0.1 ms per 80k entries, several per step)
+        _register()  # `key_set.take` for int32 rows, over the thread pool (several calls per step)
         out = jax.typeof(index).update(dtype=jnp.int32)
         return jax.ffi.ffi_call(_TARGET.format("take_rows"), out)(
             values.astype(jnp.int32), index.astype(jnp.int32), jnp.asarray(fill, jnp.int32),
