@@ -123,7 +123,7 @@ def _partition_numpy(stack: StackPlan, flats: dict[str, FlatIds], num_devices: i
     """A stable sort of the entries by partition key."""
     D, S = num_devices, stack.segments
     key, col, row, val = _stack_entries(stack, flats)
-    # Small keys sort as uint16 (numpy's O(N) radix sort), ~6x faster than int64.
+    # Small keys sort as uint16: numpy radix-sorts 16-bit keys in O(N), and they are a quarter of int64 bytes.
     order = np.argsort(key.astype(np.uint16) if D * S <= 2**16 else key, kind="stable")
     key, col, row, val = key[order], col[order], row[order], val[order]
     counts = np.bincount(key, minlength=D * S)
