@@ -215,6 +215,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
+    from sparse_embed.core import placements  # light: the registry only (no jax backend, no orbax)
+
     p = _Parser(prog=PROG, description="Inspect, verify and convert sparse_embed checkpoints; print plans.")
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("inspect", help="tables, shapes, dtypes, stacking and memory of a checkpoint")
@@ -238,7 +240,7 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="where each table of a model's features lives, its memory and traffic")
     pl.add_argument("features", help="MODULE:NAME of a list or dict of FeatureSpecs, or of a function returning one")
     pl.add_argument("--devices", type=_positive_int, default=8, help="devices of the mesh (simulated on CPU)")
-    pl.add_argument("--placement", default="auto", choices=["auto", "row", "table", "replicated", "column"])
+    pl.add_argument("--placement", default=placements.AUTO, choices=[placements.AUTO, *placements.names()])
     pl.add_argument("--memory-budget", type=_bytes, default=None, help="bytes per device, e.g. 2GiB")
     pl.add_argument("--ids-per-sample", type=_positive_float, default=None, help="the cost model's ids per sample")
     pl.set_defaults(fn=_plan)
