@@ -19,18 +19,23 @@ ROOT = pathlib.Path(se.__file__).resolve().parent.parent
 HEAVY = ("flax", "optax", "orbax", "tensorstore")
 # The namespaces that hold the specialist names, and what each re-exports (from where)
 NAMESPACES = {
-    "sparse_embed.jte": {"CsrBatch": "sparse_embed.core.batch", "JteTableLayout": "sparse_embed.integrations.jte",
+    "sparse_embed.jte": {"CsrBatch": "sparse_embed.core.sparsecore.batch",
+                         "JteTableLayout": "sparse_embed.integrations.jte",
+                         "SparseCoreBatch": "sparse_embed.core.sparsecore.batch",
                          "from_jte": "sparse_embed.integrations.jte", "jte_layout": "sparse_embed.integrations.jte",
                          "jte_layout_from_specs": "sparse_embed.integrations.jte",
-                         "sparsecore_csr": "sparse_embed.integrations.sparsecore",
+                         "sparsecore_csr": "sparse_embed.integrations.jte",
                          "to_jte": "sparse_embed.integrations.jte"},
     "sparse_embed.tuning": {"configure_cpu_allocator": "sparse_embed.host.malloc",
                             "configure_xla_cpu": "sparse_embed.core.kernels.generic"},
     "sparse_embed.raw_ids": {"IdMap": "sparse_embed.core.id_maps", "IdMapStats": "sparse_embed.core.id_maps",
-                             "IdTable": "sparse_embed.io.id_tables", "id_table_contents": "sparse_embed.io.id_tables",
+                             "IdTable": "sparse_embed.io.id_tables", "MappedIdBatch": "sparse_embed.core.batch",
+                             "RawIdBatch": "sparse_embed.core.batch", "id_table_contents": "sparse_embed.io.id_tables",
                              "load_id_tables": "sparse_embed.io.id_tables"},
 }
-OLD_NAMES = {name: ns for ns, names in NAMESPACES.items() for name in names}  # sparse_embed.<name> until 0.3
+NEW_NAMES = {"MappedIdBatch", "RawIdBatch", "SparseCoreBatch"}  # added to a namespace: never top-level names
+OLD_NAMES = {name: ns for ns, names in NAMESPACES.items() for name in names
+             if name not in NEW_NAMES}  # sparse_embed.<name> until 0.3
 
 
 def _heavy_after(code: str) -> list[str]:

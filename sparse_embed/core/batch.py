@@ -1,4 +1,4 @@
-"""The batch contract between host preprocessing and the lookup: `ShardedCooMatrix` and `Stats`.
+"""The batch contract between host preprocessing and the lookup: one batch type per shape of batch, and `Stats`.
 
 For every device d and destination shard s a stack's batch holds a
 fixed-capacity segment of COO entries `(col_id, row_id, value)`: `col_id` is
@@ -7,6 +7,19 @@ gain with the combiner folded in (see `pooling`). Entries are ordered by
 `row_id` inside a segment. Padding entries have `col_id = rows_per_shard`
 and `row_id = rows_per_device` (both out of range, so they never touch a
 real row) and value 0.
+
+Every batch type starts with those five COO arrays, in that order, so that
+code that only routes COO entries (a placement's exchange, the CSR builder)
+reads any of them; what a stack's batch carries besides depends on where it
+is on its way to the lookup, one type each instead of optional fields:
+
+- `ShardedCooMatrix`: rows (what `lookup` reads for most stacks);
+- `RawIdBatch`: a raw-id stack's batch from `preprocess`, before `map_ids`
+  (the distinct raw ids each segment sends its owner shard);
+- `MappedIdBatch`: `map_ids`' result for a stack whose `Dynamic.default`
+  is set (the gains of the ids that got no row, which read the default);
+- a backend's own type where its kernel reads more than COO entries
+  (SparseCore: `core.sparsecore.batch.SparseCoreBatch`, COO and CSR).
 """
 
 from __future__ import annotations
@@ -15,14 +28,16 @@ import dataclasses
 from typing import Any, NamedTuple
 
 
+def capacity_of(batch) -> int:
+    """COO entries per (device, segment) partition."""
+    return batch.col_ids.shape[1] // batch.shard_starts.shape[1]
+
+
 class ShardedCooMatrix(NamedTuple):
-    """One stack's batch. Leading axis = device (sharded over the plan's axis).
+    """One stack's batch of rows. Leading axis = device (sharded over the plan's axis).
 
     shard_starts, shard_ends: `[D, S]` int32, entry range of each destination shard's segment.
     col_ids, row_ids: `[D, S * capacity]` int32. values: `[D, S * capacity]` float32.
-    keys: None, or for a table keyed by raw ids (before `map_ids`) `[D, S * capacity, 2]`
-      int32: the distinct raw ids (hi, lo words; -1 unused) that each segment sends
-      its owner shard; `col_ids` then index them (padding: `capacity`).
     """
 
     shard_starts: Any
@@ -30,13 +45,55 @@ class ShardedCooMatrix(NamedTuple):
     col_ids: Any
     row_ids: Any
     values: Any
-    keys: Any = None
-    defaults: Any = None  # [D, rows_per_device] f32 after `map_ids` with a `Dynamic.default`: gains of ids without a row
-    csr: Any = None  # a SparseCore stack's `CsrBatch` (each field `[D, ...]`): the same entries, for the TPU
 
-    @property
-    def capacity(self) -> int:
-        return self.col_ids.shape[1] // self.shard_starts.shape[1]
+    capacity = property(capacity_of)
+
+
+class RawIdBatch(NamedTuple):
+    """A raw-id stack's batch from `preprocess` (its table is `dynamic=`), which `map_ids` maps to rows.
+
+    The COO arrays of `ShardedCooMatrix`, and `keys [D, S * capacity, 2]` int32: the distinct raw ids (hi, lo
+    words; -1 unused) that each segment sends its owner shard; `col_ids` index them (padding: `capacity`).
+    """
+
+    shard_starts: Any
+    shard_ends: Any
+    col_ids: Any
+    row_ids: Any
+    values: Any
+    keys: Any
+
+    capacity = property(capacity_of)
+
+
+class MappedIdBatch(NamedTuple):
+    """`map_ids`' batch of rows for a raw-id stack with a `Dynamic.default`: the COO arrays of
+    `ShardedCooMatrix`, and `defaults [D, rows_per_device]` f32, per output row the gains of its ids that have no
+    row (they read the default vector)."""
+
+    shard_starts: Any
+    shard_ends: Any
+    col_ids: Any
+    row_ids: Any
+    values: Any
+    defaults: Any
+
+    capacity = property(capacity_of)
+
+
+def coo(batch) -> ShardedCooMatrix:
+    """The COO arrays of any batch type."""
+    return batch if type(batch) is ShardedCooMatrix else ShardedCooMatrix(*batch[:5])
+
+
+def is_batch(entry) -> bool:
+    """Is `entry` one of the batch types (the five COO arrays first), if perhaps not the one a stack needs?"""
+    return tuple(getattr(type(entry), "_fields", ())[:5]) == ShardedCooMatrix._fields
+
+
+def default_gains(batch) -> Any:
+    """A mapped batch's `defaults` (`MappedIdBatch`), else None."""
+    return batch.defaults if isinstance(batch, MappedIdBatch) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,18 +125,3 @@ class Stats:
             mx(self.capacity, other.capacity),
             mx(self.sparsecore_ids_per_partition, other.sparsecore_ids_per_partition),
         )
-
-
-PAD_ID = 2**31 - 1  # a CSR's embedding and sample ids in its alignment gaps (jax-tpu-embedding's PADDING_VALUE)
-
-
-class CsrBatch(NamedTuple):
-    """A SparseCore stack's input in the CSR format of jax-tpu-embedding's primitives (`host.csr`).
-
-    Every SparseCore's slice, one after the other (device d's S slices together).
-    """
-
-    row_pointers: Any  # int32 [num_slices * max(num_sc, 8)]
-    embedding_ids: Any  # int32 [num_slices * round_up(max_ids_per_partition, 8) * num_sc]
-    sample_ids: Any  # int32, like embedding_ids
-    gains: Any  # float32, like embedding_ids

@@ -3,13 +3,15 @@
 A table declared with `TableSpec(dynamic=Dynamic(...))` is keyed by raw
 ids. Preprocessing sends each id to the shard chosen by a hash of the id
 (`core.raw_keys.owner_shards`), with the distinct ids of each segment in
-`ShardedCooMatrix.keys`. `map_ids`, inside the train step before `lookup`,
+`RawIdBatch.keys`. `map_ids`, inside the train step before `lookup`,
 runs on every shard (`shard_map`): it exchanges the ids (`all_to_all`), looks
 them up in the shard's `KeySet`, admits new ids (after `admit_after`
 occurrences), gives them free rows or the rows of the least recently used
 ids, re-initialises those rows and their slots, and sends each segment its
-rows back. The batch it returns is an ordinary one for `lookup`; ids without
-a row become padding (they read zeros, or `Dynamic.default`, and get no update).
+rows back. The batch it returns is an ordinary one for `lookup` (a
+`ShardedCooMatrix`); ids without a row become padding (they read zeros and
+get no update; with a `Dynamic.default` set, a `MappedIdBatch` carries
+their gains, and they read the default).
 
 Because an id's row and its map entry live on the same shard and every
 decision is a function of the (global) batch and the state, the mapping is
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sparse_embed.core import kernels, key_set
-from sparse_embed.core.batch import ShardedCooMatrix
+from sparse_embed.core.batch import MappedIdBatch, RawIdBatch, ShardedCooMatrix, is_batch
 from sparse_embed.core.initializers import TruncatedNormal, mix32, seeds, truncated_normal_rows
 from sparse_embed.core.key_set import FREE, KeySet
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
@@ -300,7 +302,7 @@ class _Received(NamedTuple):
     occ: jax.Array | None
 
 
-def _receive(stack: StackPlan, axis: str, coo: ShardedCooMatrix, search: kernels.KeySearch) -> _Received:
+def _receive(stack: StackPlan, axis: str, coo: RawIdBatch, search: kernels.KeySearch) -> _Received:
     """Inside shard_map: every source sends each shard the ids it owns (the lookup's exchange)."""
     S = stack.num_shards
     C = coo.col_ids.shape[0] // S
@@ -316,7 +318,7 @@ def _receive(stack: StackPlan, axis: str, coo: ShardedCooMatrix, search: kernels
     return _Received(u, slot_of, inverse, occ)
 
 
-def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: EmbeddingVariables, m: IdMap,
+def _stack_body(stack: StackPlan, axis: str, coo: RawIdBatch, v: EmbeddingVariables, m: IdMap,
                 step: jax.Array, train: bool, search: kernels.KeySearch, rec: _Received, touched):
     """Inside shard_map, one stack: map the received ids, send every segment its rows."""
     S, R = stack.num_shards, stack.rows_per_shard
@@ -328,21 +330,23 @@ def _stack_body(stack: StackPlan, axis: str, coo: ShardedCooMatrix, v: Embedding
     row_of_slot = mapped.rows if inverse is None else search.take(mapped.rows, inverse, R)
     rows = search.take(row_of_slot, slot_of, R)  # unused entries' slot_of is out of range: R
     back = jax.lax.all_to_all(rows.reshape(S, C), axis, 0, 0, tiled=True).reshape(-1)  # [S * C] in my layout
-    defaults = None
-    if stack.dynamic.default is not None:  # per output row: the gains of its ids without a row
+    rows = (coo.shard_starts, coo.shard_ends, back, coo.row_ids, jnp.where(back < R, coo.values, 0.0))
+    if stack.dynamic.default is None:
+        batch = ShardedCooMatrix(*rows)
+    else:  # per output row: the gains of its ids without a row
         lost = jnp.where((back >= R) & (coo.col_ids < C), coo.values, 0.0)
-        defaults = jnp.zeros((stack.rows_per_device,), jnp.float32).at[coo.row_ids].add(lost, mode="drop")
-    batch = ShardedCooMatrix(coo.shard_starts, coo.shard_ends, back, coo.row_ids,
-                             jnp.where(back < R, coo.values, 0.0), None, defaults)
+        batch = MappedIdBatch(*rows, jnp.zeros((stack.rows_per_device,), jnp.float32).at[coo.row_ids].add(
+            lost, mode="drop"))
     stats = jax.tree.map(lambda x: jax.lax.psum(x, axis), mapped.stats)
     return batch, v, mapped.ids, stats
 
 
-def _check_raw_coo(plan: EmbeddingPlan, stack: StackPlan, coo: ShardedCooMatrix) -> None:
+def _check_raw_coo(plan: EmbeddingPlan, stack: StackPlan, coo: RawIdBatch) -> None:
     """One raw-id stack's batch entry: keyed, and shaped (`[D, S * capacity]`) and typed as this plan's."""
-    if not isinstance(coo, ShardedCooMatrix):
-        raise TypeError(f"Stack {stack.name!r}: batch entry must be a ShardedCooMatrix, got {type(coo).__name__}.")
-    if coo.keys is None:
+    if not is_batch(coo):
+        raise TypeError(f"Stack {stack.name!r}: batch entry must be a RawIdBatch (from sparse_embed.preprocess), got "
+                        f"{type(coo).__name__}.")
+    if not isinstance(coo, RawIdBatch):
         raise ValueError(f"Stack {stack.name!r} is keyed by raw ids but its batch holds rows (no keys): it was "
                          "already mapped, or built for a plan where the table is not dynamic.")
     D, S, n = plan.num_shards, stack.num_shards, tuple(coo.col_ids.shape)

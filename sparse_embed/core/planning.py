@@ -13,7 +13,9 @@ devices, its relayout, its exchange and its cost. The plan holds their
 layout as plain data and asks `StackPlan.strategy` for what follows from
 it; the cost model (`core.cost`) and the planner's choice ("auto",
 `core.placement`) read it. SparseCore geometry (`sparsecores`, `mod_shards`,
-`sc_rows`, slices) is the "row" layout over every SparseCore (`core.sparsecore`).
+`sc_rows`, slices) is the "row" layout over every SparseCore (`core.sparsecore`);
+a stack's `backend` names the backend that runs it, if any (`core.kernels`
+and `preprocess` pick its kernel and preprocessing hook by it).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from sparse_embed.core import cost
 from sparse_embed.core import placement as placement_lib
 from sparse_embed.core import placements
-from sparse_embed.core import sparsecore as sparsecore_lib
-from sparse_embed.core.collectives import KernelStack  # noqa: F401 (kernels.interface imports it from here)
+from sparse_embed.core import sparsecore
+from sparse_embed.core.collectives import KernelStack  # noqa: F401 (re-exported from its earlier home)
 from sparse_embed.core.placements import CAPACITY_ALIGNMENT, round_up
+from sparse_embed.core.sparsecore import layout as sparsecore_layout
 from sparse_embed.core.specs import FeatureSpec, TableSpec
 
 OVERFLOW_POLICIES = ("error", "drop")
@@ -117,6 +120,12 @@ class StackPlan:
     def strategy(self) -> placements.Placement:
         """The placement's strategy object: its layout, relayout, exchange and cost."""
         return placements.get(self.placement)
+
+    @property
+    def backend(self) -> str | None:
+        """The backend that runs the stack with its own kernel and batch (`core.sparsecore.NAME`), or None: the
+        lookup's usual exchange and kernels, on COO batches."""
+        return sparsecore.NAME if self.sparsecores else None
 
     @property
     def first(self) -> TableSpec:
@@ -428,9 +437,14 @@ def _check_policies(on_overflow: str, nonfinite_gradients: str) -> None:
 def _check_kernel(kernel: Any) -> Any:
     """A kernel name of KERNELS ("auto" overridden by $SPARSE_EMBED_KERNEL), or a kernel instance."""
     if not isinstance(kernel, str):
-        if not all(callable(getattr(kernel, m, None)) for m in ("forward", "backward", "unsupported")):
-            raise TypeError(f"kernel must be one of {KERNELS} or a kernel (see sparse_embed.core.kernels), "
-                            f"got {kernel!r}.")
+        # (imported here: the kernels import the plan)
+        from sparse_embed.core.kernels.interface import missing_methods
+
+        missing = missing_methods(kernel)
+        if missing:
+            raise TypeError(f"kernel must be one of {KERNELS} or a kernel (the Kernel protocol of "
+                            "sparse_embed.core.kernels.interface; subclass sparse_embed.core.kernels.KernelBase for "
+                            f"its defaults), got {kernel!r}, which lacks {missing}.")
         return kernel
     source = ""
     if kernel == "auto" and os.environ.get(KERNEL_ENV):
@@ -492,13 +506,12 @@ def plan(
       ids_per_sample: the cost model's ids per sample, one number or
         `{feature: ids}` (default 1, or what `stats` observed).
       stats: `Stats` of earlier batches (their stacks' traffic, for the cost model).
-      sparsecores: SparseCores per device (default: detected; 0 off TPU): on
-        TPU, the stacks they can run do (docs/sparsecore.md).
+      sparsecores: SparseCores per device (default: detected; 0 off TPU) that run the stacks they can on TPU.
     """
     tables = _collect_tables(feats := _normalise_features(features))
     mesh = Mesh(np.array(jax.devices()), ("device",)) if mesh is None else mesh
     axis = _resolve_axis(mesh, axis_name)
-    num_shards, sc = mesh.shape[axis], sparsecore_lib.count(sparsecores, mesh.devices.flat)
+    num_shards, sc = mesh.shape[axis], sparsecore_layout.count(sparsecores, mesh.devices.flat)
     _check_policies(on_overflow, nonfinite_gradients)
     _check_batch_sizes(feats, num_shards, axis)
     loads = cost.table_loads(feats, tables, num_shards,
@@ -611,7 +624,7 @@ def _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sparse
     def cores(name, group):  # the stack's SparseCores (0 with a warning if it cannot use them)
         rows = {f.name: f.batch_size // num_shards * max(f.max_sequence_length, 1)
                 for f in feats.values() if f.table.name in group}
-        return sparsecore_lib.resolve([tables[n] for n in group], chosen[group[0]], name, sparsecores, rows)
+        return sparsecore_layout.resolve([tables[n] for n in group], chosen[group[0]], name, sparsecores, rows)
 
     return tuple(_stack_plan(name, [tables[n] for n in group], feats, num_shards, caps[name], chosen[group[0]],
                              loads, device_load, cores(name, group))

@@ -15,13 +15,13 @@ tables. Under the plan's default `nonfinite_gradients="skip"`, a row whose
 gradient is NaN/inf keeps its values and slots; `nonfinite_rows` counts such
 rows.
 
-Which entries and activations move where is the stack's placement's
-(`core.placements`: its `exchange`, `activations` and `backward`, with the
-collectives of `core.collectives`); the per-shard work is a `core.kernels`
-implementation. This module runs them inside `shard_map` and knows nothing
-of how either works. A
-SparseCore stack (`plan(sparsecores=S)`) runs `kernels.sparsecore` instead
-on TPU, which does the exchange itself (`jax.lax.platform_dependent`).
+Each stack's work on a device is its kernel's (`core.kernels.for_stack`),
+through the seam of `core.kernels.interface`: `lookup_forward`,
+`lookup_backward` and `nonfinite_rows`. This module runs them inside
+`shard_map` and knows neither which kernel nor which backend it got: by
+default a kernel routes entries and activations by the stack's placement
+(`core.placements`) and does its per-shard work; a backend that owns the
+exchange (SparseCore) does it its own way.
 """
 
 from __future__ import annotations
@@ -34,25 +34,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sparse_embed.core import kernels
-from sparse_embed.core.batch import ShardedCooMatrix
-from sparse_embed.core.kernels import Received
-from sparse_embed.core.kernels import sparsecore
-from sparse_embed.core.kernels.generic import nonfinite_row_count, warn_if_slow_on_cpu
-from sparse_embed.core.planning import EmbeddingPlan, StackPlan
+from sparse_embed.core.batch import ShardedCooMatrix, coo, default_gains, is_batch
+from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.state import EmbeddingVariables, check_state, check_trainable
-
-
-def _exchange(stack: StackPlan, axis: str, coo: ShardedCooMatrix) -> Received:
-    """The entries this device's kernel reads (inside shard_map), `[sources, C]`, by the stack's placement."""
-    return Received(*stack.strategy.exchange(stack, axis, coo))
-
-
-def _activations(stack: StackPlan, axis: str, partials: jax.Array) -> jax.Array:
-    """This device's activations `[rows_per_device, dim]` from every shard's partials `[D, partial_rows, dim]`
-    (or, in blocks, `([n_i, dim], ...)` from `([1, n_i, dim], ...)`: see `StackPlan.activations_per_feature`)."""
-    if isinstance(partials, tuple):
-        return tuple(p[0] for p in partials)
-    return stack.strategy.activations(stack, axis, partials)
 
 
 def _local(tree):
@@ -65,81 +49,40 @@ def _stacked(tree):
     return jax.tree.map(lambda x: x[None], tree)
 
 
-def _on_tpu_sparsecores(stack: StackPlan, axis: str, tpu, default, *args):
-    """`default(*args)`, or on TPU `tpu(*args)` for a SparseCore stack (`default`'s outputs' shapes and types)."""
-    if not stack.sparsecores:
-        return default(*args)
-
-    def on_sparsecores(*args):
-        out, likes = tpu(*args), jax.eval_shape(default, *args)
-        if type(out) is tuple:  # None: what the TPU does not need; zeros shaped like the default's
-            out = tuple(jax.tree.map(lambda like: jnp.zeros(like.shape, like.dtype), like) if x is None else x
-                        for x, like in zip(out, likes))
-        # Typed as varying over the axis where the default's outputs are (the primitives' never are).
-        varying = lambda x: axis in jax.typeof(x).manual_axis_type.varying
-        return jax.tree.map(lambda x, like: jax.lax.pcast(x, axis, to="varying")
-                            if axis in like.manual_axis_type.varying and not varying(x) else x, out, likes)
-
-    return jax.lax.platform_dependent(*args, tpu=on_sparsecores, default=default)
-
-
 def _forward(plan: EmbeddingPlan, batch, tables):
-    """Per stack: `(activations [D * rows_per_device, dim], received, table for the backward, saved)`.
+    """Per stack: `(activations [D * rows_per_device, dim], table for the backward, saved)`.
 
     Every input and output is row-sharded over the plan's axis (the batch
-    and residuals with a leading device axis). On TPU a SparseCore stack
-    saves nothing (zeros of the same shapes) but its CSR.
+    and what the kernels save with a leading device axis).
     """
     axis = plan.axis_name
 
     def body(batch, tables):
         out = {}
         for s in plan.stacks:
-            def usual(coo, table, s=s):
-                rec = _exchange(s, axis, coo)
-                view = s.strategy.view(s, axis, s.activations_per_feature)
-                fwd = kernels.for_stack(plan, s).forward(view, rec, table)
-                return _activations(s, axis, fwd.partials), _stacked(rec), fwd.table, _stacked(fwd.saved)
-
-            def on_sparsecores(coo, table, s=s):
-                return sparsecore.forward(s, coo.csr, table), None, table, None
-
-            out[s.name] = _on_tpu_sparsecores(s, axis, on_sparsecores, usual, _local(batch[s.name]), tables[s.name])
+            fwd = kernels.for_stack(plan, s).lookup_forward(s, axis, _local(batch[s.name]), tables[s.name])
+            out[s.name] = (fwd.activations, fwd.table, _stacked(fwd.saved))
         return out
 
     return jax.shard_map(body, mesh=plan.mesh, in_specs=P(axis), out_specs=P(axis))(batch, tables)
 
 
-def _kernel_backward(plan: EmbeddingPlan, s: StackPlan, rec: Received, saved, state: EmbeddingVariables,
-                     grads: jax.Array, step, skip: bool) -> EmbeddingVariables:
-    """Inside shard_map: a stack's update by its kernel, from this device's activation gradients (routed to the
-    shards by the stack's placement)."""
-    return s.strategy.backward(s, plan.axis_name, kernels.for_stack(plan, s), rec, saved, state, grads, step, skip)
-
-
-def _backward(plan: EmbeddingPlan, recs, saved, csrs, tables, grads, step):
-    """Per stack: the updated `EmbeddingVariables` (the kernels' backward on every shard)."""
+def _backward(plan: EmbeddingPlan, batch, saved, tables, grads, step):
+    """Per stack: the updated `EmbeddingVariables` (the kernels' backward on every device)."""
     axis = plan.axis_name
     skip = plan.nonfinite_gradients == "skip"
 
-    def body(recs, saved, csrs, tables, grads, step):
+    def body(batch, saved, tables, grads, step):
         out = {}
         for s in plan.stacks:
             check_trainable(s, tables[s.name])
-
-            def usual(csr, state, g, s=s):
-                return _kernel_backward(plan, s, _local(recs[s.name]), _local(saved[s.name]), state, g, step, skip)
-
-            def on_sparsecores(csr, state, g, s=s):
-                return sparsecore.backward(s, csr, state, g, step, skip)
-
-            out[s.name] = _on_tpu_sparsecores(s, axis, on_sparsecores, usual, _local(csrs.get(s.name)),
-                                              tables[s.name], grads[s.name])
+            out[s.name] = kernels.for_stack(plan, s).lookup_backward(
+                s, axis, _local(batch[s.name]), _local(saved[s.name]), tables[s.name], grads[s.name], step, skip)
         return out
 
-    in_specs = (P(axis), P(axis), P(axis), P(axis), P(axis), P())
-    return jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=P(axis))(recs, saved, csrs, tables,
-                                                                                       grads, step)
+    in_specs = (P(axis), P(axis), P(axis), P(axis), P())
+    return jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=P(axis))(batch, saved, tables, grads,
+                                                                                       step)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -151,19 +94,16 @@ def _lookup_stacks(plan, batch, tables, step):
 def _lookup_fwd(plan, batch, tables, step):
     out = _forward(plan, batch, {k: v.table for k, v in tables.items()})
     acts = {k: v[0] for k, v in out.items()}
-    recs = {k: v[1] for k, v in out.items()}
-    saved = {k: v[3] for k, v in out.items()}
-    csrs = {s.name: batch[s.name].csr for s in plan.stacks if s.sparsecores}
-    tables = {k: EmbeddingVariables(out[k][2], v.slots) for k, v in tables.items()}
-    return acts, (recs, saved, csrs, tables, step)
+    saved = {k: v[2] for k, v in out.items()}
+    tables = {k: EmbeddingVariables(out[k][1], v.slots) for k, v in tables.items()}
+    return acts, (batch, saved, tables, step)
 
 
 def _lookup_bwd(plan, residuals, grads):
-    recs, saved, csrs, tables, step = residuals
-    warn_if_slow_on_cpu(plan, [s.name for s in plan.stacks if isinstance(kernels.for_stack(plan, s),
-                                                                           kernels.GenericKernel)])
+    batch, saved, tables, step = residuals
+    kernels.warn_if_slow(plan)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    return None, _backward(plan, recs, saved, csrs, tables, grads, step), None
+    return None, _backward(plan, batch, saved, tables, grads, step), None
 
 
 _lookup_stacks.defvjp(_lookup_fwd, _lookup_bwd)
@@ -176,23 +116,18 @@ def _check_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix]) -> 
             "build it with sparse_embed.preprocess(plan, ...)."
         )
     D = plan.num_shards
-    for name, coo in batch.items():
-        if not isinstance(coo, ShardedCooMatrix):
-            raise TypeError(f"Stack {name!r}: batch entry must be a ShardedCooMatrix, got {type(coo).__name__}.")
-        n, S = coo.col_ids.shape, plan.stack(name).segments if name in plan.stack_names else D
-        if coo.shard_starts.shape != (D, S) or len(n) != 2 or n[0] != D or n[1] % S:
-            raise ValueError(f"Stack {name!r}: batch arrays have shapes {[x.shape for x in coo[:5]]}, "
+    for name, entry in batch.items():
+        stack = plan.stack(name)
+        why = kernels.for_stack(plan, stack).batch_error(stack, entry)  # the batch type its backend reads
+        if why:
+            raise (ValueError if is_batch(entry) else TypeError)(why)
+        n, S = entry.col_ids.shape, stack.segments
+        if entry.shard_starts.shape != (D, S) or len(n) != 2 or n[0] != D or n[1] % S:
+            raise ValueError(f"Stack {name!r}: batch arrays have shapes {[x.shape for x in entry[:5]]}, "
                              f"which do not fit a mesh of {D} devices; was it built for another plan?")
-        for x in (coo.row_ids, coo.values):
+        for x in (entry.row_ids, entry.values):
             if x.shape != n:
                 raise ValueError(f"Stack {name!r}: col_ids, row_ids and values must have equal shapes.")
-        if plan.stack(name).sparsecores and coo.csr is None:
-            raise ValueError(f"Stack {name!r} runs on SparseCores but its batch has no CSR input; build the batch "
-                             "with sparse_embed.preprocess(plan, ...) for this plan.")
-        if coo.keys is not None:
-            raise ValueError(f"Stack {name!r}: the batch holds raw ids (its table is dynamic); map them to rows "
-                             "first: batch, tables, id_maps, stats = sparse_embed.map_ids(plan, batch, tables, "
-                             "id_maps, step).")
 
 
 def lookup(
@@ -230,14 +165,16 @@ def lookup(
 @functools.partial(jax.jit, static_argnums=0)
 def _lookup_jit(plan: EmbeddingPlan, batch, tables, step) -> dict[str, jax.Array]:
     """One compiled program when called eagerly; inlined into the caller's jit otherwise."""
-    acts = _lookup_stacks(plan, {k: v._replace(defaults=None) for k, v in batch.items()}, tables, step)
+    # ids without a row of a raw-id table read its default vector: the kernels see their rows only
+    acts = _lookup_stacks(plan, {k: v if default_gains(v) is None else coo(v) for k, v in batch.items()}, tables,
+                          step)
     out = {}
     for s in plan.stacks:
         a, D, dim = acts[s.name], plan.num_shards, s.embedding_dim
         # One array per feature as the kernel wrote it (no copy), or cut out of the stack's rows.
         per = ([x.reshape(D, -1, dim) for x in a] if isinstance(a, tuple)
                else [lay.take(a.reshape(D, s.rows_per_device, dim)) for lay in s.features])
-        defaults = batch[s.name].defaults
+        defaults = default_gains(batch[s.name])
         for lay, x in zip(s.features, per):
             if defaults is not None:  # raw ids without a row read the table's default vector
                 x = x + lay.take(defaults[..., None]) * jnp.asarray(s.dynamic.default_vector(dim))[None, None]
@@ -270,8 +207,7 @@ def _nonfinite_rows_jit(plan: EmbeddingPlan, batch, grads) -> dict[str, jax.Arra
     def body(batch, grads):
         out = {}
         for s in plan.stacks:
-            rec = _exchange(s, axis, _local(batch[s.name]))
-            out[s.name] = s.strategy.nonfinite_rows(s, axis, rec, grads[s.name], nonfinite_row_count)
+            out[s.name] = kernels.for_stack(plan, s).nonfinite_rows(s, axis, _local(batch[s.name]), grads[s.name])
         return out
 
     return jax.shard_map(body, mesh=plan.mesh, in_specs=P(axis), out_specs=P())(batch, _stack_grads(plan, grads))

@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from sparse_embed.core.batch import ShardedCooMatrix
+from sparse_embed.core.batch import RawIdBatch, ShardedCooMatrix
 from sparse_embed.core.planning import FeatureLayout, StackPlan
 from sparse_embed.host import gains as gains_lib
 from sparse_embed.host import native
@@ -47,15 +47,15 @@ class Partitioned(NamedTuple):
         """Entries past `cap` in their partition."""
         return int(np.maximum(self.counts - cap, 0).sum())
 
-    def fill(self, stack: StackPlan, cap: int) -> ShardedCooMatrix:
-        """The stack's batch (numpy): at most `cap` entries per partition."""
+    def fill(self, stack: StackPlan, cap: int) -> ShardedCooMatrix | RawIdBatch:
+        """The stack's batch (numpy): at most `cap` entries per partition; a `RawIdBatch` for a raw-id stack."""
         S = stack.segments
         D = self.counts.size // S
         col_ids, row_ids, values, *keys = self.scatter(cap)  # keys: raw-id stacks (`raw_ids`)
         shard_starts = np.tile(np.arange(S, dtype=np.int32) * cap, (D, 1))
         ends = shard_starts + np.minimum(self.counts, cap).reshape(D, S).astype(np.int32)
-        return ShardedCooMatrix(shard_starts, ends, col_ids.reshape(D, S * cap), row_ids.reshape(D, S * cap),
-                                values.reshape(D, S * cap), keys[0].reshape(D, S * cap, 2) if keys else None)
+        coo = (shard_starts, ends, col_ids.reshape(D, S * cap), row_ids.reshape(D, S * cap), values.reshape(D, S * cap))
+        return RawIdBatch(*coo, keys[0].reshape(D, S * cap, 2)) if keys else ShardedCooMatrix(*coo)
 
 
 # ------------------------------------------------------------------ numpy

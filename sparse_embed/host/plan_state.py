@@ -10,8 +10,9 @@ dropped when the plan is garbage-collected:
   fill) and grows, never shrinks, when a later
   batch needs more. The batch carries the capacity it was built with in its
   shapes, so a jitted step recompiles once per growth.
-- A SparseCore stack's `max_ids_per_partition` (the size of its CSR input)
-  grows the same way, from what its batches need.
+- A backend's own high-water marks (`high_water`; SparseCore: a stack's
+  `max_ids_per_partition`, the size of its CSR input) grow the same way,
+  from what its batches need.
 - Under `jax.distributed`, the processes' preprocess exchanges are matched
   by their count.
 
@@ -25,6 +26,7 @@ import math
 import threading
 import weakref
 import zlib
+from typing import Callable, Hashable
 
 from sparse_embed.core.planning import CAPACITY_ALIGNMENT, EmbeddingPlan, StackPlan, round_up
 
@@ -56,7 +58,7 @@ class PlanState:
         self._marks: dict[str, int] = {}
         self._bounded: set[str] = set()  # stacks whose capacity a bound cut short of the usual headroom
         self._outgrown: set[str] = set()  # stacks a batch grew past such a capacity: their shapes vary
-        self._limits: dict[str, int] = {}  # SparseCore stacks: max_ids_per_partition
+        self._high_water: dict = {}  # a backend's marks (`high_water`)
         self._exchanges = 0
 
     def capacity(self, stack: StackPlan, needed: int, bound: int | None = None) -> int:
@@ -80,13 +82,14 @@ class PlanState:
                 self._marks[name] = current
             return current
 
-    def sparsecore_limit(self, stack: StackPlan, needed: int, capacity: int) -> int:
-        """A SparseCore stack's `max_ids_per_partition` for its next batch: a high-water mark grown to `needed`
-        like an auto capacity, at most `capacity` (which bounds every SparseCore partition)."""
+    def high_water(self, key: Hashable, needed: int, size: Callable[[int], int]) -> int:
+        """A high-water mark a backend keeps for the plan's batches (SparseCore: a stack's
+        `max_ids_per_partition`): `size(needed)` when `needed` passes the current mark (or there is none yet),
+        else the current mark."""
         with self._lock:
-            current = self._limits.get(stack.name, 0)
+            current = self._high_water.get(key, 0)
             if needed > current or not current:
-                current = self._limits[stack.name] = min(auto_capacity_for(needed), capacity)
+                current = self._high_water[key] = size(needed)
             return current
 
     def marks(self) -> dict[str, int]:

@@ -4,23 +4,32 @@ One path for one process and for several (under `jax.distributed`): each
 process canonicalises and checks its own rows (`ids`), counts each stack's
 entries per (device, shard) partition (`partition`), agrees with the other
 processes on the numbers that decide shapes and errors, picks each stack's
-capacity (`plan_state`), and fills the padded buffers.
+capacity (`plan_state`), and fills the padded buffers. A stack that a
+backend runs with its own batch type (`StackPlan.backend`) then goes through
+that backend's hook (`INPUT_HOOKS`), which adds what its kernel reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import numpy as np
 
 from sparse_embed.core.batch import ShardedCooMatrix, Stats
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
-from sparse_embed.host import csr, distributed, native, plan_state
+from sparse_embed.core import sparsecore
+from sparse_embed.host import distributed, native, plan_state, sparsecore_input
 from sparse_embed.host.ids import CanonicalIds, FlatIds, checked, error, fixed_width, flatten
 from sparse_embed.host.partition import Partitioned, partition
 from sparse_embed.host.raw_ids import checked_raw, flatten_raw, partition_raw
+
+
+# A backend's preprocessing hook by `StackPlan.backend`: `hook(plan, stacks, batch, several)` replaces its stacks'
+# (numpy) COO batches in `batch` with its own batch type, agreeing with the other processes where it must, and
+# returns the `Stats` fields it fills.
+INPUT_HOOKS: dict[str, Callable[..., dict[str, dict]]] = {sparsecore.NAME: sparsecore_input.add_inputs}
 
 
 def _check_keys(plan: EmbeddingPlan, ids, weights) -> dict:
@@ -220,22 +229,19 @@ def preprocess(
         batch[s.name] = part.fill(s, cap)
         for k, v in zip(fields, (numbers.needed, numbers.max_unique, numbers.dropped, numbers.num_ids, cap)):
             fields[k][s.name] = v
-    fields["sparsecore_ids_per_partition"] = _add_sparsecore_inputs(plan, batch, state, several)
+    fields.update(_backend_inputs(plan, batch, several))
     if device_put:
         batch = {k: _place(plan, v, several) for k, v in batch.items()}
     return batch, Stats(**fields)
 
 
-def _add_sparsecore_inputs(plan: EmbeddingPlan, batch: dict, state, several: bool) -> dict[str, int]:
-    """Adds each SparseCore stack's CSR to its batch, its limit agreed by every process; returns what they needed."""
-    stacks = [s for s in plan.stacks if s.sparsecores]
-    if not stacks:
-        return {}
-    needs = [csr.needed(s, batch[s.name]) for s in stacks]
-    if several:
-        needs = distributed.allgather_ints(distributed.mesh_processes(plan.mesh), needs, name=state.tag,
-                                           n=state.next_exchange()).max(axis=0).tolist()
-    for s, need in zip(stacks, needs):
-        coo = batch[s.name]
-        batch[s.name] = coo._replace(csr=csr.from_coo(s, coo, state.sparsecore_limit(s, need, coo.capacity)))
-    return {s.name: int(n) for s, n in zip(stacks, needs)}
+def _backend_inputs(plan: EmbeddingPlan, batch: dict, several: bool) -> dict[str, dict]:
+    """Runs each backend's hook on its stacks (none for a plan whose stacks no backend runs); its `Stats` fields."""
+    by_backend: dict[str, list[StackPlan]] = {}
+    for s in plan.stacks:
+        if s.backend is not None:
+            by_backend.setdefault(s.backend, []).append(s)
+    fields = {}
+    for backend, stacks in by_backend.items():
+        fields.update(INPUT_HOOKS[backend](plan, stacks, batch, several))
+    return fields

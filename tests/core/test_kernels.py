@@ -65,6 +65,56 @@ def test_bad_kernel_choices_are_clear_errors(mesh8, monkeypatch):
         _plan(mesh8)
 
 
+@dataclasses.dataclass(frozen=True)
+class _PerShardOnly(kernels.KernelBase):
+    """A kernel that writes only the per-shard work (here: the generic kernel's); the rest is KernelBase's."""
+
+    name = "per_shard_only"
+
+    def forward(self, stack, received, table):
+        return kernels.GENERIC.forward(stack, received, table)
+
+    def backward(self, stack, received, saved, variables, grads, step, skip_nonfinite):
+        return kernels.GENERIC.backward(stack, received, saved, variables, grads, step, skip_nonfinite)
+
+
+def test_a_kernel_that_writes_only_its_per_shard_work_gets_the_rest_of_the_protocol(mesh8):
+    """`KernelBase` gives every other method of the `Kernel` protocol a default (none is looked up by getattr)."""
+    kernel = _PerShardOnly()
+    assert isinstance(kernel, kernels.Kernel) and not kernel.needs_xla_cpu_flags
+    test_lookup.test_multi_step_training_matches_reference(mesh8, "adagrad", "auto", kernel=kernel)
+
+
+def test_a_kernel_missing_a_method_of_the_protocol_is_refused_by_the_plan(mesh8):
+    class Partial:
+        name = "partial"
+
+        def forward(self, stack, received, table): ...
+        def backward(self, *args): ...
+        def unsupported(self, stack): ...
+
+    with pytest.raises(TypeError, match=r"subclass sparse_embed.core.kernels.KernelBase.*lacks \[.*'lookup_forward'"):
+        _plan(mesh8, kernel=Partial())
+
+
+def test_the_lookup_imports_only_the_kernel_seam():
+    """`sharded_lookup` asks the kernel registry for each stack's kernel and calls the `Kernel` protocol: no
+    kernel implementation, no backend, no placement name."""
+    import ast
+
+    from sparse_embed.core import sharded_lookup
+
+    source = pathlib.Path(sharded_lookup.__file__).read_text()
+    imported = {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
+    imported |= {f"{n.module}.{a.name}" for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)
+                 for a in n.names}
+    ours = {m for m in imported if m.startswith("sparse_embed")}
+    assert not {m for m in ours if "generic" in m or "native" in m or "sparsecore" in m or "placements" in m}, ours
+    assert "sparse_embed.core.kernels" in ours
+    code = source.split('"""', 2)[2]  # after the module docstring
+    assert not re.search(r"isinstance\([^)]*Kernel|getattr\(|sparsecore|GenericKernel|[\"']row[\"']", code)
+
+
 def test_forcing_native_on_a_custom_optimizer_names_the_stack(mesh8):
     plan = _plan(mesh8, kernel="native")
     with pytest.raises(ValueError, match="Stack 'custom': the native kernel cannot run it: Custom optimizers"):

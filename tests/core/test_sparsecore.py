@@ -24,7 +24,7 @@ import pytest
 
 import sparse_embed as se
 from sparse_embed import optimizers as opt
-from sparse_embed.core.kernels import sparsecore as sc_kernel
+from sparse_embed.core.sparsecore import kernel as sc_kernel
 from conftest import make_mesh, require_native
 import reference as ref
 
@@ -158,7 +158,7 @@ def test_the_csr_interpreted_in_numpy_equals_the_generic_lookup_and_step(devices
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_a_process_builds_the_csr_of_its_own_devices(native, monkeypatch):
     """Under jax.distributed each process converts its devices' COO rows: the same as those rows of the whole."""
-    from sparse_embed.host import csr
+    from sparse_embed.host import sparsecore_input as csr
 
     monkeypatch.setenv("SPARSE_EMBED_NATIVE", native)
     plan, _ = _plans(make_mesh(8), opt.SGD(0.1), 4, 32)
@@ -191,7 +191,7 @@ def test_the_sparsecore_limit_grows_with_the_data_and_never_shrinks():
 @pytest.mark.parametrize("devices,S", [(1, 4), (8, 2), (2, 3)])  # 3: SparseCores not a power of 2
 def test_the_c_and_numpy_preprocessing_are_bitwise_equal(devices, S, monkeypatch):
     """The partition into the SparseCore layout and the CSR, in C and in numpy: the same bits."""
-    from sparse_embed.host import csr
+    from sparse_embed.host import sparsecore_input as csr
 
     require_native("preprocess")
     plan, _ = _plans(make_mesh(devices), opt.SGD(0.1), S, 96)
@@ -397,6 +397,27 @@ def test_what_the_primitives_cannot_run_falls_back_with_a_warning_naming_the_sta
     assert plan.stacks[0].sparsecores == 0 and plan.stacks[0].rows_per_shard == -(-50 // 2)
 
 
+def test_a_plan_without_sparsecore_stacks_runs_no_sparsecore_code(monkeypatch):
+    """`preprocess` and the lookup pick a backend's hook and kernel by the stack's backend: none here."""
+    from sparse_embed.core.sparsecore import kernel, layout
+    from sparse_embed.host import preprocessing, sparsecore_input
+
+    def refuse(*args, **kw):
+        raise AssertionError("SparseCore code ran")
+
+    plan = _plans(make_mesh(2), opt.Adagrad(0.1), 2, 16)[1]  # no sparsecores
+    for module, names in ((sparsecore_input, ("add_inputs", "needed", "from_coo", "pack_csr")),
+                          (kernel, ("SparseCoreKernel", "forward", "backward")), (layout, ("unsupported",))):
+        for name in names:
+            monkeypatch.setattr(module, name, refuse)
+    monkeypatch.setitem(se.core.kernels.BACKENDS, "sparsecore", refuse)
+    monkeypatch.setitem(preprocessing.INPUT_HOOKS, "sparsecore", refuse)
+    batch, stats = se.preprocess(plan, *_ids(plan.features, 0))
+    assert all(type(b) is se.ShardedCooMatrix for b in batch.values()) and stats.sparsecore_ids_per_partition == {}
+    tables = se.init_tables(plan, jax.random.key(0))
+    jax.grad(lambda t: sum(jnp.sum(a) for a in se.lookup(plan, batch, t, 0).values()))(tables)
+
+
 @pytest.mark.parametrize("batch,seq", [(6, 0), (2, 3)])  # 3 rows per device; 1 sample x 3 positions
 def test_a_feature_that_does_not_split_over_the_sparsecores_falls_back(batch, seq):
     t = se.TableSpec("t", 50, 8)
@@ -430,7 +451,7 @@ def test_cpu_devices_have_no_sparsecores_by_default():
 def test_sparsecores_are_detected_from_the_tpu_kind(kind, want, monkeypatch):
     from types import SimpleNamespace
 
-    from sparse_embed.core import sparsecore
+    from sparse_embed.core.sparsecore import layout as sparsecore
 
     tpu = [SimpleNamespace(platform="tpu", device_kind=kind)]
     assert sparsecore.detect(tpu) == want and sparsecore.count(None, tpu) == want
@@ -447,7 +468,7 @@ def test_a_batch_without_its_csr_is_an_error():
     batch, _ = se.preprocess(plan, *_ids(plan.features, 0))
     tables = se.init_tables(plan, jax.random.key(0))
     with pytest.raises(ValueError, match="Stack 'a_b' runs on SparseCores but its batch has no CSR"):
-        se.lookup(plan, {**batch, "a_b": batch["a_b"]._replace(csr=None)}, tables)
+        se.lookup(plan, {**batch, "a_b": se.ShardedCooMatrix(*batch["a_b"][:5])}, tables)
 
 
 def test_bad_ids_get_the_usual_errors():

@@ -211,7 +211,7 @@ def test_map_ids_rejects_a_batch_built_by_another_plan():
     batch, _ = se.preprocess(plan, ids)
     with pytest.raises(ValueError, match=r"tables do not match the plan: stacks missing \['visitors'\]"):
         se.map_ids(plan, batch, {"items": tables["items"]}, maps, 0)
-    with pytest.raises(TypeError, match="Stack 'visitors': batch entry must be a ShardedCooMatrix"):
+    with pytest.raises(TypeError, match="Stack 'visitors': batch entry must be a RawIdBatch"):
         se.map_ids(plan, {**batch, "visitors": tuple(batch["visitors"])}, tables, maps, 0)
 
 # ---------------------------------------------------------------- ids that would land on padding or another table

@@ -22,7 +22,7 @@ sys.path.insert(0, HERE)
 
 import launch  # noqa: E402
 import scenario  # noqa: E402
-from sparse_embed.core import sparsecore  # noqa: E402
+from sparse_embed.core.sparsecore import layout as sparsecore_layout  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def reference(tmp_path_factory):
     placed = scenario.make_plan(make_mesh(8), placement=scenario.PLACEMENT)
     placed_tables, placed_losses, _, _ = scenario.train(placed)
     sparsecore_batches = {}
-    if sparsecore.available():
+    if sparsecore_layout.available():
         with pytest.warns(UserWarning, match="Stack 'users' runs on the usual kernels"):  # max_norm
             sc_plan = scenario.make_plan(make_mesh(8), sparsecores=2)
         sparsecore_batches = {step: se.preprocess(sc_plan, scenario.global_ids(sc_plan, step), device_put=False)

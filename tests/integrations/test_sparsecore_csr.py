@@ -23,8 +23,8 @@ table_stacking = pytest.importorskip("jax_tpu_embedding.sparsecore.lib.nn.table_
 
 import sparse_embed as se  # noqa: E402
 from conftest import make_mesh  # noqa: E402
-from sparse_embed.host.csr import PAD_ID, CsrBatch  # noqa: E402
-from sparse_embed.integrations.sparsecore import sparsecore_csr  # noqa: E402
+from sparse_embed.core.sparsecore.batch import PAD_ID, CsrBatch  # noqa: E402
+from sparse_embed.integrations.jte import sparsecore_csr  # noqa: E402
 
 VOCABS = {"a": 37, "b": 70, "c": 19, "d": 45, "s": 23}
 DIMS = {"a": 8, "b": 16, "c": 8, "d": 8, "s": 8}

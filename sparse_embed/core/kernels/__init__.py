@@ -1,15 +1,18 @@
-"""Implementations of the lookup's per-shard work, behind one interface (see `interface`).
+"""The kernels behind the lookup's seam (`interface.Kernel`), and which one runs a stack (`for_stack`).
 
 - `GenericKernel` ("generic"): jnp/lax code; the reference, used on every
   platform without a faster implementation and for `Custom` optimizers.
 - `NativeCpuKernel` ("native"): C++ through XLA's typed FFI, on CPU.
-- `sparsecore`: TPU SparseCores (`plan(sparsecores=S)`). It owns the
-  exchange too, so `sharded_lookup` calls it for a whole stack, in the TPU
-  branch of `platform_dependent`; the other branch runs the kernel chosen here.
+- a backend's kernel, for the stacks that backend runs (`StackPlan.backend`;
+  `BACKENDS`): SparseCore's (`core.sparsecore.kernel.SparseCoreKernel`)
+  runs the primitives on TPU and the kernel chosen here elsewhere.
 
-`for_stack` picks the implementation a plan asks for: `plan.kernel` is a
-name ("auto": native on CPU where it supports the stack, else generic) or
-a kernel instance (e.g. `GenericKernel(chunk=5)`, `NativeCpuKernel(threads=1)`).
+Each is a `base.KernelBase`: it writes its per-shard work, and gets the
+defaults of the rest of the protocol. `for_stack` picks the implementation
+a plan asks for: `plan.kernel` is a name ("auto": native on CPU where it
+supports the stack, else generic) or a kernel instance (e.g.
+`GenericKernel(chunk=5)`, `NativeCpuKernel(threads=1)`), wrapped in the
+stack's backend's kernel if it has one.
 """
 
 from __future__ import annotations
@@ -18,22 +21,29 @@ from typing import Callable, NamedTuple, Sequence
 
 import jax
 
-from sparse_embed.core import key_set
-from sparse_embed.core.kernels.generic import GenericKernel
-from sparse_embed.core.kernels.interface import Forward, Kernel, Received
+from sparse_embed.core import key_set, sparsecore
+from sparse_embed.core.kernels.base import KernelBase
+from sparse_embed.core.kernels.generic import GenericKernel, warn_if_slow_on_cpu
+from sparse_embed.core.kernels.interface import Forward, Kernel, Received, StackForward
 from sparse_embed.core.kernels.native_cpu import NativeCpuKernel
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
+from sparse_embed.core.sparsecore import kernel as sparsecore_kernel
 
 GENERIC = GenericKernel()
 NATIVE = NativeCpuKernel()
+# A backend's kernel by `StackPlan.backend`: built around the kernel the plan runs otherwise. (Looked up in its
+# module when called: the backend's module imports this package's interface, and either may be imported first.)
+BACKENDS: dict[str, Callable[[Kernel], Kernel]] = {
+    sparsecore.NAME: lambda kernel: sparsecore_kernel.SparseCoreKernel(kernel),
+}
 
 
 def _platform(plan: EmbeddingPlan) -> str:
     return plan.mesh.devices.flat[0].platform
 
 
-def for_stack(plan: EmbeddingPlan, stack: StackPlan) -> Kernel:
-    """The kernel that runs `stack`'s per-shard work under `plan`."""
+def _chosen(plan: EmbeddingPlan, stack: StackPlan) -> Kernel:
+    """The kernel `plan.kernel` asks for, for `stack` (checked against it)."""
     kernel = {"generic": GENERIC, "native": NATIVE}.get(plan.kernel, plan.kernel)
     if kernel == "auto":
         native = _platform(plan) == "cpu" and NATIVE.unsupported(stack) is None
@@ -45,6 +55,18 @@ def for_stack(plan: EmbeddingPlan, stack: StackPlan) -> Kernel:
         raise ValueError(f"Stack {stack.name!r}: the {kernel.name} kernel cannot run it: {why}. "
                          f"Use plan(..., kernel='auto') (or 'generic').")
     return kernel
+
+
+def for_stack(plan: EmbeddingPlan, stack: StackPlan) -> Kernel:
+    """The kernel that runs `stack` under `plan`: the one the plan asks for, in its backend's kernel if any."""
+    kernel = _chosen(plan, stack)
+    backend = BACKENDS.get(stack.backend)
+    return kernel if backend is None else backend(kernel)
+
+
+def warn_if_slow(plan: EmbeddingPlan) -> None:
+    """Warns when a train step is traced for CPU with kernels that then copy whole tables (`generic.CPU_FLAGS`)."""
+    warn_if_slow_on_cpu(plan, [s.name for s in plan.stacks if for_stack(plan, s).needs_xla_cpu_flags])
 
 
 class KeySearch(NamedTuple):
@@ -60,18 +82,13 @@ class KeySearch(NamedTuple):
     touch_many: Callable[[Sequence[tuple[key_set.KeySet, jax.Array, jax.Array]], jax.Array], list]
 
 
-def _touch_each(sets, step) -> list:
-    return [key_set.touch(keys, queries, step, stale_before) for keys, queries, stale_before in sets]
-
-
 def key_search(plan: EmbeddingPlan, stack: StackPlan) -> KeySearch:
     """The stack's kernel's `find_keys` / `touch_keys` / `insert_keys` / `unique_keys` / `take_rows` /
-    `touch_keys_many`, else `key_set`'s."""
-    kernel = for_stack(plan, stack)
-    return KeySearch(getattr(kernel, "find_keys", key_set.find), getattr(kernel, "touch_keys", key_set.touch),
-                     getattr(kernel, "insert_keys", key_set.insert), getattr(kernel, "unique_keys", key_set.unique),
-                     getattr(kernel, "take_rows", key_set.take), getattr(kernel, "touch_keys_many", _touch_each))
+    `touch_keys_many` (`KernelBase`'s are `key_set`'s)."""
+    k = for_stack(plan, stack)
+    return KeySearch(k.find_keys, k.touch_keys, k.insert_keys, k.unique_keys, k.take_rows, k.touch_keys_many)
 
 
-__all__ = ["GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "NativeCpuKernel", "KeySearch", "Received",
-           "for_stack", "key_search"]
+__all__ = ["BACKENDS", "GENERIC", "NATIVE", "Forward", "GenericKernel", "Kernel", "KernelBase", "KeySearch",
+           "NativeCpuKernel", "Received", "StackForward", "for_stack", "key_search",
+           "warn_if_slow"]

@@ -35,12 +35,14 @@ import dataclasses
 import math
 import os
 import warnings
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from sparse_embed.core import key_set, pooling
+from sparse_embed.core import pooling
+from sparse_embed.core.kernels.base import KernelBase
+from sparse_embed.core.kernels.entries import Entries, bad_groups, entries, nonfinite, output_rows, segments
 from sparse_embed.core.kernels.interface import Forward, Received, join_blocks, split_blocks
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import EmbeddingVariables
@@ -77,32 +79,11 @@ def warn_if_slow_on_cpu(plan: EmbeddingPlan, stacks: list[str]) -> None:
             "first JAX computation, or put the flag in XLA_FLAGS before starting Python.", stacklevel=2)
 
 
-def _nonfinite(grads: jax.Array) -> jax.Array:
-    """Per gradient row `[N, dim]`: does it hold a NaN or inf? `[N]` bool."""
-    return ~jnp.isfinite(grads).all(axis=-1)
-
-
-def _segments(cols: jax.Array):
-    """Groups equal cols: the sorting order, the sorted cols and each sorted entry's group index."""
-    order = jnp.argsort(cols)
-    sorted_cols = cols[order]
-    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_cols[1:] != sorted_cols[:-1]])
-    return order, sorted_cols, jnp.cumsum(is_new) - 1
-
-
-def _bad_groups(cols: jax.Array, bad: jax.Array):
-    """Per group of equal cols: does any of its entries have `bad` set? And the sort order and groups."""
-    order, _, segment = _segments(cols)
-    hits = jax.ops.segment_sum(bad[order].astype(jnp.int32), segment, num_segments=cols.shape[0],
-                               indices_are_sorted=True)
-    return hits > 0, order, segment
-
-
 def _poisoned(cols: jax.Array, bad: jax.Array) -> jax.Array:
     """Per entry: does any entry with the same col have `bad` set? Sorts only when some entry is bad."""
 
     def spread(_):
-        group_bad, order, segment = _bad_groups(cols, bad)
+        group_bad, order, segment = bad_groups(cols, bad)
         return jnp.zeros_like(bad).at[order].set(group_bad[segment], unique_indices=True)
 
     return jax.lax.cond(bad.any(), spread, lambda _: bad, None)
@@ -115,48 +96,11 @@ def _dedup(cols: jax.Array, grads: jax.Array, rows_per_shard: int):
     `[N]` (unused slots get distinct out-of-range ids) and their summed grads.
     """
     n = cols.shape[0]
-    order, sorted_cols, segment = _segments(cols)
+    order, sorted_cols, segment = segments(cols)
     summed = jax.ops.segment_sum(grads[order], segment, num_segments=n, indices_are_sorted=True)
     unused = rows_per_shard + 1 + jnp.arange(n, dtype=cols.dtype)
     # The padding entries form one segment at col rows_per_shard: out of range too.
     return unused.at[segment].set(sorted_cols, indices_are_sorted=True), summed
-
-
-class _Entries(NamedTuple):
-    """The received entries of one shard, flat `[N]`, with the activation gradients they read.
-
-    An entry's gradient is `grads_all[src] * value`; it is computed chunk by
-    chunk where it is used, never as an `[N, dim]` array.
-    """
-
-    cols: jax.Array  # row on this shard; padding = rows_per_shard (out of range)
-    src: jax.Array  # row of grads_all; padding entries read a zero row
-    values: jax.Array
-    grads_all: jax.Array  # [D * (rows_per_device + 1), dim] activation gradients of every source
-    bad: jax.Array  # [N] bool: the entry's activation gradient holds a NaN/inf
-
-    def grads(self, src: jax.Array, values: jax.Array) -> jax.Array:
-        return self.grads_all[src] * values[:, None]
-
-
-def _output_rows(stack: StackPlan, rec: Received) -> jax.Array:
-    """Each entry's row in `[D * (rows_per_device + 1)]` (row rows_per_device of each source: padding)."""
-    D, rpd = stack.num_shards, stack.rows_per_device
-    return (jnp.arange(D, dtype=jnp.int32)[:, None] * (rpd + 1) + rec.row_ids).reshape(-1)
-
-
-def _entries(stack: StackPlan, rec: Received, grads: jax.Array) -> _Entries:
-    # Activation gradients of every source device, with a zero row rpd per source for padding entries.
-    grads_all = jnp.pad(grads, ((0, 0), (0, 1), (0, 0))).reshape(-1, stack.embedding_dim)
-    src = _output_rows(stack, rec)
-    # NaN/inf checked per activation row (cheaper than per entry).
-    return _Entries(rec.col_ids.reshape(-1), src, rec.values.reshape(-1), grads_all, _nonfinite(grads_all)[src])
-
-
-def nonfinite_row_count(stack: StackPlan, rec: Received, grads: jax.Array) -> jax.Array:
-    """How many of this shard's rows a NaN/inf activation gradient reaches (int32 scalar)."""
-    e = _entries(stack, rec, grads)
-    return jnp.sum(_bad_groups(e.cols, e.bad)[0], dtype=jnp.int32)
 
 
 def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
@@ -196,7 +140,7 @@ def _update_rows(stack: StackPlan, state: EmbeddingVariables, cols, rows, slots,
         new_rows, new_slots, skipped = _update_whole_rows(stack, rows, slots, grads, step)
     else:
         new_rows, new_slots = stack.optimizer.update(rows, slots, grads, step, stack.row_mean)
-        skipped = _nonfinite(grads)[:, None]
+        skipped = nonfinite(grads)[:, None]
     if skip_nonfinite:
         if stack.needs_row_sums and not stack.gathers_rows:  # skipped on every device that holds its columns
             skipped = stack.row_sum(skipped.astype(jnp.float32)) > 0
@@ -214,11 +158,11 @@ def _update_whole_rows(stack: StackPlan, rows, slots, grads, step):
     grads = stack.whole(grads)
     new_rows, new_slots = stack.optimizer.update(stack.whole(rows), whole(slots), grads, step)
     own = {k: stack.own(v) if k in split else v for k, v in new_slots.items()}
-    return stack.own(new_rows), own, _nonfinite(grads)[:, None]
+    return stack.own(new_rows), own, nonfinite(grads)[:, None]
 
 
 @dataclasses.dataclass(frozen=True)
-class GenericKernel:
+class GenericKernel(KernelBase):
     """The jnp/lax implementation (see the module docstring).
 
     Attributes:
@@ -232,26 +176,10 @@ class GenericKernel:
     chunk: int = 16384
     exact_index_limit: int = 2**24
     name: ClassVar[str] = "generic"
+    needs_xla_cpu_flags: ClassVar[bool] = True  # see `CPU_FLAGS`
 
     def unsupported(self, stack: StackPlan) -> str | None:
         return None
-
-    def find_keys(self, keys: key_set.KeySet, queries: jax.Array) -> jax.Array:
-        return key_set.find(keys, queries)
-
-    def touch_keys(self, keys: key_set.KeySet, queries: jax.Array, step: jax.Array,
-                   stale_before: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return key_set.touch(keys, queries, step, stale_before)
-
-    def insert_keys(self, keys: key_set.KeySet, capacity: jax.Array, queries: jax.Array, want: jax.Array,
-                    removed: jax.Array | None, step: jax.Array) -> key_set.Inserted:
-        return key_set.insert(keys, capacity, queries, want, removed, step)
-
-    def unique_keys(self, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return key_set.unique(queries)
-
-    def take_rows(self, values: jax.Array, index: jax.Array, fill: int) -> jax.Array:
-        return key_set.take(values, index, fill)
 
     # ------------------------------------------------------------ chunking
     def _chunks(self, n: int) -> tuple[int, int]:
@@ -298,7 +226,7 @@ class GenericKernel:
             return acc.at[out].add(rows * values[:, None], mode="drop"), first
 
         zeros = jnp.zeros_like(rec.values, shape=(D * (rpd + 1), dim))  # varying over the mesh axis, like rec
-        partial, first = self._scan_chunks(pool, zeros, rec.col_ids.reshape(-1), _output_rows(stack, rec),
+        partial, first = self._scan_chunks(pool, zeros, rec.col_ids.reshape(-1), output_rows(stack, rec),
                                            rec.values.reshape(-1), fills=(stack.rows_per_shard, D * (rpd + 1), 0.0))
         partial = partial.reshape(D, rpd + 1, dim)[:, :rpd]
         saved = first.reshape(rec.values.shape) if keep_first else None
@@ -307,7 +235,7 @@ class GenericKernel:
     # ------------------------------------------------------------ backward
     def backward(self, stack: StackPlan, rec: Received, saved, variables: EmbeddingVariables, grads: Any,
                  step, skip_nonfinite: bool) -> EmbeddingVariables:
-        e = _entries(stack, rec, join_blocks(grads))
+        e = entries(stack, rec, join_blocks(grads))
         path = self._path(stack, variables.table.dtype, e.cols.size)
         if path == "linear":
             return EmbeddingVariables(self._apply_linear(stack, e, variables.table, step, skip_nonfinite),
@@ -316,7 +244,7 @@ class GenericKernel:
             return self._apply_deduped(stack, e, saved.reshape(-1), variables, step, skip_nonfinite)
         return self._apply_sorted(stack, e, variables, step, skip_nonfinite)
 
-    def _apply_linear(self, stack: StackPlan, e: _Entries, table: jax.Array, step, skip_nonfinite: bool):
+    def _apply_linear(self, stack: StackPlan, e: Entries, table: jax.Array, step, skip_nonfinite: bool):
         """e.g. plain SGD: scatter-adds each occurrence's delta, chunk by chunk."""
         opt, pad = stack.optimizer, stack.rows_per_shard
         # Under skip_nonfinite, every occurrence of a row with a non-finite gradient is dropped (sent out of range).
@@ -327,7 +255,7 @@ class GenericKernel:
 
         return self._scan_chunks(add, table, cols, e.src, e.values, fills=(pad, stack.rows_per_device, 0.0))[0]
 
-    def _apply_deduped(self, stack: StackPlan, e: _Entries, first: jax.Array, variables: EmbeddingVariables,
+    def _apply_deduped(self, stack: StackPlan, e: Entries, first: jax.Array, variables: EmbeddingVariables,
                        step, skip_nonfinite: bool) -> EmbeddingVariables:
         """Sums the gradients of each touched row, then applies the optimizer to it once, in chunks.
 
@@ -366,7 +294,7 @@ class GenericKernel:
         return self._scan_chunks(update, EmbeddingVariables(table, dict(variables.slots)), own, first, acc[:n],
                                  fills=(pad, 0.0, 0.0))[0]
 
-    def _apply_sorted(self, stack: StackPlan, e: _Entries, variables: EmbeddingVariables, step,
+    def _apply_sorted(self, stack: StackPlan, e: Entries, variables: EmbeddingVariables, step,
                       skip_nonfinite: bool) -> EmbeddingVariables:
         """The general path (tables that are not f32, or many entries): sort-based dedup, unchunked."""
         table = variables.table

@@ -1,9 +1,22 @@
-"""The seam between the lookup and its per-shard work: what a kernel implementation provides.
+"""The seam between the lookup and the kernels: every method a kernel can be asked for.
 
-`sharded_lookup` does the same everywhere: the exchange of COO entries and
-activations between devices (`all_to_all`, `all_gather`), the custom VJP
-and the reshapes into features. What each shard does with what it received
-is a `Kernel`'s, one stack at a time, inside `shard_map`:
+`sharded_lookup` runs the custom VJP, `shard_map` and the reshapes into
+features, the same for every stack. Inside `shard_map` it hands each stack
+to the stack's kernel (`core.kernels.for_stack`) through three methods, and
+does not know which kernel or backend it got:
+
+- `lookup_forward(stack, axis, batch, table)`: this device's activations
+  of the stack, from this device's batch entry;
+- `lookup_backward(stack, axis, batch, saved, variables, grads, step,
+  skip_nonfinite)`: the stack's updated `EmbeddingVariables` on this
+  device, from its activation gradients;
+- `nonfinite_rows(stack, axis, batch, grads)`: the table rows a NaN/inf
+  activation gradient reaches (what the backward skips).
+
+Their default (`base.KernelBase`) routes entries and activations between
+the devices by the stack's placement (`core.placements`: `exchange`,
+`activations`, `backward`) and leaves the per-shard work to two methods,
+which are what a kernel usually implements:
 
 - `forward(stack, received, table)`: gather the received rows, apply
   `max_norm`, scale them by the gains and pool them into the partial
@@ -22,27 +35,36 @@ is a `Kernel`'s, one stack at a time, inside `shard_map`:
   optimizer to each touched row and its slots, in place; return the
   updated `EmbeddingVariables`. With `out_blocks`, `grads` comes in the
   same blocks (a tuple).
-- `find_keys(keys, queries)` and `touch_keys(keys, queries, step,
-  stale_before)`: the raw-id map's search of one shard's `KeySet`
-  (`key_set.find`), and the same with the found keys' last-use steps set
-  (`key_set.touch`, in a train step), for the stacks this kernel runs;
-  `touch_keys_many(sets, step)` the touches of several stacks' sets at
-  once (a train step maps all its raw-id stacks together). Optional: a
-  kernel without them gets `key_set`'s (one set after another).
+
+A backend that owns the exchange too (SparseCore: `core.sparsecore`)
+overrides the three whole-stack methods instead and reads its own batch
+type (`batch_error` says what a stack's batch entry must be).
+
+The raw-id map (`id_maps`) asks the kernel of a raw-id stack for its
+`KeySet` work (`key_set`'s signatures; the defaults are `key_set`'s
+functions): `find_keys(keys, queries)`, `touch_keys(keys, queries, step,
+stale_before)`, `touch_keys_many([(keys, queries, stale_before), ...],
+step)` (a train step touches all its raw-id stacks' sets at once),
+`insert_keys(keys, capacity, queries, want, removed, step)`,
+`unique_keys(queries)` and `take_rows(values, index, fill)`.
 
 A kernel owns its tricks: the lookup never knows which algorithm runs.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_embed.core.planning import KernelStack, StackPlan
+from sparse_embed.core import key_set
+from sparse_embed.core.collectives import KernelStack
 from sparse_embed.core.state import EmbeddingVariables
+
+if TYPE_CHECKING:
+    from sparse_embed.core.planning import StackPlan
 
 
 class Received(NamedTuple):
@@ -59,11 +81,19 @@ class Received(NamedTuple):
 
 
 class Forward(NamedTuple):
-    """What a kernel's forward returns for one stack on one shard."""
+    """What a kernel's per-shard `forward` returns for one stack on one shard."""
 
     partials: Any  # [D, rows_per_device, dim] f32: this shard's share of every source's activations (or blocks)
     table: jax.Array  # the table the backward updates (`table`, or one ordered after the forward's reads)
     saved: Any  # residuals of the kernel's own backward: a pytree of arrays with leading axis D, or None
+
+
+class StackForward(NamedTuple):
+    """What `lookup_forward` returns for one stack on one device (inside `shard_map`)."""
+
+    activations: Any  # [rows_per_device, dim] f32 this device's activations (or per-feature blocks)
+    table: jax.Array  # the table `lookup_backward` updates (see `Forward.table`)
+    saved: Any  # what `lookup_backward` reads back: a pytree of arrays, or None
 
 
 def split_blocks(stack: KernelStack, partials: jax.Array) -> Any:
@@ -79,22 +109,71 @@ def join_blocks(blocks: Any) -> jax.Array:
     return jnp.concatenate(blocks, axis=-2) if isinstance(blocks, tuple) else blocks
 
 
+@runtime_checkable
 class Kernel(Protocol):
-    """One implementation of the per-shard work (see the module docstring)."""
+    """One implementation of the lookup's work on a stack (see the module docstring). `base.KernelBase` gives
+    every method but `forward` and `backward` a default."""
 
     name: str
+    # Does a train step of this kernel on CPU copy whole tables unless XLA_FLAGS has `generic.CPU_FLAGS`?
+    needs_xla_cpu_flags: bool
 
+    # ---- what it runs
     def unsupported(self, stack: StackPlan) -> str | None:
         """Why this kernel cannot run `stack` (None if it can)."""
 
-    def forward(self, stack: StackPlan, received: Received, table: jax.Array) -> Forward:
+    def batch_error(self, stack: StackPlan, entry: Any) -> str | None:
+        """Why `entry` is not a batch entry this kernel reads for `stack`: an error message naming the stack (None
+        if it is)."""
+
+    # ---- a whole stack on one device, inside shard_map (what the lookup calls)
+    def lookup_forward(self, stack: StackPlan, axis: str, batch: Any, table: jax.Array) -> StackForward:
+        """This device's activations of `stack`, from its batch entry (leaves without the device axis)."""
+
+    def lookup_backward(self, stack: StackPlan, axis: str, batch: Any, saved: Any, variables: EmbeddingVariables,
+                        grads: Any, step: jax.Array | None, skip_nonfinite: bool) -> EmbeddingVariables:
+        """The updated variables on this device; `grads [rows_per_device, dim]` this device's activation
+        gradients (or blocks, as `lookup_forward` returned the activations), `saved` its `StackForward.saved`."""
+
+    def nonfinite_rows(self, stack: StackPlan, axis: str, batch: Any, grads: jax.Array) -> jax.Array:
+        """The table rows, over every device, that a NaN/inf in this device's activation gradients reaches."""
+
+    # ---- one shard's share (what the default whole-stack methods call)
+    def forward(self, stack: KernelStack, received: Received, table: jax.Array) -> Forward:
         """Gather, clip, scale and pool the received entries."""
 
-    def backward(self, stack: StackPlan, received: Received, saved: Any, variables: EmbeddingVariables,
+    def backward(self, stack: KernelStack, received: Received, saved: Any, variables: EmbeddingVariables,
                  grads: Any, step: jax.Array | None, skip_nonfinite: bool) -> EmbeddingVariables:
         """Combine duplicate rows' gradients and apply the optimizer to the touched rows, in place."""
 
-    # Optional, see the module docstring:
-    # find_keys(keys: KeySet, queries [Q, 2]) -> slots [Q] (-1: absent)
-    # touch_keys(keys: KeySet, queries [Q, 2], step [], stale_before []) -> (slots [Q], last [N], missing [])
-    # touch_keys_many([(keys, queries, stale_before), ...], step) -> [touch_keys' result, ...]
+    # ---- the raw-id map's search of one shard's KeySet (`key_set`'s functions and signatures)
+    def find_keys(self, keys: key_set.KeySet, queries: jax.Array) -> jax.Array:
+        """`key_set.find`: slots `[Q]` of `queries [Q, 2]` (-1: absent)."""
+
+    def touch_keys(self, keys: key_set.KeySet, queries: jax.Array, step: jax.Array,
+                   stale_before: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`key_set.touch`: `(slots [Q], last [N], missing [])` with the found keys' last-use steps set."""
+
+    def touch_keys_many(self, sets: Sequence[tuple[key_set.KeySet, jax.Array, jax.Array]],
+                        step: jax.Array) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+        """`touch_keys` of several `(keys, queries, stale_before)` with one step."""
+
+    def insert_keys(self, keys: key_set.KeySet, capacity: jax.Array, queries: jax.Array, want: jax.Array,
+                    removed: jax.Array | None, step: jax.Array) -> key_set.Inserted:
+        """`key_set.insert`."""
+
+    def unique_keys(self, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`key_set.unique`: the distinct keys and each query's index among them."""
+
+    def take_rows(self, values: jax.Array, index: jax.Array, fill: int) -> jax.Array:
+        """`key_set.take`."""
+
+
+def missing_methods(kernel: Any) -> list[str]:
+    """The members of `Kernel` that `kernel` lacks (a plan checks a kernel it is given)."""
+    members = [m for m in Kernel.__dict__ if not m.startswith("_")] + list(Kernel.__annotations__)
+    return sorted({m for m in members if not hasattr(kernel, m)})
+
+
+__all__ = ["Forward", "Kernel", "Received", "StackForward", "join_blocks", "missing_methods",
+           "split_blocks"]

@@ -57,6 +57,7 @@ import numpy as np
 
 from sparse_embed.core import key_set
 from sparse_embed.core import optimizers as opt
+from sparse_embed.core.kernels.base import KernelBase
 from sparse_embed.core.kernels.interface import Forward, Received
 from sparse_embed.core.planning import StackPlan
 from sparse_embed.core.shadowed import shadow_note, warn_if_shadowed
@@ -139,7 +140,7 @@ def _options(stack: StackPlan, enc: opt.NativeEncoding, skip_nonfinite: bool, li
 
 
 @dataclasses.dataclass(frozen=True)
-class NativeCpuKernel:
+class NativeCpuKernel(KernelBase):
     """The C++ implementation on CPU (see the module docstring).
 
     Attributes:

@@ -18,7 +18,7 @@ from jax.sharding import Mesh  # noqa: E402
 import sparse_embed as se  # noqa: E402
 from sparse_embed import distributed as sd  # noqa: E402
 import scenario  # noqa: E402
-from sparse_embed.core import sparsecore  # noqa: E402
+from sparse_embed.core.sparsecore import layout as sparsecore_layout  # noqa: E402
 
 out_dir, ref_ckpt = sys.argv[1], sys.argv[2]
 mesh = Mesh(np.array(jax.devices()), ("x",))
@@ -67,7 +67,7 @@ for name, coo in batch.items():
             results[f"drop/{name}/{field}"] = x
 
 # 3b. SparseCore stacks: each process builds its devices' CSR; the limit is agreed by all
-if sparsecore.available():
+if sparsecore_layout.available():
     sc_plan = scenario.make_plan(mesh, sparsecores=2)
     for step in (0, scenario.GROW_AT):
         batch, st = se.preprocess(sc_plan, feed(sc_plan, scenario.global_ids(sc_plan, step)))

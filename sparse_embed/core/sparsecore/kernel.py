@@ -1,8 +1,16 @@
-"""A stack's lookup on TPU SparseCores, through jax-tpu-embedding's primitives (inside `shard_map`).
+"""A SparseCore stack's kernel: jax-tpu-embedding's primitives on TPU, the usual kernel elsewhere.
 
-Unlike the other kernels, this one owns the exchange too: on a SparseCore
-the primitives read the rows of every device themselves. Per device, from
-the stack's CSR input (`host.csr.from_coo`, fields local to the device):
+`SparseCoreKernel` is the stack's kernel behind the lookup's seam
+(`core.kernels.interface`); `core.kernels.for_stack` wraps the kernel the
+plan would otherwise run (`fallback`: native or generic) in it. Unlike the
+other kernels it owns the exchange too: on a SparseCore the primitives read
+the rows of every device themselves. So it implements the whole-stack
+methods, each a `jax.lax.platform_dependent` whose TPU branch runs the
+primitives and whose other branch is the fallback's usual exchange and
+kernel on the same arrays: one jitted step holds both, the same step runs
+on CPU (which is how the tests check the TPU branch: lowered for TPU, and
+its CSR and per-row computation interpreted in numpy). Per device, from the
+stack's CSR input (`SparseCoreBatch.csr`, fields local to the device):
 
 - `forward`: `SparseDenseMatmulOp`, `act[s * b + sample] += gain * row`
   over the device's S slices, `[rows_per_device, dim]`;
@@ -13,15 +21,15 @@ the stack's CSR input (`host.csr.from_coo`, fields local to the device):
   two hyperparameters), and under "skip" the old row and slots kept when
   the summed gradient is not finite. Returns the new table and slots.
 
-`sharded_lookup` calls them in the TPU branch of `platform_dependent`; the
-other branch is the usual exchange and kernel, so the same step runs on
-CPU (and is how the tests check the SparseCore branch: lowered for TPU,
-and its CSR and per-row computation interpreted in numpy).
+Everything else (the per-shard work, `nonfinite_rows`, the raw-id map's
+search) is the fallback's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 import jax.extend as jex
@@ -31,8 +39,11 @@ from jax.extend.mlir.dialects import func as func_dialect
 from jax.extend.mlir.dialects import stablehlo as hlo
 from jax.interpreters import mlir
 
-from sparse_embed.core.batch import PAD_ID, CsrBatch
+from sparse_embed.core import key_set
+from sparse_embed.core.collectives import KernelStack
+from sparse_embed.core.kernels.interface import Forward, Kernel, Received, StackForward
 from sparse_embed.core.planning import StackPlan
+from sparse_embed.core.sparsecore.batch import PAD_ID, CsrBatch, SparseCoreBatch
 from sparse_embed.core.state import EmbeddingVariables
 
 
@@ -151,3 +162,96 @@ def _grad_update_lowering(ctx, *args, num_hyperparameters: int, stablehlo: str, 
 
 
 mlir.register_lowering(_grad_update_p, _grad_update_lowering)
+
+
+def _on_tpu(axis: str, tpu: Callable, default: Callable, *args):
+    """`default(*args)`, or on TPU `tpu(*args)`, typed as `default`'s outputs: inside shard_map, a None output
+    of `tpu` (what the TPU does not need) becomes zeros shaped like the default's, and every output is varying
+    over `axis` where the default's is (the primitives' never are)."""
+
+    def on_sparsecores(*args):
+        out, likes = tpu(*args), jax.eval_shape(default, *args)
+        if isinstance(out, tuple):
+            out = type(out)(*(jax.tree.map(lambda like: jnp.zeros(like.shape, like.dtype), like) if x is None else x
+                              for x, like in zip(out, likes)))
+        varying = lambda x: axis in jax.typeof(x).manual_axis_type.varying
+        return jax.tree.map(lambda x, like: jax.lax.pcast(x, axis, to="varying")
+                            if axis in like.manual_axis_type.varying and not varying(x) else x, out, likes)
+
+    return jax.lax.platform_dependent(*args, tpu=on_sparsecores, default=default)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseCoreKernel:
+    """A SparseCore stack's kernel (see the module docstring): the primitives on TPU, `fallback` elsewhere."""
+
+    fallback: Kernel  # the kernel the plan runs off TPU (on the same arrays), and for every per-shard method
+    name: ClassVar[str] = "sparsecore"
+
+    @property
+    def needs_xla_cpu_flags(self) -> bool:
+        return self.fallback.needs_xla_cpu_flags
+
+    def unsupported(self, stack: StackPlan) -> str | None:
+        return self.fallback.unsupported(stack)  # what the primitives cannot run, the plan never gives them
+
+    def batch_error(self, stack: StackPlan, entry: Any) -> str | None:
+        if not isinstance(entry, SparseCoreBatch):
+            return (f"Stack {stack.name!r} runs on SparseCores but its batch has no CSR input (a SparseCoreBatch, got "
+                    f"a {type(entry).__name__}); build the batch with sparse_embed.preprocess(plan, ...) for this "
+                    "plan.")
+        return None
+
+    # ------------------------------------------------------------ a whole stack on one device
+    def lookup_forward(self, stack: StackPlan, axis: str, batch: SparseCoreBatch, table: jax.Array) -> StackForward:
+        """On TPU the activations and the table as they are; it saves nothing (zeros shaped like the
+        fallback's residuals): the backward reads the batch's CSR."""
+        def usual(batch, table):
+            return self.fallback.lookup_forward(stack, axis, batch, table)
+
+        def on_sparsecores(batch, table):
+            return StackForward(forward(stack, batch.csr, table), table, None)
+
+        return _on_tpu(axis, on_sparsecores, usual, batch, table)
+
+    def lookup_backward(self, stack: StackPlan, axis: str, batch: SparseCoreBatch, saved: Any,
+                        variables: EmbeddingVariables, grads: Any, step, skip_nonfinite: bool) -> EmbeddingVariables:
+        def usual(csr, state, g):
+            return self.fallback.lookup_backward(stack, axis, batch, saved, state, g, step, skip_nonfinite)
+
+        def on_sparsecores(csr, state, g):
+            return backward(stack, csr, state, g, step, skip_nonfinite)
+
+        return _on_tpu(axis, on_sparsecores, usual, batch.csr, variables, grads)
+
+    def nonfinite_rows(self, stack: StackPlan, axis: str, batch: Any, grads: jax.Array) -> jax.Array:
+        return self.fallback.nonfinite_rows(stack, axis, batch, grads)
+
+    # ------------------------------------------------------------ the fallback's
+    def forward(self, stack: KernelStack, received: Received, table: jax.Array) -> Forward:
+        return self.fallback.forward(stack, received, table)
+
+    def backward(self, stack: KernelStack, received: Received, saved: Any, variables: EmbeddingVariables,
+                 grads: Any, step, skip_nonfinite: bool) -> EmbeddingVariables:
+        return self.fallback.backward(stack, received, saved, variables, grads, step, skip_nonfinite)
+
+    def find_keys(self, keys: key_set.KeySet, queries: jax.Array) -> jax.Array:
+        return self.fallback.find_keys(keys, queries)
+
+    def touch_keys(self, keys: key_set.KeySet, queries: jax.Array, step: jax.Array,
+                   stale_before: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.fallback.touch_keys(keys, queries, step, stale_before)
+
+    def touch_keys_many(self, sets: Sequence[tuple[key_set.KeySet, jax.Array, jax.Array]],
+                        step: jax.Array) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+        return self.fallback.touch_keys_many(sets, step)
+
+    def insert_keys(self, keys: key_set.KeySet, capacity: jax.Array, queries: jax.Array, want: jax.Array,
+                    removed: jax.Array | None, step: jax.Array) -> key_set.Inserted:
+        return self.fallback.insert_keys(keys, capacity, queries, want, removed, step)
+
+    def unique_keys(self, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.fallback.unique_keys(queries)
+
+    def take_rows(self, values: jax.Array, index: jax.Array, fill: int) -> jax.Array:
+        return self.fallback.take_rows(values, index, fill)

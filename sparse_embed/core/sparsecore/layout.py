@@ -1,14 +1,11 @@
 """Which stacks run on TPU SparseCores, and how many SparseCores a device has. No jax-tpu-embedding needed.
 
 A plan with `sparsecores=S > 0` (SparseCores per device; detected on TPU)
-runs each stack the SparseCore primitives can run through them on TPU
-(`core.kernels.sparsecore`), and lays it out for them as jax-tpu-embedding
-does (`planning`): rows MOD-sharded over every SparseCore, each table
-rotated, each device's block its S SparseCores' shards (every table padded
-to a multiple of `8 * S * devices` rows); each device's output rows one
-slice per SparseCore; and the batch also carries the primitives' CSR
-input (`host.csr`), which equals jax-tpu-embedding's own preprocessing. Elsewhere (CPU, GPU) the
-same plan runs the lookup's usual kernels on the same arrays.
+lays each stack the primitives can run out for them as jax-tpu-embedding
+does (`planning`, and the "row" placement over every SparseCore): rows
+MOD-sharded over every SparseCore, each table rotated, each device's block
+its S SparseCores' shards (every table padded to a multiple of
+`8 * S * devices` rows); each device's output rows one slice per SparseCore.
 
 The primitives compute `gain * row` sums and one update per touched row
 through a per-row function (ours, traced: `Optimizer.update` on one row,

@@ -1,22 +1,32 @@
-"""The CSR-wrapped COO input of jax-tpu-embedding's SparseCore primitives: packing entries into it. Host numpy.
+"""The SparseCore backend's preprocessing hook: each SparseCore stack's COO batch and its CSR input. Host numpy/C.
 
-A batch for `num_slices` SparseCores (each one slice of the samples) and
-`num_sc` partitions (the SparseCores that own rows) is one flat array per
-field, slice after slice. In a slice, entries are grouped by partition
-`p = 0 .. num_sc-1`, each group sorted by `(embedding_id, sample_id)` and
-starting at a multiple of 8; `row_pointers[p]` is the end of group p
-(relative to the slice; the pointers past `num_sc`, up to 8, repeat the
-end rounded up to 8), and the gaps hold `PAD_ID` / NaN. This is what
-jax-tpu-embedding's own preprocessing produces.
+`add_inputs` is what `preprocess` runs for the stacks of the SparseCore
+backend (`core.sparsecore`), after their COO batches are built; a plan
+without such stacks never calls it. It turns each stack's batch into a
+`SparseCoreBatch`: the COO arrays and the same entries in the CSR format of
+jax-tpu-embedding's primitives (`from_coo`), sized by a limit every process
+agrees on (`max_ids_per_partition`, a high-water mark over the plan's
+batches, `plan_state.PlanState.high_water`), and reports what each batch
+needed (`Stats.sparsecore_ids_per_partition`).
+
+The format: a batch for `num_slices` SparseCores (each one slice of the
+samples) and `num_sc` partitions (the SparseCores that own rows) is one flat
+array per field, slice after slice. In a slice, entries are grouped by
+partition `p = 0 .. num_sc-1`, each group sorted by `(embedding_id,
+sample_id)` and starting at a multiple of 8; `row_pointers[p]` is the end of
+group p (relative to the slice; the pointers past `num_sc`, up to 8, repeat
+the end rounded up to 8), and the gaps hold `PAD_ID` / NaN (`pack_csr`).
+This is what jax-tpu-embedding's own preprocessing produces.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from sparse_embed.core.batch import PAD_ID, CsrBatch, ShardedCooMatrix
-from sparse_embed.core.planning import StackPlan, round_up
-from sparse_embed.host import gains, native
+from sparse_embed.core.batch import ShardedCooMatrix
+from sparse_embed.core.planning import EmbeddingPlan, StackPlan, round_up
+from sparse_embed.core.sparsecore.batch import PAD_ID, CsrBatch, SparseCoreBatch
+from sparse_embed.host import distributed, gains, native, plan_state
 
 
 def rows_per_slice(num_sc: int) -> int:
@@ -60,7 +70,6 @@ def pack_csr(stack: str, q, p, eid, sid, gain, num_slices: int, num_sc: int, max
     for a, v in zip(arrays, (eid, sid, gain)):
         a[at] = v
     return CsrBatch(row_pointers.astype(np.int32).reshape(-1), *arrays)
-
 
 
 def _sizes(stack: StackPlan, coo: ShardedCooMatrix):
@@ -130,3 +139,24 @@ def from_coo(stack: StackPlan, coo: ShardedCooMatrix, limit: int) -> CsrBatch:
             raise ValueError(f"Stack {stack.name!r}: a SparseCore partition gets {most} ids, more than the limit "
                              f"{limit}.")
     return CsrBatch(*(x.reshape(D, -1) for x in out))
+
+
+def _limit(state: plan_state.PlanState, stack: StackPlan, needed: int, capacity: int) -> int:
+    """A stack's `max_ids_per_partition` for its next batch: a high-water mark grown to `needed` like an auto
+    capacity, at most `capacity` (which bounds every SparseCore partition)."""
+    return state.high_water(("sparsecore", stack.name), needed,
+                            lambda n: min(plan_state.auto_capacity_for(n), capacity))
+
+
+def add_inputs(plan: EmbeddingPlan, stacks: list[StackPlan], batch: dict, several: bool) -> dict[str, dict]:
+    """The hook: each of `stacks`' COO batch (numpy, this process's devices) -> a `SparseCoreBatch`, in place,
+    its limit agreed by every process. Returns the `Stats` fields it fills: `sparsecore_ids_per_partition`."""
+    state = plan_state.of(plan)
+    needs = [needed(s, batch[s.name]) for s in stacks]
+    if several:
+        needs = distributed.allgather_ints(distributed.mesh_processes(plan.mesh), needs, name=state.tag,
+                                           n=state.next_exchange()).max(axis=0).tolist()
+    for s, need in zip(stacks, needs):
+        coo = batch[s.name]
+        batch[s.name] = SparseCoreBatch(*coo, from_coo(s, coo, _limit(state, s, need, coo.capacity)))
+    return {"sparsecore_ids_per_partition": {s.name: int(n) for s, n in zip(stacks, needs)}}
