@@ -518,6 +518,7 @@ def plan(
                                       _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats))
     stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sc),
                          _fixed_placements(tables, placement), loads, num_shards, memory_budget)
+    sparsecore_layout.warn_fallbacks(stacks, sc)  # once, for the stacks chosen (`_fit_budget` tries several)
     return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, _check_kernel(kernel))
 
 
@@ -621,13 +622,13 @@ def _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sparse
     caps = _capacities(names, capacity)
     device_load = [0.0] * num_shards  # bytes of tables already on each device (placements that balance them)
 
-    def cores(name, group):  # the stack's SparseCores (0 with a warning if it cannot use them)
+    def cores(group):  # the stack's SparseCores (0 if they cannot run it: `plan` warns)
         rows = {f.name: f.batch_size // num_shards * max(f.max_sequence_length, 1)
                 for f in feats.values() if f.table.name in group}
-        return sparsecore_layout.resolve([tables[n] for n in group], chosen[group[0]], name, sparsecores, rows)
+        return sparsecore_layout.resolve([tables[n] for n in group], chosen[group[0]], sparsecores, rows)
 
     return tuple(_stack_plan(name, [tables[n] for n in group], feats, num_shards, caps[name], chosen[group[0]],
-                             loads, device_load, cores(name, group))
+                             loads, device_load, cores(group))
                  for name, group in zip(names, groups))
 
 

@@ -392,9 +392,11 @@ def test_flax_linen_and_nnx_train_steps_lower_with_the_sparsecore_calls():
     (se.TableSpec("t", 50, 8, dynamic=se.Dynamic()), "raw ids"),
 ])
 def test_what_the_primitives_cannot_run_falls_back_with_a_warning_naming_the_stack(table, why):
-    with pytest.warns(UserWarning, match=rf"Stack 't' runs on the usual kernels.*{why}"):
+    with pytest.warns(UserWarning, match=rf"Stack 't' runs on the usual kernels.*{why}") as said:
         plan = se.plan([se.FeatureSpec("f", table, 8)], make_mesh(2), sparsecores=2)
     assert plan.stacks[0].sparsecores == 0 and plan.stacks[0].rows_per_shard == -(-50 // 2)
+    fallbacks = [w for w in said if "runs on the usual kernels" in str(w.message)]
+    assert len(fallbacks) == 1 and fallbacks[0].filename == __file__  # once, pointing at the plan() call
 
 
 def test_a_plan_without_sparsecore_stacks_runs_no_sparsecore_code(monkeypatch):

@@ -11,7 +11,8 @@ The primitives compute `gain * row` sums and one update per touched row
 through a per-row function (ours, traced: `Optimizer.update` on one row,
 with the non-finite skip as a select), so every elementwise optimizer and
 option maps onto them. What they cannot run falls back to the usual kernels
-for that stack, with a warning that names the stack and the reason.
+for that stack, with one warning per `plan()` call that names the stack and
+the reason (`warn_fallbacks`).
 """
 
 from __future__ import annotations
@@ -95,13 +96,26 @@ def unsupported(tables: Sequence[TableSpec], placement: str, sparsecores: int = 
     return None
 
 
-def resolve(tables: Sequence[TableSpec], placement: str, stack: str, sparsecores: int,
+def resolve(tables: Sequence[TableSpec], placement: str, sparsecores: int,
             rows: Mapping[str, int] | None = None) -> int:
-    """The SparseCores the stack runs on: `sparsecores`, or 0 with a warning naming the reason."""
-    if not sparsecores:
-        return 0
-    why = unsupported(tables, placement, sparsecores, rows)
-    if why:
-        warnings.warn(f"Stack {stack!r} runs on the usual kernels, not on SparseCores: {why}.", stacklevel=4)
+    """The SparseCores a stack of `tables` runs on: `sparsecores`, or 0 if they cannot run it (`unsupported`)."""
+    if not sparsecores or unsupported(tables, placement, sparsecores, rows):
         return 0
     return sparsecores
+
+
+def _why_not(stack, sparsecores: int) -> str | None:
+    """`unsupported` of a planned stack (a `StackPlan`)."""
+    rows = {lay.feature.name: lay.rows_per_device for lay in stack.features}
+    return unsupported([p.table for p in stack.tables], stack.placement, sparsecores, rows)
+
+
+def warn_fallbacks(stacks: Sequence, sparsecores: int) -> None:
+    """One warning per planned stack (`StackPlan`) that runs on the usual kernels although the plan has
+    `sparsecores`, naming the reason. `plan()` calls it once, for the stacks it returns."""
+    if not sparsecores:
+        return
+    for s in stacks:
+        why = None if s.sparsecores else _why_not(s, sparsecores)
+        if why:
+            warnings.warn(f"Stack {s.name!r} runs on the usual kernels, not on SparseCores: {why}.", stacklevel=3)
