@@ -37,8 +37,12 @@ which are what a kernel usually implements:
   same blocks (a tuple).
 
 A backend that owns the exchange too (SparseCore: `core.sparsecore`)
-overrides the three whole-stack methods instead and reads its own batch
-type (`batch_error` says what a stack's batch entry must be).
+overrides `lookup_forward` and `lookup_backward` instead and reads its own
+batch type. Every kernel also says what it can run and read: `name`,
+`unsupported(stack)` (why it cannot run a stack; `for_stack` raises it),
+`batch_error(stack, entry)` (why an entry is not the batch it reads; the
+lookup raises it) and `needs_xla_cpu_flags` (the lookup warns when a CPU
+train step lacks them).
 
 The raw-id map (`id_maps`) asks the kernel of a raw-id stack for its
 `KeySet` work (`key_set`'s signatures; the defaults are `key_set`'s
