@@ -100,26 +100,23 @@ def _convert(args) -> None:
     print(f"wrote {out}")
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: a count of devices, 1 or more."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return n
+def _int_at_least(low: int, what: str):
+    """An argparse type: an integer >= `low`; `what` says what it must be in the one-line error."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return n
+
+    return parse
 
 
-def _step(text: str) -> int:
-    """An argparse type: a checkpoint step, 0 or more."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be a step number (an integer >= 0), got {text!r}")
-    return n
+_positive_int = _int_at_least(1, "a positive integer")  # a count of devices
+_step = _int_at_least(0, "a step number (an integer >= 0)")  # a checkpoint step
 
 
 def _positive_float(text: str) -> float:
