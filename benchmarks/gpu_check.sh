@@ -14,7 +14,7 @@ python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
 python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || tail -5 "$OUT/build.log"
 
 # The suite's mesh fixtures skip what needs more devices than the one GPU; the rest runs on it.
-JAX_PLATFORMS=cuda timeout "${TEST_TIMEOUT:-230}" python3 -m pytest -p no:cacheprovider -n 4 -q \
+JAX_PLATFORMS=cuda timeout "${TEST_TIMEOUT:-230}" python3 -m pytest -p no:cacheprovider -p no:benchmark -n 4 -q \
     -W "ignore::DeprecationWarning" tests/core tests/integrations --durations=5 2>&1 | tee "$OUT/tests.log" | tail -25
 
 # W1 (8 tables x 1M x 64, batch 4096 x 20 ids): generic kernel on the GPU, one round
