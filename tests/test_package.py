@@ -21,7 +21,7 @@ import pytest
 import sparse_embed
 
 ROOT = pathlib.Path(sparse_embed.__file__).resolve().parent
-LAYERS = ["core", "host", "io", "integrations"]  # each imports only those before it
+LAYERS = ["core", "host", "tiers", "io", "integrations"]  # each imports only those before it
 MAX_FUNCTION_LINES = 60
 
 

@@ -249,6 +249,7 @@ class EmbeddingPlan:
     on_overflow: str
     nonfinite_gradients: str = "skip"
     kernel: Any = "auto"  # the per-shard implementation of the lookup: a name or a kernel (`core.kernels`)
+    tiered: tuple[TableSpec, ...] = ()  # offloaded tables as declared (their stacks hold `cache_rows` rows)
 
     @property
     def num_shards(self) -> int:
@@ -303,7 +304,13 @@ class EmbeddingPlan:
 
     @property
     def tables(self) -> dict[str, TableSpec]:
+        """name -> TableSpec as the stacks hold it (an offloaded table: its cache of `cache_rows` rows)."""
         return {t.table.name: t.table for s in self.stacks for t in s.tables}
+
+    @property
+    def tiered_tables(self) -> dict[str, TableSpec]:
+        """name -> TableSpec as declared, of the offloaded tables (`storage=`): `vocabulary_size` is all its rows."""
+        return {t.name: t for t in self.tiered}
 
     def stack_of_table(self, table_name: str) -> tuple[StackPlan, TablePlacement]:
         for s in self.stacks:
@@ -331,12 +338,15 @@ class EmbeddingPlan:
 
 def _stack_key(t: TableSpec) -> tuple:
     """Tables with equal keys can share a stack; a raw-id table's key is its own (it maps its own rows)."""
-    return (t.embedding_dim, t.resolved_optimizer, t.combiner, t.max_norm, t.dtype, t.name if t.dynamic else None)
+    own = t.dynamic or t.storage  # raw ids and tiered tables: a stack of their own
+    return (t.embedding_dim, t.resolved_optimizer, t.combiner, t.max_norm, t.dtype, t.name if own else None)
 
 
 def _describe_incompatibility(a: TableSpec, b: TableSpec) -> str:
     if a.dynamic or b.dynamic:
         return f"table {(a if a.dynamic else b).name!r} is keyed by raw ids (dynamic=...), which is never stacked"
+    if a.storage or b.storage:
+        return f"table {(a if a.storage else b).name!r} is offloaded (storage=...), which is never stacked"
     names = ("embedding_dim", "optimizer", "combiner", "max_norm", "dtype")
     diffs = [
         f"{n}: {x!r} vs {y!r}" for n, x, y in zip(names, _stack_key(a), _stack_key(b)) if x != y
@@ -508,7 +518,7 @@ def plan(
       stats: `Stats` of earlier batches (their stacks' traffic, for the cost model).
       sparsecores: SparseCores per device (default: detected; 0 off TPU) that run the stacks they can on TPU.
     """
-    tables = _collect_tables(feats := _normalise_features(features))
+    feats, tables, tiered = _cached_features(_normalise_features(features))
     mesh = Mesh(np.array(jax.devices()), ("device",)) if mesh is None else mesh
     axis = _resolve_axis(mesh, axis_name)
     num_shards, sc = mesh.shape[axis], sparsecore_layout.count(sparsecores, mesh.devices.flat)
@@ -519,7 +529,19 @@ def plan(
     stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sc),
                          _fixed_placements(tables, placement), loads, num_shards, memory_budget)
     sparsecore_layout.warn_fallbacks(stacks, sc)  # once, for the stacks chosen (`_fit_budget` tries several)
-    return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, _check_kernel(kernel))
+    return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, _check_kernel(kernel), tiered)
+
+
+def _cached_features(feats: dict[str, FeatureSpec]) -> tuple[dict, dict[str, TableSpec], tuple[TableSpec, ...]]:
+    """Features of offloaded tables read the table's cache instead: a table of `cache_rows` rows (ids are mapped
+    to cache rows on the host, `sparse_embed.tiers`). Returns the features, their tables and the offloaded
+    tables as declared."""
+    declared = _collect_tables(feats)
+    tiered = tuple(declared[n] for n in sorted(declared) if declared[n].storage is not None)
+    cached = {t.name: dataclasses.replace(t, vocabulary_size=t.cache_rows) for t in tiered}
+    feats = {n: dataclasses.replace(f, table=cached[f.table.name]) if f.table.name in cached else f
+             for n, f in feats.items()}
+    return feats, {**declared, **cached}, tiered
 
 
 def _check_batch_sizes(feats: dict[str, FeatureSpec], num_shards: int, axis: str) -> None:
@@ -556,13 +578,14 @@ def _fit_budget(make, fixed: dict[str, str], loads: dict, num_shards: int,
 
 def _fixed_placements(tables: dict[str, TableSpec], placement: Any) -> dict[str, str]:
     """The placements the caller fixed: `{table: placement}` (the rest are chosen by the cost model)."""
-    names, raw = placements.names(), {n: placements.DEFAULT for n, t in tables.items() if t.dynamic}
+    names = placements.names()
+    raw = {n: placements.DEFAULT for n, t in tables.items() if t.dynamic or t.storage}
     if isinstance(placement, str):
         if placement != placements.AUTO and placement not in names:
             raise ValueError(f"placement must be one of {(*names, placements.AUTO)} or {{table: placement}}, "
                              f"got {placement!r}.")
         fixed = {} if placement == placements.AUTO else dict.fromkeys(tables, placement)
-        fixed.update(raw)  # raw ids: always the default placement
+        fixed.update(raw)  # raw ids and tiered tables: always the default placement
         for n, p in fixed.items():
             _check_placement(tables[n], p)
         return fixed
@@ -580,6 +603,9 @@ def _fixed_placements(tables: dict[str, TableSpec], placement: Any) -> dict[str,
 
 def _check_placement(t: TableSpec, placement: str) -> None:
     """Raises a ValueError naming the table if it cannot have this placement."""
+    if t.storage and placement != placements.DEFAULT:
+        raise ValueError(f"Table {t.name!r} is offloaded (storage=...): its cache is placed by rows "
+                         f"({placements.DEFAULT!r}); got {placement!r}.")
     if t.dynamic and not placements.get(placement).raw_ids:
         which = " or ".join(f'"{n}"' for n in placements.raw_id_names())
         raise ValueError(f"Table {t.name!r} is keyed by raw ids (dynamic=...), which only the {which} placement "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Callable
 
 import jax
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_embed.core import optimizers as _opt
-from sparse_embed.core.initializers import truncated_normal
+from sparse_embed.core.initializers import TruncatedNormal, truncated_normal
 from sparse_embed.core.pooling import COMBINERS
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
@@ -90,6 +91,33 @@ class Dynamic:
         return None if self.default is None else np.broadcast_to(np.asarray(self.default, np.float32), (dim,))
 
 
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Keeps a table's rows and optimizer slots in a store on disk under a cache of hot rows (`TableSpec(storage=...)`).
+
+    The device holds `cache_rows` rows (and their slots); the step reads and
+    updates only those. The host (`sparse_embed.Tiers`) sees each batch's ids
+    ahead of the step, reads the missing rows from the store while the device
+    trains, and writes evicted rows back if they changed. Results equal the
+    in-memory table's (docs/offload.md).
+
+    Attributes:
+      path: the store's directory (created if absent; an existing store is reopened).
+      cache_rows: rows the device holds; at least the distinct ids of one
+        batch, or the step raises naming the table.
+    """
+
+    path: str
+    cache_rows: int
+
+    def __post_init__(self):
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise ValueError(f"Offload: path must be a directory path, got {self.path!r}.")
+        _check_positive_int("Offload: cache_rows", self.cache_rows)
+        object.__setattr__(self, "path", os.fspath(self.path))
+        object.__setattr__(self, "cache_rows", int(self.cache_rows))
+
+
 @dataclasses.dataclass(frozen=True, eq=True)
 class TableSpec:
     """One embedding table: `[vocabulary_size, embedding_dim]` rows.
@@ -112,6 +140,9 @@ class TableSpec:
       dtype: storage dtype of the table.
       dynamic: a `Dynamic` policy for a table keyed by raw 64-bit ids (its
         `vocabulary_size` is then its row capacity), or None: ids are rows.
+      storage: `Offload(path, cache_rows)` keeps the table on disk under a
+        device cache of `cache_rows` hot rows (docs/offload.md); None: the
+        whole table lives in device memory.
     """
 
     name: str
@@ -123,9 +154,12 @@ class TableSpec:
     max_norm: float | None = None
     dtype: Any = jnp.float32
     dynamic: Dynamic | None = None
+    storage: Offload | None = None
 
     def __post_init__(self):
         _check_name("Table", self.name)
+        if self.storage is not None:
+            _check_storage(self)
         if self.dynamic is not None and not isinstance(self.dynamic, Dynamic):
             raise TypeError(f"Table {self.name!r}: dynamic must be a sparse_embed.Dynamic policy, "
                             f"got {type(self.dynamic).__name__}.")
@@ -157,12 +191,32 @@ class TableSpec:
             object.__setattr__(self, "max_norm", float(self.max_norm))
 
     @property
+    def cache_rows(self) -> int:
+        """Rows the device holds: `storage.cache_rows` (at most `vocabulary_size`) for a tiered table, else all."""
+        return self.vocabulary_size if self.storage is None else min(self.storage.cache_rows, self.vocabulary_size)
+
+    @property
     def resolved_initializer(self) -> Initializer:
         return self.initializer or default_initializer(self.embedding_dim)
 
     @property
     def resolved_optimizer(self) -> _opt.Optimizer:
         return self.optimizer or _opt.DEFAULT
+
+
+def _check_storage(t: TableSpec) -> None:
+    """What a tiered table needs (docs/offload.md): a row-wise initializer, float32 rows, static ids."""
+    if not isinstance(t.storage, Offload):
+        raise TypeError(f"Table {t.name!r}: storage must be a sparse_embed.Offload, got {type(t.storage).__name__}.")
+    if t.dynamic is not None:
+        raise ValueError(f"Table {t.name!r}: a raw-id table (dynamic=) cannot be offloaded yet; give it the "
+                         "capacity that fits in memory, or hash its ids into a static table to offload it.")
+    if jnp.dtype(t.dtype) != jnp.float32:
+        raise ValueError(f"Table {t.name!r}: an offloaded table stores float32 rows, got dtype {t.dtype!r}.")
+    if t.initializer is not None and not isinstance(t.initializer, TruncatedNormal):
+        raise ValueError(f"Table {t.name!r}: an offloaded table's rows are generated when first read, so its "
+                         "initializer must be positional: sparse_embed.initializers.truncated_normal(stddev) "
+                         f"or the default, got {t.initializer!r}.")
 
 
 @dataclasses.dataclass(frozen=True, eq=True)

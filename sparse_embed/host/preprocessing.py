@@ -215,8 +215,20 @@ def preprocess(
 
     Raises:
       ValueError naming the feature for bad ids/weights/structure/batch size,
-      or the stack for a capacity overflow under `on_overflow="error"`.
+      or the stack for a capacity overflow under `on_overflow="error"`, or
+      the table if the plan offloads it (`Tiers.preprocess` maps its ids to
+      cache rows first).
     """
+    if plan.tiered:
+        names = ", ".join(repr(t.name) for t in plan.tiered)
+        raise ValueError(f"Tables {names} are offloaded (storage=Offload(...)): preprocess their batches with "
+                         "sparse_embed.Tiers(plan, rng).preprocess or .prefetch, which map ids to cache rows.")
+    return preprocess_cached(plan, ids, weights, device_put=device_put)
+
+
+def preprocess_cached(plan: EmbeddingPlan, ids: Mapping[str, Any], weights: Mapping[str, Any] | None = None, *,
+                      device_put: bool = True) -> tuple[dict[str, ShardedCooMatrix], Stats]:
+    """`preprocess` where an offloaded table's ids are already its cache rows (`sparse_embed.tiers`)."""
     several = distributed.spans_processes(plan)
     positions = distributed.local_positions(plan) if several else list(range(plan.num_shards))
     parts, agreed = _partitions(plan, ids, weights, positions, several)

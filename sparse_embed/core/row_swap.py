@@ -1,0 +1,89 @@
+"""Swapping rows in and out of a table's device cache: the device side of an offloaded table (`sparse_embed.tiers`).
+
+An offloaded table's stack is a cache of `cache_rows` rows; which id each
+cache row holds is the host's business. Before a step, the rows its batch
+misses are written into the cache rows the host chose, and the rows they
+replace are read out first (the host writes them back to the store if they
+changed). Rows never written to the store are generated here by the table's
+positional initializer, so the cache fills with exactly the values
+`init_tables` gives the in-memory table.
+
+All arrays are padded to a bucket size `n` (a power of two) so that the swap
+compiles a few times, not every step; padding entries have position -1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sparse_embed.core.initializers import seeds, truncated_normal_rows
+from sparse_embed.core.planning import EmbeddingPlan, StackPlan
+from sparse_embed.core.relayout import TABLE_KEY, stack_rows
+from sparse_embed.core.state import EmbeddingVariables
+
+
+def cache_positions(stack: StackPlan) -> np.ndarray:
+    """`[cache_rows]` int32: the global array row that holds each cache row (row `c` of the stack's one table)."""
+    rows = np.asarray(stack_rows(stack, np.arange(stack.array_rows)))
+    where = np.empty(stack.array_rows, np.int64)
+    where[rows] = np.arange(stack.array_rows)
+    return where[:stack.tables[0].table.vocabulary_size].astype(np.int32)
+
+
+def fresh_rows(stack: StackPlan, table_key: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
+    """`{"table": [n, dim], slot: [n, width]}`: the initial values of rows `ids` (uint32) of the stack's table."""
+    t = stack.tables[0].table
+    out = {TABLE_KEY: truncated_normal_rows(seeds(table_key), ids, t.embedding_dim,
+                                           t.resolved_initializer.stddev, t.dtype)}
+    for name, spec in stack.optimizer.slots(t.embedding_dim).items():
+        out[name] = jnp.full((ids.shape[0], spec.width), spec.init, jnp.float32)
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
+def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariables, table_key: jax.Array,
+              evict_at: jax.Array, fill_at: jax.Array, fill: dict[str, jax.Array], fresh: jax.Array,
+              fresh_ids: jax.Array) -> tuple[EmbeddingVariables, dict[str, jax.Array]]:
+    """Reads rows out of a stack's cache, then writes rows in (in place: `variables` is donated).
+
+    Args:
+      evict_at: `[n]` int32 global array rows to read out (-1: padding).
+      fill_at: `[n]` int32 global array rows to write (-1: padding); never one
+        that another entry writes.
+      fill: `{"table": [n, dim], slot: [n, width]}` the rows to write (from the store).
+      fresh: `[n]` bool: write the initializer's row `fresh_ids[i]` (and initial
+        slots) instead of `fill`'s (a row never stored).
+      fresh_ids: `[n]` uint32 table rows for `fresh` entries.
+
+    Returns:
+      `(variables, evicted)`: the cache with the rows written, and
+      `{"table": [n, dim], slot: [n, width]}` the rows at `evict_at` before
+      the write (replicated; zeros at padding).
+    """
+    stack = plan.stack(stack_name)
+    new = fresh_rows(stack, table_key, fresh_ids)
+    fill = {k: jnp.where(fresh[:, None], new[k], v) for k, v in fill.items()}
+    arrays = {TABLE_KEY: variables.table, **variables.slots}
+    axis, rps = plan.axis_name, stack.rows_per_shard
+
+    def swap(arrays, evict_at, fill_at, fill):
+        lo = jax.lax.axis_index(axis) * rps
+        out, evicted = {}, {}
+        for k, local in arrays.items():
+            at = evict_at - lo
+            mine = (at >= 0) & (at < rps) & (evict_at >= 0)
+            rows = jnp.where(mine[:, None], local[jnp.clip(at, 0, rps - 1)], jnp.zeros((), local.dtype))
+            evicted[k] = jax.lax.psum(rows, axis)
+            to = fill_at - lo
+            to = jnp.where((to >= 0) & (to < rps) & (fill_at >= 0), to, rps)  # rps: out of bounds, dropped
+            out[k] = local.at[to].set(fill[k].astype(local.dtype), mode="drop")
+        return out, evicted
+
+    out, evicted = jax.shard_map(swap, mesh=plan.mesh, in_specs=(P(axis), P(), P(), P()),
+                                 out_specs=(P(axis), P()))(arrays, evict_at, fill_at, fill)
+    return EmbeddingVariables(out.pop(TABLE_KEY), out), evicted

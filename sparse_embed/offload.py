@@ -1,0 +1,23 @@
+"""Offloaded tables: a table on disk under a device cache of its hot rows (docs/offload.md).
+
+- `Offload(path, cache_rows)`: a `TableSpec`'s `storage=`;
+- `Tiers(plan, rng)`: the host side of a plan's offloaded tables: its
+  `prefetch`/`preprocess` map ids to cache rows and read the misses ahead,
+  `swap` brings a batch's rows into the cache before its step, `flush`
+  makes the store hold every row; `TierStats` are its counts, `Swap` one
+  batch's swap;
+- `CorruptStoreError`: a store row fails its checksum, or the store belongs to another table.
+
+Implemented in `sparse_embed.core.specs`, `sparse_embed.core.row_swap` and `sparse_embed.tiers`; loaded on
+first use.
+"""
+
+from sparse_embed import _lazy
+
+__all__ = ["CorruptStoreError", "Offload", "Swap", "TierStats", "Tiers"]
+
+__getattr__, __dir__ = _lazy.attach(__name__, {
+    "sparse_embed.core.specs": ("Offload",),
+    "sparse_embed.tiers.store": ("CorruptStoreError",),
+    "sparse_embed.tiers.tiered": ("Swap", "TierStats", "Tiers"),
+})

@@ -1,0 +1,204 @@
+"""An offloaded table's store on disk: every row with its optimizer slots, read and written a row at a time.
+
+Layout of the store's directory (one table):
+
+- `records/`: a zarr v3 array `[vocabulary_size, dim + slot widths + 1]`
+  float32 in one uncompressed chunk (`records/c/0/0`, the raw row-major
+  bytes), so tensorstore or any zarr reader opens it, and a row is one
+  positional read or write at `row * record_bytes`. The last column holds
+  the row's checksum (its bits as a uint32). Why not tensorstore's own row
+  access, or small or sharded chunks with crc32c: a miss reads a few
+  hundred scattered bytes, and tensorstore reads or rewrites whole chunks
+  (measured in docs/offload.md: 40-250 ms per 1000 random rows against
+  about 1 ms here).
+- `tier.json`: what the table is (so a store never opens under another
+  table's spec) and the step of the last flush.
+- `written.bin`: which rows the store holds (a bit per row, as of the last
+  flush). A row never written holds the table initializer's values and
+  slots' initial values; it is generated, not read.
+
+A row's checksum covers its values and its row number: a flipped byte, or a
+row written at the wrong place, is a `CorruptStoreError` naming the table
+and the row when it is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from sparse_embed.core.specs import TableSpec
+
+try:
+    from sparse_embed.tiers import _rowio
+except ImportError:  # built by `pip install` when a C compiler is there; else Python's os.preadv/pwritev
+    _rowio = None
+
+FORMAT = "sparse_embed.offload/1"
+_K = 0x9E3779B9
+
+
+class CorruptStoreError(ValueError):
+    """A row of an offloaded table's store fails its checksum, or the store does not match its table."""
+
+
+def record_width(table: TableSpec) -> int:
+    """Float32 words of one stored record: the row, each slot in the optimizer's order, the checksum."""
+    return table.embedding_dim + sum(s.width for s in slot_specs(table).values()) + 1
+
+
+def slot_specs(table: TableSpec) -> dict:
+    return table.resolved_optimizer.slots(table.embedding_dim)
+
+
+def row_checksums(words: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """`[n]` uint32 checksums of records `words [n, w]` (uint32, without the checksum) at table rows `rows`.
+
+    A sum mod 2^32 of each word times an odd multiplier of its column, plus a
+    mix of the row number; never 0 (0 marks a record never written). Any one
+    changed word changes it (the multipliers are odd).
+    """
+    mult = (np.arange(words.shape[1], dtype=np.uint64) * 2 * _K + 0x85EBCA77 | 1).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        h = (words * mult).sum(axis=1, dtype=np.uint32)
+        r = rows.astype(np.uint64)
+        r = ((r ^ (r >> np.uint64(29))) * np.uint64(0xBF58476D1CE4E5B9)) >> np.uint64(32)
+        h = h + r.astype(np.uint32)
+    return np.where(h == 0, np.uint32(1), h)
+
+
+def _spec_json(table: TableSpec) -> dict[str, Any]:
+    return {"format": FORMAT, "table": table.name, "vocabulary_size": table.vocabulary_size,
+            "embedding_dim": table.embedding_dim, "optimizer": type(table.resolved_optimizer).__name__,
+            "slots": {k: s.width for k, s in slot_specs(table).items()}}
+
+
+def _zarr_json(shape: tuple[int, int]) -> dict[str, Any]:
+    return {"zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": "float32",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shape)}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": 0.0, "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            "attributes": {"sparse_embed": "rows, then each optimizer slot, then the row's checksum bits"}}
+
+
+def _write_json(path: str, value: Any) -> None:
+    """Atomically (a temporary file, fsync, rename)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RowStore:
+    """One offloaded table's rows and slots on disk (the module doc has the layout). Thread-safe for reads
+    and writes of distinct rows (positional I/O on one file descriptor)."""
+
+    def __init__(self, table: TableSpec) -> None:
+        if table.storage is None:
+            raise ValueError(f"Table {table.name!r} has no storage=Offload(...).")
+        self.table, self.path = table, table.storage.path
+        self.width = record_width(table)
+        self.record_bytes = 4 * self.width
+        shape = (table.vocabulary_size, self.width)
+        os.makedirs(os.path.join(self.path, "records", "c", "0"), exist_ok=True)
+        meta_path = os.path.join(self.path, "tier.json")
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                meta = json.load(f)
+            want = _spec_json(table)
+            got = {k: meta.get(k) for k in want}
+            if got != want:
+                diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+                raise CorruptStoreError(f"Table {table.name!r}: the store at {self.path!r} holds another table "
+                                        f"(stored vs declared: {diff}).")
+            self.step = meta.get("step")
+        else:
+            _write_json(os.path.join(self.path, "records", "zarr.json"), _zarr_json(shape))
+            _write_json(meta_path, {**_spec_json(table), "step": None})
+            self.step = None
+        data = os.path.join(self.path, "records", "c", "0", "0")
+        self._fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o644)
+        if os.fstat(self._fd).st_size < shape[0] * self.record_bytes:
+            os.ftruncate(self._fd, shape[0] * self.record_bytes)  # sparse: unwritten rows take no disk
+        self.written = self._load_written()
+        self._lock = threading.Lock()  # `written` and the counters
+        self.rows_read = self.rows_written = 0
+
+    def _load_written(self) -> np.ndarray:
+        n = self.table.vocabulary_size
+        path = os.path.join(self.path, "written.bin")
+        if not os.path.exists(path):
+            return np.zeros(n, bool)
+        bits = np.fromfile(path, np.uint8)
+        if bits.size != (n + 7) // 8:
+            raise CorruptStoreError(f"Table {self.table.name!r}: {path} has {bits.size} bytes, expected "
+                                    f"{(n + 7) // 8}.")
+        return np.unpackbits(bits, count=n).astype(bool)
+
+    def _io(self, rows: np.ndarray, data: np.ndarray, write: bool) -> None:
+        rows = np.ascontiguousarray(rows, np.int64)
+        if _rowio is not None:
+            _rowio.rows_io(self._fd, rows, data, self.record_bytes, write)
+            return
+        view, rb = memoryview(data).cast("B"), self.record_bytes
+        move = os.pwritev if write else os.preadv
+        for i, r in enumerate(rows.tolist()):
+            if move(self._fd, [view[i * rb:(i + 1) * rb]], r * rb) != rb:
+                raise OSError(f"Table {self.table.name!r}: short {'write' if write else 'read'} of row {r}.")
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """`[n, width - 1]` float32 records (row, then slots) of stored rows `rows`, checksums verified."""
+        rows = np.asarray(rows, np.int64)
+        data = np.empty((rows.size, self.width), np.float32)
+        self._io(rows, data, write=False)
+        words = data.view(np.uint32)
+        bad = row_checksums(words[:, :-1], rows) != words[:, -1]
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise CorruptStoreError(f"Table {self.table.name!r}: row {int(rows[i])} of the store at {self.path!r} "
+                                    "fails its checksum (the file was damaged or written by something else).")
+        with self._lock:
+            self.rows_read += rows.size
+        return data[:, :-1]
+
+    def write(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Writes records `values [n, width - 1]` (row, then slots) at distinct rows `rows`, with their checksums."""
+        rows = np.asarray(rows, np.int64)
+        data = np.empty((rows.size, self.width), np.float32)
+        data[:, :-1] = values
+        words = data.view(np.uint32)
+        words[:, -1] = row_checksums(words[:, :-1], rows)
+        self._io(rows, data, write=True)
+        with self._lock:
+            self.written[rows] = True
+            self.rows_written += rows.size
+
+    def flush(self, step: int | None) -> None:
+        """Makes every write so far durable and records `step` and which rows are written (atomically)."""
+        os.fsync(self._fd)
+        with self._lock:
+            bits = np.packbits(self.written)
+        tmp = os.path.join(self.path, "written.bin.tmp")
+        with open(tmp, "wb") as f:
+            f.write(bits.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.path, "written.bin"))
+        _write_json(os.path.join(self.path, "tier.json"), {**_spec_json(self.table), "step": step})
+        self.step = step
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            os.close(fd)
