@@ -12,10 +12,17 @@ Layout of the store's directory (one table):
   (measured in docs/offload.md: 40-250 ms per 1000 random rows against
   about 1 ms here).
 - `tier.json`: what the table is (so a store never opens under another
-  table's spec) and the step of the last flush.
-- `written.bin`: which rows the store holds (a bit per row, as of the last
-  flush). A row never written holds the table initializer's values and
-  slots' initial values; it is generated, not read.
+  table's spec), and the last commit: its number and step.
+- `written.<commit>.bin`: which rows the store holds as of that commit (a
+  bit per row). A row never written holds the table initializer's values
+  and the slots' initial values; it is generated, not read.
+- `undo.<commit + 1>.log`: the store is written in place, so before a row
+  is first overwritten after a commit, its committed record is appended
+  here (and made durable). Opening the store rolls every row back to the
+  last commit and deletes the log, so a store killed mid-write (a
+  write-back, a flush) always opens as exactly its last commit: never two
+  steps' rows. A commit (`flush`) writes only the rows changed since the
+  last one, then the bitmap, then renames `tier.json` (the commit point).
 
 A row's checksum covers its values and its row number: a flipped byte, or a
 row written at the wrong place, is a `CorruptStoreError` naming the table
@@ -117,23 +124,72 @@ class RowStore:
                 diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
                 raise CorruptStoreError(f"Table {table.name!r}: the store at {self.path!r} holds another table "
                                         f"(stored vs declared: {diff}).")
-            self.step = meta.get("step")
+            self.step, self.commit = meta.get("step"), int(meta.get("commit", 0))
         else:
             _write_json(os.path.join(self.path, "records", "zarr.json"), _zarr_json(shape))
-            _write_json(meta_path, {**_spec_json(table), "step": None})
-            self.step = None
+            _write_json(meta_path, {**_spec_json(table), "step": None, "commit": 0})
+            self.step, self.commit = None, 0
         data = os.path.join(self.path, "records", "c", "0", "0")
         self._fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o644)
         if os.fstat(self._fd).st_size < shape[0] * self.record_bytes:
             os.ftruncate(self._fd, shape[0] * self.record_bytes)  # sparse: unwritten rows take no disk
         self.written = self._load_written()
+        self._committed = self.written.copy()  # as of the last commit: what the undo log restores
+        self._rollback()
+        self._logged = np.zeros(self.table.vocabulary_size, bool)  # rows with an undo record since the commit
+        self._undo = open(self._undo_path(self.commit + 1), "ab")
         self._lock = threading.Lock()  # `written` and the counters
         self.rows_read = self.rows_written = 0
 
+    def _undo_path(self, commit: int) -> str:
+        return os.path.join(self.path, f"undo.{commit}.log")
+
+    def _written_path(self, commit: int) -> str:
+        return os.path.join(self.path, f"written.{commit}.bin")
+
+    def _rollback(self) -> None:
+        """Restores every row written since the last commit from the undo log (then deletes it and any older
+        commit's files): the store is then exactly its last commit. Idempotent, so a crash here is harmless."""
+        path = self._undo_path(self.commit + 1)
+        if os.path.exists(path):
+            entry = 8 + self.record_bytes
+            raw = np.fromfile(path, np.uint8)
+            n = raw.size // entry  # a torn last entry was never followed by its row's write
+            raw = raw[:n * entry].reshape(n, entry)
+            rows = raw[:, :8].copy().view(np.int64)[:, 0]
+            first = np.unique(rows, return_index=True)[1]  # the oldest record of a row is its committed one
+            rows, records = rows[first], raw[first, 8:].copy().view(np.float32)
+            keep = self._committed[rows]  # rows unwritten at the commit need nothing: the bitmap says so
+            if keep.any():
+                self._io(rows[keep], np.ascontiguousarray(records[keep]), write=True)
+                os.fsync(self._fd)
+        for name in os.listdir(self.path):  # this log (applied), and any older commit's log or bitmap
+            if name.startswith("undo.") or (name.startswith("written.") and name != f"written.{self.commit}.bin"):
+                os.remove(os.path.join(self.path, name))
+
+    def _log_undo(self, rows: np.ndarray) -> None:
+        """Appends the committed records of `rows` not yet logged since the commit, durably, before they are
+        overwritten."""
+        new = rows[~self._logged[rows]]
+        was = new[self._committed[new]]
+        if was.size:
+            data = np.empty((was.size, self.width), np.float32)
+            self._io(was, data, write=False)
+            entries = np.empty((was.size, 8 + self.record_bytes), np.uint8)
+            entries[:, :8] = was.astype(np.int64).view(np.uint8).reshape(-1, 8)
+            entries[:, 8:] = data.view(np.uint8)
+            self._undo.write(entries.tobytes())
+            self._undo.flush()
+            os.fdatasync(self._undo.fileno())
+        self._logged[new] = True
+
     def _load_written(self) -> np.ndarray:
         n = self.table.vocabulary_size
-        path = os.path.join(self.path, "written.bin")
+        path = self._written_path(self.commit)
         if not os.path.exists(path):
+            if self.commit:
+                raise CorruptStoreError(f"Table {self.table.name!r}: {path}, the rows stored as of commit "
+                                        f"{self.commit}, is missing.")
             return np.zeros(n, bool)
         bits = np.fromfile(path, np.uint8)
         if bits.size != (n + 7) // 8:
@@ -174,26 +230,38 @@ class RowStore:
         data[:, :-1] = values
         words = data.view(np.uint32)
         words[:, -1] = row_checksums(words[:, :-1], rows)
+        self._log_undo(rows)
         self._io(rows, data, write=True)
         with self._lock:
             self.written[rows] = True
             self.rows_written += rows.size
 
-    def flush(self, step: int | None) -> None:
-        """Makes every write so far durable and records `step` and which rows are written (atomically)."""
+    def commit_step(self, step: int | None) -> None:
+        """Commits every write so far as the store's state at `step` (durably; the rename of `tier.json` is
+        the commit point), and starts a new undo log. Call with no write in flight."""
         os.fsync(self._fd)
         with self._lock:
             bits = np.packbits(self.written)
-        tmp = os.path.join(self.path, "written.bin.tmp")
-        with open(tmp, "wb") as f:
+        path = self._written_path(self.commit + 1)
+        with open(path, "wb") as f:
             f.write(bits.tobytes())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.path, "written.bin"))
-        _write_json(os.path.join(self.path, "tier.json"), {**_spec_json(self.table), "step": step})
-        self.step = step
+        _write_json(os.path.join(self.path, "tier.json"),
+                    {**_spec_json(self.table), "step": step, "commit": self.commit + 1})
+        # committed: the old undo log and bitmap are obsolete (a crash before their removal ignores them)
+        self._undo.close()
+        for old in (self._undo_path(self.commit + 1), self._written_path(self.commit)):
+            if os.path.exists(old):
+                os.remove(old)
+        self.commit, self.step = self.commit + 1, step
+        with self._lock:
+            self._committed = self.written.copy()
+        self._logged[:] = False
+        self._undo = open(self._undo_path(self.commit + 1), "ab")
 
     def close(self) -> None:
+        self._undo.close()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -336,7 +336,7 @@ class Tiers:
                 t.stats.rows_written += part.size
                 t.stats.bytes_written += part.size * t.store.record_bytes
             t.cache.dirty[:] = False
-            t.store.flush(step)
+            t.store.commit_step(step)
         return out
 
     # ------------------------------------------------------------------ conveniences
