@@ -4,7 +4,7 @@
 Default (issue 42): one table of 2*10^7 x 64 f32 with RowwiseAdagrad,
 batch 4096 x 20 ids per sample, Zipf(1.05) ids (ranks scattered over the
 rows), a cache of 10% of the rows. Both systems run the same loop on the
-same ids: `prefetch` (ids drawn and preprocessed in its worker, two batches
+same ids (drawn before timing): `prefetch` (preprocessed in its worker, two batches
 ahead) and a jitted train step whose loss is linear in the activations; the
 offloaded table also swaps its misses in before each step. Blocks of steps
 alternate between the two systems, `--rounds` times, so a slow stretch of
@@ -75,23 +75,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-class Batches:
-    """An endless iterator of `{"f": ids [batch, ids_per_sample]}`, drawn in the prefetch worker."""
-
-    def __init__(self, rows: int, shape: tuple[int, int], zipf: float | None, seed: int) -> None:
-        self.sample, self.shape, self.rng = id_sampler(rows, zipf), shape, np.random.default_rng(seed)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        return {"f": self.sample(self.rng, self.shape)}
+def draw_batches(rows: int, shape: tuple[int, int], zipf: float | None, count: int, seed: int = 2) -> list:
+    """`count` batches `{"f": ids [batch, ids_per_sample]}`, drawn before any timing (drawing Zipf ids by
+    inverse CDF takes longer than a step); each system iterates the same list."""
+    sample, rng = id_sampler(rows, zipf), np.random.default_rng(seed)
+    return [{"f": sample(rng, shape)} for _ in range(count)]
 
 
 class System:
     """One table (in memory, or offloaded) with its plan, state, prefetcher and jitted step."""
 
-    def __init__(self, args: argparse.Namespace, rows: int, zipf: float | None, store: str | None) -> None:
+    def __init__(self, args: argparse.Namespace, rows: int, batches: list, store: str | None) -> None:
         import jax
         import jax.numpy as jnp
         import sparse_embed as se
@@ -108,7 +102,6 @@ class System:
             return jnp.sum(se.lookup(plan, batch, tables, step)["f"] * cot)
 
         self.step_fn = jax.jit(jax.grad(loss), donate_argnums=0)
-        batches = Batches(rows, (args.batch, args.ids_per_sample), zipf, seed=2)
         self.tiers = None if store is None else se.offload.Tiers(plan, rng)
         self.items = (se.prefetch(plan, batches, buffer_size=args.buffer) if store is None
                       else self.tiers.prefetch(batches, buffer_size=args.buffer))
@@ -152,8 +145,10 @@ def _tier_numbers(before: Any, after: Any, steps: int) -> dict[str, float]:
 
 def side_by_side(args: argparse.Namespace, zipf: float | None, where: str) -> dict[str, Any]:
     """In memory vs offloaded, alternating blocks of steps."""
-    memory = System(args, args.rows, zipf, None)
-    tiered = System(args, args.rows, zipf, os.path.join(where, f"store_{zipf}"))
+    batches = draw_batches(args.rows, (args.batch, args.ids_per_sample), zipf,
+                           args.warmup + args.rounds * args.steps + args.buffer + 4)
+    memory = System(args, args.rows, batches, None)
+    tiered = System(args, args.rows, batches, os.path.join(where, f"store_{zipf}"))
     memory.run(3)  # compile
     tiered.run(args.warmup)  # compile, and fill the cache
     times: dict[str, list[float]] = {"memory": [], "offloaded": []}
@@ -172,7 +167,9 @@ def side_by_side(args: argparse.Namespace, zipf: float | None, where: str) -> di
 
 def huge(args: argparse.Namespace, where: str) -> dict[str, Any]:
     """The 10^8-row table alone: steps/s, peak RSS, hit rate, disk bytes per step."""
-    tiered = System(args, args.huge_rows, args.zipf, os.path.join(where, "store_huge"))
+    batches = draw_batches(args.huge_rows, (args.batch, args.ids_per_sample), args.zipf,
+                           args.huge_steps + args.buffer + 4)
+    tiered = System(args, args.huge_rows, batches, os.path.join(where, "store_huge"))
     tiered.run(3)  # compile
     before = tiered.tiers.stats()["t"]
     t0 = time.perf_counter()

@@ -23,7 +23,8 @@ class Admission(NamedTuple):
     slots: np.ndarray  # int32 [m] the cache row each miss goes to
     evicted: np.ndarray  # int64 [m] the table row each of those cache rows held (-1: none)
     dirty: np.ndarray  # bool [m] whether that evicted row changed since it came in (it is written back)
-    hits: int  # distinct rows of the batch found in the cache
+    hits: int  # ids of the batch (repeats counted) whose row is cached
+    cached: int  # distinct rows of the batch found in the cache
 
 
 class CacheMap:
@@ -38,37 +39,38 @@ class CacheMap:
         self.hand = 0
 
     def admit(self, rows: np.ndarray, train: bool) -> Admission:
-        """Brings the distinct table rows `rows` (int64, sorted) of one batch into the cache.
+        """Brings the table rows `rows` (int64, any order, repeats allowed) of one batch into the cache.
 
         `train`: the batch's step updates them (they become dirty).
         Raises a ValueError naming the table when they are more than the cache holds.
         """
-        if rows.size > self.rows:
-            raise ValueError(f"Table {self.table!r}: a batch reads {rows.size} distinct rows, more than its cache "
-                             f"of {self.rows} rows (Offload(cache_rows=...)); give it at least {rows.size} rows, "
-                             "and several batches' worth for a useful hit rate.")
         slots = self.slot_of[rows]
         hit = slots >= 0
-        misses = rows[~hit]
-        victims = self._victims(misses.size, slots[hit])
+        misses = np.unique(rows[~hit])  # the hits need no sort: most of a batch, once the cache is warm
+        pinned = np.zeros(self.rows, bool)  # the batch's cached rows: never evicted for its misses
+        pinned[slots[hit]] = True
+        hits = int(np.count_nonzero(pinned))
+        if hits + misses.size > self.rows:
+            raise ValueError(f"Table {self.table!r}: a batch reads {hits + misses.size} distinct rows, more than "
+                             f"its cache of {self.rows} rows (Offload(cache_rows=...)); give it at least "
+                             f"{hits + misses.size} rows, and several batches' worth for a useful hit rate.")
+        victims = self._victims(misses.size, pinned)
         evicted = self.row_of[victims]
         dirty = self.dirty[victims] & (evicted >= 0)
         self.slot_of[evicted[evicted >= 0]] = -1
         self.slot_of[misses] = victims
         self.row_of[victims] = misses
-        self.referenced[slots[hit]] = True
+        self.referenced |= pinned
         self.referenced[victims] = True
         self.dirty[victims] = train
         if train:
-            self.dirty[slots[hit]] = True
-        return Admission(misses, victims.astype(np.int32), evicted, dirty, int(hit.sum()))
+            self.dirty |= pinned
+        return Admission(misses, victims.astype(np.int32), evicted, dirty, int(np.count_nonzero(hit)), hits)
 
-    def _victims(self, m: int, pinned: np.ndarray) -> np.ndarray:
-        """`m` cache rows to reuse, by CLOCK, never one in `pinned` (the batch's hits)."""
+    def _victims(self, m: int, keep: np.ndarray) -> np.ndarray:
+        """`m` cache rows to reuse, by CLOCK, never one where `keep` (the batch's hits; it marks the victims too)."""
         if m == 0:
             return np.zeros(0, np.int64)
-        keep = np.zeros(self.rows, bool)
-        keep[pinned] = True
         out, found, swept = [], 0, 0
         while found < m:
             if swept >= 2 * self.rows + m:  # two full turns clear every bit: only pinned rows are left
