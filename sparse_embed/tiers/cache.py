@@ -67,6 +67,19 @@ class CacheMap:
             self.dirty |= pinned
         return Admission(misses, victims.astype(np.int32), evicted, dirty, int(np.count_nonzero(hit)), hits)
 
+    def save(self) -> tuple:
+        """What `restore` needs to undo the next `admit` (the reference bits, dirty bits and the hand)."""
+        return self.hand, self.referenced.copy(), self.dirty.copy()
+
+    def restore(self, saved: tuple, admission: Admission | None) -> None:
+        """Undoes the last `admit` (which returned `admission`, or raised: None), given `save()` from before it."""
+        self.hand, self.referenced, self.dirty = saved
+        if admission is not None:
+            self.slot_of[admission.misses] = -1
+            back = admission.evicted >= 0
+            self.slot_of[admission.evicted[back]] = admission.slots[back]
+            self.row_of[admission.slots] = admission.evicted
+
     def _victims(self, m: int, keep: np.ndarray) -> np.ndarray:
         """`m` cache rows to reuse, by CLOCK, never one where `keep` (the batch's hits; it marks the victims too)."""
         if m == 0:

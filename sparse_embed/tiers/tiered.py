@@ -25,7 +25,6 @@ import dataclasses
 import queue
 import threading
 import time
-import weakref
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import jax
@@ -43,7 +42,7 @@ from sparse_embed.host import ids as ids_lib
 from sparse_embed.host import native
 from sparse_embed.host.prefetching import Prefetched, Prefetcher, _check_buffer_size, _split
 from sparse_embed.host.preprocessing import preprocess_cached
-from sparse_embed.tiers.cache import CacheMap
+from sparse_embed.tiers.cache import Admission, CacheMap
 from sparse_embed.tiers.store import RowStore, slot_specs
 
 _MIN_BUCKET = 256
@@ -82,6 +81,9 @@ class _TableSwap(NamedTuple):
     fresh: np.ndarray  # bool [n]
     fresh_ids: np.ndarray  # uint32 [n]
     pending: tuple[tuple[int, np.ndarray, np.ndarray], ...]  # (swap, index in its evicted rows, index in fill)
+    misses: np.ndarray  # int64 [m] the table rows it brings in
+    slots: np.ndarray  # int32 [m] the cache rows they go to
+    used: np.ndarray  # int32 the cache rows of every id of the batch (repeats allowed)
 
 
 class Swap(NamedTuple):
@@ -115,6 +117,10 @@ class _Table:
         self.stats = TierStats()
         self.pending: dict[int, np.ndarray] = {}  # swap -> the sorted table rows it evicted dirty (not yet written)
         self.pending_order: dict[int, np.ndarray] = {}  # swap -> argsort of its evicted rows
+        # The cache as the swaps run so far left it (the cache map is ahead: it has the batches planned too):
+        self.held = np.full(spec.cache_rows, -1, np.int64)  # cache row -> the table row the device holds
+        self.changed = np.zeros(spec.cache_rows, bool)  # cache row -> that row changed since it was stored
+        self.trained_at = np.full(spec.cache_rows, -1, np.int64)  # cache row -> the last batch planned to train it
 
     def split(self, records: np.ndarray) -> dict[str, np.ndarray]:
         out, at = {}, 0
@@ -154,7 +160,7 @@ class Tiers:
                           for n, f in self._features.items()}
         self._planned = 0  # swaps planned (preprocess)
         self._queued: dict[int, Swap] = {}  # planned, not yet run
-        self._prefetchers: weakref.WeakSet = weakref.WeakSet()
+        self._plan_lock = threading.Lock()  # the cache maps: the worker's preprocess against the loop's flush
         self._swapped = 0  # swaps run (swap)
         self._lock = threading.Lock()
         self._evicted: dict[int, dict[str, dict[str, jax.Array]]] = {}  # swap -> table -> evicted device rows
@@ -174,6 +180,11 @@ class Tiers:
         Call in batch order (the cache's decisions are sequential); hand `swap` to `Tiers.swap` before the
         step that uses `batch`, in the same order. `train=False` (evaluation): the rows are read, not changed.
         """
+        with self._plan_lock:
+            return self._preprocess(ids, weights, train, device_put)
+
+    def _preprocess(self, ids: Mapping[str, Any], weights: Mapping[str, Any] | None, train: bool,
+                    device_put: bool) -> tuple[dict, Any, Swap]:
         ids, weights = dict(ids), dict(weights or {})
         index = self._planned
         rows = {name: [] for name in self.tables}
@@ -188,27 +199,41 @@ class Tiers:
                 ids_lib.flattened(f, c)  # the same checks, in numpy
             canon[name] = c
             rows[f.table.name].append(c.ids[c.ids >= 0].reshape(-1) if c.dense else c.ids.reshape(-1))
-        swaps = {}
-        for name, t in self.tables.items():
-            used = np.concatenate(rows[name]).astype(np.int64) if rows[name] else np.zeros(0, np.int64)
-            swaps[name] = self._admit(t, used, index, train, device_put)
-        for name, c in canon.items():
-            t = self.tables[self._features[name].table.name]
-            mapped = t.cache.map(c.ids.astype(np.int64)).astype(np.int32)
-            ids[name] = mapped if c.dense else (mapped, c.lengths)
-            if c.weights is not None:
-                weights[name] = c.weights if c.dense else (c.weights, c.lengths)
-        batch, stats = preprocess_cached(self.plan, ids, weights or None, device_put=device_put)
-        swap = self._queued[index] = Swap(index, swaps, train)
+        # A batch refused below (a cache too small, a damaged store row, the plan's own checks) changes nothing:
+        # its admissions are undone, its counters never counted, its index not taken.
+        swaps, admitted, saved = {}, {}, {}
+        try:
+            for name, t in self.tables.items():
+                used = np.concatenate(rows[name]).astype(np.int64) if rows[name] else np.zeros(0, np.int64)
+                saved[name] = t.cache.save()
+                admitted[name] = t.cache.admit(used, train)
+                swaps[name] = self._admit(t, admitted[name], used, device_put)
+            for name, c in canon.items():
+                t = self.tables[self._features[name].table.name]
+                mapped = t.cache.map(c.ids.astype(np.int64)).astype(np.int32)
+                ids[name] = mapped if c.dense else (mapped, c.lengths)
+                if c.weights is not None:
+                    weights[name] = c.weights if c.dense else (c.weights, c.lengths)
+            batch, stats = preprocess_cached(self.plan, ids, weights or None, device_put=device_put)
+        except BaseException:
+            for name, state in saved.items():
+                self.tables[name].cache.restore(state, admitted.get(name))
+            raise
+        for name, (ts, counts) in swaps.items():
+            t = self.tables[name]
+            for k, v in counts.items():
+                setattr(t.stats, k, getattr(t.stats, k) + v)
+            if ts.evicted_rows.size:
+                order = np.argsort(ts.evicted_rows, kind="stable")
+                t.pending[index], t.pending_order[index] = ts.evicted_rows[order], order
+            if train:
+                t.trained_at[ts.used] = index
+        swap = self._queued[index] = Swap(index, {name: ts for name, (ts, _) in swaps.items()}, train)
         self._planned += 1
         return batch, stats, swap
 
-    def _admit(self, t: _Table, used: np.ndarray, index: int, train: bool, device_put: bool) -> _TableSwap:
-        a = t.cache.admit(used, train)
-        s = t.stats
-        s.lookups += used.size
-        s.hits += a.hits
-        s.misses += a.misses.size
+    def _admit(self, t: _Table, a: Admission, used: np.ndarray, device_put: bool) -> tuple[_TableSwap, dict]:
+        """One table's swap for admission `a` (reads the store), and the counts it adds to the table's stats."""
         n = _bucket(a.misses.size)
         # where each miss's values come from: the newest earlier eviction not yet written back, else the store
         done = self._written_through
@@ -229,22 +254,16 @@ class Tiers:
         t0 = time.perf_counter()
         if stored.any():
             records[stored] = t.store.read(a.misses[stored])
-        s.read_seconds += time.perf_counter() - t0
-        s.fresh += int(fresh.sum())
-        s.rows_read += int(stored.sum())
-        s.bytes_read += int(stored.sum()) * t.store.record_bytes
-        s.from_evicted += int((source >= 0).sum())
-        dirty_rows = a.evicted[a.dirty]
-        if dirty_rows.size:
-            order = np.argsort(dirty_rows, kind="stable")
-            t.pending[index], t.pending_order[index] = dirty_rows[order], order
+        counts = dict(lookups=used.size, hits=a.hits, misses=a.misses.size, read_seconds=time.perf_counter() - t0,
+                      fresh=int(fresh.sum()), rows_read=int(stored.sum()),
+                      bytes_read=int(stored.sum()) * t.store.record_bytes, from_evicted=int((source >= 0).sum()))
         fill = {k: _padded(v, n, 0) for k, v in t.split(records).items()}
         placed = jax.device_put(fill, self._replicated) if device_put and not pending else None
         return _TableSwap(
-            evict_at=_padded(t.positions[a.slots[a.dirty]], n, -1), evicted_rows=dirty_rows,
+            evict_at=_padded(t.positions[a.slots[a.dirty]], n, -1), evicted_rows=a.evicted[a.dirty],
             fill_at=_padded(t.positions[a.slots], n, -1), fill=fill, placed=placed,
             fresh=_padded(fresh, n, False), fresh_ids=_padded(a.misses.astype(np.uint32), n, 0),
-            pending=tuple(pending))
+            pending=tuple(pending), misses=a.misses, slots=a.slots, used=t.cache.slot_of[used]), counts
 
     # ------------------------------------------------------------------ the loop's side
     def swap(self, tables: Mapping[str, EmbeddingVariables], swap: Swap) -> dict[str, EmbeddingVariables]:
@@ -273,6 +292,10 @@ class Tiers:
                     fill[k][dst] = np.asarray(v)[src]
             out[t.stack.name], evicted[name] = swap_rows(self.plan, t.stack.name, out[t.stack.name], t.key,
                                                          ts.evict_at, ts.fill_at, fill, ts.fresh, ts.fresh_ids)
+            t.held[ts.slots] = ts.misses
+            t.changed[ts.slots] = False
+            if swap.train:
+                t.changed[ts.used] = True
         self._evicted[swap.index] = evicted
         self._swapped += 1
         self._writes.put((swap.index, {n: (swap.tables[n].evicted_rows, evicted[n]) for n in evicted}))
@@ -325,18 +348,15 @@ class Tiers:
     def flush(self, tables: Mapping[str, EmbeddingVariables], step: int | None = None) -> dict[str, EmbeddingVariables]:
         """Writes every cached row that changed to the store and makes the store durable (`step` recorded).
 
-        Afterwards the store alone holds the whole table as of this step. Returns the tables (the readout
-        runs through a donating jit); the cache keeps its rows, now clean. Closes this Tiers' prefetchers
-        first, and runs the swaps of batches they prepared but did not hand out.
+        Afterwards the store alone holds the whole table as of this step: the steps whose swaps ran. Returns
+        the tables (the readout runs through a donating jit); the cache keeps its rows, now clean. Batches
+        already preprocessed for later steps (by hand, or by a `prefetch` still running) are not affected:
+        their swaps run as usual, and what their steps change is written back later.
         """
-        for p in list(self._prefetchers):
-            p.close()
-        for index in sorted(self._queued):
-            tables = self._run(tables, self._queued[index])
         self.wait()
         out = dict(tables)
         for name, t in self.tables.items():
-            slots = np.flatnonzero(t.cache.dirty)
+            slots = np.flatnonzero(t.changed)
             for lo in range(0, slots.size, _FLUSH_ROWS):
                 part = slots[lo:lo + _FLUSH_ROWS]
                 n = _bucket(part.size)
@@ -346,10 +366,12 @@ class Tiers:
                                                     np.full(n, -1, np.int32), none, np.zeros(n, bool),
                                                     np.zeros(n, np.uint32))
                 host = {k: np.asarray(v)[:part.size] for k, v in rows.items()}
-                t.store.write(t.cache.row_of[part], np.concatenate([host[k] for k in t.columns], axis=1))
+                t.store.write(t.held[part], np.concatenate([host[k] for k in t.columns], axis=1))
                 t.stats.rows_written += part.size
                 t.stats.bytes_written += part.size * t.store.record_bytes
-            t.cache.dirty[:] = False
+            t.changed[:] = False
+            with self._plan_lock:  # a row that a batch planned but not yet run trains stays dirty
+                t.cache.dirty &= t.trained_at >= self._swapped
             t.store.commit_step(step)
         return out
 
@@ -366,9 +388,7 @@ class Tiers:
             jax.block_until_ready((batch, [s.placed for s in swap.tables.values()]))
             return Prefetched(batch, stats, item, swap)
 
-        prefetcher = _TimedPrefetcher(self, prepare, iter(batches), buffer_size)
-        self._prefetchers.add(prefetcher)
-        return prefetcher
+        return _TimedPrefetcher(self, prepare, iter(batches), buffer_size)
 
     def stats(self) -> dict[str, TierStats]:
         """`{table: TierStats}` so far (a copy)."""
