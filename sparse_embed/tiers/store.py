@@ -16,6 +16,10 @@ Layout of the store's directory (one table):
 - `written.<commit>.bin`: which rows the store holds as of that commit (a
   bit per row). A row never written holds the table initializer's values
   and the slots' initial values; it is generated, not read.
+- `changes.<commit>.npy`: the rows (int64) written since the commit before
+  (and any a rollback restored), so that a reader serving the store
+  (`tiers.serving`) drops exactly its cached rows that changed; the last
+  `KEPT_CHANGES` commits' are kept.
 - `undo.<commit + 1>.log`: the store is written in place, so before a row
   is first overwritten after a commit, its committed record is appended
   here (and made durable). Opening the store rolls every row back to the
@@ -27,6 +31,11 @@ Layout of the store's directory (one table):
 A row's checksum covers its values and its row number: a flipped byte, or a
 row written at the wrong place, is a `CorruptStoreError` naming the table
 and the row when it is read.
+
+`RowStore` is the training side's (it creates, writes, commits and rolls
+back); `StoreReader` opens an existing store read-only for serving: it never
+rolls back, writes, truncates or creates a file, and reads each row's newest
+record (a record caught mid-write fails its checksum: the caller re-reads).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ except ImportError:  # built by `pip install` when a C compiler is there; else P
     _rowio = None
 
 FORMAT = "sparse_embed.offload/1"
+KEPT_CHANGES = 8  # commits whose `changes.<commit>.npy` a store keeps
 _K = 0x9E3779B9
 
 
@@ -92,6 +102,36 @@ def _zarr_json(shape: tuple[int, int]) -> dict[str, Any]:
             "attributes": {"sparse_embed": "rows, then each optimizer slot, then the row's checksum bits"}}
 
 
+def _move(fd: int, rows: np.ndarray, data: np.ndarray, record_bytes: int, write: bool, table: str) -> None:
+    """Reads (or writes) record i of `data` at `rows[i] * record_bytes` of file `fd`."""
+    rows = np.ascontiguousarray(rows, np.int64)
+    if _rowio is not None:
+        _rowio.rows_io(fd, rows, data, record_bytes, write)
+        return
+    view, rb = memoryview(data).cast("B"), record_bytes
+    move = os.pwritev if write else os.preadv
+    for i, r in enumerate(rows.tolist()):
+        if move(fd, [view[i * rb:(i + 1) * rb]], r * rb) != rb:
+            raise OSError(f"Table {table!r}: short {'write' if write else 'read'} of row {r}.")
+
+
+def _failing(data: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """bool `[n]`: which records `data [n, width]` (checksum last) fail their checksum at table rows `rows`."""
+    words = data.view(np.uint32)
+    return row_checksums(words[:, :-1], rows) != words[:, -1]
+
+
+def _corrupt_row(table: str, path: str, row: int) -> CorruptStoreError:
+    return CorruptStoreError(f"Table {table!r}: row {row} of the store at {path!r} fails its checksum (the file was "
+                             "damaged or written by something else).")
+
+
+def _numbered(name: str, prefix: str, suffix: str) -> int:
+    """The commit number of a file named `<prefix><commit><suffix>`, else -1."""
+    middle = name[len(prefix):len(name) - len(suffix)]
+    return int(middle) if name.startswith(prefix) and name.endswith(suffix) and middle.isdigit() else -1
+
+
 def _write_json(path: str, value: Any) -> None:
     """Atomically (a temporary file, fsync, rename)."""
     tmp = path + ".tmp"
@@ -135,6 +175,7 @@ class RowStore:
             os.ftruncate(self._fd, shape[0] * self.record_bytes)  # sparse: unwritten rows take no disk
         self.written = self._load_written()
         self._committed = self.written.copy()  # as of the last commit: what the undo log restores
+        self._rolled_back = np.zeros(0, np.int64)  # rows the rollback restored: in the next commit's changes
         self._rollback()
         self._logged = np.zeros(self.table.vocabulary_size, bool)  # rows with an undo record since the commit
         self._undo = open(self._undo_path(self.commit + 1), "ab")
@@ -146,6 +187,18 @@ class RowStore:
 
     def _written_path(self, commit: int) -> str:
         return os.path.join(self.path, f"written.{commit}.bin")
+
+    def _write_changes(self, commit: int) -> None:
+        """`changes.<commit>.npy`: the rows written since the last commit (and those the rollback restored), made
+        durable before the commit point; the changes of commits older than the last `KEPT_CHANGES` are removed."""
+        rows = np.union1d(np.flatnonzero(self._logged), self._rolled_back).astype(np.int64)
+        with open(os.path.join(self.path, f"changes.{commit}.npy"), "wb") as f:
+            np.save(f, rows)
+            f.flush()
+            os.fsync(f.fileno())
+        for name in os.listdir(self.path):
+            if 0 <= _numbered(name, "changes.", ".npy") <= commit - KEPT_CHANGES:
+                os.remove(os.path.join(self.path, name))
 
     def _rollback(self) -> None:
         """Restores every row written since the last commit from the undo log (then deletes it and any older
@@ -159,12 +212,14 @@ class RowStore:
             rows = raw[:, :8].copy().view(np.int64)[:, 0]
             first = np.unique(rows, return_index=True)[1]  # the oldest record of a row is its committed one
             rows, records = rows[first], raw[first, 8:].copy().view(np.float32)
+            self._rolled_back = rows  # a reader may have seen their newer records
             keep = self._committed[rows]  # rows unwritten at the commit need nothing: the bitmap says so
             if keep.any():
                 self._io(rows[keep], np.ascontiguousarray(records[keep]), write=True)
                 os.fsync(self._fd)
-        for name in os.listdir(self.path):  # this log (applied), and any older commit's log or bitmap
-            if name.startswith("undo.") or (name.startswith("written.") and name != f"written.{self.commit}.bin"):
+        for name in os.listdir(self.path):  # this log (applied), any older commit's log or bitmap, later changes
+            if (name.startswith("undo.") or (name.startswith("written.") and name != f"written.{self.commit}.bin")
+                    or _numbered(name, "changes.", ".npy") > self.commit):
                 os.remove(os.path.join(self.path, name))
 
     def _log_undo(self, rows: np.ndarray) -> None:
@@ -198,27 +253,16 @@ class RowStore:
         return np.unpackbits(bits, count=n).astype(bool)
 
     def _io(self, rows: np.ndarray, data: np.ndarray, write: bool) -> None:
-        rows = np.ascontiguousarray(rows, np.int64)
-        if _rowio is not None:
-            _rowio.rows_io(self._fd, rows, data, self.record_bytes, write)
-            return
-        view, rb = memoryview(data).cast("B"), self.record_bytes
-        move = os.pwritev if write else os.preadv
-        for i, r in enumerate(rows.tolist()):
-            if move(self._fd, [view[i * rb:(i + 1) * rb]], r * rb) != rb:
-                raise OSError(f"Table {self.table.name!r}: short {'write' if write else 'read'} of row {r}.")
+        _move(self._fd, rows, data, self.record_bytes, write, self.table.name)
 
     def read(self, rows: np.ndarray) -> np.ndarray:
         """`[n, width - 1]` float32 records (row, then slots) of stored rows `rows`, checksums verified."""
         rows = np.asarray(rows, np.int64)
         data = np.empty((rows.size, self.width), np.float32)
         self._io(rows, data, write=False)
-        words = data.view(np.uint32)
-        bad = row_checksums(words[:, :-1], rows) != words[:, -1]
+        bad = _failing(data, rows)
         if bad.any():
-            i = int(np.argmax(bad))
-            raise CorruptStoreError(f"Table {self.table.name!r}: row {int(rows[i])} of the store at {self.path!r} "
-                                    "fails its checksum (the file was damaged or written by something else).")
+            raise _corrupt_row(self.table.name, self.path, int(rows[int(np.argmax(bad))]))
         with self._lock:
             self.rows_read += rows.size
         return data[:, :-1]
@@ -238,7 +282,8 @@ class RowStore:
 
     def commit_step(self, step: int | None) -> None:
         """Commits every write so far as the store's state at `step` (durably; the rename of `tier.json` is
-        the commit point), and starts a new undo log. Call with no write in flight."""
+        the commit point, after the bitmap and `changes.<commit>.npy`), and starts a new undo log. Call with no
+        write in flight."""
         os.fsync(self._fd)
         with self._lock:
             bits = np.packbits(self.written)
@@ -247,6 +292,7 @@ class RowStore:
             f.write(bits.tobytes())
             f.flush()
             os.fsync(f.fileno())
+        self._write_changes(self.commit + 1)
         _write_json(os.path.join(self.path, "tier.json"),
                     {**_spec_json(self.table), "step": step, "commit": self.commit + 1})
         # committed: the old undo log and bitmap are obsolete (a crash before their removal ignores them)
@@ -258,6 +304,7 @@ class RowStore:
         with self._lock:
             self._committed = self.written.copy()
         self._logged[:] = False
+        self._rolled_back = np.zeros(0, np.int64)
         self._undo = open(self._undo_path(self.commit + 1), "ab")
 
     def close(self) -> None:
@@ -270,3 +317,81 @@ class RowStore:
         fd = getattr(self, "_fd", -1)
         if fd >= 0:
             os.close(fd)
+
+
+class StoreReader:
+    """An existing store, opened read-only (serving): it never rolls back, writes, truncates or creates a file.
+
+    It needs no `TableSpec`: `tier.json` says what the table is. `read_records` returns each row's newest record
+    in the file, which may be a write-back newer than the last commit (the training side writes rows in place);
+    a record caught in the middle of a write fails its checksum, and the caller reads it again.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        if not os.path.exists(os.path.join(self.path, "tier.json")):
+            raise FileNotFoundError(f"No offloaded table's store at {self.path!r} (it has no tier.json).")
+        meta = self.meta()
+        if meta.get("format") != FORMAT:
+            raise CorruptStoreError(f"The store at {self.path!r} has format {meta.get('format')!r}, not {FORMAT!r}.")
+        self.table, self.vocabulary_size = str(meta["table"]), int(meta["vocabulary_size"])
+        self.embedding_dim, self.slots = int(meta["embedding_dim"]), dict(meta["slots"])
+        self.width = self.embedding_dim + sum(self.slots.values()) + 1
+        self.record_bytes = 4 * self.width
+        with open(os.path.join(self.path, "records", "zarr.json")) as f:
+            shape = tuple(json.load(f)["shape"])
+        if shape != (self.vocabulary_size, self.width):
+            raise CorruptStoreError(f"Table {self.table!r}: the records at {self.path!r} have shape {shape}, but "
+                                    f"tier.json says {(self.vocabulary_size, self.width)}.")
+        self._fd = -1
+        self._fd = os.open(os.path.join(self.path, "records", "c", "0", "0"), os.O_RDONLY)
+
+    def meta(self) -> dict[str, Any]:
+        """`tier.json` as it is now (replaced whole at each commit, so never read half-written)."""
+        with open(os.path.join(self.path, "tier.json")) as f:
+            return json.load(f)
+
+    def written_bits(self, commit: int) -> np.ndarray:
+        """The rows stored as of `commit`, a bit per row (`np.packbits` order: row r is bit `7 - r % 8` of byte
+        `r // 8`). FileNotFoundError when a later commit has removed that commit's bitmap."""
+        path = os.path.join(self.path, f"written.{commit}.bin")
+        n = (self.vocabulary_size + 7) // 8
+        if commit == 0 and not os.path.exists(path):
+            return np.zeros(n, np.uint8)
+        bits = np.fromfile(path, np.uint8)
+        if bits.size != n:
+            raise CorruptStoreError(f"Table {self.table!r}: {path} has {bits.size} bytes, expected {n}.")
+        return bits
+
+    def changes(self, commit: int) -> np.ndarray | None:
+        """int64 rows written between commits `commit - 1` and `commit`; None when the store no longer keeps them
+        (only the last `KEPT_CHANGES` commits') or never wrote them."""
+        try:
+            rows = np.load(os.path.join(self.path, f"changes.{commit}.npy"))
+        except (FileNotFoundError, ValueError, EOFError):  # removed by a later commit (or being removed)
+            return None
+        return rows.astype(np.int64, copy=False)
+
+    def read_records(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`(records [n, width] float32 with the checksum last, bad [n] bool)`: rows `rows` as the file holds them
+        now, and which fail their checksum (damaged, never written, or caught mid-write)."""
+        rows = np.asarray(rows, np.int64)
+        data = np.empty((rows.size, self.width), np.float32)
+        _move(self._fd, rows, data, self.record_bytes, False, self.table)
+        return data, _failing(data, rows)
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """`[n, width - 1]` float32 records (row, then slots) of rows `rows`, checksums verified (as RowStore.read)."""
+        data, bad = self.read_records(rows)
+        if bad.any():
+            raise _corrupt_row(self.table, self.path, int(np.asarray(rows)[int(np.argmax(bad))]))
+        return data[:, :-1]
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self, _close=os.close) -> None:  # (os may be gone at interpreter exit)
+        if getattr(self, "_fd", -1) >= 0:
+            _close(self._fd)
