@@ -6,7 +6,10 @@
   `swap` brings a batch's rows into the cache before its step, `flush`
   makes the store hold every row; `TierStats` are its counts, `Swap` one
   batch's swap;
-- `CorruptStoreError`: a store row fails its checksum, or the store belongs to another table.
+- `CorruptStoreError`: a store row fails its checksum, or the store belongs to another table;
+- `StoreServer(path, cache_bytes)`: serving lookups of one store (read-only) through a bounded RAM cache,
+  picking up what a training run commits; `load_parameter_server(config)`: a `ParameterServer` of the stores
+  a JSON config names, `lookup(model, table, ids)`; `ServingStats` are their counts.
 
 Implemented in `sparse_embed.core.specs`, `sparse_embed.core.row_swap` and `sparse_embed.tiers`; loaded on
 first use.
@@ -14,10 +17,12 @@ first use.
 
 from sparse_embed import _lazy
 
-__all__ = ["CorruptStoreError", "Offload", "Swap", "TierStats", "Tiers"]
+__all__ = ["CorruptStoreError", "Offload", "ParameterServer", "ServingStats", "StoreServer", "Swap", "TierStats",
+           "Tiers", "load_parameter_server"]
 
 __getattr__, __dir__ = _lazy.attach(__name__, {
     "sparse_embed.core.specs": ("Offload",),
     "sparse_embed.tiers.store": ("CorruptStoreError",),
     "sparse_embed.tiers.tiered": ("Swap", "TierStats", "Tiers"),
+    "sparse_embed.tiers.serving": ("ParameterServer", "ServingStats", "StoreServer", "load_parameter_server"),
 })

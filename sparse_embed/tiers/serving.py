@@ -1,0 +1,494 @@
+"""Serving lookups from offloaded tables' stores: a bounded RAM cache of rows over each store on disk (host, numpy).
+
+The serving side of issue 42's "hierarchical parameter server": a model's
+tables stay in the stores a training run writes (`tiers.store`), a RAM cache
+holds the hot rows, and the rest are read from disk a row at a time.
+
+- `StoreServer(path, cache_bytes=...)`: one store, opened read-only
+  (`StoreReader`). `lookup(ids)` returns the rows' embeddings `[n, dim]`
+  float32 (the embedding columns only, not the optimizer slots).
+- `load_parameter_server(config)`: the stores a JSON config file names, by
+  model and table; `ParameterServer.lookup(model, table, ids)`.
+
+What a lookup returns, per id:
+
+- `-1` (padding): zeros;
+- a row the store has written as of its last commit: the row's newest
+  record in the file (a training run writes evicted rows back in place
+  between commits, so this may be newer than the commit);
+- a row the store never wrote ("not found"): the table's default vector
+  (zeros, or the configured value or `[dim]` vector). A row never trained
+  still holds its initializer's values on the training side (they are
+  generated there, not stored), so a server reads the default for it, as
+  HugeCTR's HPS serves its default vector for keys it does not hold;
+- an id outside `[0, vocabulary_size)`: a ValueError naming the table.
+
+The cache: `cache_bytes` buys `cache_bytes // (4 * dim + 9)` rows (values,
+the row each holds, a reference bit); CLOCK replacement (second chance), all
+of a batch at once in numpy. The row -> cache-row map is an int32 per
+vocabulary row on top (allocated zeroed, so the OS backs only its pages that
+were touched) and the written bitmap a bit per row.
+
+Freshness: the training side commits (`Tiers.flush`) by renaming
+`tier.json` after writing the commit's bitmap and `changes.<commit>.npy`
+(the rows written since the commit before). `refresh()` reads `tier.json`;
+on a new commit it loads the new bitmap and drops the cached rows that the
+commits in between changed (the whole cache when the store no longer keeps
+those commits' changes: the server missed more than `KEPT_CHANGES`). It runs
+inside `lookup` at most every `refresh_seconds` (the first lookup after that
+pays a few milliseconds: a bitmap of `vocabulary_size / 8` bytes and the
+changes); a caller that must keep that off its lookups calls `refresh()`
+from a timer thread of its own, with `refresh_seconds=None`. Lookups never
+stop: a refresh swaps the bitmap and drops rows under a short lock, and
+rows read while a refresh ran are served but not cached. A row cached is
+therefore never older than the last commit the server has seen.
+
+Never a torn row: a record read while the writer is in the middle of writing
+it fails its checksum; it is read again (`retries` times, sleeping
+`retry_seconds`, doubling), and if it still fails, a `CorruptStoreError`
+names the table and the row.
+
+Thread-safe: any number of threads may call `lookup`; reads from disk run
+outside the lock (the row reader releases the GIL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from sparse_embed.tiers.store import KEPT_CHANGES, CorruptStoreError, StoreReader
+
+DEFAULT_CACHE_BYTES = 1 << 30
+PADDING_ID = -1
+
+
+@dataclasses.dataclass
+class ServingStats:
+    """Counts of lookups from one store (`StoreServer.stats()`), or one model's table (`ParameterServer.stats()`).
+
+    `hits + misses + not_found == lookups`; padding ids are counted apart.
+    """
+
+    lookups: int = 0  # ids looked up (repeats counted, padding not)
+    hits: int = 0  # of those, ids whose row was in the RAM cache
+    misses: int = 0  # ids whose row was read from the store
+    not_found: int = 0  # ids of rows the store never wrote: served the default vector
+    padding: int = 0  # -1 ids: served zeros
+    rows_read: int = 0  # distinct rows read from the store (a batch's repeats read once)
+    bytes_read: int = 0  # whole records (row, slots, checksum) read
+    retries: int = 0  # rows read again because they failed their checksum (caught mid-write)
+    # the store's, shared by every model's table that names it:
+    refreshes: int = 0  # new commits picked up
+    invalidated: int = 0  # cached rows dropped because a commit changed them (or dropped whole, after a gap)
+    evictions: int = 0  # cached rows replaced by others
+    cached_rows: int = 0  # rows in the cache now
+    commit: int = 0  # the store's commit the server serves
+    step: int | None = None  # that commit's training step
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over the ids of rows the store holds (not-found and padding ids left out)."""
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+
+_PER_LOOKUP = ("lookups", "hits", "misses", "not_found", "padding", "rows_read", "bytes_read", "retries")
+
+
+class _RowCache:
+    """`capacity` cached rows of a `[vocabulary, dim]` table: values, the row each holds, CLOCK reference bits."""
+
+    def __init__(self, vocabulary: int, dim: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.values = np.empty((max(capacity, 1), dim), np.float32)  # (a row to gather from when there are none)
+        self.row_of = np.full(capacity, -1, np.int64)  # cache row -> table row (-1: empty)
+        self.slot_of = np.zeros(vocabulary, np.int32)  # table row -> cache row + 1 (0: not cached)
+        self.referenced = np.zeros(capacity, bool)
+        self.hand = 0
+        self.size = 0
+
+    def put(self, rows: np.ndarray, values: np.ndarray) -> int:
+        """Caches distinct, uncached `rows` with `values` (as many as fit; the rest are not cached); evictions."""
+        m = min(rows.size, self.capacity)
+        if m == 0:
+            return 0
+        victims = self._victims(m)
+        old = self.row_of[victims]
+        old = old[old >= 0]
+        self.slot_of[old] = 0
+        self.row_of[victims] = rows[:m]
+        self.slot_of[rows[:m]] = victims + 1
+        self.values[victims] = values[:m]
+        self.referenced[victims] = False
+        self.size += m - old.size
+        return int(old.size)
+
+    def _victims(self, m: int) -> np.ndarray:
+        """`m <= capacity` cache rows to reuse, by CLOCK: the hand clears reference bits and takes rows whose bit
+        is clear. Two turns take every row, so it ends; a row taken is marked so that it is not taken twice."""
+        out, found = [], 0
+        while found < m:
+            size = min(self.capacity, max(2 * (m - found), 4096))
+            window = (self.hand + np.arange(size)) % self.capacity
+            take = np.flatnonzero(~self.referenced[window])[:m - found]
+            end = size if take.size < m - found else int(take[-1]) + 1
+            self.referenced[window[:end]] = False
+            self.referenced[window[take]] = True
+            out.append(window[take])
+            found += take.size
+            self.hand = int((self.hand + end) % self.capacity)
+        return np.concatenate(out)
+
+    def drop(self, rows: np.ndarray | None) -> int:
+        """Drops `rows` (int64, any) from the cache, or every row (None); how many were cached."""
+        slots = np.flatnonzero(self.row_of >= 0) if rows is None else self.slot_of[rows].astype(np.int64) - 1
+        slots = slots[slots >= 0]
+        self.slot_of[self.row_of[slots]] = 0
+        self.row_of[slots] = -1
+        self.referenced[slots] = False
+        self.size -= slots.size
+        return int(slots.size)
+
+
+def _default_vector(default: Any, dim: int, label: str) -> np.ndarray:
+    if default is None:
+        return np.zeros(dim, np.float32)
+    if isinstance(default, bool) or not (np.isscalar(default) or isinstance(default, (list, tuple, np.ndarray))):
+        raise ValueError(f"{label}: default must be a number or a [{dim}] vector, got {default!r}.")
+    try:
+        vec = np.asarray(default, np.float32)
+    except (TypeError, ValueError):
+        raise ValueError(f"{label}: default must be a number or a [{dim}] vector, got {default!r}.") from None
+    if vec.ndim == 0:
+        return np.full(dim, vec, np.float32)
+    if vec.shape != (dim,):
+        raise ValueError(f"{label}: the default vector has shape {vec.shape}, expected ({dim},).")
+    return vec
+
+
+def _is_set(bits: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Which `rows` have their bit set in `np.packbits` order."""
+    return ((bits[rows >> 3] >> (7 - (rows & 7)).astype(np.uint8)) & 1).astype(bool)
+
+
+class StoreServer:
+    """Lookups of one offloaded table's store (read-only) through a bounded RAM cache of its rows.
+
+    Args:
+      path: the store's directory (`Offload(path)` of the training run).
+      cache_bytes: RAM for cached rows (default 1 GiB); 0: no cache.
+      default: what a row the store never wrote reads: a number (every column) or a `[dim]` vector; zeros.
+      refresh_seconds: `lookup` checks for a new commit when this long has passed since the last check (0: at
+        every lookup; None: never, call `refresh()`).
+      retries, retry_seconds: re-reads of a row that fails its checksum, and the first sleep (doubling).
+
+    The module doc says what a lookup returns and how freshness works.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, cache_bytes: int = DEFAULT_CACHE_BYTES, default: Any = 0.0,
+                 refresh_seconds: float | None = 1.0, retries: int = 6, retry_seconds: float = 0.001) -> None:
+        self.store = StoreReader(path)
+        self.path, self.table = self.store.path, self.store.table
+        self.vocabulary_size, self.embedding_dim = self.store.vocabulary_size, self.store.embedding_dim
+        label = f"Table {self.table!r} (store {self.path!r})"
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, (int, np.integer)) or cache_bytes < 0:
+            raise ValueError(f"{label}: cache_bytes must be an int >= 0, got {cache_bytes!r}.")
+        self.cache_bytes = int(cache_bytes)
+        self.default = _default_vector(default, self.embedding_dim, label)
+        self.refresh_seconds, self.retries, self.retry_seconds = refresh_seconds, int(retries), float(retry_seconds)
+        self.cache = _RowCache(self.vocabulary_size, self.embedding_dim,
+                               self.cache_bytes // (4 * self.embedding_dim + 9))
+        self._lock = threading.Lock()  # the cache, the bitmap, the counters
+        self._refreshing = threading.Lock()  # one refresh at a time
+        self._stats = ServingStats()
+        self._epoch = 0  # bumped by every refresh that drops rows: reads begun before it are not cached
+        self.commit, self.step, self._bits = self._load()
+        self._stats.commit, self._stats.step = self.commit, self.step
+        self._next_check = time.monotonic() + (refresh_seconds or 0.0)
+
+    def _load(self, tries: int = 20) -> tuple[int, int | None, np.ndarray]:
+        """`(commit, step, written bits)` of the store's last commit; a commit made in between is read again."""
+        for _ in range(tries):
+            meta = self.store.meta()
+            commit = int(meta.get("commit", 0))
+            try:
+                return commit, meta.get("step"), self.store.written_bits(commit)
+            except FileNotFoundError:  # a newer commit removed that bitmap: read tier.json again
+                continue
+        raise CorruptStoreError(f"Table {self.table!r}: the store at {self.path!r} names a commit whose bitmap is "
+                                f"missing ({tries} tries).")
+
+    def refresh(self) -> bool:
+        """Picks up the store's newest commit, if there is a new one: its bitmap, and drops the cached rows
+        written since the commit served (all of them when the store no longer keeps those changes).
+        Lookups go on meanwhile. Whether there was a new commit."""
+        with self._refreshing:
+            return self._refresh()
+
+    def _refresh(self) -> bool:
+        if int(self.store.meta().get("commit", 0)) == self.commit:
+            return False
+        commit, step, bits = self._load()
+        changed = None
+        if self.commit < commit <= self.commit + KEPT_CHANGES:
+            parts = [self.store.changes(c) for c in range(self.commit + 1, commit + 1)]
+            changed = None if any(p is None for p in parts) else np.concatenate(parts)
+        if changed is not None and changed.size and (changed.min() < 0 or changed.max() >= self.vocabulary_size):
+            changed = None
+        with self._lock:
+            dropped = self.cache.drop(changed)
+            self._bits, self.commit, self.step = bits, commit, step
+            self._epoch += 1
+            s = self._stats
+            s.refreshes, s.invalidated, s.commit, s.step = s.refreshes + 1, s.invalidated + dropped, commit, step
+        return True
+
+    def _maybe_refresh(self) -> None:
+        if self.refresh_seconds is None or time.monotonic() < self._next_check:
+            return
+        if self._refreshing.acquire(blocking=False):  # another thread refreshing: this lookup does not wait
+            try:
+                self._next_check = time.monotonic() + self.refresh_seconds
+                self._refresh()
+            finally:
+                self._refreshing.release()
+
+    def lookup(self, ids: Any) -> np.ndarray:
+        """`[*ids.shape, dim]` float32 rows of integer `ids` (-1: padding, zeros; rows never written: the default)."""
+        return self._serve(ids, self.default, f"Table {self.table!r}")[0]
+
+    def _check_ids(self, ids: Any, label: str) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"{label}: ids must be integers, got dtype {ids.dtype}.")
+        flat = ids.reshape(-1).astype(np.int64, copy=False)
+        bad = (flat < PADDING_ID) | (flat >= self.vocabulary_size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{label}: id {int(flat[i])} (at {i}) is outside [0, {self.vocabulary_size}) of the "
+                             f"store at {self.path!r} (-1 is padding).")
+        return flat
+
+    def _serve(self, ids: Any, default: np.ndarray, label: str) -> tuple[np.ndarray, dict[str, int]]:
+        """The rows of `ids`, and this lookup's counts (`_PER_LOOKUP`)."""
+        shape = np.shape(ids)
+        flat = self._check_ids(ids, label)
+        self._maybe_refresh()
+        out = np.empty((flat.size, self.embedding_dim), np.float32)
+        with self._lock:
+            epoch, bits = self._epoch, self._bits
+            slots = self.cache.slot_of[np.maximum(flat, 0)].astype(np.int64) - 1
+            slots[flat < 0] = -1
+            hit = slots >= 0
+            np.take(self.cache.values, np.maximum(slots, 0), axis=0, out=out)  # misses overwritten below
+            self.cache.referenced[slots[hit]] = True
+        rest = np.flatnonzero(~hit)
+        pad = rest[flat[rest] < 0]
+        rest = rest[flat[rest] >= 0]
+        found = _is_set(bits, flat[rest])
+        rows, where = np.unique(flat[rest[found]], return_inverse=True)
+        values, retried = self._read(rows, label)
+        out[rest[found]] = values[where]
+        out[rest[~found]] = default
+        out[pad] = 0.0
+        counts = dict(hits=int(hit.sum()), misses=int(found.sum()), not_found=int(rest.size - found.sum()),
+                      padding=int(pad.size), rows_read=int(rows.size), retries=retried,
+                      bytes_read=int(rows.size + retried) * self.store.record_bytes)
+        counts["lookups"] = counts["hits"] + counts["misses"] + counts["not_found"]
+        with self._lock:
+            if self._epoch == epoch and rows.size:  # no refresh since the reads began: they are fresh enough
+                new = self.cache.slot_of[rows] == 0  # (another thread may have cached some meanwhile)
+                self._stats.evictions += self.cache.put(rows[new], values[new])
+            for k, v in counts.items():
+                setattr(self._stats, k, getattr(self._stats, k) + v)
+        return out.reshape(shape + (self.embedding_dim,)), counts
+
+    def _read(self, rows: np.ndarray, label: str) -> tuple[np.ndarray, int]:
+        """`([n, dim] embeddings of rows, re-reads)`: a record that fails its checksum is read again, sleeping in
+        between (a writer may be in the middle of it); still failing after `retries`: CorruptStoreError."""
+        data, bad = self.store.read_records(rows)
+        retried, wait = 0, self.retry_seconds
+        for _ in range(self.retries):
+            if not bad.any():
+                break
+            time.sleep(wait)
+            wait *= 2
+            again = np.flatnonzero(bad)
+            retried += again.size
+            data[again], bad[again] = self.store.read_records(rows[again])
+        if bad.any():
+            row = int(rows[int(np.argmax(bad))])
+            raise CorruptStoreError(f"{label}: row {row} of the store at {self.path!r} fails its checksum after "
+                                    f"{self.retries} re-reads (the file was damaged or written by something else).")
+        return data[:, :self.embedding_dim], retried
+
+    def stats(self) -> ServingStats:
+        """The counts so far (a copy)."""
+        with self._lock:
+            self._stats.cached_rows = self.cache.size
+            return dataclasses.replace(self._stats)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> StoreServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_TABLE_FIELDS = {"store", "cache_bytes", "default", "refresh_seconds"}
+
+
+class ParameterServer:
+    """Lookups by model and table over `StoreServer`s (`load_parameter_server` builds one from a config file).
+
+    `entries`: `{model: {table: (server, default [dim] float32)}}`; several entries may share one server (one
+    cache), each with its own default and counts.
+    """
+
+    def __init__(self, entries: Mapping[str, Mapping[str, tuple[StoreServer, np.ndarray]]]) -> None:
+        self._entries = {m: dict(tables) for m, tables in entries.items()}
+        self._stats = {(m, t): ServingStats() for m, tables in self._entries.items() for t in tables}
+        self._lock = threading.Lock()
+
+    @property
+    def models(self) -> dict[str, list[str]]:
+        """`{model: [table, ...]}`."""
+        return {m: sorted(tables) for m, tables in self._entries.items()}
+
+    def server(self, model: str, table: str) -> StoreServer:
+        """The `StoreServer` of a model's table (shared by every entry that names its store)."""
+        if model not in self._entries:
+            raise ValueError(f"Unknown model {model!r}; the serving config names {sorted(self._entries)}.")
+        if table not in self._entries[model]:
+            raise ValueError(f"Model {model!r} has no table {table!r}; it has {sorted(self._entries[model])}.")
+        return self._entries[model][table][0]
+
+    def lookup(self, model: str, table: str, ids: Any) -> np.ndarray:
+        """`[*ids.shape, dim]` float32 rows of a model's table (as `StoreServer.lookup`, with that table's default)."""
+        server = self.server(model, table)
+        rows, counts = server._serve(ids, self._entries[model][table][1], f"Model {model!r}, table {table!r}")
+        with self._lock:
+            s = self._stats[model, table]
+            for k, v in counts.items():
+                setattr(s, k, getattr(s, k) + v)
+        return rows
+
+    def refresh(self) -> int:
+        """Refreshes every store; how many had a new commit."""
+        return sum(s.refresh() for s in self._servers())
+
+    def stats(self) -> dict[tuple[str, str], ServingStats]:
+        """`{(model, table): ServingStats}`: that entry's lookup counts, and its store's refreshes, cache and commit."""
+        out = {}
+        for (m, t), s in self._stats.items():
+            store = self._entries[m][t][0].stats()
+            with self._lock:
+                own = {k: getattr(s, k) for k in _PER_LOOKUP}
+            out[m, t] = dataclasses.replace(store, **own)
+        return out
+
+    def _servers(self) -> list[StoreServer]:
+        return list({id(s): s for tables in self._entries.values() for s, _ in tables.values()}.values())
+
+    def close(self) -> None:
+        for s in self._servers():
+            s.close()
+
+    def __enter__(self) -> ParameterServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _read_config(config: str | os.PathLike | Mapping) -> tuple[dict, str, str]:
+    """`(config dict, the directory relative store paths resolve against, what error messages call it)`."""
+    if isinstance(config, Mapping):
+        return dict(config), os.getcwd(), "serving config"
+    path = os.fspath(config)
+    where = f"serving config {path!r}"
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"No serving config at {path!r}.") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not valid JSON: {e}.") from None
+    return cfg, os.path.dirname(os.path.abspath(path)), where
+
+
+def _table_fields(fields: Any, label: str, base: str) -> dict[str, Any]:
+    """One table's checked fields: store (resolved), cache_bytes, default, refresh_seconds."""
+    if not isinstance(fields, Mapping):
+        raise ValueError(f"{label}: expected an object with a \"store\" path, got {fields!r}.")
+    unknown = sorted(set(fields) - _TABLE_FIELDS)
+    if unknown:
+        raise ValueError(f"{label}: unknown fields {unknown}; a table takes {sorted(_TABLE_FIELDS)}.")
+    store = fields.get("store")
+    if not isinstance(store, str) or not store:
+        raise ValueError(f"{label}: \"store\" must be the path of a store, got {store!r}.")
+    store = os.path.realpath(os.path.join(base, os.path.expanduser(store)))
+    if not os.path.exists(os.path.join(store, "tier.json")):
+        raise FileNotFoundError(f"{label}: no offloaded table's store at {store!r} (no tier.json there).")
+    cache = fields.get("cache_bytes", DEFAULT_CACHE_BYTES)
+    if isinstance(cache, bool) or not isinstance(cache, int) or cache < 0:
+        raise ValueError(f"{label}: \"cache_bytes\" must be an int >= 0, got {cache!r}.")
+    refresh = fields.get("refresh_seconds", 1.0)
+    if refresh is not None and (isinstance(refresh, bool) or not isinstance(refresh, (int, float)) or refresh < 0):
+        raise ValueError(f"{label}: \"refresh_seconds\" must be a number >= 0 or null, got {refresh!r}.")
+    return {"store": store, "cache_bytes": cache, "default": fields.get("default", 0.0), "refresh_seconds": refresh}
+
+
+def load_parameter_server(config: str | os.PathLike | Mapping) -> ParameterServer:
+    """A `ParameterServer` over the stores a serving config names.
+
+    The config (a JSON file, or the same as a dict; relative store paths resolve against the file's directory,
+    or the working directory for a dict):
+
+        {"models": {"ranker": {"items": {"store": "stores/items", "cache_bytes": 1073741824, "default": 0.0},
+                               "users": {"store": "/data/users", "default": [0.1, 0.2, ...]}},
+                    "ranker_b": {"items": {"store": "stores/items"}}}}
+
+    Per table: `store` (required), `cache_bytes` (default 1 GiB), `default` (a number or a `[dim]` vector;
+    0.0), `refresh_seconds` (1.0; null: only `refresh()`). Models that name the same store share one server
+    (one cache: the largest `cache_bytes` they ask for, the shortest `refresh_seconds`); each keeps its own
+    default and counts. Errors name the model and table.
+    """
+    cfg, base, where = _read_config(config)
+    if not isinstance(cfg, Mapping) or set(cfg) != {"models"} or not isinstance(cfg["models"], Mapping):
+        raise ValueError(f"{where}: expected {{\"models\": {{model: {{table: {{\"store\": path, ...}}}}}}}}, got "
+                         f"top-level fields {sorted(cfg) if isinstance(cfg, Mapping) else type(cfg).__name__}.")
+    if not cfg["models"]:
+        raise ValueError(f"{where}: \"models\" names no model.")
+    fields = {}
+    for model, tables in cfg["models"].items():
+        if not isinstance(tables, Mapping) or not tables:
+            raise ValueError(f"{where}: model {model!r} must map table names to their stores, got {tables!r}.")
+        for table, f in tables.items():
+            fields[model, table] = _table_fields(f, f"{where}: model {model!r}, table {table!r}", base)
+    servers: dict[str, StoreServer] = {}
+    try:
+        for store in dict.fromkeys(f["store"] for f in fields.values()):
+            named = [f for f in fields.values() if f["store"] == store]
+            refresh = [f["refresh_seconds"] for f in named if f["refresh_seconds"] is not None]
+            servers[store] = StoreServer(store, cache_bytes=max(f["cache_bytes"] for f in named),
+                                         refresh_seconds=min(refresh) if refresh else None)
+        entries: dict[str, dict[str, tuple[StoreServer, np.ndarray]]] = {}
+        for (model, table), f in fields.items():
+            server = servers[f["store"]]
+            default = _default_vector(f["default"], server.embedding_dim, f"{where}: model {model!r}, table {table!r}")
+            entries.setdefault(model, {})[table] = (server, default)
+    except BaseException:
+        for s in servers.values():
+            s.close()
+        raise
+    return ParameterServer(entries)

@@ -1,0 +1,384 @@
+"""Serving from an offloaded table's store (`StoreServer`, `load_parameter_server`): lookups equal the store's rows
+(read here with plain numpy from the zarr chunk and the written bitmap), rows never written read the default, hits
+and misses are counted exactly, a small cache evicts, refresh picks up a training run's next commit, a torn row is
+read again and never served, a damaged one is an error naming the table, and the config's errors name the model
+and table."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparse_embed as se
+from sparse_embed.tiers import serving
+from sparse_embed.tiers.store import KEPT_CHANGES, CorruptStoreError, RowStore, row_checksums
+from tests.conftest import make_mesh
+
+V, D, B, L, CACHE = 3000, 8, 32, 4, 120
+WIDTH = 2 * D + 1  # Adagrad: row, accumulator, checksum
+
+
+def _spec(path: str, vocab: int = V) -> se.TableSpec:
+    return se.TableSpec("items", vocab, D, optimizer=se.optimizers.Adagrad(0.1), combiner="sum",
+                        storage=se.offload.Offload(path, cache_rows=CACHE))
+
+
+class Trainer:
+    """A small offloaded table trained in this process; `flush` commits its store."""
+
+    def __init__(self, path: str) -> None:
+        self.plan = plan = se.plan([se.FeatureSpec("f", _spec(path), B)], make_mesh(1))
+        rng = jax.random.key(0)
+        self.tables, self.tiers = se.init_tables(plan, rng), se.offload.Tiers(plan, rng)
+        cot = jnp.cos(jnp.arange(B * D, dtype=jnp.float32).reshape(B, D))
+        self.step_fn = jax.jit(jax.grad(lambda t, b, s: jnp.sum(se.lookup(plan, b, t, s)["f"] * cot)),
+                               donate_argnums=0)
+        self.data, self.step = np.random.default_rng(7), 0
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            ids = {"f": (self.data.zipf(1.3, (B, L)) * 7919 % V).astype(np.int64)}
+            batch, _, swap = self.tiers.preprocess(ids)
+            self.tables = self.step_fn(self.tiers.swap(self.tables, swap), batch, self.step)
+            self.step += 1
+        self.tables = self.tiers.flush(self.tables, step=self.step)
+
+
+def reference(path: str, vocab: int = V) -> tuple[np.ndarray, np.ndarray]:
+    """`(embeddings [vocab, D], written [vocab] bool)` of the store's last commit, read with numpy alone."""
+    with open(os.path.join(path, "tier.json")) as f:
+        commit = json.load(f)["commit"]
+    records = np.fromfile(os.path.join(path, "records", "c", "0", "0"), np.float32).reshape(vocab, WIDTH)
+    written = np.unpackbits(np.fromfile(os.path.join(path, f"written.{commit}.bin"), np.uint8), count=vocab)
+    return records[:, :D].copy(), written.astype(bool)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("serving") / "store")
+    trainer = Trainer(path)
+    trainer.train(6)
+    yield path, trainer
+    trainer.tiers.close()
+
+
+_OPEN: list[RowStore] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_stores():
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def _row_store(path: str, rows: np.ndarray, values: np.ndarray | None = None, vocab: int = 200) -> RowStore:
+    """A store written directly: `rows` with `values [n, 2D]` (default: row + column / 100), committed; closed
+    after the test."""
+    store = RowStore(_spec(path, vocab))
+    _OPEN.append(store)
+    _write(store, rows, values)
+    return store
+
+
+def _write(store: RowStore, rows, values=None, step: int | None = None) -> None:
+    rows = np.asarray(rows, np.int64)
+    if values is None:
+        values = rows[:, None] + np.arange(2 * D, dtype=np.float32) / 100
+    store.write(rows, np.asarray(values, np.float32))
+    store.commit_step(step)
+
+
+def test_lookups_equal_the_stored_rows_and_rows_never_written_read_the_default(trained):
+    path, _ = trained
+    want, written = reference(path)
+    assert 0 < written.sum() < V
+    ids = np.random.default_rng(0).integers(-1, V, (50, 7))
+    for default in (0.0, 2.5, np.arange(D) / 10):
+        with se.offload.StoreServer(path, cache_bytes=1 << 20, default=default) as server:
+            got = server.lookup(ids)
+            assert got.shape == (50, 7, D) and got.dtype == np.float32
+            expect = np.where(written[ids][..., None], want[ids], np.float32(np.broadcast_to(default, (D,))))
+            expect[ids == -1] = 0.0
+            np.testing.assert_array_equal(got, expect)
+            np.testing.assert_array_equal(server.lookup(ids), expect)  # now from the cache
+            s = server.stats()
+            assert s.not_found == 2 * (~written[ids] & (ids >= 0)).sum() and s.padding == 2 * (ids == -1).sum()
+            assert s.commit == 1 and s.step == 6 and s.cached_rows == np.unique(ids[(ids >= 0) & written[ids]]).size
+
+
+def test_hits_misses_and_reads_are_counted_exactly(tmp_path):
+    store = _row_store(str(tmp_path), np.array([3, 4, 5, 9]))
+    server = se.offload.StoreServer(str(tmp_path), refresh_seconds=None)
+    server.lookup(np.array([3, 4, 3, 7, -1]))  # 7 never written
+    s = server.stats()
+    assert (s.lookups, s.hits, s.misses, s.not_found, s.padding, s.rows_read) == (4, 0, 3, 1, 1, 2)
+    assert s.bytes_read == 2 * WIDTH * 4 and s.cached_rows == 2
+    server.lookup(np.array([3, 4, 5, 5, 9, 7]))
+    s = server.stats()
+    assert (s.lookups, s.hits, s.misses, s.not_found, s.rows_read, s.cached_rows) == (10, 2, 6, 2, 4, 4)
+    assert s.hit_rate == 2 / 8 and s.evictions == 0 and s.refreshes == 0
+    np.testing.assert_array_equal(server.lookup(np.array([9]))[0], (9 + np.arange(D) / 100).astype(np.float32))
+    server.close()
+    store.close()
+
+
+def test_a_cache_smaller_than_the_ids_evicts_by_clock_and_serves_the_right_rows(tmp_path):
+    rows = np.arange(0, 200, 3)
+    store = _row_store(str(tmp_path), rows)
+    want, written = reference(str(tmp_path), 200)
+    two_rows = 2 * (4 * D + 9)
+    server = se.offload.StoreServer(str(tmp_path), cache_bytes=two_rows, refresh_seconds=None)
+    for ids in ([0], [3], [0], [6], [0], [3], [0]):  # 0 is used between misses: its second chance keeps it
+        server.lookup(np.array(ids))
+    s = server.stats()
+    assert (s.hits, s.misses, s.evictions, s.cached_rows) == (3, 4, 2, 2)
+    ids = np.random.default_rng(1).integers(0, 200, (30, 64))
+    for batch in ids:  # every batch reads more distinct rows than the cache holds
+        np.testing.assert_array_equal(server.lookup(batch), np.where(written[batch, None], want[batch], 0.0))
+    s = server.stats()
+    assert s.cached_rows == 2 and s.evictions > 30 and s.hits + s.misses + s.not_found == s.lookups
+    none = se.offload.StoreServer(str(tmp_path), cache_bytes=0)  # no cache at all
+    np.testing.assert_array_equal(none.lookup(ids[0]), np.where(written[ids[0], None], want[ids[0]], 0.0))
+    assert none.stats().cached_rows == 0
+    store.close()
+
+
+def test_refresh_picks_up_the_next_commit_and_never_serves_a_stale_cached_row(tmp_path):
+    path = str(tmp_path / "store")
+    trainer = Trainer(path)
+    trainer.train(4)
+    before, written_before = reference(path)
+    ids = np.arange(V)
+    manual = se.offload.StoreServer(path, refresh_seconds=None)
+    auto = se.offload.StoreServer(path, refresh_seconds=0)  # checks at every lookup
+    for server in (manual, auto):
+        np.testing.assert_array_equal(server.lookup(ids), np.where(written_before[:, None], before, 0.0))
+    trainer.train(4)
+    after, written_after = reference(path)
+    changed = np.flatnonzero((after != before).any(1) | (written_after != written_before))
+    assert changed.size and (written_after & ~written_before).any()  # rows changed, and rows newly written
+    np.testing.assert_array_equal(manual.lookup(ids), np.where(written_before[:, None], before, 0.0))  # cached
+    assert manual.refresh() and not manual.refresh()
+    written_since = np.load(os.path.join(path, "changes.2.npy"))
+    assert np.isin(changed, written_since).all()
+    for server in (manual, auto):
+        np.testing.assert_array_equal(server.lookup(ids), np.where(written_after[:, None], after, 0.0))
+        s = server.stats()
+        assert s.refreshes == 1 and s.commit == 2 and s.step == 8
+        assert s.invalidated == written_before[written_since].sum() < written_before.sum()  # only those rows
+    trainer.tiers.close()
+
+
+def test_a_server_that_missed_more_commits_than_kept_drops_its_whole_cache(tmp_path):
+    path = str(tmp_path)
+    store = _row_store(path, np.arange(10))
+    server = se.offload.StoreServer(path, refresh_seconds=None)
+    server.lookup(np.arange(10))
+    _write(store, [2, 50], np.full((2, 2 * D), -1.0))  # commit 2 changes cached row 2
+    assert server.refresh() and server.stats().invalidated == 1  # only row 2 dropped
+    np.testing.assert_array_equal(np.load(os.path.join(path, "changes.2.npy")), [2, 50])
+    np.testing.assert_array_equal(server.lookup(np.array([2, 3, 50]))[:, 0], [-1.0, 3.0, -1.0])
+    _write(store, [4], np.full((1, 2 * D), -2.0))  # then more commits than the store keeps
+    for i in range(KEPT_CHANGES + 1):
+        _write(store, [100 + i])
+    kept = sorted(int(n.split(".")[1]) for n in os.listdir(path) if n.startswith("changes."))
+    assert kept == list(range(store.commit - KEPT_CHANGES + 1, store.commit + 1))
+    assert server.refresh() and server.stats().invalidated == 1 + 11  # every cached row dropped
+    np.testing.assert_array_equal(server.lookup(np.array([4, 5, 108]))[:, 0], [-2.0, 5.0, 108.0])
+    store.close()
+
+
+def test_rows_a_restarted_trainer_rolls_back_are_dropped_at_its_next_commit(tmp_path):
+    path = str(tmp_path)
+    store = _row_store(path, np.arange(10))
+    store.write(np.array([1, 2]), np.full((2, 2 * D), -5.0, np.float32))  # written back, never committed
+    server = se.offload.StoreServer(path, refresh_seconds=None)
+    np.testing.assert_array_equal(server.lookup(np.array([1, 2, 3]))[:, 0], [-5.0, -5.0, 3.0])  # the newest
+    store.close()  # the trainer dies; its next run rolls rows 1 and 2 back, then commits
+    again = _row_store(path, np.array([50]))
+    np.testing.assert_array_equal(np.load(os.path.join(path, "changes.2.npy")), [1, 2, 50])
+    assert server.refresh() and server.stats().invalidated == 2
+    np.testing.assert_array_equal(server.lookup(np.array([1, 2, 3, 50]))[:, 0], [1.0, 2.0, 3.0, 50.0])
+    assert again.commit == 2
+
+
+def test_lookups_go_on_while_a_writer_writes_and_commits_and_never_see_a_mixed_row(tmp_path):
+    path, rows = str(tmp_path), np.arange(64)
+    store = _row_store(path, rows, np.zeros((64, 2 * D)) + rows[:, None] / 1000)  # version 0
+    server = se.offload.StoreServer(path, cache_bytes=20 * (4 * D + 9), refresh_seconds=0, retry_seconds=0.0005)
+    stop, seen, errors = threading.Event(), [], []
+
+    def read():
+        try:
+            while not stop.is_set():
+                ids = np.random.default_rng(len(seen)).integers(0, 64, 40)
+                seen.append((ids, server.lookup(ids)))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for version in range(1, 41):
+        store.write(rows, np.full((64, 2 * D), version, np.float32) + rows[:, None] / 1000)
+        if version % 4 == 0:
+            store.commit_step(version)
+        time.sleep(0.002)
+    stop.set()
+    reader.join()
+    assert not errors, errors
+    ids, got = np.concatenate([i for i, _ in seen]), np.concatenate([g for _, g in seen])
+    assert len(seen) > 10 and (got == got[:, :1]).all()  # every row whole: one version in every column
+    versions = got[:, 0] - ids / 1000
+    np.testing.assert_allclose(versions, np.round(versions), atol=1e-4)
+    assert 0 <= np.round(versions).min() and np.round(versions).max() <= 40 and server.stats().refreshes >= 5
+    server.refresh()
+    np.testing.assert_allclose(server.lookup(rows)[:, 0], 40 + rows / 1000, rtol=1e-6)
+    store.close()
+
+
+def _record(row: int, values: np.ndarray) -> tuple[bytes, int]:
+    """A whole record of `values` for `row` (checksum included), and the file offset of the row."""
+    record = np.zeros((1, WIDTH), np.float32)
+    record[0, :-1] = values
+    words = record.view(np.uint32)
+    words[:, -1] = row_checksums(words[:, :-1], np.array([row]))
+    return record.tobytes(), row * WIDTH * 4
+
+
+def test_a_row_caught_mid_write_is_read_again_and_never_served_torn(tmp_path):
+    path = str(tmp_path)
+    store = _row_store(path, np.arange(20))
+    server = se.offload.StoreServer(path, refresh_seconds=None, retry_seconds=0.002, retries=8)
+    new = np.full(2 * D, 7.5, np.float32)
+    record, at = _record(11, new)
+    fd = os.open(os.path.join(path, "records", "c", "0", "0"), os.O_WRONLY)
+    os.pwrite(fd, record[:len(record) // 2], at)  # the writer is half way through row 11
+
+    def finish():
+        time.sleep(0.03)
+        os.pwrite(fd, record, at)
+
+    writer = threading.Thread(target=finish)
+    writer.start()
+    got = server.lookup(np.array([10, 11, 12]))
+    writer.join()
+    os.close(fd)
+    np.testing.assert_array_equal(got[1], new[:D])  # the whole new record, never half of it
+    np.testing.assert_array_equal(got[[0, 2], 0], [10.0, 12.0])
+    assert server.stats().retries >= 1
+    store.close()
+
+
+def test_a_damaged_row_is_a_corrupt_store_error_naming_the_table_and_row(tmp_path):
+    path = str(tmp_path)
+    store = _row_store(path, np.arange(20))
+    with open(os.path.join(path, "records", "c", "0", "0"), "r+b") as f:
+        f.seek(17 * WIDTH * 4 + 8)
+        f.write(b"\xff\xff\xff\xff")
+    server = se.offload.StoreServer(path, refresh_seconds=None, retry_seconds=0.0001, retries=3)
+    np.testing.assert_array_equal(server.lookup(np.array([16]))[0, 0], 16.0)
+    with pytest.raises(CorruptStoreError, match=r"Table 'items': row 17 of the store .* after 3 re-reads"):
+        server.lookup(np.array([16, 17]))
+    config = {"models": {"m": {"t": {"store": path}}}}
+    with pytest.raises(CorruptStoreError, match=r"Model 'm', table 't': row 17"):
+        se.offload.load_parameter_server(config).lookup("m", "t", np.array([17]))
+    store.close()
+
+
+def test_serving_opens_the_store_read_only_and_never_rolls_it_back(tmp_path):
+    path = str(tmp_path)
+    store = _row_store(path, np.arange(10))
+    store.write(np.array([3]), np.full((1, 2 * D), 9.0, np.float32))  # not committed: an undo log is pending
+
+    def snapshot():
+        return {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    before = snapshot()
+    with se.offload.StoreServer(path) as server:
+        assert server.lookup(np.array([3]))[0, 0] == 9.0  # the newest record in the file
+        server.refresh()
+    assert snapshot() == before
+    store.close()
+
+
+def test_a_config_file_names_models_tables_and_stores_and_models_share_a_store(tmp_path):
+    a, b = str(tmp_path / "stores" / "a"), str(tmp_path / "stores" / "b")
+    sa, sb = _row_store(a, np.arange(5)), _row_store(b, np.arange(5, 10))
+    config = tmp_path / "serving.json"
+    config.write_text(json.dumps({"models": {
+        "ranker": {"items": {"store": "stores/a", "cache_bytes": 4096, "default": 1.0},
+                   "users": {"store": "stores/b", "default": list(range(D))}},
+        "retrieval": {"items": {"store": os.path.abspath(a), "cache_bytes": 1 << 20, "refresh_seconds": None}},
+    }}))
+    with se.offload.load_parameter_server(str(config)) as ps:
+        assert ps.models == {"ranker": ["items", "users"], "retrieval": ["items"]}
+        assert ps.server("ranker", "items") is ps.server("retrieval", "items")
+        assert ps.server("ranker", "items").cache_bytes == 1 << 20  # the largest asked for
+        np.testing.assert_array_equal(ps.lookup("ranker", "items", np.array([2, 7]))[:, 0], [2.0, 1.0])
+        np.testing.assert_array_equal(ps.lookup("retrieval", "items", np.array([2, 7, -1]))[:, 0], [2.0, 0.0, 0.0])
+        np.testing.assert_array_equal(ps.lookup("ranker", "users", np.array([1]))[0], np.arange(D))
+        stats = ps.stats()
+        r, q = stats["ranker", "items"], stats["retrieval", "items"]
+        assert (r.lookups, r.misses, r.not_found, r.hits) == (2, 1, 1, 0)
+        assert (q.lookups, q.misses, q.not_found, q.hits, q.padding) == (2, 0, 1, 1, 1)  # row 2: cached by ranker
+        assert stats["ranker", "users"].not_found == 1 and r.cached_rows == q.cached_rows == 1
+        with pytest.raises(ValueError, match="Unknown model 'nope'.*'ranker', 'retrieval'"):
+            ps.lookup("nope", "items", [1])
+        with pytest.raises(ValueError, match="Model 'retrieval' has no table 'users'"):
+            ps.lookup("retrieval", "users", [1])
+        with pytest.raises(ValueError, match=r"Model 'ranker', table 'items': id 200 .* outside \[0, 200\)"):
+            ps.lookup("ranker", "items", np.array([1, 200]))
+        with pytest.raises(ValueError, match="Model 'ranker', table 'items': ids must be integers"):
+            ps.lookup("ranker", "items", np.array([1.0]))
+    with pytest.raises(ValueError, match=r"Table 'items': id -2 \(at 1\) is outside"):
+        se.offload.StoreServer(a).lookup(np.array([0, -2]))
+    sa.close()
+    sb.close()
+
+
+@pytest.mark.parametrize("table, match", [
+    ({"store": "missing"}, FileNotFoundError),
+    ({"stor": "a"}, r"model 'm', table 't': unknown fields \['stor'\]"),
+    ({"store": 3}, r"model 'm', table 't': \"store\" must be the path"),
+    ({"store": "a", "cache_bytes": "1GiB"}, r"model 'm', table 't': \"cache_bytes\" must be an int"),
+    ({"store": "a", "cache_bytes": -1}, r"\"cache_bytes\" must be an int >= 0"),
+    ({"store": "a", "default": [1.0, 2.0]}, r"model 'm', table 't': the default vector has shape \(2,\)"),
+    ({"store": "a", "default": "zero"}, r"model 'm', table 't': default must be a number"),
+    ({"store": "a", "refresh_seconds": -1}, r"\"refresh_seconds\" must be a number >= 0"),
+])
+def test_config_errors_name_the_model_and_table(tmp_path, table, match):
+    _row_store(str(tmp_path / "a"), np.arange(3)).close()
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"models": {"m": {"t": table}}}))
+    if match is FileNotFoundError:
+        with pytest.raises(FileNotFoundError, match=r"model 'm', table 't': no offloaded table's store at .*missing"):
+            se.offload.load_parameter_server(config)
+    else:
+        with pytest.raises(ValueError, match=match):
+            se.offload.load_parameter_server(config)
+
+
+def test_config_file_errors(tmp_path):
+    config = tmp_path / "c.json"
+    for text, match in [("{", "is not valid JSON"), ('{"model": {}}', "expected {\"models\""),
+                        ('{"models": {}}', "names no model"), ('{"models": {"m": []}}', "model 'm' must map")]:
+        config.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            se.offload.load_parameter_server(config)
+    with pytest.raises(FileNotFoundError, match="No serving config"):
+        se.offload.load_parameter_server(tmp_path / "none.json")
+    with pytest.raises(FileNotFoundError, match="No offloaded table's store"):
+        se.offload.StoreServer(tmp_path)
+
+
+def test_the_offload_namespace_exports_the_serving_names():
+    for name in ("ParameterServer", "ServingStats", "StoreServer", "load_parameter_server"):
+        assert getattr(se.offload, name) is getattr(serving, name) and name in se.offload.__all__
