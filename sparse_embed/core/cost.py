@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -129,12 +129,14 @@ def plan_memory(plan) -> int:
     return sum(memory_per_device(s) for s in plan.stacks)
 
 
-def describe(plan, capacities: Mapping[str, int] | None = None) -> str:
+def describe(plan, capacities: Mapping[str, int] | None = None, offload: Mapping[str, Any] | None = None) -> str:
     """A table of where every table lives, its memory per device and the bytes its stack exchanges.
 
     Bytes are per device and train step (`plan_collective_bytes`), at the
     stacks' explicit capacities, else `capacities` (e.g. `Stats.capacity`),
-    else the cost model's expectation.
+    else the cost model's expectation. Offloaded tables add a line each: the
+    store, the cache and, from `offload` (`Tiers.stats()`), the observed hit
+    rate and rows read and written.
     """
     D, caps = plan.num_shards, capacities or {}
     lines = [f"EmbeddingPlan on {D} device(s) of mesh axis {plan.axis_name!r}: "
@@ -151,6 +153,14 @@ def describe(plan, capacities: Mapping[str, int] | None = None) -> str:
             lines.append(f"{p.table.name:<24} {stack:<24} {where:<16} "
                          f"{f'{p.table.vocabulary_size} x {p.table.embedding_dim}':>16} "
                          f"{_size(per_device):>14} {stack_bytes:>17}")
+    for t in plan.tiered:
+        line = (f"offloaded {t.name!r}: {t.vocabulary_size} rows in {t.storage.path}, a cache of {t.cache_rows} "
+                f"rows ({t.cache_rows / t.vocabulary_size:.1%})")
+        seen = (offload or {}).get(t.name)
+        if seen is not None and seen.lookups:
+            line += (f"; observed: hit rate {seen.hit_rate:.3f} over {seen.lookups} ids, {seen.rows_read} rows "
+                     f"read, {seen.rows_written} written")
+        lines.append(line)
     return "\n".join(lines)
 
 

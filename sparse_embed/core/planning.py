@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sparse_embed.core import cost
+from sparse_embed.core import cost, offload_plan
 from sparse_embed.core import placement as placement_lib
 from sparse_embed.core import placements
 from sparse_embed.core import sparsecore
@@ -287,10 +287,10 @@ class EmbeddingPlan:
         """Bytes of tables and optimizer slots on each device."""
         return cost.plan_memory(self)
 
-    def describe(self, capacities: Mapping[str, int] | None = None) -> str:
+    def describe(self, capacities: Mapping[str, int] | None = None, offload: Mapping[str, Any] | None = None) -> str:
         """A table of where every table lives, its memory per device and the bytes its stack exchanges
-        (`core.cost.describe`)."""
-        return cost.describe(self, capacities)
+        (`core.cost.describe`); offloaded tables' caches, with their hit rates from `offload` (`Tiers.stats()`)."""
+        return cost.describe(self, capacities, offload)
 
     def stack(self, name: str) -> StackPlan:
         for s in self.stacks:
@@ -482,6 +482,7 @@ def plan(
     kernel: Any = "auto",
     placement: str | Mapping[str, str] = placements.DEFAULT,
     memory_budget: int | None = None,
+    offload_to: str | None = None,
     ids_per_sample: float | Mapping[str, float] | None = None,
     stats: Any = None,
     sparsecores: int | None = None,
@@ -511,16 +512,19 @@ def plan(
       placement: "row" (the default), "column", "table", "replicated",
         "auto" (the cost model of `core.placement` chooses per table) or
         `{table: placement}` (others "auto"); see docs/placement.md.
-      memory_budget: bytes of tables and slots per device; "auto" moves tables
+      memory_budget: bytes of tables and slots per device; with `offload_to`,
+        the largest tables go to stores on disk under a cache that fits
+        (`core.offload_plan`), else "auto" moves tables
         to placements cheaper in memory until they fit (else a ValueError).
       ids_per_sample: the cost model's ids per sample, one number or
         `{feature: ids}` (default 1, or what `stats` observed).
       stats: `Stats` of earlier batches (their stacks' traffic, for the cost model).
       sparsecores: SparseCores per device (default: detected; 0 off TPU) that run the stacks they can on TPU.
     """
-    feats, tables, tiered = _cached_features(_normalise_features(features))
     mesh = Mesh(np.array(jax.devices()), ("device",)) if mesh is None else mesh
     axis = _resolve_axis(mesh, axis_name)
+    feats, tables, tiered = _cached_features(_offloaded(_normalise_features(features), memory_budget, offload_to,
+                                                        mesh.shape[axis]))
     num_shards, sc = mesh.shape[axis], sparsecore_layout.count(sparsecores, mesh.devices.flat)
     _check_policies(on_overflow, nonfinite_gradients)
     _check_batch_sizes(feats, num_shards, axis)
@@ -530,6 +534,17 @@ def plan(
                          _fixed_placements(tables, placement), loads, num_shards, memory_budget)
     sparsecore_layout.warn_fallbacks(stacks, sc)  # once, for the stacks chosen (`_fit_budget` tries several)
     return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, _check_kernel(kernel), tiered)
+
+
+def _offloaded(feats: dict[str, FeatureSpec], budget: int | None, where: str | None,
+               num_shards: int) -> dict[str, FeatureSpec]:
+    """The features, their tables offloaded where `offload_to_fit` decides (with a budget and a place)."""
+    if where is None:
+        return feats
+    if budget is None:
+        raise ValueError("offload_to needs a memory_budget: the bytes per device the tables and caches may take.")
+    tables = offload_plan.offload_to_fit(_collect_tables(feats), budget, os.fspath(where), num_shards)
+    return {n: dataclasses.replace(f, table=tables[f.table.name]) for n, f in feats.items()}
 
 
 def _cached_features(feats: dict[str, FeatureSpec]) -> tuple[dict, dict[str, TableSpec], tuple[TableSpec, ...]]:
@@ -572,7 +587,8 @@ def _fit_budget(make, fixed: dict[str, str], loads: dict, num_shards: int,
             raise ValueError(
                 f"No placement fits memory_budget={memory_budget} bytes per device: the plan needs {need} "
                 f"({', '.join(f'{t}: {p}' for t, p in sorted(chosen.items()))}). Give more devices, a larger "
-                "budget or smaller tables, or let more tables be placed \"auto\".")
+                "budget or smaller tables, let more tables be placed \"auto\", or keep the largest on disk "
+                "(offload_to=<directory>, docs/offload.md).")
         chosen[move[0]] = move[1]
 
 
