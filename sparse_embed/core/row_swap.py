@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from sparse_embed.core.initializers import seeds, truncated_normal_rows
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.relayout import TABLE_KEY, stack_rows
+from sparse_embed.core.specs import TableSpec
 from sparse_embed.core.state import EmbeddingVariables
 
 
@@ -35,12 +36,11 @@ def cache_positions(stack: StackPlan) -> np.ndarray:
     return where[:stack.tables[0].table.vocabulary_size].astype(np.int32)
 
 
-def fresh_rows(stack: StackPlan, table_key: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
-    """`{"table": [n, dim], slot: [n, width]}`: the initial values of rows `ids` (uint32) of the stack's table."""
-    t = stack.tables[0].table
+def fresh_rows(t: TableSpec, table_key: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
+    """`{"table": [n, dim], slot: [n, width]}`: the initial values of rows `ids` (uint32) of table `t`."""
     out = {TABLE_KEY: truncated_normal_rows(seeds(table_key), ids, t.embedding_dim,
                                            t.resolved_initializer.stddev, t.dtype)}
-    for name, spec in stack.optimizer.slots(t.embedding_dim).items():
+    for name, spec in t.resolved_optimizer.slots(t.embedding_dim).items():
         out[name] = jnp.full((ids.shape[0], spec.width), spec.init, jnp.float32)
     return out
 
@@ -66,7 +66,7 @@ def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariable
       the write (replicated; zeros at padding).
     """
     stack = plan.stack(stack_name)
-    new = fresh_rows(stack, table_key, fresh_ids)
+    new = fresh_rows(stack.tables[0].table, table_key, fresh_ids)
     fill = {k: jnp.where(fresh[:, None], new[k], v) for k, v in fill.items()}
     arrays = {TABLE_KEY: variables.table, **variables.slots}
     axis, rps = plan.axis_name, stack.rows_per_shard

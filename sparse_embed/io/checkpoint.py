@@ -94,6 +94,7 @@ class CheckpointManager:
         needs their `id_maps` (saved with them, in id order).
         """
         step = int(step)
+        _no_offloaded(plan)
         if not force and not self._manager.should_save(step):
             return False
         check_state(plan, tables)
@@ -146,6 +147,7 @@ class CheckpointManager:
           allow_vocab_growth: allow tables with a larger vocabulary than saved;
             new rows get the initializer (from `rng`) and fresh slots.
         """
+        _no_offloaded(plan)
         kwargs = dict(user=user, allow_vocab_growth=allow_vocab_growth, rng=rng)
         if step is not None:
             return self._restore(plan, self._step_dir(step), **kwargs)
@@ -179,3 +181,13 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _no_offloaded(plan: EmbeddingPlan) -> None:
+    """An offloaded table's checkpoint is its store's commit (docs/offload.md), not a copy through orbax."""
+    if plan.tiered:
+        names = ", ".join(repr(t.name) for t in plan.tiered)
+        raise ValueError(f"Tables {names} are offloaded: their store is their checkpoint. Commit it with "
+                         "`tables = tiers.flush(tables, step)` (only the rows changed since the last commit are "
+                         "written), and checkpoint the other tables with a plan without them; "
+                         "sparse_embed.offload.store_state / write_store move a store to an in-memory table and back.")
