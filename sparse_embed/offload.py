@@ -17,13 +17,13 @@ first use.
 
 from sparse_embed import _lazy
 
-__all__ = ["CorruptStoreError", "Offload", "ParameterServer", "ServingStats", "StoreServer", "Swap", "TierStats",
+__all__ = ["CorruptStoreError", "Offload", "ParameterServer", "ServingStats", "StoreServer", "Swap", "TierStats", "TieredItem",
            "Tiers", "load_parameter_server", "store_state", "write_store"]
 
 __getattr__, __dir__ = _lazy.attach(__name__, {
     "sparse_embed.core.specs": ("Offload",),
     "sparse_embed.tiers.store": ("CorruptStoreError",),
-    "sparse_embed.tiers.tiered": ("Swap", "TierStats", "Tiers"),
+    "sparse_embed.tiers.tiered": ("Swap", "TierStats", "TieredItem", "Tiers"),
     "sparse_embed.tiers.convert": ("store_state", "write_store"),
     "sparse_embed.tiers.serving": ("ParameterServer", "ServingStats", "StoreServer", "load_parameter_server"),
 })

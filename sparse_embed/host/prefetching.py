@@ -56,7 +56,6 @@ class Prefetched(NamedTuple):
     batch: dict[str, ShardedCooMatrix]
     stats: Stats
     item: Any
-    swap: Any = None  # a plan with offloaded tables: what `Tiers.swap` does before this batch's step
 
 
 class _End:

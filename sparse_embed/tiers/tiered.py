@@ -40,7 +40,7 @@ from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import table_key
 from sparse_embed.host import ids as ids_lib
 from sparse_embed.host import native
-from sparse_embed.host.prefetching import Prefetched, Prefetcher, _check_buffer_size, _split
+from sparse_embed.host.prefetching import Prefetcher, _check_buffer_size, _split
 from sparse_embed.host.preprocessing import preprocess_cached
 from sparse_embed.tiers.cache import Admission, CacheMap
 from sparse_embed.tiers.store import RowStore, slot_specs
@@ -84,6 +84,15 @@ class _TableSwap(NamedTuple):
     misses: np.ndarray  # int64 [m] the table rows it brings in
     slots: np.ndarray  # int32 [m] the cache rows they go to
     used: np.ndarray  # int32 the cache rows of every id of the batch (repeats allowed)
+
+
+class TieredItem(NamedTuple):
+    """One item of `Tiers.prefetch`: `prefetch`'s `(batch, stats, item)` and the batch's `swap`."""
+
+    batch: dict[str, Any]
+    stats: Any
+    item: Any
+    swap: "Swap"
 
 
 class Swap(NamedTuple):
@@ -378,15 +387,15 @@ class Tiers:
     # ------------------------------------------------------------------ conveniences
     def prefetch(self, batches: Iterable[Any], *, inputs: Callable[[Any], Any] | None = None,
                  buffer_size: int = 2, train: bool = True) -> Prefetcher:
-        """`sparse_embed.prefetch` for this plan: items `Prefetched(batch, stats, item, swap)`, their misses read
+        """`sparse_embed.prefetch` for this plan: items `TieredItem(batch, stats, item, swap)`, their misses read
         `buffer_size` batches ahead of the loop."""
         buffer_size = _check_buffer_size(buffer_size)
 
-        def prepare(item: Any) -> Prefetched:
+        def prepare(item: Any) -> TieredItem:
             ids, weights = _split(item, inputs)
             batch, stats, swap = self.preprocess(ids, weights, train=train)
             jax.block_until_ready((batch, [s.placed for s in swap.tables.values()]))
-            return Prefetched(batch, stats, item, swap)
+            return TieredItem(batch, stats, item, swap)
 
         return _TimedPrefetcher(self, prepare, iter(batches), buffer_size)
 
@@ -411,7 +420,7 @@ class _TimedPrefetcher(Prefetcher):
         super().__init__(prepare, source, buffer_size)
         self._tiers = tiers
 
-    def __next__(self) -> Prefetched:
+    def __next__(self) -> TieredItem:
         t0 = time.perf_counter()
         item = super().__next__()
         waited = time.perf_counter() - t0
