@@ -783,3 +783,13 @@ def test_take_rows_equals_numpy_on_each_kernel(q, e):
     for k in kernels:
         got = jax.jit(k.take_rows, static_argnums=2)(jnp.asarray(values), jnp.asarray(index), 777)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=type(k).__name__)
+
+
+def test_native_key_sets_on_each_lower_instruction_set():
+    """The key-set and take_rows tests above again, in a process capped to each instruction set below the CPU's
+    best (last in the file: the capped processes find the programs the tests above compiled in this process's
+    cache; test_kernels.py reruns its kernel tests the same way)."""
+    from lower_isa import rerun_on_each_lower_isa
+
+    require_native("kernel")
+    rerun_on_each_lower_isa(__file__, "key_set_finds_exactly or take_rows", passed_at_least=12)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
-import platform
+import pickle
 import re
 import subprocess
 import sys
@@ -18,7 +19,8 @@ import pytest
 
 import sparse_embed as se
 import test_lookup
-from conftest import XLA_CACHE_ENV, make_mesh
+from conftest import make_mesh
+from lower_isa import ISAS, cpu_isas, rerun_on_each_lower_isa
 from sparse_embed import optimizers as opt
 from sparse_embed.core import kernels
 from sparse_embed.core.collectives import kernel_stack
@@ -223,6 +225,31 @@ def _train(kernel, optimizer, mesh, *, max_norm=None, dtype=jnp.float32, steps=3
     return jax.tree.map(np.asarray, (outs, se.unstack_state(plan, tables)))
 
 
+# The generic kernel's results of `_train`, by case: computed once per process, and handed to the capped processes
+# of the file's last test in a file ($SPARSE_EMBED_TESTS_GENERIC_RESULTS): the generic kernel's programs do not
+# depend on the native kernel's instruction set, so those processes compare their native results with these.
+_GENERIC_ENV = "SPARSE_EMBED_TESTS_GENERIC_RESULTS"
+_GENERIC: dict[str, tuple] = {}
+
+
+@functools.cache
+def _handed_generic_results() -> dict[str, tuple]:
+    path = os.environ.get(_GENERIC_ENV)
+    if not path:
+        return {}
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _generic(name: str, devices: int, **kw):
+    """`_train` on the generic kernel, for the case `name` on `devices` devices (the same inputs every time)."""
+    key = repr((name, devices, sorted((k, jnp.dtype(v).name if k == "dtype" else v) for k, v in kw.items())))
+    if key not in _GENERIC:
+        handed = _handed_generic_results()
+        _GENERIC[key] = handed[key] if key in handed else _train("generic", CASES[name], make_mesh(devices), **kw)
+    return _GENERIC[key]
+
+
 @needs_native
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("max_norm", [None, 0.4], ids=["plain", "max_norm"])
@@ -231,7 +258,7 @@ def test_native_agrees_with_generic(name, max_norm, devices):
     # Width 8 on one device, 32 on two: the native loops for a width known only at run time, and compiled for
     # a common one (16, 32, 64, 128).
     mesh, dim = make_mesh(devices), 8 if devices == 1 else 32
-    want = _train("generic", CASES[name], mesh, max_norm=max_norm, dim=dim)
+    want = _generic(name, devices, max_norm=max_norm, dim=dim)
     got = _train("native", CASES[name], mesh, max_norm=max_norm, dim=dim)
     # Activations: the native forward sums a sample's rows in table-row order, the generic one in input order.
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got[0], want[0])
@@ -248,7 +275,7 @@ def test_native_agrees_with_generic(name, max_norm, devices):
                                                  ("adagrad", None, jnp.bfloat16)])
 def test_native_agrees_with_generic_at_every_width(dim, name, max_norm, dtype):
     """Widths the native forward pools in registers (16, 64, 128) and one it does not (24; the others use 8)."""
-    want = _train("generic", CASES[name], make_mesh(2), max_norm=max_norm, dtype=dtype, dim=dim)
+    want = _generic(name, 2, max_norm=max_norm, dtype=dtype, dim=dim)
     got = _train("native", CASES[name], make_mesh(2), max_norm=max_norm, dtype=dtype, dim=dim)
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.float32(x), np.float32(y), rtol=tol, atol=tol), got, want)
@@ -259,7 +286,7 @@ def test_native_agrees_with_generic_at_every_width(dim, name, max_norm, dtype):
 @needs_native
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])
 def test_native_bf16_tables_agree_with_generic(name):
-    want = _train("generic", CASES[name], make_mesh(8), dtype=jnp.bfloat16)
+    want = _generic(name, 8, dtype=jnp.bfloat16)
     got = _train("native", CASES[name], make_mesh(8), dtype=jnp.bfloat16)
     assert got[1]["a"]["table"].dtype == jnp.bfloat16
     # bf16 rows: a 1-ulp difference in f32 may round to the neighbouring bf16 value
@@ -270,57 +297,18 @@ def test_native_bf16_tables_agree_with_generic(name):
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
 def test_native_skips_nonfinite_rows_like_generic(name):
     """A NaN cotangent on step 1: every touched row keeps its values on both kernels."""
-    want = _train("generic", CASES[name], make_mesh(2), bad_step=1)
+    want = _generic(name, 2, bad_step=1)
     got = _train("native", CASES[name], make_mesh(2), bad_step=1)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got[1], want[1])
     assert all(np.isfinite(v).all() for t in got[1].values() for v in t.values())
 
 
 # ---------------------------------------------------------------- instruction sets
-_ISAS = ["avx512", "avx2", "baseline"]  # best first
-
-
-def _cpu_isas() -> list[str]:
-    """The instruction sets the native hot loops can run on here, best first (from /proc/cpuinfo)."""
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text().split() if platform.machine() == "x86_64" and cpuinfo.exists() else []
-    return [i for i in _ISAS if i == "baseline" or {"avx512": "avx512f", "avx2": "avx2"}[i] in flags]
-
-
 @needs_native
 def test_native_runs_on_the_best_instruction_set_under_the_cap():
     """The CPU's best instruction set, or the best at or below `$SPARSE_EMBED_NATIVE_ISA`."""
-    cap = _ISAS.index(os.environ.get(native_cpu.ISA_ENV) or "avx512")
-    assert native_cpu.isa() == next(i for i in _cpu_isas() if _ISAS.index(i) >= cap)
-
-
-# Run again in a process capped to each lower instruction set: the kernels against generic and numpy.
-_ON_EACH_ISA = ("agrees_with_generic_at_every_width or skips_nonfinite or forward_of_any_entry_order or thread_count"
-                " or key_set_finds_exactly or take_rows or best_instruction_set or (agrees_with_generic and 2-)")
-
-
-@needs_native
-def test_native_agrees_with_generic_on_each_lower_instruction_set():
-    """The kernel tests again in a process capped to each instruction set below the CPU's best, one after the
-    other, each in one process (no pytest workers: no two writers of the cache). They share one XLA compilation
-    cache: the programs are the same (the instruction set is chosen inside the C++ code when it runs), so the
-    second process compiles nothing the first did."""
-    if os.environ.get(native_cpu.ISA_ENV):
-        pytest.skip("this process is itself capped")
-    lower = _ISAS[_ISAS.index(_cpu_isas()[0]) + 1:]
-    if not lower:
-        pytest.skip(f"this CPU's best is {_cpu_isas()[0]}: the rest of the suite runs on it")
-    here = pathlib.Path(__file__).parent
-    with tempfile.TemporaryDirectory(prefix="sparse_embed_isa_xla_cache_") as cache:
-        for isa in lower:
-            out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-                                  "-k", _ON_EACH_ISA,
-                                  str(here / "test_kernels.py"), str(here / "test_id_maps.py")],
-                                 env=dict(os.environ, **{native_cpu.ISA_ENV: isa, XLA_CACHE_ENV: cache}),
-                                 capture_output=True, text=True)
-            passed = re.search(r"(\d+) passed", out.stdout)
-            assert out.returncode == 0 and passed and int(passed.group(1)) >= 50, (
-                isa, out.stdout[-3000:] + out.stderr[-3000:])
+    cap = ISAS.index(os.environ.get(native_cpu.ISA_ENV) or "avx512")
+    assert native_cpu.isa() == next(i for i in cpu_isas() if ISAS.index(i) >= cap)
 
 
 _MOVES_NOTHING = {"parameter", "custom-call", "get-tuple-element", "bitcast", "tuple"}
@@ -499,3 +487,22 @@ def test_native_forward_of_any_entry_order_matches_numpy(dim, order, blocks):
             np.add.at(want[d], rows[d][ok], table[cols[d][ok]].astype(np.float64) * vals[d][ok, None])
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
         assert not got[:, 1 - i % 2::2].any()  # rows without entries are zero
+
+
+# ---------------------------------------------------------------- each lower instruction set (the file's last test)
+# Run again in a process capped to each lower instruction set: the kernels against generic and numpy
+# (test_id_maps.py reruns its key-set and take_rows tests the same way).
+_ON_EACH_ISA = ("agrees_with_generic_at_every_width or skips_nonfinite or forward_of_any_entry_order or thread_count"
+                " or best_instruction_set or (agrees_with_generic and 2-)")
+
+
+@needs_native
+def test_native_agrees_with_generic_on_each_lower_instruction_set():
+    """The kernel tests above again, in a process capped to each instruction set below the CPU's best (last in
+    the file: the capped processes find the programs the tests above compiled in this process's cache, and
+    compare their native results with the generic results the tests above computed here)."""
+    with tempfile.TemporaryDirectory(prefix="sparse_embed_generic_results_") as tmp:
+        handed = os.path.join(tmp, "generic.pkl")
+        with open(handed, "wb") as f:
+            pickle.dump(_GENERIC, f)
+        rerun_on_each_lower_isa(__file__, _ON_EACH_ISA, passed_at_least=52, env={_GENERIC_ENV: handed})
