@@ -1,0 +1,281 @@
+"""Offloaded tables' errors: each names the table (or the feature) and says what to do; a damaged or foreign
+store is a `CorruptStoreError`, never a silently wrong row; a rejected batch leaves `Tiers` as it was."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparse_embed as se
+from conftest import make_mesh
+from test_offload_training import (Feat, assert_equal, assert_store_equals, inputs, make_batches, make_specs,
+                                   reset_stores, touched_rows, train_in_memory, train_step, train_tiered)
+
+V, D, B = 500, 8, 16
+
+
+def _spec(path, name="t", cache_rows=64, **kw) -> se.TableSpec:
+    kw.setdefault("optimizer", se.optimizers.SGD(0.1))
+    return se.TableSpec(name, V, D, storage=se.offload.Offload(str(path), cache_rows), **kw)
+
+
+def _plan(*tables: se.TableSpec, batch: int = B) -> se.EmbeddingPlan:
+    return se.plan([se.FeatureSpec(f"f_{t.name}", t, batch) for t in tables], make_mesh(1))
+
+
+def _ids(*rows, batch: int = B) -> np.ndarray:
+    """`[batch, 1]` ids: `rows`, then copies of the first."""
+    out = np.full((batch, 1), rows[0], np.int64)
+    out[:len(rows), 0] = rows
+    return out
+
+
+# ------------------------------------------------------------------------------ bad batches
+def test_cache_smaller_than_one_batch(tmp_path):
+    plan = _plan(_spec(tmp_path / "t", cache_rows=8))
+    tiers = se.offload.Tiers(plan, jax.random.key(0))
+    try:
+        with pytest.raises(ValueError, match=r"Table 't': a batch reads 16 distinct rows, more than its cache of 8 "
+                                             r"rows \(Offload\(cache_rows=\.\.\.\)\)"):
+            tiers.preprocess({"f_t": _ids(*range(16))})
+        tiers.preprocess({"f_t": _ids(*range(8))})  # a batch that fits still goes through
+    finally:
+        tiers.close()
+
+
+@pytest.mark.parametrize("bad", [V, 10**12, -2])
+def test_ids_out_of_range_of_the_table(tmp_path, bad):
+    """Ids are checked against the whole table (`vocabulary_size`), not its cache, and name the feature."""
+    plan = _plan(_spec(tmp_path / "t"))
+    tiers = se.offload.Tiers(plan, jax.random.key(0))
+    try:
+        tiers.preprocess({"f_t": _ids(V - 1, 0)})  # the last row of the table: far past the cache, fine
+        with pytest.raises(ValueError, match=rf"Feature 'f_t' \(table 't'\): id {bad} in sample 3"):
+            tiers.preprocess({"f_t": _ids(1, 2, 3, bad)})
+    finally:
+        tiers.close()
+
+
+def test_plain_preprocess_refuses_an_offloaded_table(tmp_path):
+    plain = se.TableSpec("plain", V, D)
+    plan = _plan(_spec(tmp_path / "t"), plain)
+    ids = {"f_t": _ids(1), "f_plain": _ids(1)}
+    with pytest.raises(ValueError, match=r"Tables 't' are offloaded \(storage=Offload\(\.\.\.\)\): preprocess their "
+                                         r"batches with sparse_embed\.Tiers"):
+        se.preprocess(plan, ids)
+    with pytest.raises(ValueError, match=r"Tables 't' are offloaded"):
+        next(iter(se.prefetch(plan, [ids])))
+
+
+def test_swaps_out_of_order(tmp_path):
+    plan = _plan(_spec(tmp_path / "t"))
+    rng = jax.random.key(0)
+    tiers = se.offload.Tiers(plan, rng)
+    try:
+        tables = se.init_tables(plan, rng)
+        _, _, first = tiers.preprocess({"f_t": _ids(1)})
+        _, _, second = tiers.preprocess({"f_t": _ids(2)})
+        tables = tiers.swap(tables, first)
+        with pytest.raises(ValueError, match=r"Tiers\.swap: .*swap 0.*(expected|next is) 1"):
+            tiers.swap(tables, first)  # twice
+        tables = tiers.swap(tables, second)
+        other = se.offload.Tiers(_plan(_spec(tmp_path / "u", name="t")), rng)
+        try:
+            _, _, foreign = other.preprocess({"f_t": _ids(3)})
+            with pytest.raises(ValueError, match=r"Tiers\.swap: "):
+                tiers.swap(tables, foreign)  # another Tiers' swap (its index 0 already ran here)
+        finally:
+            other.close()
+    finally:
+        tiers.close()
+
+
+def test_swap_ahead_of_its_turn(tmp_path):
+    """A swap handed in before an earlier one (whose batch a closed prefetcher dropped) runs the earlier one
+    first; the earlier one then does not run again."""
+    plan = _plan(_spec(tmp_path / "t"))
+    rng = jax.random.key(0)
+    tiers = se.offload.Tiers(plan, rng)
+    try:
+        tables = se.init_tables(plan, rng)
+        _, _, first = tiers.preprocess({"f_t": _ids(1)})
+        _, _, second = tiers.preprocess({"f_t": _ids(2)})
+        tables = tiers.swap(tables, second)
+        with pytest.raises(ValueError, match=r"Tiers\.swap: swap 0 already ran .*the next is 2"):
+            tiers.swap(tables, first)
+    finally:
+        tiers.close()
+
+
+# ------------------------------------------------------------------------------ a damaged or foreign store
+def _train_and_flush(path, steps: int = 4, **kw):
+    """Trains table "t" (feature "f") a few steps into the store at `path`, flushes; returns `(plan, batches)`."""
+    feats = [Feat("f", "t")]
+    batches = make_batches(feats, steps, seed=11)
+    _, tier_f = make_specs({"t": (se.optimizers.SGD(0.1), "sum")}, feats, str(path), **kw)
+    plan = se.plan(tier_f, make_mesh(1))
+    rng = jax.random.key(0)
+    tiers = se.offload.Tiers(plan, rng)
+    _, tables = train_tiered(tiers, plan, se.init_tables(plan, rng), batches)
+    tiers.flush(tables, steps)
+    tiers.close()
+    return plan, batches
+
+
+def test_a_flipped_byte_is_a_corrupt_store(tmp_path):
+    """A byte of a stored row flipped on disk: the batch that reads the row raises a `CorruptStoreError` naming
+    the table and the row, through `preprocess` and again through `prefetch` (the refused batch did not leave
+    the row in the cache, where the next batch would have found it without reading the store)."""
+    plan, batches = _train_and_flush(tmp_path)
+    rng = jax.random.key(0)
+    tiers = se.offload.Tiers(plan, rng)
+    store = tiers.tables["t"].store
+    row = int(np.flatnonzero(store.written)[17])
+    offset = row * store.record_bytes + 4 * 3 + 1  # a byte of the row's fourth value
+    tiers.close()
+    path = os.path.join(plan.features["f"].table.storage.path, "records", "c", "0", "0")
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+    tiers = se.offload.Tiers(plan, rng)  # opens: the damage shows when the row is read
+    try:
+        tables = se.init_tables(plan, rng)
+        ids = batches[0]["ids"]["f"].copy()
+        ids[0, 0] = row
+        with pytest.raises(se.offload.CorruptStoreError, match=rf"Table 't': row {row} of the store at .* fails its "
+                                                               r"checksum"):
+            tiers.preprocess({"f": ids})
+        with pytest.raises(se.offload.CorruptStoreError, match=rf"Table 't': row {row} "):
+            for item in tiers.prefetch([{"f": ids}]):
+                tiers.swap(tables, item.swap)
+    finally:
+        tiers.close()
+
+
+@pytest.mark.parametrize("change", [
+    dict(dim=16), dict(optimizer=se.optimizers.Adagrad(0.1)), dict(optimizer=se.optimizers.RowwiseAdagrad(0.1)),
+    dict(vocab=V + 1)], ids=["dim", "adagrad", "rowwise", "vocab"])
+def test_a_store_of_another_table(tmp_path, change):
+    """A store never opens under another table's spec: another dim, optimizer (slots) or vocabulary size."""
+    tiers = se.offload.Tiers(_plan(_spec(tmp_path)), jax.random.key(0))
+    tiers.close()
+    spec = se.TableSpec("t", change.get("vocab", V), change.get("dim", D),
+                        optimizer=change.get("optimizer", se.optimizers.SGD(0.1)),
+                        storage=se.offload.Offload(str(tmp_path), 64))
+    with pytest.raises(se.offload.CorruptStoreError, match=r"Table 't': the store at .* holds another table"):
+        se.offload.Tiers(_plan(spec), jax.random.key(0))
+    tiers = se.offload.Tiers(_plan(_spec(tmp_path, cache_rows=100)), jax.random.key(0))  # the same table: opens
+    tiers.close()
+
+
+# ------------------------------------------------------------------------------ specs
+@pytest.mark.parametrize("kw, match", [
+    (dict(dynamic=se.Dynamic()), r"Table 't': a raw-id table \(dynamic=\) cannot be offloaded"),
+    (dict(dtype=jnp.bfloat16), r"Table 't': an offloaded table stores float32 rows, got dtype"),
+    (dict(dtype=jnp.float16), r"Table 't': an offloaded table stores float32 rows"),
+    (dict(initializer=jax.nn.initializers.zeros), r"Table 't': an offloaded table's rows are generated when first "
+                                                  r"read, so its initializer must be positional"),
+    (dict(initializer=jax.nn.initializers.truncated_normal(0.1)), r"Table 't': .* initializer must be positional"),
+], ids=["dynamic", "bfloat16", "float16", "zeros", "jax-truncated-normal"])
+def test_table_spec_validation(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        se.TableSpec("t", V, D, storage=se.offload.Offload(str(tmp_path), 64), **kw)
+
+
+def test_positional_initializer_is_accepted(tmp_path):
+    spec = se.TableSpec("t", V, D, initializer=se.initializers.truncated_normal(0.05),
+                        storage=se.offload.Offload(str(tmp_path), 64))
+    assert spec.cache_rows == 64
+    assert se.TableSpec("t", V, D, storage=se.offload.Offload(str(tmp_path), 10 * V)).cache_rows == V
+
+
+@pytest.mark.parametrize("cache_rows", [0, -1, 1.5, "64", True])
+def test_cache_rows_must_be_positive(tmp_path, cache_rows):
+    with pytest.raises((ValueError, TypeError), match=r"Offload: cache_rows"):
+        se.offload.Offload(str(tmp_path), cache_rows)
+
+
+def test_storage_must_be_an_offload(tmp_path):
+    with pytest.raises(TypeError, match=r"Table 't': storage must be a sparse_embed\.Offload"):
+        se.TableSpec("t", V, D, storage=str(tmp_path))
+
+
+@pytest.mark.parametrize("placement", ["column", "table", "replicated"])
+def test_offloaded_table_placement(tmp_path, placement):
+    """An offloaded table's cache is placed by rows; another placement names the table."""
+    feats = [se.FeatureSpec("f", _spec(tmp_path), B)]
+    assert se.plan(feats, make_mesh(2), placement={"t": "row"}).tiered
+    with pytest.raises(ValueError, match=r"Table 't' is offloaded \(storage=\.\.\.\): its cache is placed by rows"):
+        se.plan(feats, make_mesh(2), placement={"t": placement})
+
+
+def test_tiers_needs_an_offloaded_table():
+    plan = se.plan([se.FeatureSpec("f", se.TableSpec("t", V, D), B)], make_mesh(1))
+    with pytest.raises(ValueError, match=r"Tiers: the plan has no offloaded table"):
+        se.offload.Tiers(plan, jax.random.key(0))
+
+
+# ------------------------------------------------------------------------------ a rejected batch changes nothing
+REJECTS = {
+    # a bad id of the ordinary feature: found by the plan's preprocess, after the offloaded tables' admission
+    "ordinary-id": (lambda b: {**b, "ids": {**b["ids"], "p": np.where(b["ids"]["p"] == b["ids"]["p"][0, 0], 10**6,
+                                                                     b["ids"]["p"])}},
+                    r"Feature 'p' \(table 'p'\): id 1000000 in sample 0 is out of range"),
+    # the second offloaded table's cache overflows, after the first one admitted its rows
+    "second-cache": (lambda b: {**b, "ids": {**b["ids"], "z": np.arange(b["ids"]["z"].size).reshape(
+        b["ids"]["z"].shape) * 3}}, r"Table 'z': a batch reads 128 distinct rows, more than its cache of 120"),
+    # a missing ordinary feature
+    "missing": (lambda b: {**b, "ids": {k: v for k, v in b["ids"].items() if k != "p"}},
+                r"missing features \['p'\]"),
+    # a NaN weight of an offloaded feature (found before any admission)
+    "nan-weight": (lambda b: {**b, "weights": {"a": np.full(b["ids"]["a"].shape, np.nan, np.float32)}},
+                   r"Feature 'a' \(table 'a'\): .*weight"),
+}
+
+
+def test_a_rejected_batch_leaves_tiers_as_it_was(tmp_path):
+    """A batch `preprocess` refuses (a ValueError naming what is wrong) neither admits rows nor takes a swap
+    index, wherever it is found: before each good batch, one of each kind is refused, and training equals
+    in-memory training without them."""
+    tables = {"a": (se.optimizers.Adagrad(0.1), "sum"), "z": (se.optimizers.SGD(0.1), "mean"),
+              "p": (se.optimizers.SGD(0.1), "sum")}
+    feats = [Feat("a", "a"), Feat("z", "z"), Feat("p", "p")]
+    mesh, rng = make_mesh(1), jax.random.key(6)
+    batches = make_batches(feats, 5, seed=12)
+    mem_f, tier_f = make_specs(tables, feats, str(tmp_path), cache_rows=120, tiered=["a", "z"])
+    mem_losses, state = train_in_memory(mem_f, mesh, batches, rng)
+    plan = se.plan(tier_f, mesh)
+    tiers = se.offload.Tiers(plan, rng)
+    step_fn = train_step(plan)
+    try:
+        out, losses = se.init_tables(plan, rng), []
+        for i, b in enumerate(batches):
+            for reject, match in REJECTS.values():
+                with pytest.raises(ValueError, match=match):
+                    tiers.preprocess(*inputs(reject(b)))
+            batch, _, swap = tiers.preprocess(*inputs(b))
+            out = tiers.swap(out, swap)
+            loss, out = step_fn(out, batch, i)
+            losses.append(np.asarray(loss))
+        out = tiers.flush(out, len(batches))
+        assert_equal(losses, mem_losses, what="losses")
+        assert_store_equals(tiers, state, touched_rows([f for f in feats if f.table != "p"], batches))
+        counted = tiers.stats()
+    finally:
+        tiers.close()
+    reset_stores(tier_f)  # the same batches without the refused ones count the same
+    tiers = se.offload.Tiers(plan, rng)
+    try:
+        train_tiered(tiers, plan, se.init_tables(plan, rng), batches)
+        for name, s in tiers.stats().items():
+            c = counted[name]
+            assert (c.lookups, c.hits, c.misses, c.fresh) == (s.lookups, s.hits, s.misses, s.fresh), (name, c, s)
+    finally:
+        tiers.close()
