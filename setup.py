@@ -1,7 +1,6 @@
 """Builds the optional native code (metadata: pyproject.toml).
 
 - `sparse_embed.host._native` (C, the CPython API only): preprocessing's kernels.
-- `sparse_embed.tiers._rowio` (C, the CPython API only): an offloaded table's positional row I/O.
 - `sparse_embed.core.kernels._native_cpu` (C++17, XLA's typed FFI): the native CPU kernel of the lookup
   and of the raw-id map's key search.
   Its headers ship with jaxlib (`jaxlib/include`), a build requirement in pyproject.toml.
@@ -34,9 +33,6 @@ extensions = [
         extra_compile_args=["-O3", "-ffp-contract=off"],
         optional=True,
     ),
-    # C, the CPython API only: an offloaded table's row reads and write-backs (pread/pwrite, GIL released)
-    Extension("sparse_embed.tiers._rowio", ["sparse_embed/tiers/_rowio.c"], extra_compile_args=["-O2"],
-              optional=True),
 ]
 if ffi_include_dir() is not None:
     extensions.append(
