@@ -177,6 +177,22 @@ def test_refresh_picks_up_the_next_commit_and_never_serves_a_stale_cached_row(tm
     trainer.tiers.close()
 
 
+def test_many_misses_are_read_on_several_threads_with_their_checksums_checked(tmp_path):
+    path = str(tmp_path)
+    _row_store(path, np.arange(0, 4000, 2), vocab=4000)
+    want, written = reference(path, 4000)
+    ids = np.random.default_rng(2).permutation(4000)
+    with se.offload.StoreServer(path, read_threads=4, refresh_seconds=None) as server:
+        np.testing.assert_array_equal(server.lookup(ids), np.where(written[ids, None], want[ids], 0.0))
+        assert server.stats().rows_read == 2000 and server.stats().read_seconds > 0
+    with open(os.path.join(path, "records", "c", "0", "0"), "r+b") as f:
+        f.seek(3002 * WIDTH * 4)
+        f.write(b"\x01")
+    with se.offload.StoreServer(path, read_threads=4, retries=1, retry_seconds=0) as server:
+        with pytest.raises(CorruptStoreError, match="row 3002 "):
+            server.lookup(ids)
+
+
 def test_a_server_that_missed_more_commits_than_kept_drops_its_whole_cache(tmp_path):
     path = str(tmp_path)
     store = _row_store(path, np.arange(10))
