@@ -16,7 +16,7 @@ import pytest
 import sparse_embed as se
 from sparse_embed import cli
 from sparse_embed.io import integrity, store
-from conftest import make_mesh
+from conftest import make_mesh, require_native
 from old_checkpoints import save_old
 
 # orbax leaves a tensorstore future behind when a read fails; its callback may fire after its event
@@ -57,6 +57,63 @@ def test_checksum_matches_reference_on_host_and_every_sharding(mesh8, dtype, nat
                      jax.sharding.PartitionSpec()):
             d = jax.device_put(x, jax.sharding.NamedSharding(mesh8, spec))
             assert integrity.checksum(d) == want and integrity.checksum(d, 10) == reference_checksum(x, 10), spec
+
+
+def _crc32c(data: bytes) -> int:
+    """CRC-32C by its definition, bit by bit (reflected polynomial 0x82F63B78)."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+    return crc ^ 0xFFFFFFFF
+
+
+_NATIVE_RESULTS = """
+import json, sys, numpy as np
+from sparse_embed.host.native import extension
+m, rng, out = extension(), np.random.default_rng(7), []
+for n in (0, 1, 7, 8, 9, 767, 768, 771, 2053):
+    x = rng.integers(0, 256, n + 5, dtype=np.uint8)
+    for off in (0, 3):
+        for size in (1, 2, 4, 8):
+            v = x[off: off + n // size * size]
+            out.append([m.crc32c(v.tobytes()), *m.checksum(v.view(f"u{size}"), size, 2**32 - 9 + off)])
+print(json.dumps(out))
+"""
+
+
+def test_native_crc32c_and_checksum_match_their_definitions_with_and_without_simd(tmp_path):
+    """The C extension's CRC-32C (what zarr3's crc32c codec stores after each chunk) and checksum sums: the
+    standard check value, the CRC tensorstore stored for a chunk, chaining, the reference sums; and the SIMD
+    loops (crc32 instruction, AVX2) give the same as the portable ones ($SPARSE_EMBED_NATIVE_ISA=baseline)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from sparse_embed.host.native import extension
+
+    require_native("preprocess")
+    m = extension()
+    assert m.crc32c(b"123456789") == 0xE3069283 == _crc32c(b"123456789")
+    data = np.random.default_rng(3).integers(0, 256, 3001, dtype=np.uint8).tobytes()
+    for n in (0, 1, 13, 768, 3001):
+        assert m.crc32c(data[:n]) == _crc32c(data[:n]), n
+        assert m.crc32c(data[n // 3: n], m.crc32c(data[: n // 3])) == _crc32c(data[:n]), n
+    x = np.random.default_rng(4).normal(size=(100, 3)).astype(np.float32)
+    store.write_host(str(tmp_path), {"t": {"table": x}})
+    chunk = (pathlib.Path(store.array_path(str(tmp_path), "t", "table")) / "c" / "0" / "0").read_bytes()
+    assert m.crc32c(chunk[:-4]) == int.from_bytes(chunk[-4:], "little")
+    for w in (x[:3], x[:50]):
+        assert "%08x%08x" % m.checksum(w, 4, 0) == reference_checksum(w)
+    runs = {}
+    for isa in ("native", "baseline"):
+        env = {**os.environ, "SPARSE_EMBED_NATIVE_ISA": isa}
+        done = subprocess.run([sys.executable, "-c", _NATIVE_RESULTS], env=env, capture_output=True, text=True,
+                              check=True)
+        runs[isa] = json.loads(done.stdout)
+    assert runs["native"] == runs["baseline"]
 
 
 def test_checksum_changes_with_every_single_bit_and_with_swapped_words():
