@@ -993,7 +993,21 @@ ffi::Error Backward(ffi::ThreadPool pool, I32Matrix cols, I32Matrix rows, F32Mat
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------ an array left uninitialized
+
+// An output that XLA allocates and this leaves as it is: the state a restore reads every row into (see
+// sparse_embed/io/direct.py), where XLA's zero fill would fault in every page on one thread before the reads
+// (which fault them in on several, a chunk at a time, with MADV_POPULATE_WRITE). Not on huge pages: faulting
+// those in costs more here (compaction) than the TLB misses they save; a training step's kernel collapses a
+// table's pages later (hugepages::advise).
+ffi::Error Uninitialized(ffi::Result<ffi::AnyBuffer> out) {
+  (void)out;
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedUninitialized, Uninitialized, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedForward, Forward,
                               ffi::Ffi::Bind()
@@ -1047,7 +1061,8 @@ static PyObject* handlers(PyObject*, PyObject*) {
                  {"touch_keys_many", reinterpret_cast<void*>(SparseEmbedTouchKeysMany)},
                  {"insert_keys", reinterpret_cast<void*>(SparseEmbedInsertKeys)},
                  {"unique_keys", reinterpret_cast<void*>(SparseEmbedUniqueKeys)},
-                 {"take_rows", reinterpret_cast<void*>(SparseEmbedTakeRows)}};
+                 {"take_rows", reinterpret_cast<void*>(SparseEmbedTakeRows)},
+                 {"uninitialized", reinterpret_cast<void*>(SparseEmbedUninitialized)}};
   for (const auto& t : targets) {
     PyObject* capsule = PyCapsule_New(t.fn, nullptr, nullptr);
     if (!capsule || PyDict_SetItemString(d, t.name, capsule) < 0) {

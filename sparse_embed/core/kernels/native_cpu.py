@@ -92,6 +92,15 @@ def available() -> bool:
     return _extension() is not None
 
 
+def uninitialized(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Inside jit (per device: under shard_map): an array that XLA allocates and nothing writes, so its values
+    are whatever the memory held. For a buffer that is then written whole on the host: a restore's state
+    (`io.direct`). Needs `available()`."""
+    _register()  # (a side effect: XLA never merges two of them into one buffer)
+    return jax.ffi.ffi_call(_TARGET.format("uninitialized"), jax.ShapeDtypeStruct(shape, dtype),
+                            has_side_effect=True)()
+
+
 ISA_ENV = "SPARSE_EMBED_NATIVE_ISA"  # "avx2" or "baseline": run the hot loops on no more than that
 
 
