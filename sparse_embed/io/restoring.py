@@ -21,7 +21,7 @@ from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.relayout import TABLE_KEY, from_natural, stored_rows
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import empty_tables, init_tables, natural_table
-from sparse_embed.io import store
+from sparse_embed.io import direct, store
 from sparse_embed.io.checks import array_name, check_sums, verify_embeddings, warn_unverified
 from sparse_embed.io.ckpt_format import (
     EMBEDDINGS, FORMAT, CheckpointInfo, CorruptCheckpointError, TableRecord, resolve, stored_layout, unreadable_error,
@@ -196,14 +196,18 @@ def _stream_in(plan: EmbeddingPlan, step_dir: str, info: CheckpointInfo, *, allo
                rng: jax.Array | None, with_slots: bool) -> dict[str, EmbeddingVariables]:
     """Restores the table store into a new state, chunk by chunk (the state plus a few chunks in memory)."""
     valid = {name: info.table(name).vocabulary_size for name in plan.tables}
+    initialized = True
     if any(valid[n] < t.vocabulary_size for n, t in plan.tables.items()):
         if rng is None:
             raise ValueError("Restoring a larger vocabulary needs the initial values of the new rows (rng=).")
         state = init_tables(plan, rng, with_slots=with_slots)  # the new rows keep these values
-    else:
-        state = empty_tables(plan, with_slots=with_slots)
+    else:  # on CPU, buffers that only the reads write (`io.direct`); else zeros
+        state = direct.new_state(plan, with_slots=with_slots)
+        initialized = state is None
+        state = empty_tables(plan, with_slots=with_slots) if state is None else state
     try:
-        state, sums = store.read_into_state(os.path.join(step_dir, EMBEDDINGS), plan, state, valid)
+        state, sums = store.read_into_state(os.path.join(step_dir, EMBEDDINGS), plan, state, valid, owned=True,
+                                            initialized=initialized)
     except store.StoreReadError as e:
         raise unreadable_error(step_dir, info, [array_name(*e.array)], e) from None
     check_sums(step_dir, info, sums)

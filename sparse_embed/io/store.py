@@ -27,12 +27,14 @@ import urllib.parse
 from typing import Any, Mapping, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.relayout import TABLE_KEY, chunk_rows, natural_chunk_fn, natural_width, table_range, write_chunk_fn
 from sparse_embed.core.state import EmbeddingVariables
+from sparse_embed.io import direct
 from sparse_embed.io.integrity import bind, combine, partial_sums, words_per_value
 
 _IN_FLIGHT = 3  # chunks written or read ahead of the one being converted
@@ -112,16 +114,22 @@ def _create(path: str, shape: tuple[int, int], dtype: np.dtype, chunk: int, cont
 def open_array(directory: str, table: str, key: str, context: ts.Context | None = None, *,
                expect: Layout | None = None, write: bool = False) -> ts.TensorStore:
     """Opens a stored array; with `expect`, checks every field of its metadata first (StoreReadError)."""
+    return _open_checked(directory, table, key, context, expect=expect, write=write)[0]
+
+
+def _open_checked(directory: str, table: str, key: str, context: ts.Context | None = None, *,
+                  expect: Layout | None = None, write: bool = False) -> tuple[ts.TensorStore, dict | None]:
+    """`open_array`, and (with `expect`) the metadata it checked."""
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": array_path(directory, table, key)}}
     try:
         store = ts.open(spec, open=True, read=True, write=write, context=context or _context()).result()
-        problem = None if expect is None else metadata_problem(
-            json.loads(store.kvstore.read("zarr.json").result().value), expect)
+        meta = None if expect is None else json.loads(store.kvstore.read("zarr.json").result().value)
+        problem = None if expect is None else metadata_problem(meta, expect)
     except Exception as e:  # noqa: BLE001 - missing or damaged metadata
         raise StoreReadError((table, key), e) from None
     if problem:
         raise StoreReadError((table, key), ValueError(problem))
-    return store
+    return store, meta
 
 
 class _Padded:
@@ -245,24 +253,64 @@ def read_host(directory: str, table: str, key: str, expect: Layout) -> tuple[np.
 
 
 def read_into_state(directory: str, plan: EmbeddingPlan, state: dict[str, EmbeddingVariables],
-                    valid_rows: Mapping[str, int]) -> tuple[dict[str, EmbeddingVariables], dict[str, str]]:
+                    valid_rows: Mapping[str, int], *, owned: bool = False,
+                    initialized: bool = True) -> tuple[dict[str, EmbeddingVariables], dict[str, str]]:
     """Streams the stored arrays into `state` (donated), ids `< valid_rows[table]` only.
 
     Every stored array must have exactly `valid_rows` rows and the state's dtype (StoreReadError). Returns
     the new state and `{"table/key": bound checksum}` of the values read (to compare with the saved ones).
+    `owned=True`: the caller made `state` for this read and nothing else refers to its arrays or their
+    memory (no other array, no numpy view of it); on CPU the rows are then read straight into its
+    buffers (`io.direct`), else chunk by chunk through a compiled, donated relayout.
+    `initialized=False` (with `owned`): `state`'s buffers hold any values (`direct.new_state`), and every
+    row the store does not give gets its initial value here (0, or a slot's initial value).
     """
-    context, sums, out = _context(), {}, {}
+    context, sums, out, tasks = _context(), {}, {}, []
     multi = jax.process_count() > 1
+    fast = owned and direct.available([a for v in state.values() for a in _keys(v).values()])
+    if not (initialized or fast):
+        raise ValueError("read_into_state: initialized=False needs owned=True and a state the direct path takes")
+    if fast:
+        state = jax.block_until_ready(state)  # written in place below (`io.direct`)
     for s in plan.stacks:
         arrays = _keys(state[s.name])
         for key in list(arrays):
+            width = natural_width(s, key)  # (a placement that splits the columns over devices: the general path)
+            whole = fast and not s.splits(width) and arrays[key].shape[1] == width
+            views = direct.device_views(arrays[key]) if whole else None
+            runs = None if views is None else direct.table_runs(s, views, valid_rows)
+            if not initialized:
+                if runs is not None:
+                    direct.fill_rest(views, runs, direct.fill_value(s, key))
+                else:  # the general path writes into initial values
+                    arrays[key] = _filled(arrays[key], direct.fill_value(s, key))
             for i, p in enumerate(s.tables):
                 expect = Layout(arrays[key].dtype, natural_width(s, key), valid_rows[p.table.name])
-                store = open_array(directory, p.table.name, key, context, expect=expect)
+                store, meta = _open_checked(directory, p.table.name, key, context, expect=expect)
+                name = f"{p.table.name}/{key}"
+                if runs is not None:  # straight into the state's buffers, on every core
+                    sums[name] = None, store.dtype.numpy_dtype, store.shape
+                    chunk = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
+                    tasks += [((p.table.name, key), t) for t in direct.read_table(
+                        array_path(directory, p.table.name, key), runs[i], store.shape[0], chunk, store.shape[1],
+                        store.dtype.numpy_dtype)]
+                    continue
                 arrays[key], part = _read_table(plan, s, i, arrays[key], store, (p.table.name, key))
-                sums[f"{p.table.name}/{key}"] = part, store.dtype.numpy_dtype, store.shape
+                sums[name] = part, store.dtype.numpy_dtype, store.shape
+        if fast:  # new arrays of the same buffers, sharded as the general path returns them
+            arrays = {k: direct.rewrapped(a, plan.table_sharding()) for k, a in arrays.items()}
         out[s.name] = EmbeddingVariables(arrays.pop(TABLE_KEY), arrays)
-    return out, {k: bind(combine([v], multi), dtype, shape) for k, (v, dtype, shape) in sums.items()}
+    try:
+        for (table, key), part in direct.run(tasks).items():
+            sums[f"{table}/{key}"] = (part, *sums[f"{table}/{key}"][1:])
+    except direct.TaskError as e:
+        raise StoreReadError(e.key, e.cause) from None
+    return out, {k: bind(combine([v or (0, 0)], multi), dtype, shape) for k, (v, dtype, shape) in sums.items()}
+
+
+def _filled(a: jax.Array, value) -> jax.Array:
+    """A new array like `a` (its sharding), every element `value`."""
+    return jax.jit(lambda: jnp.full(a.shape, value, a.dtype), out_shardings=a.sharding)()
 
 
 def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: ts.TensorStore,
