@@ -114,6 +114,8 @@ class _Records:
 
     def __init__(self, path: str, shape: tuple[int, int], write: bool) -> None:
         self.map = np.memmap(path, np.float32, "r+" if write else "r", shape=shape)
+        if self.map.size:  # a miss reads one record: no read-around of the pages beside it (a fault of a cold
+            self.map._mmap.madvise(mmap.MADV_RANDOM)  # random row read ~10x the bytes, ~10x slower, `StoreReader`)
         self.touched = 0
 
     def move(self, rows: np.ndarray, data: np.ndarray, write: bool) -> None:
@@ -362,8 +364,6 @@ class StoreReader:
             raise CorruptStoreError(f"Table {self.table!r}: the records at {self.path!r} have shape {shape}, but "
                                     f"tier.json says {(self.vocabulary_size, self.width)}.")
         self._records = _Records(os.path.join(self.path, "records", "c", "0", "0"), shape, write=False)
-        if self._records.map.size:  # a miss reads one record: no read-around of the pages beside it (a fault of a
-            self._records.map._mmap.madvise(mmap.MADV_RANDOM)  # cold random row read ~10x the bytes, ~10x slower)
 
     def meta(self) -> dict[str, Any]:
         """`tier.json` as it is now (replaced whole at each commit, so never read half-written)."""
