@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 
 import sparse_embed as se
 from sparse_embed import optimizers as opt
-from conftest import make_mesh
+from conftest import devices as conftest_devices, make_mesh
 
 
 def _t(name="t", vocab=10, dim=4, **kw):
@@ -137,7 +137,7 @@ def test_plan_input_errors(mesh8):
 
 
 def test_two_axis_mesh_needs_axis_name():
-    devices = np.array(jax.devices()[:8]).reshape(2, 4)
+    devices = conftest_devices(8).reshape(2, 4)
     mesh = Mesh(devices, ("data", "model"))
     feats = {"f": se.FeatureSpec("f", _t(), 8)}
     with pytest.raises(ValueError, match="pass axis_name"):

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sparse_embed as se
+from tests.conftest import devices as eight_devices
 from sparse_embed.flax import linen as sel
 from sparse_embed.flax import nnx as sen
 from sparse_embed.integrations.layout_map import path_string
@@ -101,7 +102,7 @@ def test_bad_rules_give_clear_errors(mesh8, rules, tree, error, match):
 
 
 def _mesh(kind):
-    devices = np.array(jax.devices()[:8])
+    devices = eight_devices(8)
     if kind == "1d":
         return Mesh(devices, ("x",)), "x", "x"
     return Mesh(devices.reshape(4, 2), ("data", "model")), "data", "model"
