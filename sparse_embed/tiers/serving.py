@@ -216,7 +216,7 @@ class StoreServer:
         self._lock = threading.Lock()  # the cache, the bitmap, the counters
         self._refreshing = threading.Lock()  # one refresh at a time
         self._stats = ServingStats()
-        self._epoch = 0  # bumped by every refresh that drops rows: reads begun before it are not cached
+        self._epoch = 0  # bumped by every refresh that picks up a commit: reads begun before it are not cached
         self.commit, self.step, self._bits = self._load()
         self._stats.commit, self._stats.step = self.commit, self.step
         self._next_check = time.monotonic() + (refresh_seconds or 0.0)
@@ -284,7 +284,7 @@ class StoreServer:
                              f"store at {self.path!r} (-1 is padding).")
         return flat
 
-    def _serve(self, ids: Any, default: np.ndarray, label: str) -> tuple[np.ndarray, dict[str, int]]:
+    def _serve(self, ids: Any, default: np.ndarray, label: str) -> tuple[np.ndarray, dict[str, Any]]:
         """The rows of `ids`, and this lookup's counts (`_PER_LOOKUP`)."""
         shape = np.shape(ids)
         flat = self._check_ids(ids, label)

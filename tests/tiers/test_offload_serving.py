@@ -398,3 +398,13 @@ def test_config_file_errors(tmp_path):
 def test_the_offload_namespace_exports_the_serving_names():
     for name in ("ParameterServer", "ServingStats", "StoreServer", "load_parameter_server"):
         assert getattr(se.offload, name) is getattr(serving, name) and name in se.offload.__all__
+
+
+def test_the_serving_benchmark_runs(tmp_path, capsys):
+    """benchmarks/offload_serving.py --quick (without serving_lookup's compile), so that it cannot rot."""
+    from benchmarks import offload_serving
+
+    out = offload_serving.main(["--quick", "--no-jax", "--warmup", "2", "--batches", "2", "--dir", str(tmp_path)])
+    assert out["store server"]["median"] > 0 and out["numpy take"]["median"] > 0
+    assert out["server"]["seen_hit_rate"] == 1.0 and out["refresh"]["invalidated"] > 0
+    assert "store server, seen ids" in capsys.readouterr().out
