@@ -157,7 +157,7 @@ class Systems:
         times = []
         for ids in batches:
             t0 = time.perf_counter()
-            if name == "store server":
+            if name in ("store server", SEEN):
                 self.server.lookup(ids.reshape(-1))
             elif name == "numpy take":
                 self.table[ids.reshape(-1)]  # (fancy indexing: faster than np.take here)
@@ -172,8 +172,12 @@ def _ms(times: list[float]) -> dict[str, float]:
     return {"median": float(np.median(t)), "p10": float(np.percentile(t, 10)), "p90": float(np.percentile(t, 90))}
 
 
+_COUNTS = ("lookups", "hits", "misses", "not_found", "rows_read", "read_seconds")
+
+
 def measure(args: argparse.Namespace, store: Any, path: str) -> dict[str, Any]:
-    """Warm-up, then alternating timed blocks; then a commit of `--changed` hot rows and the refresh's time."""
+    """Warm-up, then rounds of alternating blocks: the server on new batches, the server on the same batches again
+    (their rows cached by then), the in-memory lookups; then a commit of `--changed` hot rows and the refresh."""
     shape, rng = (args.batch, args.ids_per_sample), np.random.default_rng(5)
     count = args.warmup + args.rounds * args.batches
     served = [scatter(zipf_ranks(rng, args.zipf, args.rows, shape), args.rows) for _ in range(count)]
@@ -184,35 +188,31 @@ def measure(args: argparse.Namespace, store: Any, path: str) -> dict[str, Any]:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
     systems = Systems(args, path)
-    names = ["store server", "numpy take"] + ([] if args.no_jax else ["serving_lookup (jit)"])
+    names = ["store server", SEEN, "numpy take"] + ([] if args.no_jax else ["serving_lookup (jit)"])
     warm = systems.run("store server", served[:args.warmup])
-    for name in names[1:]:
+    warm_hit_rate = systems.server.stats().hit_rate
+    for name in names[2:]:
         systems.run(name, memory[:3])  # compile, touch
-    before = systems.server.stats()
     times: dict[str, list[float]] = {n: [] for n in names}
+    counts = {n: dict.fromkeys(_COUNTS, 0) for n in names[:2]}
     for r in range(args.rounds):
         block = slice(r * args.batches, (r + 1) * args.batches)
         for name in names:
-            times[name] += systems.run(name, served[args.warmup:][block] if name == "store server" else memory[block])
-    after = systems.server.stats()
-    again = systems.run("store server", served[args.warmup:][:args.batches])  # rows the timed blocks cached
-    seen = systems.server.stats()
-    times[SEEN] = again
+            before = systems.server.stats()
+            times[name] += systems.run(name, served[args.warmup:][block] if name in counts else memory[block])
+            for k in _COUNTS if name in counts else ():
+                counts[name][k] += getattr(systems.server.stats(), k) - getattr(before, k)
     out: dict[str, Any] = {"warmup_ms": _ms(warm), **{n: _ms(t) for n, t in times.items()}}
-    ids_per_batch = args.batch * args.ids_per_sample
-    for n in names + [SEEN]:
-        out[n]["mids_per_s"] = ids_per_batch / out[n]["median"] / 1e3
+    for n in names:
+        out[n]["mids_per_s"] = args.batch * args.ids_per_sample / out[n]["median"] / 1e3
         out[n]["vs_numpy_take"] = out[n]["median"] / out["numpy take"]["median"]
-    d = {k: getattr(after, k) - getattr(before, k)
-         for k in ("lookups", "hits", "misses", "not_found", "rows_read", "read_seconds")}
-    out["server"] = {"hit_rate": d["hits"] / max(d["hits"] + d["misses"], 1),
-                     "not_found_share": d["not_found"] / max(d["lookups"], 1),
-                     "rows_read_per_batch": d["rows_read"] / len(times["store server"]),
-                     "read_ms_per_batch": 1e3 * d["read_seconds"] / len(times["store server"]),
-                     "us_per_row_read": 1e6 * d["read_seconds"] / max(d["rows_read"], 1),
-                     "cached_rows": after.cached_rows, "warm_hit_rate": before.hit_rate,
-                     "seen_hit_rate": (seen.hits - after.hits) / max(seen.hits + seen.misses - after.hits
-                                                                     - after.misses, 1)}
+    for n, d in counts.items():
+        out[n].update({"hit_rate": d["hits"] / max(d["hits"] + d["misses"], 1),
+                       "not_found_share": d["not_found"] / max(d["lookups"], 1),
+                       "rows_read_per_batch": d["rows_read"] / len(times[n]),
+                       "read_ms_per_batch": 1e3 * d["read_seconds"] / len(times[n]),
+                       "us_per_row_read": 1e6 * d["read_seconds"] / max(d["rows_read"], 1)})
+    out["server"] = {"cached_rows": systems.server.stats().cached_rows, "warm_hit_rate": warm_hit_rate}
     out["refresh"] = refresh_time(args, store, systems.server)
     out["rss_now_gib"] = rss_now()
     return out
@@ -248,12 +248,11 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
             m = r[name]
             print(f"  {name:24s} {m['median']:10.2f} ({m['p10']:7.2f}-{m['p90']:7.2f}) {m['mids_per_s']:9.2f} "
                   f"{m['vs_numpy_take']:13.2f}x")
-    s, f = r["server"], r["refresh"]
-    print(f"  server: warm-up {r['warmup_ms']['median']:.1f} ms/batch (hit rate {s['warm_hit_rate']:.3f}); timed: "
-          f"hit rate {s['hit_rate']:.4f}, not found {s['not_found_share']:.3f} of ids, "
-          f"{s['rows_read_per_batch']:.0f} rows read per batch in {s['read_ms_per_batch']:.1f} ms "
-          f"({s['us_per_row_read']:.1f} us a row), {s['cached_rows']} rows cached; hit rate on batches seen before "
-          f"{s['seen_hit_rate']:.4f}")
+    s, f, n = r["server"], r["refresh"], r["store server"]
+    print(f"  server: warm-up {r['warmup_ms']['median']:.1f} ms/batch (hit rate {s['warm_hit_rate']:.3f}); new "
+          f"batches: hit rate {n['hit_rate']:.4f}, not found {n['not_found_share']:.3f} of ids, "
+          f"{n['rows_read_per_batch']:.0f} rows read per batch in {n['read_ms_per_batch']:.1f} ms ({n['us_per_row_read']:.1f} us a row); seen "
+          f"batches: hit rate {r[SEEN]['hit_rate']:.4f}; {s['cached_rows']} rows cached")
     print(f"  refresh after a commit of {f['changed']} changed rows: {f['ms']:.1f} ms, {f['invalidated']} cached "
           f"rows dropped; peak RSS {r['peak_rss_gib']:.2f} GiB (at the end: {r['rss_now_gib']['RssAnon']:.2f} GiB "
           f"anonymous, {r['rss_now_gib']['RssFile']:.2f} GiB file-backed)")
