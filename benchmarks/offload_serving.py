@@ -251,8 +251,9 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     s, f, n = r["server"], r["refresh"], r["store server"]
     print(f"  server: warm-up {r['warmup_ms']['median']:.1f} ms/batch (hit rate {s['warm_hit_rate']:.3f}); new "
           f"batches: hit rate {n['hit_rate']:.4f}, not found {n['not_found_share']:.3f} of ids, "
-          f"{n['rows_read_per_batch']:.0f} rows read per batch in {n['read_ms_per_batch']:.1f} ms ({n['us_per_row_read']:.1f} us a row); seen "
-          f"batches: hit rate {r[SEEN]['hit_rate']:.4f}; {s['cached_rows']} rows cached")
+          f"{n['rows_read_per_batch']:.0f} rows read per batch in {n['read_ms_per_batch']:.1f} ms "
+          f"({n['us_per_row_read']:.1f} us a row); seen batches: hit rate {r[SEEN]['hit_rate']:.4f}; "
+          f"{s['cached_rows']} rows cached")
     print(f"  refresh after a commit of {f['changed']} changed rows: {f['ms']:.1f} ms, {f['invalidated']} cached "
           f"rows dropped; peak RSS {r['peak_rss_gib']:.2f} GiB (at the end: {r['rss_now_gib']['RssAnon']:.2f} GiB "
           f"anonymous, {r['rss_now_gib']['RssFile']:.2f} GiB file-backed)")
