@@ -24,6 +24,13 @@ from tests.conftest import make_mesh, require_native
 M64 = (1 << 64) - 1
 
 
+def _native_here() -> bool:
+    """The native kernel is built and this run's backend is XLA:CPU (its FFI targets are CPU's)."""
+    from sparse_embed.core.kernels import native_cpu
+
+    return native_cpu.available() and jax.default_backend() == "cpu"
+
+
 def owner(i: int, S: int) -> int:
     """splitmix64's finalizer mod S, on Python ints."""
     z = i & M64
@@ -429,7 +436,7 @@ def test_several_raw_id_tables_map_as_each_alone(n_dev=2):
     mesh = make_mesh(n_dev)
     from sparse_embed.core.kernels import native_cpu
 
-    kernels = ["generic"] + (["native", native_cpu.NativeCpuKernel(threads=1)] if native_cpu.available() else [])
+    kernels = ["generic"] + (["native", native_cpu.NativeCpuKernel(threads=1)] if _native_here() else [])
     runs = {str(k): train(se.plan(feats + [static], mesh, kernel=k), {f.name for f in feats} | {"s"})
             for k in kernels}
     for n, f in zip(dyns, feats):
@@ -586,7 +593,7 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread, compact):
                                    list(gen.integers(0, top, 50))), q)
 
     insert = jax.jit(lambda s, k, w, step: key_set.insert(s, jnp.int32(n), k, w, jnp.zeros(n, bool), step))
-    kernels = [k for k in (GENERIC, NATIVE) if k is GENERIC or native_cpu.available()]
+    kernels = [k for k in (GENERIC, NATIVE) if k is GENERIC or _native_here()]
     finders = [jax.jit(k.find_keys) for k in kernels]
     touchers = [jax.jit(k.touch_keys) for k in kernels]
 
@@ -640,7 +647,7 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread, compact):
         assert int(s.size) == len(held) and int(s.directory[-1]) == len(held)
         absent = [x for x in draw().tolist() if x not in held][:50]
         assert (find(s, _padded_words(np.array(absent, np.int64), 50)) < 0).all()
-    if native_cpu.available():  # many queries: several chunks over the thread pool, the same answers on one thread
+    if _native_here():  # many queries: several chunks over the thread pool, the same answers on one thread
         many = jnp.asarray(split_words(np.concatenate([draw() for _ in range(20)] + [np.array(list(held))])))
         one_thread = native_cpu.NativeCpuKernel(threads=1)
         np.testing.assert_array_equal(np.asarray(jax.jit(one_thread.find_keys)(s, many)), find(s, many))
@@ -779,7 +786,7 @@ def test_take_rows_equals_numpy_on_each_kernel(q, e):
     got = values[np.clip(index, 0, q - 1)]
     want = np.where((index >= 0) & (index < q) & (got >= 0), got, 777)
     kernels = [GENERIC] + ([native_cpu.NativeCpuKernel(), native_cpu.NativeCpuKernel(threads=1)]
-                           if native_cpu.available() else [])
+                           if _native_here() else [])
     for k in kernels:
         got = jax.jit(k.take_rows, static_argnums=2)(jnp.asarray(values), jnp.asarray(index), 777)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=type(k).__name__)
