@@ -18,7 +18,8 @@ tensorstore checks it:
 - a missing file reads as the fill value, zero (zarr's rule; the value checksum decides);
 
 and the value checksum (`io.integrity`) is summed from the same bytes while
-they are in cache. The caller checks the array's metadata first
+they are in cache. The file's pages are then dropped from the page cache
+(`FORGET_READ_FILES`): the state needs that memory more. The caller checks the array's metadata first
 (`store.metadata_problem`), so the files mean what this reads them as.
 
 The state's buffers stay XLA's own, so a train step still donates them in
@@ -57,6 +58,10 @@ from sparse_embed.io.integrity import partial_sums, words_per_value
 
 ENABLED = True  # False: every restore takes the general path (tests compare the two)
 READERS = min(32, max(4, os.cpu_count() or 1))  # threads reading chunk files (more than cores: a cold read waits)
+# After reading a chunk file, tell the kernel its pages will not be needed again (POSIX_FADV_DONTNEED): a restore
+# reads each byte once, into new memory as large as what it reads, so where memory is short the kernel would
+# otherwise reclaim page cache (these files' own pages, or others') page by page to fault in the state.
+FORGET_READ_FILES = True
 _BLOCK = 1 << 18  # rows of a device's buffer whose stack rows are worked out at once (`table_runs`)
 _MAX_RUNS = 4  # runs per device and table, at most; more: the general path
 
@@ -269,6 +274,8 @@ def _read_file(path: str, data: np.ndarray) -> bool:
             if got == 0:
                 break
             total += got
+        if FORGET_READ_FILES:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
     if total != want:  # (bytes after the CRC32C are not read, as tensorstore does not read them)
