@@ -90,14 +90,16 @@ def test_preprocess_benchmark_smoke(capsys):
     assert "ratio" in capsys.readouterr().out
 
 
-def test_checkpoint_benchmark_smoke(capsys, tmp_path, frozen_heap):
+@pytest.mark.parametrize("mode", [["--in-process"], ["--repeats", "1", "--cache", "cold"]], ids=["in-process", "fresh"])
+def test_checkpoint_benchmark_smoke(capsys, tmp_path, frozen_heap, mode):
     from benchmarks import checkpoint
 
-    out = checkpoint.main(["--quick", "--dir", str(tmp_path), "--json", str(tmp_path / "ck.json")])
+    out = checkpoint.main(["--quick", "--dir", str(tmp_path), "--json", str(tmp_path / "ck.json"), *mode])
     (case,) = out["cases"]
-    assert case["state_bytes"] == 100_000 * 64 * 4 * 2  # table + Adagrad accumulator
-    assert all(case[k] > 0 for k in ("init_s", "save_s", "restore_s", "np_save_s", "np_load_s"))
-    assert len(checkpoint.goals(case)) == 7 and (tmp_path / "ck.json").exists()
+    rounds = case.get("rounds", [case])  # fresh processes: one round per --repeats
+    assert len(rounds) == 1 and rounds[0]["state_bytes"] == 100_000 * 64 * 4 * 2  # table + Adagrad accumulator
+    assert all(rounds[0][k] > 0 for k in ("init_s", "save_s", "restore_s", "np_save_s", "np_load_s"))
+    assert len(checkpoint.goals(rounds[0])) == 7 and (tmp_path / "ck.json").exists()
     assert "restore throughput / np.load" in capsys.readouterr().out
 
 
