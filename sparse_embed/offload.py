@@ -17,8 +17,20 @@ first use.
 
 from sparse_embed import _lazy
 
-__all__ = ["CorruptStoreError", "Offload", "ParameterServer", "ServingStats", "StoreServer", "Swap", "TierStats", "TieredItem",
-           "Tiers", "load_parameter_server", "store_state", "write_store"]
+__all__ = [
+    "CorruptStoreError",
+    "Offload",
+    "ParameterServer",
+    "ServingStats",
+    "StoreServer",
+    "Swap",
+    "TierStats",
+    "TieredItem",
+    "Tiers",
+    "load_parameter_server",
+    "store_state",
+    "write_store",
+]
 
 __getattr__, __dir__ = _lazy.attach(__name__, {
     "sparse_embed.core.specs": ("Offload",),

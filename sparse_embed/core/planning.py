@@ -489,8 +489,6 @@ def plan(
 ) -> EmbeddingPlan:
     """The `EmbeddingPlan`: the stacked, sharded layout of the tables `features` read.
 
-    Stacks are named by their tables' names, sorted and joined with "_".
-
     Args:
       features: name -> FeatureSpec (or a sequence of FeatureSpecs).
       mesh: the device mesh; default, a 1-D mesh over all devices ("device").
@@ -498,7 +496,8 @@ def plan(
         default, the mesh's only axis.
       stacking: "auto" (stack tables with equal dim, optimizer, combiner,
         max_norm and dtype), None (one stack per table), or lists of table
-        names. A raw-id table (`dynamic=`) is always a stack of its own.
+        names. A raw-id table (`dynamic=`) is always a stack of its own. A stack is
+        named by its tables' names, sorted and joined with "_".
       capacity: static COO entries per (source device, destination shard)
         partition, an int or {stack_name: int}; None sizes each stack from
         the first batch and grows it (one recompile) when a batch needs more.
@@ -512,10 +511,8 @@ def plan(
       placement: "row" (the default), "column", "table", "replicated",
         "auto" (the cost model of `core.placement` chooses per table) or
         `{table: placement}` (others "auto"); see docs/placement.md.
-      memory_budget: bytes of tables and slots per device; with `offload_to`,
-        the largest tables go to stores on disk under a cache that fits
-        (`core.offload_plan`), else "auto" moves tables
-        to placements cheaper in memory until they fit (else a ValueError).
+      memory_budget: bytes of tables and slots per device: "auto" moves tables to cheaper placements until they
+        fit (else a ValueError); with `offload_to` (a directory) the largest go to disk under caches that fit.
       ids_per_sample: the cost model's ids per sample, one number or
         `{feature: ids}` (default 1, or what `stats` observed).
       stats: `Stats` of earlier batches (their stacks' traffic, for the cost model).
@@ -523,22 +520,22 @@ def plan(
     """
     mesh = Mesh(np.array(jax.devices()), ("device",)) if mesh is None else mesh
     axis = _resolve_axis(mesh, axis_name)
-    feats, tables, tiered = _cached_features(_offloaded(_normalise_features(features), memory_budget, offload_to,
-                                                        mesh.shape[axis]))
     num_shards, sc = mesh.shape[axis], sparsecore_layout.count(sparsecores, mesh.devices.flat)
+    feats, tables, tiered = _cached_features(_offloaded(features, memory_budget, offload_to, num_shards))
     _check_policies(on_overflow, nonfinite_gradients)
     _check_batch_sizes(feats, num_shards, axis)
-    loads = cost.table_loads(feats, tables, num_shards,
-                                      _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats))
+    per_sample = _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats)
+    loads = cost.table_loads(feats, tables, num_shards, per_sample)
     stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sc),
                          _fixed_placements(tables, placement), loads, num_shards, memory_budget)
     sparsecore_layout.warn_fallbacks(stacks, sc)  # once, for the stacks chosen (`_fit_budget` tries several)
     return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, _check_kernel(kernel), tiered)
 
 
-def _offloaded(feats: dict[str, FeatureSpec], budget: int | None, where: str | None,
-               num_shards: int) -> dict[str, FeatureSpec]:
-    """The features, their tables offloaded where `offload_to_fit` decides (with a budget and a place)."""
+def _offloaded(features: Any, budget: int | None, where: str | None, num_shards: int) -> dict[str, FeatureSpec]:
+    """The features (normalised), their tables offloaded where `offload_to_fit` decides (with a budget and a
+    place, `core.offload_plan`, docs/offload.md)."""
+    feats = _normalise_features(features)
     if where is None:
         return feats
     if budget is None:
