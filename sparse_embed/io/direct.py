@@ -91,7 +91,7 @@ def available_on(devices: Iterable[jax.Device]) -> bool:
 def new_state(plan: EmbeddingPlan, *, with_slots: bool = True) -> dict[str, EmbeddingVariables] | None:
     """The plan's state with its buffers allocated but not written (any values; huge pages advised), for
     `store.read_into_state(..., initialized=False)`; None where the direct path or the C++ extension is not."""
-    if not (available_on(plan.mesh.devices.flat) and native_cpu.available()):
+    if not (available_on(plan.mesh.devices.flat) and native_cpu.can_leave_uninitialized()):
         return None
     return jax.block_until_ready(_allocate_fn(plan, with_slots)())
 

@@ -92,10 +92,16 @@ def available() -> bool:
     return _extension() is not None
 
 
+@functools.cache
+def can_leave_uninitialized() -> bool:
+    """Whether the extension has the FFI target of `uninitialized` (a build older than it has not)."""
+    return available() and "uninitialized" in _extension().handlers()
+
+
 def uninitialized(shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """Inside jit (per device: under shard_map): an array that XLA allocates and nothing writes, so its values
     are whatever the memory held. For a buffer that is then written whole on the host: a restore's state
-    (`io.direct`). Needs `available()`."""
+    (`io.direct`). Needs `can_leave_uninitialized()`."""
     _register()  # (a side effect: XLA never merges two of them into one buffer)
     return jax.ffi.ffi_call(_TARGET.format("uninitialized"), jax.ShapeDtypeStruct(shape, dtype),
                             has_side_effect=True)()
