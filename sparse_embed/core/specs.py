@@ -96,7 +96,7 @@ class Offload:
     """Keeps a table's rows and optimizer slots in a store on disk under a cache of hot rows (`TableSpec(storage=...)`).
 
     The device holds `cache_rows` rows (and their slots); the step reads and
-    updates only those. The host (`sparse_embed.Tiers`) sees each batch's ids
+    updates only those. The host (`sparse_embed.offload.Tiers`) sees each batch's ids
     ahead of the step, reads the missing rows from the store while the device
     trains, and writes evicted rows back if they changed. Results equal the
     in-memory table's (docs/offload.md).
@@ -207,7 +207,7 @@ class TableSpec:
 def _check_storage(t: TableSpec) -> None:
     """What a tiered table needs (docs/offload.md): a row-wise initializer, float32 rows, static ids."""
     if not isinstance(t.storage, Offload):
-        raise TypeError(f"Table {t.name!r}: storage must be a sparse_embed.Offload, got {type(t.storage).__name__}.")
+        raise TypeError(f"Table {t.name!r}: storage must be a sparse_embed.offload.Offload, got {type(t.storage).__name__}.")
     if t.dynamic is not None:
         raise ValueError(f"Table {t.name!r}: a raw-id table (dynamic=) cannot be offloaded yet; give it the "
                          "capacity that fits in memory, or hash its ids into a static table to offload it.")

@@ -222,7 +222,7 @@ def preprocess(
     if plan.tiered:
         names = ", ".join(repr(t.name) for t in plan.tiered)
         raise ValueError(f"Tables {names} are offloaded (storage=Offload(...)): preprocess their batches with "
-                         "sparse_embed.Tiers(plan, rng).preprocess or .prefetch, which map ids to cache rows.")
+                         "sparse_embed.offload.Tiers(plan, rng).preprocess or .prefetch, which map ids to cache rows.")
     return preprocess_cached(plan, ids, weights, device_put=device_put)
 
 

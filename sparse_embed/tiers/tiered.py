@@ -149,7 +149,7 @@ class Tiers:
 
     Use `prefetch` (or `preprocess`) instead of the module-level ones, and `swap` before each step:
 
-        tiers = se.Tiers(plan, rng)
+        tiers = se.offload.Tiers(plan, rng)
         tables = se.init_tables(plan, rng)
         for item in tiers.prefetch(batches):
             tables = tiers.swap(tables, item.swap)
@@ -159,7 +159,7 @@ class Tiers:
 
     def __init__(self, plan: EmbeddingPlan, rng: jax.Array) -> None:
         if not plan.tiered:
-            raise ValueError("Tiers: the plan has no offloaded table (TableSpec(storage=sparse_embed.Offload(...))).")
+            raise ValueError("Tiers: the plan has no offloaded table (TableSpec(storage=sparse_embed.offload.Offload(...))).")
         if jax.process_count() > 1:
             raise NotImplementedError("Tiers: offloaded tables run in one process for now (docs/offload.md).")
         self.plan = plan
@@ -346,7 +346,7 @@ class Tiers:
 
     def _raise_writer_error(self) -> None:
         if self._error is not None:
-            raise RuntimeError("sparse_embed.Tiers: writing evicted rows back to the store failed; the store "
+            raise RuntimeError("sparse_embed.offload.Tiers: writing evicted rows back to the store failed; the store "
                                "holds the state of the last flush.") from self._error
 
     def wait(self) -> None:

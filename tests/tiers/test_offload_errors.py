@@ -65,7 +65,7 @@ def test_plain_preprocess_refuses_an_offloaded_table(tmp_path):
     plan = _plan(_spec(tmp_path / "t"), plain)
     ids = {"f_t": _ids(1), "f_plain": _ids(1)}
     with pytest.raises(ValueError, match=r"Tables 't' are offloaded \(storage=Offload\(\.\.\.\)\): preprocess their "
-                                         r"batches with sparse_embed\.Tiers"):
+                                         r"batches with sparse_embed\.offload\.Tiers"):
         se.preprocess(plan, ids)
     with pytest.raises(ValueError, match=r"Tables 't' are offloaded"):
         next(iter(se.prefetch(plan, [ids])))
@@ -203,7 +203,7 @@ def test_cache_rows_must_be_positive(tmp_path, cache_rows):
 
 
 def test_storage_must_be_an_offload(tmp_path):
-    with pytest.raises(TypeError, match=r"Table 't': storage must be a sparse_embed\.Offload"):
+    with pytest.raises(TypeError, match=r"Table 't': storage must be a sparse_embed\.offload\.Offload"):
         se.TableSpec("t", V, D, storage=str(tmp_path))
 
 
