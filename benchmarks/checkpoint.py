@@ -248,9 +248,7 @@ def run_phase(phase: str, case: str, path: str, rows: int, dim: int) -> dict[str
         names = sorted(os.listdir(path))
         before = _usage()
         loaded, out["seconds"], rss = timed(lambda: [np.load(os.path.join(path, n)) for n in names])
-        out["usage"] = _since(before)
-        out["state_bytes"] = sum(a.nbytes for a in loaded)
-        out["rss"] = rss
+        out.update(usage=_since(before), state_bytes=sum(a.nbytes for a in loaded), rss=rss)
         return out
     t = time.perf_counter()
     jax.devices()
@@ -280,8 +278,7 @@ def run_phase(phase: str, case: str, path: str, rows: int, dim: int) -> dict[str
         before = _usage()
         _, out["seconds"], out["rss"] = timed(save)
         out["usage"] = _since(before)
-        _, out["sync_s"], _ = timed(lambda: _sync_dir(path))
-        out.update(init_s=init_s, init_rss=init_rss)
+        out.update(sync_s=timed(lambda: _sync_dir(path))[1], init_s=init_s, init_rss=init_rss)
         return out
     host = _host_arrays(state)
     os.makedirs(path, exist_ok=True)
