@@ -2,7 +2,7 @@
 
     sparse-embed inspect CKPT
     sparse-embed verify CKPT [--step N]
-    sparse-embed convert SRC DST [--devices N] [--serving] [--dtype bf16]
+    sparse-embed convert SRC DST [--devices N] [--serving] [--dtype bf16|int8|int4]
     sparse-embed plan MODULE:NAME [--devices 8] [--placement auto] [--memory-budget 2GiB]
 
 CKPT / SRC is a checkpoint manager directory (its latest complete step is
@@ -230,8 +230,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--devices", type=_positive_int, default=None,
                    help="record N devices as its mesh size (it restores onto any mesh)")
     c.add_argument("--serving", action="store_true", help="write a serving checkpoint: tables only, no slots")
-    c.add_argument("--dtype", default=None, choices=["bf16", "bfloat16", "f16", "float16", "f32", "float32"],
-                   help="table dtype of a serving export")
+    c.add_argument("--dtype", default=None,
+                   choices=["bf16", "bfloat16", "f16", "float16", "f32", "float32", "int8", "int4"],
+                   help="table dtype of a serving export (int8 / int4: row-wise quantized)")
     c.add_argument("--step", type=_step, default=None, help="step to read (default: the latest complete one)")
     c.set_defaults(fn=_convert)
     pl = sub.add_parser("plan", help="where each table of a model's features lives, its memory and traffic")

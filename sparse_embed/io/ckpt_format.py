@@ -22,6 +22,7 @@ from sparse_embed.core.specs import Dynamic, TableSpec
 from sparse_embed.io import store
 from sparse_embed.io.id_checkpoint import PENDING, raw_layout
 from sparse_embed.io.integrity import ALGORITHM
+from sparse_embed.io.quantize import BITS, stored
 
 
 FORMAT = "sparse_embed/3"  # the table store (io.store)
@@ -74,15 +75,22 @@ class TableRecord:
                    type(opt).__name__, slots, t.vocabulary_size, t.dynamic is not None)
 
     def to_spec(self) -> TableSpec:
-        """A `TableSpec` with this record's shape, dtype, combiner and max_norm (for serving)."""
+        """A `TableSpec` with this record's shape, dtype, combiner and max_norm (for serving; a quantized
+        table's spec says float32, what its lookups return)."""
         return TableSpec(self.name, self.vocabulary_size, self.embedding_dim, combiner=self.combiner,
-                         max_norm=self.max_norm, dtype=self.dtype, dynamic=Dynamic() if self.dynamic else None)
+                         max_norm=self.max_norm, dtype="float32" if self.dtype in BITS else self.dtype,
+                         dynamic=Dynamic() if self.dynamic else None)
+
+    @property
+    def stored(self) -> tuple[np.dtype, int]:
+        """The stored table's dtype and width (a quantized serving table: uint8 fused rows, `io.quantize`)."""
+        return stored(self.dtype, self.embedding_dim)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the table and its slots (`[vocab, dim]` + `[vocab, width]` f32 each)."""
-        return self.vocabulary_size * (self.embedding_dim * np.dtype(self.dtype).itemsize
-                                       + 4 * sum(w for _, w in self.slots))
+        """Bytes of the table and its slots (`[vocab, width]` of its dtype + `[vocab, width]` f32 each)."""
+        dtype, width = self.stored
+        return self.vocabulary_size * (width * dtype.itemsize + 4 * sum(w for _, w in self.slots))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +160,10 @@ def stored_layout(info: CheckpointInfo, group: str, key: str) -> store.Layout:
     """What the stored array `key` of `group` (a table, or a raw-id table's waiting ids) must be."""
     suffix = PENDING if group.endswith(PENDING) and group not in info.table_names else ""
     rec = info.table(group[: len(group) - len(suffix)])
-    widths = {TABLE_KEY: rec.embedding_dim, **dict(rec.slots)}
+    widths = {TABLE_KEY: rec.stored[1], **dict(rec.slots)}
     if suffix or key not in widths:
         return raw_layout(key, suffix, rec.vocabulary_size)
-    return store.Layout(np.dtype(rec.dtype) if key == TABLE_KEY else np.float32, widths[key], rec.vocabulary_size)
+    return store.Layout(rec.stored[0] if key == TABLE_KEY else np.float32, widths[key], rec.vocabulary_size)
 
 
 def resolve(path: str | os.PathLike, step: int | None = None) -> str:

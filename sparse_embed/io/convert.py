@@ -1,9 +1,10 @@
-"""Checkpoint conversion: serving exports (tables only, optional bf16) and re-layout for N devices.
+"""Checkpoint conversion: serving exports (tables only, optional bf16, int8 or int4) and re-layout for N devices.
 
 A serving checkpoint is one directory with the `embeddings` item
 `{table: {"table": [vocabulary_size, dim]}}` (exact shapes, no slots) and a
 `meta` item of kind "serving"; `load_serving` reads it back for
-`serving_lookup`.
+`serving_lookup`. An int8 / int4 table is stored as its row-wise quantized
+fused rows, `uint8 [vocabulary_size, width]` (`io.quantize`).
 
 Memory: exporting from live tables gathers each table to the host (a serving
 model needs whole tables on its one device anyway). Converting a checkpoint
@@ -40,19 +41,28 @@ from sparse_embed.io.orbax_items import checkpointer, read_info, read_user_host,
 from sparse_embed.io.restoring import read_embeddings, read_host_array
 from sparse_embed.io.id_checkpoint import IDS_KEY, raw_arrays
 from sparse_embed.io.id_tables import id_table_contents
+from sparse_embed.io.quantize import BITS, quantize
 
 DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
-          "float16": jnp.float16, "f16": jnp.float16}
+          "float16": jnp.float16, "f16": jnp.float16, "int8": "int8", "int4": "int4"}
 
 
-def _dtype(dtype) -> np.dtype | None:
+def _dtype(dtype) -> str | None:
+    """A serving table's dtype as recorded: a float dtype's name, or "int8" / "int4" (row-wise quantized)."""
     if dtype is None:
         return None
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(DTYPES)}.")
         dtype = DTYPES[dtype]
-    return np.dtype(dtype)
+    return dtype if dtype in BITS else np.dtype(dtype).name
+
+
+def serving_rows(a: np.ndarray, dtype: str | None, table: str) -> np.ndarray:
+    """Float rows `[n, dim]` as a serving table of `dtype` stores them (quantized: fused uint8 rows)."""
+    if dtype in BITS:
+        return quantize(a, BITS[dtype], what=f"Table {table!r}")
+    return np.asarray(a) if dtype is None else np.asarray(a).astype(dtype)
 
 
 def _save(dst: str, arrays: Iterable[tuple[str, str, np.ndarray]], info: CheckpointInfo) -> None:
@@ -72,7 +82,7 @@ def _save(dst: str, arrays: Iterable[tuple[str, str, np.ndarray]], info: Checkpo
 
 def _serving_info(records: Iterable[TableRecord], dtype, stacking, num_shards, step) -> CheckpointInfo:
     recs = tuple(
-        dataclasses.replace(r, slots=(), stored_rows=r.vocabulary_size, dtype=str(dtype or np.dtype(r.dtype)))
+        dataclasses.replace(r, slots=(), stored_rows=r.vocabulary_size, dtype=dtype or r.dtype)
         for r in records
     )
     return CheckpointInfo("serving", recs, stacking, num_shards, step, False, {}, None)
@@ -80,7 +90,8 @@ def _serving_info(records: Iterable[TableRecord], dtype, stacking, num_shards, s
 
 def export_serving(path: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], *,
                    id_maps: Mapping[str, Any] | None = None, dtype=None, step: int | None = None) -> None:
-    """Writes a serving checkpoint of the live `tables`: `[vocab, dim]` per table, no slots, optional dtype.
+    """Writes a serving checkpoint of the live `tables`: `[vocab, dim]` per table, no slots, optional dtype
+    (a float dtype, or "int8" / "int4": row-wise quantized, `io.quantize`).
 
     A raw-id table (its `id_maps` needed) is written in id order with its ids
     (`[vocab, 2]` words, -1 unused), which `load_serving` returns with it.
@@ -92,14 +103,14 @@ def export_serving(path: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping
         raise ValueError(f"The plan has raw-id tables {sorted(raw)}: pass export_serving(..., id_maps=id_maps).")
     static = dataclasses.replace(plan, stacks=tuple(s for s in plan.stacks if s.dynamic is None))
     natural = unstack_tables(static, {s.name: tables[s.name] for s in static.stacks})
-    arrays = [(name, TABLE_KEY, a.astype(dtype or a.dtype)) for name, a in natural.items()]
+    arrays = [(name, TABLE_KEY, serving_rows(a, dtype, name)) for name, a in natural.items()]
     for name, t in (id_table_contents(plan, tables, id_maps) if raw else {}).items():
         vocab = plan.tables[name].vocabulary_size
-        table = np.zeros((vocab, t.vectors.shape[1]), dtype or t.vectors.dtype)
+        table = np.zeros((vocab, t.vectors.shape[1]), t.vectors.dtype)
         table[: t.ids.size] = t.vectors
         words = np.full((vocab, 2), -1, np.int32)
         words[: t.ids.size] = split_words(t.ids)
-        arrays += [(name, TABLE_KEY, table), (name, IDS_KEY, words)]
+        arrays += [(name, TABLE_KEY, serving_rows(table, dtype, name)), (name, IDS_KEY, words)]
     info = training_info(plan, step, False)
     _save(os.fspath(path), iter(arrays), _serving_info(info.tables, dtype, info.stacking, info.num_shards, step))
 
@@ -110,7 +121,8 @@ def load_serving(path: str | os.PathLike, *, device: jax.Device | None = None) -
     The specs carry vocabulary, dim, dtype, combiner and max_norm (for
     `FeatureSpec`s of `serving_lookup`). A raw-id table comes as
     `(ids, array)`: its live ids (int64, sorted) and the table whose row k
-    holds the k-th of them.
+    holds the k-th of them. An int8 / int4 table comes as its fused rows,
+    `uint8 [vocab, width]` (`io.quantize`), which `serving_lookup` dequantizes.
     """
     step_dir = resolve(path)
     info = read_info(step_dir)
@@ -127,11 +139,21 @@ def read_tables(step_dir: str, info: CheckpointInfo, keys: list[str], device: ja
     """Yields `(table, (key, array))` one array at a time, on one device, `[vocabulary_size, w]`, verified."""
     sharding = SingleDeviceSharding(device or jax.devices()[0])
     for rec in info.tables:
-        widths = {TABLE_KEY: (rec.embedding_dim, rec.dtype), **{k: (w, "float32") for k, w in rec.slots}}
+        widths = {TABLE_KEY: rec.stored[::-1], **{k: (w, "float32") for k, w in rec.slots}}
         for key in keys if keys else widths:
             w, dt = widths[key]
             target = {rec.name: {key: jax.ShapeDtypeStruct((rec.vocabulary_size, w), np.dtype(dt), sharding=sharding)}}
             yield rec.name, (key, read_embeddings(step_dir, target, info)[rec.name][key])
+
+
+def _converted(a: np.ndarray, rec: TableRecord, dtype: str | None) -> np.ndarray:
+    """A table read from a checkpoint, in the serving `dtype` asked for (None: as stored)."""
+    if dtype is None or dtype == rec.dtype:
+        return a
+    if rec.dtype in BITS:
+        raise ValueError(f"Table {rec.name!r} is stored quantized ({rec.dtype}); it converts to {dtype} only from "
+                         "the float checkpoint it was exported from.")
+    return serving_rows(a, dtype, rec.name)
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, devices: int | None = None,
@@ -140,7 +162,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     """Converts a checkpoint; returns the written step directory.
 
     - `serving=True`: a serving checkpoint at `dst` (`[vocab, dim]` tables,
-      no slots, optionally cast to `dtype`, e.g. "bf16").
+      no slots, optionally cast to `dtype`, e.g. "bf16", or quantized, "int8" / "int4").
     - else: a training checkpoint at `dst/<step>` recorded for `devices`
       devices (default: as saved), slots and user pytree kept, in the
       current format (any checkpoint restores onto any mesh anyway; this
@@ -169,7 +191,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
             dataclasses.replace(r, stored_rows=r.vocabulary_size) for r in info.tables))
         out_dir = os.path.join(os.fspath(dst), str(info.step if info.step is not None else 0))
     total = sum(1 + (0 if serving else len(r.slots)) for r in info.tables)
-    arrays = ((name, key, np.asarray(a).astype(dtype) if (serving and dtype) else np.asarray(a))
+    arrays = ((name, key, _converted(np.asarray(a), info.table(name), dtype))
               for name, (key, a) in progress(read_tables(step_dir, info, keys), total=total, unit="array"))
     read = lambda group, key: read_host_array(step_dir, info, group, key)  # noqa: E731
     raw = (x for r in info.tables if r.dynamic for x in raw_arrays(read, r.name, serving))

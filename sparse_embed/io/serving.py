@@ -48,6 +48,7 @@ import numpy as np
 from sparse_embed.core import pooling
 from sparse_embed.core.specs import FeatureSpec
 from sparse_embed.host.ids import PADDING_ID, canonical, error
+from sparse_embed.io.quantize import bits_of, dequantize, fused_width
 
 OOV_POLICIES = ("error", "zero")
 
@@ -106,13 +107,14 @@ def _check_oov_eagerly(feature: FeatureSpec, e: Entries) -> None:
                             f"[0, {feature.table.vocabulary_size}); pass oov='zero' or a default vector to serve it.")
 
 
-def _rows(table: jax.Array, ids: jax.Array, oov: Any, max_norm: float | None) -> jax.Array:
-    """Looked-up rows `[N, dim]`: f32, OOV ids replaced per policy, clipped to max_norm."""
+def _rows(table: jax.Array, dim: int, ids: jax.Array, oov: Any, max_norm: float | None) -> jax.Array:
+    """Looked-up rows `[N, dim]`: f32 (quantized ones dequantized), OOV ids replaced per policy, clipped to max_norm."""
     vocab = table.shape[0]
     in_vocab = (ids >= 0) & (ids < vocab)
-    rows = jnp.take(table, jnp.where(in_vocab, ids, 0), axis=0).astype(jnp.float32)
+    rows = jnp.take(table, jnp.where(in_vocab, ids, 0), axis=0)
+    rows = dequantize(rows, dim, jnp) if table.dtype == jnp.uint8 else rows.astype(jnp.float32)
     if isinstance(oov, str):
-        default = jnp.full((table.shape[1],), jnp.nan if oov == "error" else 0.0, jnp.float32)
+        default = jnp.full((dim,), jnp.nan if oov == "error" else 0.0, jnp.float32)
     else:
         default = jnp.asarray(oov, jnp.float32)
     rows = jnp.where(in_vocab[:, None], rows, default[None, :])
@@ -134,11 +136,17 @@ def _resolve_oov(oov: Any, table: str, dim: int) -> Any:
 
 def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: Any = None, *,
                    oov: Any = "error") -> jax.Array:
-    """One feature's activations: `[B, dim]` pooled, or `[B, max_sequence_length, dim]` (float32)."""
+    """One feature's activations: `[B, dim]` pooled, or `[B, max_sequence_length, dim]` (float32).
+
+    `table`: `[vocab, dim]` floats, or a row-wise quantized table's fused rows (`uint8 [vocab, width]`,
+    `io.quantize`), dequantized row by row before max_norm and pooling.
+    """
     t = feature.table
-    if tuple(table.shape) != (t.vocabulary_size, t.embedding_dim):
-        raise error(feature, f"the table array has shape {tuple(table.shape)}, expected "
-                            f"{(t.vocabulary_size, t.embedding_dim)}.")
+    quantized = table.dtype == jnp.uint8 and bits_of(table.shape[-1], t.embedding_dim) is not None
+    if table.ndim != 2 or table.shape[0] != t.vocabulary_size or not (quantized or table.shape[1] == t.embedding_dim):
+        v, d = t.vocabulary_size, t.embedding_dim
+        raise error(feature, f"the table array is {table.dtype} {tuple(table.shape)}, expected a float {(v, d)} or a "
+                             f"quantized uint8 {(v, fused_width(d, 8))} (int8) or {(v, fused_width(d, 4))} (int4).")
     oov = _resolve_oov(oov, t.name, t.embedding_dim)
     e = entries(feature, ids, weights)
     if isinstance(oov, str) and oov == "error":
@@ -148,7 +156,7 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
     n_rows = e.batch * max(L, 1)
     out_row = jnp.where(valid, e.samples * L + e.positions if L else e.samples, n_rows)  # n_rows: dropped
     w = jnp.where(valid, e.weights, 0.0)
-    rows = _rows(table, e.ids, oov, t.max_norm)
+    rows = _rows(table, t.embedding_dim, e.ids, oov, t.max_norm)
     gains = pooling.gains(t.combiner, w, out_row, n_rows + 1, jax.ops.segment_sum, jnp)  # row n_rows: dropped
     contrib = rows * gains[:, None]
     contrib = jnp.where(valid[:, None], contrib, 0.0)  # padding never contributes (even NaN rows)
@@ -199,7 +207,8 @@ def serving_lookup(
     Args:
       features: the FeatureSpecs (static; their tables give combiner,
         max_norm and vocabulary).
-      tables: `{table_name: [vocabulary_size, dim]}` arrays (any float dtype);
+      tables: `{table_name: [vocabulary_size, dim]}` arrays (any float dtype,
+        or an int8 / int4 table's fused `uint8 [vocabulary_size, width]` rows);
         a raw-id table as `(ids, array)` from `load_serving` (its raw ids then
         must be host arrays: int64 does not survive jax without x64).
       ids / weights: `{feature: ids}` in any format of this module's doc.
@@ -207,7 +216,8 @@ def serving_lookup(
         (tables not named get "error").
 
     Returns `[B, dim]` or `[B, max_sequence_length, dim]` float32 per feature,
-    equal to `lookup` on the same tables and ids.
+    equal to `lookup` on the same tables and ids (a quantized table: on its
+    dequantized rows).
     """
     feats = dict(features) if isinstance(features, Mapping) else {f.name: f for f in features}
     unknown, missing = sorted(set(ids) - set(feats)), sorted(set(feats) - set(ids))

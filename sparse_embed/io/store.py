@@ -63,6 +63,7 @@ class Layout(NamedTuple):
 
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+_BYTE_CODECS = [{"name": "bytes"}, {"name": "crc32c"}]  # 1-byte values (quantized tables) have no endianness
 
 
 def _metadata(shape: tuple[int, int], dtype: Any, chunk: int) -> dict:
@@ -70,7 +71,8 @@ def _metadata(shape: tuple[int, int], dtype: Any, chunk: int) -> dict:
     return {
         "zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": np.dtype(dtype).name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, min(chunk, shape[0])), shape[1]]}},
-        "chunk_key_encoding": {"name": "default"}, "codecs": _CODECS, "fill_value": np.zeros((), dtype).item(),
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": _CODECS if np.dtype(dtype).itemsize > 1 else _BYTE_CODECS, "fill_value": np.zeros((), dtype).item(),
     }
 
 

@@ -227,7 +227,7 @@ def test_plan_of_a_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch
     (["convert", "ck", "out", "--step", "-4"], "--step"),
     (["convert", "ck", "out", "--devices", "0"], "--devices"),
     (["convert", "ck", "out", "--devices", "-2"], "--devices"),
-    (["convert", "ck", "out", "--serving", "--dtype", "int8"], "--dtype"),
+    (["convert", "ck", "out", "--serving", "--dtype", "int2"], "--dtype"),
     (["convert", "ck", "out", "--dtype", "bf16"], "--dtype"),  # only for --serving
 ])
 def test_bad_arguments_exit_2_with_one_line_naming_them(tmp_path, capsys, argv, argument):
