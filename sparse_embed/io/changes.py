@@ -1,0 +1,174 @@
+"""Live updates, training side: which rows changed since the last export, and `export_delta`, which writes them.
+
+What is tracked, and why it is exact: the lookup's backward applies the
+optimizer to the rows a batch looked up and to no other row, so the rows
+that changed since an export are among the ids fed to the steps since it.
+`Changes.touched(plan, ids)` takes a step's ids (the `{feature: ids}` given
+to `preprocess`, any format) and returns a new tracker (the old one is left
+as it is); it costs a sort of the batch's ids. A delta carries each touched
+row's current value, so a row that was looked up but left as it was is
+re-sent, never missed. Rows changed outside the train step (a restore, your
+own edits) are not seen: export in full after those.
+
+A raw-id table is exact by a diff of its id set: the tracker keeps the ids
+the served copy holds (from the export, then from each delta), and a delta
+lists the ids evicted since (held before, not live now) and writes the rows
+of the ids admitted since and of the live ids the steps touched.
+
+A delta is named `<base>.<seq>.delta` (`delta_name`): `base` is the export
+id of the full export it applies to (`export_id`, the digest of that
+export's metadata, which covers every array's checksum) and `seq` counts
+the deltas since it (1, 2, ...). Each holds its rows in the export's
+serving dtype (a quantized row has the same bytes as in a full export).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from sparse_embed.core.id_maps import IdMap
+from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.core.raw_keys import join_words
+from sparse_embed.core.state import EmbeddingVariables
+from sparse_embed.core.tables import unstack_tables
+from sparse_embed.host.ids import canonical, flattened
+from sparse_embed.io import delta_file
+from sparse_embed.io.ckpt_format import resolve
+from sparse_embed.io.convert import serving_rows
+from sparse_embed.io.id_checkpoint import IDS_KEY
+from sparse_embed.io.id_tables import id_table_contents
+from sparse_embed.io.orbax_items import read_info
+from sparse_embed.io.restoring import read_host_array
+
+_PENDING = 16  # batches of touched ids kept apart before they are merged into one sorted array
+
+
+def export_id(path: str | os.PathLike) -> str:
+    """The id of a serving export (16 hex digits of its metadata's digest): what its deltas name as their base."""
+    return read_info(path).to_json()["digest"][:16]
+
+
+def delta_name(base: str, seq: int) -> str:
+    """The file name of delta `seq` (1, 2, ...) after the export `base`."""
+    return f"{base}.{seq:06d}.delta"
+
+
+def _merged(parts: tuple[np.ndarray, ...]) -> np.ndarray:
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Changes:
+    """What changed since the served copy was made: a pure tracker (every update returns a new one).
+
+    base / seq: the export id and the number of the last delta written
+    after it (0: none yet); dtypes: `{table: serving dtype}` of the export
+    (deltas use them); touched: `{table: tuple of int64 arrays}` (rows, or raw ids of a
+    raw-id table) looked up since; served_ids: `{raw-id table: sorted int64
+    ids}` the served copy holds.
+    """
+
+    base: str
+    seq: int
+    dtypes: Mapping[str, str]
+    touched: Mapping[str, tuple[np.ndarray, ...]]
+    served_ids: Mapping[str, np.ndarray]
+
+    @classmethod
+    def since(cls, export: str | os.PathLike) -> "Changes":
+        """A tracker that starts at a serving export (read from `export`, as written by `export_serving`)."""
+        step_dir = resolve(export)
+        info = read_info(step_dir)
+        if info.kind != "serving":
+            raise ValueError(f"{step_dir} is a {info.kind} checkpoint; deltas apply to serving exports "
+                             "(export_serving, or convert_checkpoint(..., serving=True)).")
+        served = {}
+        for rec in info.tables:
+            if rec.dynamic:
+                words = read_host_array(step_dir, info, rec.name, IDS_KEY)
+                served[rec.name] = join_words(words[words[:, 0] != -1])
+        return cls(export_id(step_dir), 0, {rec.name: rec.dtype for rec in info.tables}, {}, served)
+
+    def touched_ids(self, plan: EmbeddingPlan, ids: Mapping[str, Any]) -> "Changes":
+        """A new tracker that also holds the ids of one step's batch (`{feature: ids}` as given to preprocess)."""
+        new = {name: tuple(parts) for name, parts in self.touched.items()}
+        features = plan.features
+        for fname, x in ids.items():
+            if fname not in features:
+                raise ValueError(f"ids have an unknown feature {fname!r}; the plan's features are {sorted(features)}.")
+            f = features[fname]
+            c = canonical(f, x, check_batch=False)
+            flat = flattened(f, c, raw=f.table.dynamic is not None).ids
+            parts = new.get(f.table.name, ()) + (np.unique(flat),)
+            new[f.table.name] = (_merged(parts),) if len(parts) > _PENDING else parts
+        return dataclasses.replace(self, touched=new)
+
+    def rows(self, table: str) -> np.ndarray:
+        """The sorted rows (raw ids) of `table` touched since the last delta."""
+        return _merged(self.touched.get(table, ()))
+
+
+def _static_rows(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], changes: Changes) -> dict:
+    """`{table: (rows [n], float rows [n, dim])}` of the touched rows of the static tables."""
+    names = {n for n in changes.touched if plan.tables[n].dynamic is None}
+    stacks = tuple(s for s in plan.stacks if s.dynamic is None and {p.table.name for p in s.tables} & names)
+    natural = unstack_tables(dataclasses.replace(plan, stacks=stacks), {s.name: tables[s.name] for s in stacks})
+    rows = {n: changes.rows(n) for n in sorted(names)}
+    return {n: (r, natural[n][r]) for n, r in rows.items()}
+
+
+def _raw_rows(plan: EmbeddingPlan, tables, id_maps, changes: Changes) -> dict:
+    """`{table: (upserted ids, float rows, evicted ids)}` of the raw-id tables."""
+    out = {}
+    for name, t in id_table_contents(plan, tables, id_maps).items():
+        held = changes.served_ids.get(name, np.zeros(0, np.int64))
+        evicted = np.setdiff1d(held, t.ids, assume_unique=True)
+        upsert = np.union1d(np.setdiff1d(t.ids, held, assume_unique=True),
+                            np.intersect1d(changes.rows(name), t.ids, assume_unique=True))
+        out[name] = (upsert, t.vectors[np.searchsorted(t.ids, upsert)], evicted)
+    return out
+
+
+def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                raw: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None) -> tuple[str, Changes]:
+    """Writes the next delta after `changes` from host rows: `rows[table] = (rows [n], float values [n, dim])`,
+    `raw[table] = (upserted ids [n], float values [n, dim], evicted ids [m])`; returns `(its path, the tracker
+    for the next delta)`. `export_delta` gathers these from the live tables."""
+    header: dict[str, Any] = {"base": changes.base, "seq": changes.seq + 1, "tables": {}}
+    arrays: dict[str, np.ndarray] = {}
+    served = dict(changes.served_ids)
+    for name, (r, values) in rows.items():
+        header["tables"][name] = "rows"
+        arrays.update({f"{name}/rows": np.asarray(r, np.int64),
+                       f"{name}/values": serving_rows(values, changes.dtypes[name], name)})
+    for name, (upsert, values, evicted) in (raw or {}).items():
+        header["tables"][name] = "ids"
+        arrays.update({f"{name}/rows": np.asarray(upsert, np.int64),
+                       f"{name}/values": serving_rows(values, changes.dtypes[name], name),
+                       f"{name}/evicted": np.asarray(evicted, np.int64)})
+        served[name] = np.union1d(np.setdiff1d(served[name], evicted), upsert)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(os.fspath(directory), delta_name(changes.base, changes.seq + 1))
+    delta_file.write(path, header, arrays)
+    return path, Changes(changes.base, changes.seq + 1, changes.dtypes, {}, served)
+
+
+def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables],
+                 changes: Changes, *, id_maps: Mapping[str, IdMap] | None = None) -> tuple[str, Changes]:
+    """Writes the rows changed since `changes` began (see the module doc) as the next delta in `directory`.
+
+    Returns `(its path, the tracker for the next delta)`. Gathers the touched
+    tables to the host as `export_serving` does; writes only their touched rows.
+    """
+    raw_names = sorted(t.name for t in plan.tables.values() if t.dynamic is not None)
+    if raw_names and id_maps is None:
+        raise ValueError(f"The plan has raw-id tables {raw_names}: pass export_delta(..., id_maps=id_maps).")
+    if set(raw_names) != set(changes.served_ids):
+        raise ValueError(f"The export has raw-id tables {sorted(changes.served_ids)}, the plan {raw_names}: "
+                         "the tracker started at an export of another model.")
+    raw = _raw_rows(plan, tables, id_maps, changes) if raw_names else {}
+    return write_delta(directory, changes, _static_rows(plan, tables, changes), raw)

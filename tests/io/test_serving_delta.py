@@ -1,0 +1,231 @@
+"""Live updates: the change tracker, deltas (chain == full export, bit for bit), refusals, and no torn reads."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparse_embed as se
+import sparse_embed.serving as ss
+from conftest import make_mesh
+from sparse_embed.io import delta_file
+
+B = 8
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _plan(devices=2):
+    items = se.TableSpec("items", 50, 6, combiner="mean", optimizer=se.optimizers.Adagrad(0.5))
+    tags = se.TableSpec("tags", 30, 6, combiner="sum", optimizer=se.optimizers.Adagrad(0.5))
+    users = se.TableSpec("users", 24, 6, combiner="sum", optimizer=se.optimizers.Adagrad(0.5),
+                         dynamic=se.Dynamic(expire_after=2))
+    return se.plan([se.FeatureSpec("i", items, B), se.FeatureSpec("t", tags, B),
+                    se.FeatureSpec("u", users, B)], make_mesh(devices))
+
+
+def _batches(seed, steps):
+    rng = np.random.default_rng(seed)
+    users = rng.integers(0, 2**62, 40, dtype=np.int64)
+    for _ in range(steps):
+        ids = {"i": rng.integers(0, 20, (B, 3)), "t": rng.integers(0, 30, (B, 2)),
+               "u": users[rng.integers(0, 40, (B, 2))]}
+        ids["i"][rng.random((B, 3)) < 0.3] = -1
+        yield ids
+
+
+def _trainer(plan):
+    @jax.jit
+    def train(tables, maps, batch, step):
+        b, tables, maps, _ = se.map_ids(plan, batch, tables, maps, step)
+        loss = lambda t: sum(jnp.sum(jnp.sin(x)) for x in se.lookup(plan, b, t, step).values())
+        return jax.grad(loss)(tables), maps
+
+    return train
+
+
+def _assert_same_tables(got, want):
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        g = got[name]
+        if isinstance(w, tuple):
+            np.testing.assert_array_equal(g[0], w[0], err_msg=name)
+            g, w = g[1], w[1]
+        assert g.dtype == w.dtype, name
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", None])
+def test_a_chain_of_deltas_equals_a_full_export_bit_for_bit(dtype, tmp_path):
+    plan = _plan()
+    rng = jax.random.key(0)
+    tables, maps, step = se.init_tables(plan, rng), se.init_id_maps(plan, rng), 0
+    train, batches = _trainer(plan), _batches(1, 12)
+
+    def run(n, changes=None):
+        nonlocal tables, maps, step
+        for _ in range(n):
+            ids = next(batches)
+            tables, maps = train(tables, maps, se.preprocess(plan, ids)[0], step)
+            changes = changes and changes.touched_ids(plan, ids)
+            step += 1
+        return changes
+
+    run(2)
+    se.export_serving(tmp_path / "base", plan, tables, id_maps=maps, dtype=dtype)
+    changes = ss.Changes.since(tmp_path / "base")
+    paths = []
+    for n in (3, 0, 4, 3):  # 0: a delta with no step (empty)
+        changes = run(n, changes)
+        path, changes = ss.export_delta(tmp_path / "deltas", plan, tables, changes, id_maps=maps)
+        paths.append(path)
+    assert [os.path.basename(p) for p in paths] == [ss.delta_name(changes.base, k) for k in (1, 2, 3, 4)]
+    se.export_serving(tmp_path / "full", plan, tables, id_maps=maps, dtype=dtype)
+    live = ss.LiveTables(tmp_path / "base")
+    assert live.catch_up(tmp_path / "deltas") == 4 and live.snapshot.seq == 4
+    full, _ = se.load_serving(tmp_path / "full")
+    _assert_same_tables(live.snapshot.tables, full)
+    evicted = sum(delta_file.read(p)[1]["users/evicted"].size for p in paths)
+    base, _ = se.load_serving(tmp_path / "base")
+    assert evicted > 0 and not np.array_equal(base["users"][0], full["users"][0])  # ids came and went
+    header, arrays = delta_file.read(paths[1])
+    assert header["tables"] == {"users": "ids"} and arrays["users/rows"].size == 0  # nothing touched: nothing sent
+    rows = delta_file.read(paths[0])[1]
+    assert 0 < rows["items/rows"].size < 20 and rows["tags/rows"].size <= 30
+
+
+def test_the_tracker_is_pure_and_holds_every_touched_id():
+    plan = _plan()
+    changes = ss.Changes("b", 0, {}, {}, {"users": np.zeros(0, np.int64)})
+    seen = {"items": set(), "tags": set(), "users": set()}
+    first = None
+    for k, ids in enumerate(_batches(3, 40)):  # more than the batches kept apart before a merge
+        for f, t in (("i", "items"), ("t", "tags"), ("u", "users")):
+            seen[t] |= set(np.asarray(ids[f]).ravel().tolist()) - {-1}
+        ids["i"] = [row[row != -1] for row in ids["i"]]  # any format: ragged rows
+        changes = changes.touched_ids(plan, ids)
+        first = first or changes
+    for t, want in seen.items():
+        got = changes.rows(t)
+        assert got.tolist() == sorted(want), t
+    assert sum(len(p) for p in first.touched.values()) == 3 and changes.touched is not first.touched
+    with pytest.raises(ValueError, match="unknown feature 'x'"):
+        changes.touched_ids(plan, {"x": np.zeros((B, 1), np.int64)})
+    with pytest.raises(ValueError, match=r"Feature 'i' \(table 'items'\): id 99"):
+        changes.touched_ids(plan, {"i": np.full((B, 1), 99)})
+
+
+@pytest.fixture
+def chain(tmp_path):
+    """A base export and two deltas after it, and a delta of another export."""
+    plan = _plan(1)
+    rng = jax.random.key(2)
+    tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
+    train = _trainer(plan)
+    se.export_serving(tmp_path / "base", plan, tables, id_maps=maps, dtype="int8")
+    se.export_serving(tmp_path / "other", plan, tables, id_maps=maps, dtype="int4")
+    changes, other = ss.Changes.since(tmp_path / "base"), ss.Changes.since(tmp_path / "other")
+    paths = []
+    for step, ids in enumerate(_batches(5, 2)):
+        tables, maps = train(tables, maps, se.preprocess(plan, ids)[0], step)
+        path, changes = ss.export_delta(tmp_path / "d", plan, tables, changes.touched_ids(plan, ids), id_maps=maps)
+        paths.append(path)
+    foreign, _ = ss.export_delta(tmp_path / "o", plan, tables, other, id_maps=maps)
+    return tmp_path / "base", paths, foreign
+
+
+def _flipped(path, where, tmp_path):
+    data = bytearray(pathlib.Path(path).read_bytes())
+    data[{"start": 3, "header": 40, "middle": len(data) // 2, "end": len(data) - 1}[where]] ^= 0x04
+    out = tmp_path / f"flipped_{where}.delta"
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("foreign", se.CheckpointError, "applies to export .*, but the served tables come from export"),
+    ("second_first", se.CheckpointError, r"is number 2 after export .* at number 0: apply .*\.000001\.delta next"),
+    ("first_twice", se.CheckpointError, "is number 1 after export .* at number 1"),
+    *[(f"flip_{w}", se.CorruptCheckpointError, "is damaged or incomplete") for w in ("start", "header", "middle",
+                                                                                        "end")],
+    ("truncated", se.CorruptCheckpointError, "is damaged or incomplete"),
+])
+def test_a_bad_delta_is_refused_and_changes_nothing(chain, case, error, match, tmp_path):
+    base, (first, second), foreign = chain
+    live = ss.LiveTables(base)
+    if case == "first_twice":
+        live.apply(first)
+    before = live.snapshot
+    copies = {n: np.array(a[1] if isinstance(a, tuple) else a) for n, a in before.tables.items()}
+    if case.startswith("flip_"):
+        bad = _flipped(first, case[5:], tmp_path)
+    elif case == "truncated":
+        bad = tmp_path / "short.delta"
+        bad.write_bytes(pathlib.Path(first).read_bytes()[:-100])
+    else:
+        bad = {"foreign": foreign, "second_first": second, "first_twice": first}[case]
+    with pytest.raises(error, match=match):
+        live.apply(bad)
+    assert live.snapshot is before
+    for n, a in before.tables.items():
+        np.testing.assert_array_equal(np.asarray(a[1] if isinstance(a, tuple) else a), copies[n])
+    if case != "first_twice":
+        live.apply(first)
+    live.apply(second)  # the good chain still applies
+    assert live.snapshot.seq == 2
+
+
+def test_lookups_from_threads_during_applies_never_see_a_torn_snapshot(tmp_path):
+    """Version v sets every row of both tables to v; a lookup's activations must all say one version."""
+    a = se.TableSpec("a", 40, 4, combiner="sum")
+    b = se.TableSpec("b", 64, 4, combiner="sum")
+    plan = se.plan([se.FeatureSpec("fa", a, B), se.FeatureSpec("fb", b, B)], make_mesh(2))
+    state = lambda v: se.stack_tables(plan, {"a": np.full((40, 4), v, np.float32),  # noqa: E731
+                                             "b": np.full((64, 4), v, np.float32)})
+    se.export_serving(tmp_path / "base", plan, state(0), dtype="int8")  # constant rows: exact in int8
+    changes = ss.Changes.since(tmp_path / "base")
+    every = {"fa": np.arange(40).reshape(B, 5), "fb": np.arange(64).reshape(B, 8)}
+    for v in range(1, 25):
+        _, changes = ss.export_delta(tmp_path / "d", plan, state(v), changes.touched_ids(plan, every))
+    live = ss.LiveTables(tmp_path / "base")
+    features = [se.FeatureSpec("fa", live.snapshot.specs["a"], B), se.FeatureSpec("fb", live.snapshot.specs["b"], B)]
+    fn = jax.jit(lambda t, ids: se.serving_lookup(features, t, ids))
+    ids = {"fa": np.array([[0, 17, 39]] * B), "fb": np.array([[5, 63]] * B)}
+    fn(live.snapshot.tables, ids)
+    torn, seen, done = [], [], threading.Event()
+
+    def reader():
+        while not done.is_set():
+            s = live.snapshot
+            out = jax.device_get(fn(s.tables, ids))
+            versions = np.concatenate([out["fa"].ravel() / 3, out["fb"].ravel() / 2])
+            seen.append(s.seq)
+            if not (versions == s.seq).all():
+                torn.append((s.seq, np.unique(versions)))
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        assert live.catch_up(tmp_path / "d") == 24
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    assert not torn and len(set(seen)) > 1, (torn, sorted(set(seen)))
+
+
+def test_the_update_loop_in_docs_runs(tmp_path, monkeypatch):
+    """docs/serving.md's update-loop example, run as it stands (in a temporary directory)."""
+    text = (ROOT / "docs" / "serving.md").read_text()
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "export_delta" in c]
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    exec(compile(code, "docs/serving.md", "exec"), ns)
+    assert ns["live"].snapshot.seq == ns["deltas"] > 0
