@@ -126,3 +126,20 @@ def test_placement_benchmark_smoke(tmp_path):
     # the plan's estimate of its collectives is what the compiled step holds, for both plans
     assert r["estimated_bytes"] == pytest.approx(r["hlo_bytes"], abs=1)
     assert 0 < r["bytes_ratio"] < 1 and r["step_ms"]["auto"] > 0 and r["step_ms"]["auto, w row"] > 0
+
+
+def test_serving_quant_benchmark_smoke(tmp_path):
+    from benchmarks import serving_quant
+
+    out = serving_quant.main([
+        "--tables", "2", "--rows", "3000", "--dim", "16", "--batch", "64", "--ids", "4", "--reps", "2",
+        "--delta-steps", "3", "--demo-steps", "3", "--demo-batch", "128", "--threads", "2", "--deltas", "3",
+        "--load-batch", "16", "--out", str(tmp_path / "s.json"),
+        "--demo-args=--eval-batches 2 --users 2000 --user-rows 1000 --items 1000 --tags 200"])
+    assert "| int8 |" in out and "torn reads" in out
+    r = json.loads((tmp_path / "s.json").read_text())
+    mem = r["w1"]["memory"]
+    assert mem["int4"] < mem["int8"] < mem["bfloat16"] < mem["float32"] == 2 * 3000 * 16 * 4
+    assert all(0 < r["demo"]["auc"][t] < 1 for t in serving_quant.DTYPES)
+    assert 0 < r["w1"]["delta"]["bytes_ratio"] < 1 and r["demo"]["delta"]["apply_s"] > 0
+    assert r["load"]["torn"] == 0 and r["load"]["lookups"] > 0 and r["load"]["final_seq"] == 3

@@ -1,0 +1,301 @@
+"""Quantized serving tables and live updates, side by side in one run: the demo's model and a W1-sized table.
+
+W1-sized: 8 tables x 1M rows x 64, one device, batches of 4096 samples x 20
+ids per table (Zipf 1.05 ids for training, uniform for lookups). The demo:
+`sparse_embed.examples.dlrm` trained `--demo-steps` steps. For each served
+dtype (float32, bfloat16, int8, int4):
+
+- memory: bytes of the served arrays (`load_serving`);
+- lookups/s: samples a second of `serving_lookup` jitted over every table
+  (median of `--reps` calls);
+- eval AUC of the demo served from each: its served tables, dequantized as
+  `serving_lookup` reads them, put back into the model (AUC on the demo's
+  held-out batches).
+
+Live updates (int8): after the export, `--delta-steps` more training steps
+tracked by `sparse_embed.serving.Changes`; the delta's bytes and apply time
+(`apply_delta`, median of 3) against the full export's bytes and a full
+re-export + reload. Under load: `--threads` threads look up W1-sized int8
+tables while `--deltas` deltas apply; each delta sets 1% of the rows (the
+ones looked up) to its version number, exact in int8 (a constant row), so
+a lookup whose values are not all its snapshot's version is a torn read.
+
+    python benchmarks/serving_quant.py [--rows 1000000 --demo-steps 1000] [--out benchmarks/results/serving_quant.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import sparse_embed as se  # noqa: E402
+import sparse_embed.serving as ss  # noqa: E402
+from benchmarks.workload import id_sampler  # noqa: E402
+from sparse_embed.io.restoring import static_part  # noqa: E402
+
+DTYPES = ("float32", "bfloat16", "int8", "int4")
+
+
+def _disk_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _timed(fn, *args, **kw):
+    t = time.perf_counter()
+    out = fn(*args, **kw)
+    return out, time.perf_counter() - t
+
+
+def _floats(a, dim: int) -> np.ndarray:
+    """A served table as float32 rows, as `serving_lookup` reads it."""
+    a = np.asarray(a)
+    return ss.dequantize(a, dim) if a.dtype == np.uint8 else a.astype(np.float32)
+
+
+def _served_features(features: dict, specs: dict) -> dict:
+    return {n: se.FeatureSpec(n, specs[f.table.name], f.batch_size, max_sequence_length=f.max_sequence_length)
+            for n, f in features.items()}
+
+
+def _lookups_per_s(features: dict, tables: dict, ids: dict, reps: int) -> float:
+    fn = jax.jit(lambda t, i: se.serving_lookup(features, t, i))
+    jax.block_until_ready(fn(tables, ids))
+    times = [_timed(lambda: jax.block_until_ready(fn(tables, ids)))[1] for _ in range(reps)]
+    return next(iter(ids.values())).shape[0] / statistics.median(times)
+
+
+def _delta_vs_full(base: str, delta: str, full: str, export_s: float) -> dict:
+    """Bytes and seconds of applying `delta` to `base`'s snapshot, against the full export `full`."""
+    snap = ss.load_snapshot(base)
+    applies = [_timed(ss.apply_delta, snap, delta)[1] for _ in range(3)]
+    _, reload_s = _timed(se.load_serving, full)
+    out = {"delta_bytes": _disk_bytes(delta), "full_bytes": _disk_bytes(full), "apply_s": statistics.median(applies),
+           "export_s": export_s, "reload_s": reload_s}
+    out["bytes_ratio"] = out["delta_bytes"] / out["full_bytes"]
+    out["time_ratio"] = out["apply_s"] / (export_s + reload_s)
+    return out
+
+
+def _w1_plan(args) -> se.EmbeddingPlan:
+    opt = se.optimizers.SGD(0.05)
+    feats = [se.FeatureSpec(f"f{i}", se.TableSpec(f"t{i}", args.rows, args.dim, optimizer=opt, combiner="sum"), args.batch)
+             for i in range(args.tables)]
+    return se.plan(feats, Mesh(np.array(jax.devices()[:1]), ("x",)), stacking=None)
+
+
+def _train_w1(args, plan, tables, changes):
+    """`--delta-steps` SGD steps on Zipf ids, each step's ids added to `changes`."""
+    @jax.jit
+    def step(tables, batch, step):
+        return jax.grad(lambda t: sum(jnp.sum(jnp.sin(x)) for x in se.lookup(plan, batch, t, step).values()))(tables)
+
+    rng, sample = np.random.default_rng(1), id_sampler(args.rows, 1.05)
+    for k in range(args.delta_steps):
+        ids = {f"f{i}": sample(rng, (args.batch, args.ids)) for i in range(args.tables)}
+        tables = step(tables, se.preprocess(plan, ids)[0], k)
+        changes = changes.touched_ids(plan, ids)
+    return tables, changes
+
+
+def w1(args, work: str) -> dict:
+    """The W1-sized table: memory and lookups/s of each dtype; an int8 delta after `--delta-steps` steps."""
+    plan = _w1_plan(args)
+    tables = se.init_tables(plan, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    ids = {f"f{i}": rng.integers(0, args.rows, (args.batch, args.ids), dtype=np.int32) for i in range(args.tables)}
+    out: dict = {"memory": {}, "lookups_per_s": {}}
+    for dtype in DTYPES:
+        path = os.path.join(work, f"w1_{dtype}")
+        _, export_s = _timed(se.export_serving, path, plan, tables, dtype=dtype)
+        served, specs = se.load_serving(path)
+        out["memory"][dtype] = sum(a.nbytes for a in served.values())
+        out["lookups_per_s"][dtype] = _lookups_per_s(_served_features(plan.features, specs), served, ids, args.reps)
+        out.setdefault("export_s", {})[dtype] = export_s
+        del served
+    changes = ss.Changes.since(os.path.join(work, "w1_int8"))
+    tables, changes = _train_w1(args, plan, tables, changes)
+    out["touched_fraction"] = sum(changes.rows(t).size for t in plan.tables) / (args.rows * args.tables)
+    delta, _ = ss.export_delta(os.path.join(work, "w1_deltas"), plan, tables, changes)
+    _, export_s = _timed(se.export_serving, os.path.join(work, "w1_int8_full"), plan, tables, dtype="int8")
+    out["delta"] = _delta_vs_full(os.path.join(work, "w1_int8"), delta, os.path.join(work, "w1_int8_full"), export_s)
+    return out
+
+
+def _served_params(plan, params, id_maps, served: dict):
+    """The demo's params and id maps with its tables replaced by the served ones, dequantized."""
+    tables = dict(params["embed"]["tables"])
+    static = static_part(plan)
+    floats = {n: _floats(a, plan.tables[n].embedding_dim) for n, a in served.items() if not isinstance(a, tuple)}
+    tables.update(se.stack_tables(static, floats))
+    maps = dict(id_maps)
+    for name, (ids, a) in ((n, a) for n, a in served.items() if isinstance(a, tuple)):
+        contents = se.raw_ids.id_table_contents(plan, params["embed"]["tables"], id_maps)[name]
+        assert np.array_equal(contents.ids, ids), name
+        contents = contents._replace(vectors=_floats(a, plan.tables[name].embedding_dim)[: ids.size])
+        raw_tables, raw_maps = se.raw_ids.load_id_tables(plan, {name: contents})
+        tables.update(raw_tables)
+        maps.update(raw_maps)
+    return {**params, "embed": {**params["embed"], "tables": tables}}, maps
+
+
+def demo(args, work: str) -> dict:
+    """The demo: eval AUC served from each dtype; an int8 delta after `--delta-steps` more training steps."""
+    from sparse_embed.examples import dlrm
+
+    dargs = dlrm.parse_args(["--steps", str(args.demo_steps), "--batch-size", str(args.demo_batch), "--no-progress",
+                             *args.demo_args.split()])
+    teacher, plan, model, params, id_maps, layout, eval_batches = dlrm.build(dargs)
+    result = dlrm.train(dargs, plan, teacher, model, params, id_maps, layout)
+    predict = dlrm.make_predict(model)
+    out: dict = {"steps": args.demo_steps, "auc": {"trained": dlrm.score(predict, result.params, result.id_maps,
+                                                                         eval_batches)[0]}, "memory": {}}
+    embed = result.params["embed"]["tables"]
+    for dtype in DTYPES:
+        path = os.path.join(work, f"demo_{dtype}")
+        se.export_serving(path, plan, embed, id_maps=result.id_maps or None, dtype=dtype)
+        served, _ = se.load_serving(path)
+        out["memory"][dtype] = sum((a[1] if isinstance(a, tuple) else a).nbytes for a in served.values())
+        p, m = _served_params(plan, result.params, result.id_maps, served)
+        out["auc"][dtype] = dlrm.score(predict, p, m, eval_batches)[0]
+    changes = ss.Changes.since(os.path.join(work, "demo_int8"))
+    more = argparse.Namespace(**{**vars(dargs), "steps": args.delta_steps})
+    after = dlrm.train(more, plan, teacher, model, result.params, result.id_maps, layout)
+    for i in range(args.delta_steps):  # the ids of those steps (dlrm.train draws step i from seed [seed, 1, i])
+        changes = changes.touched_ids(plan, teacher.sample(np.random.default_rng([dargs.seed, 1, i]),
+                                                           dargs.batch_size).ids)
+    embed, maps = after.params["embed"]["tables"], after.id_maps or None
+    delta, _ = ss.export_delta(os.path.join(work, "demo_deltas"), plan, embed, changes, id_maps=maps)
+    full = os.path.join(work, "demo_int8_full")
+    _, export_s = _timed(se.export_serving, full, plan, embed, id_maps=maps, dtype="int8")
+    out["delta"] = _delta_vs_full(os.path.join(work, "demo_int8"), delta, full, export_s)
+    return out
+
+
+def _reader(live, fn, ids, per_sample: int, done, record):
+    """Looks up until `done`; records (seconds, torn?) of each lookup: torn if its values are not all its version."""
+    while not done.is_set():
+        t = time.perf_counter()
+        s = live.snapshot
+        out = jax.device_get(fn(s.tables, ids))
+        seconds = time.perf_counter() - t
+        record.append((seconds, any(not np.all(x == per_sample * s.seq) for x in out.values())))
+
+
+def load(args, work: str) -> dict:
+    """Lookups from `--threads` threads while `--deltas` deltas apply to the W1-sized int8 tables."""
+    base = os.path.join(work, "w1_int8")
+    changes, hot = ss.Changes.since(base), np.arange(0, args.rows, 100)
+    deltas = os.path.join(work, "load_deltas")
+    for v in range(1, args.deltas + 1):  # version v: every hot row is v (a constant row is exact in int8)
+        rows = {f"t{i}": (hot, np.full((hot.size, args.dim), v, np.float32)) for i in range(args.tables)}
+        _, changes = ss.write_delta(deltas, changes, rows)
+    live = ss.LiveTables(base)
+    live.apply(os.path.join(deltas, ss.delta_name(changes.base, 1)))
+    features = _served_features(_w1_plan(args).features, live.snapshot.specs)
+    features = {n: se.FeatureSpec(n, f.table, args.load_batch) for n, f in features.items()}
+    fn = jax.jit(lambda t, i: se.serving_lookup(features, t, i))
+    rng = np.random.default_rng(2)
+    ids = {n: hot[rng.integers(0, hot.size, (args.load_batch, args.ids))].astype(np.int32) for n in features}
+    jax.block_until_ready(fn(live.snapshot.tables, ids))
+    done, records = threading.Event(), [[] for _ in range(args.threads)]
+    threads = [threading.Thread(target=_reader, args=(live, fn, ids, args.ids, done, r)) for r in records]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    applies = [_timed(live.catch_up, deltas)[1]]
+    done.set()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    lat = np.array([s for r in records for s, _ in r])
+    return {"threads": args.threads, "deltas": args.deltas - 1, "seconds": seconds, "apply_s": applies[0],
+            "lookups": int(lat.size), "lookups_per_s": lat.size * args.load_batch / seconds,
+            "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+            "torn": int(sum(torn for r in records for _, torn in r)), "final_seq": live.snapshot.seq}
+
+
+def report(r: dict) -> str:
+    w, d, ld = r["w1"], r["demo"], r["load"]
+    f32, auc32 = w["lookups_per_s"]["float32"], d["auc"]["float32"]
+    goals = {"int8": (">= 1.0x", "<= 0.001"), "int4": ("-", "<= 0.003")}
+    lines = [f"W1-sized: {r['tables']} tables x {r['rows']} rows x {r['dim']}, lookups of {r['batch']} samples x "
+             f"{r['ids']} ids per table; demo: {d['steps']} steps (eval AUC as trained {d['auc']['trained']:.4f})",
+             "", "| served as | W1 MiB | W1 lookups/s | vs float32 (goal) | demo MiB | demo eval AUC | "
+             "AUC - float32 (goal) |", "|---|---|---|---|---|---|---|"]
+    for t in DTYPES:
+        speed, acc = goals.get(t, ("-", "-"))
+        lines.append(f"| {t} | {w['memory'][t] / 2**20:,.0f} | {w['lookups_per_s'][t]:,.0f} | "
+                     f"{w['lookups_per_s'][t] / f32:.2f}x ({speed}) | {d['memory'][t] / 2**20:,.2f} | "
+                     f"{d['auc'][t]:.4f} | {d['auc'][t] - auc32:+.4f} ({acc}) |")
+    lines += ["", f"A delta (int8) after {r['delta_steps']} more training steps, against a full re-export and "
+              "reload (goal: <= 0.1x both):", "",
+              "| model | rows touched | delta MiB | full MiB | bytes ratio | apply s | re-export + reload s | "
+              "time ratio |", "|---|---|---|---|---|---|---|---|"]
+    for name, x in (("W1-sized", w), ("demo", d)):
+        dl = x["delta"]
+        touched = f"{x['touched_fraction']:.1%}" if "touched_fraction" in x else "-"
+        lines.append(f"| {name} | {touched} | {dl['delta_bytes'] / 2**20:,.2f} | {dl['full_bytes'] / 2**20:,.2f} | "
+                     f"{dl['bytes_ratio']:.3f} | {dl['apply_s']:.3f} | {dl['export_s']:.2f} + {dl['reload_s']:.2f} | "
+                     f"{dl['time_ratio']:.3f} |")
+    lines += ["", f"Lookups under load: {ld['threads']} threads, batches of {r['load_batch']} samples, while "
+              f"{ld['deltas']} deltas (1% of the rows each) apply to the W1-sized int8 tables "
+              f"in {ld['apply_s']:.2f} s:",
+              "", "| lookups | samples/s | p50 ms | p99 ms | torn reads (goal 0) |", "|---|---|---|---|---|",
+              f"| {ld['lookups']} | {ld['lookups_per_s']:,.0f} | {ld['p50_ms']:.1f} | {ld['p99_ms']:.1f} | "
+              f"{ld['torn']} |"]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name, default in (("tables", 8), ("rows", 1_000_000), ("dim", 64), ("batch", 4096), ("ids", 20),
+                          ("reps", 10), ("delta-steps", 100), ("demo-steps", 1000), ("demo-batch", 1024),
+                          ("threads", 4), ("deltas", 8), ("load-batch", 512)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--demo-args", default="", help="more flags of sparse_embed.examples.dlrm, one string "
+                    "(--demo-args='--items 1000')")
+    ap.add_argument("--dir", default=None, help="where the exports go (default: a temporary directory, removed)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse_args(argv)
+    work = args.dir or tempfile.mkdtemp(prefix="serving_quant_")
+    try:
+        r = {**{k: getattr(args, k) for k in ("tables", "rows", "dim", "batch", "ids", "delta_steps", "load_batch")},
+             "w1": w1(args, work), "demo": demo(args, work)}
+        r["load"] = load(args, work)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    r["date"] = time.strftime("%Y-%m-%d %H:%M")
+    out = report(r)
+    print(out)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(r, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    se.tuning.configure_xla_cpu()  # before the first JAX computation: no whole-table copies on CPU
+    main()
