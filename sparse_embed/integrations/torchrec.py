@@ -1,0 +1,373 @@
+"""TorchRec interop: an `EmbeddingBagCollection`'s tables and its fused optimizer's state, in and out.
+
+TorchRec keeps a table `t` of an `EmbeddingBagCollection` under the state
+dict key `embedding_bags.t.weight` (`[num_embeddings, embedding_dim]`, a
+tensor or, under `DistributedModelParallel`, a `ShardedTensor`) and its
+fused (FBGEMM) optimizer's state under `state.embedding_bags.t.weight` ->
+`t.momentum1` of the optimizer's `state_dict()`: `[rows]` for row-wise
+Adagrad, `[rows, dim]` for Adagrad, nothing for SGD. Keys may carry the
+module's path in front (`sparse.ebc.embedding_bags.t.weight`); `prefix`
+picks one collection where a model has several.
+
+    state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+    tables = se.torchrec.from_torchrec(plan, state)          # or a DCP checkpoint's directory
+    se.torchrec.to_torchrec(plan, tables, into=state)        # writes TorchRec's tensors in place
+
+The optimizers convert exactly where their math is the same
+(`optimizer_from_fused_params` / `fused_params`; anything else is a
+ValueError that says what differs):
+
+| FBGEMM (`EmbOptimType`) | sparse_embed | slot |
+|---|---|---|
+| `EXACT_SGD` (and `SGD`) | `SGD(lr)` | none |
+| `EXACT_ADAGRAD`, eps = 0 | `Adagrad(lr)` | `momentum1 [rows, dim]` <-> `accumulator [rows, dim]` |
+| `EXACT_ROWWISE_ADAGRAD` | `RowwiseAdagrad(lr, epsilon=eps)` | `momentum1 [rows]` <-> `accumulator [rows, 1]` |
+| ... with `WeightDecayMode.DECOUPLE` | ... `weight_decay=wd` | |
+
+FBGEMM's Adagrad divides by `sqrt(acc) + eps` and sparse_embed's by
+`sqrt(acc)` (so eps must be 0); FBGEMM's L2 weight decay adds `wd * w` to
+the gradient (sparse_embed's is decoupled only). FBGEMM starts its
+accumulators at 0, sparse_embed's must be > 0: a converted state carries
+TorchRec's accumulators (zeros included), so only rows that no converted
+state covers see the spec's `initial_accumulator_value` (default here: the
+smallest normal float32, which moves no update by more than rounding).
+
+torch is not imported by this module except to read a DCP checkpoint and to
+build the tensors `to_torchrec` returns; tensors are read through their
+own methods, so `import sparse_embed` never needs torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+
+from sparse_embed.core import optimizers as opt
+from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.core.relayout import TABLE_KEY
+from sparse_embed.core.specs import FeatureSpec, TableSpec
+from sparse_embed.core.state import EmbeddingVariables
+from sparse_embed.core.tables import stack_tables, unstack_state
+
+SLOT = "accumulator"  # sparse_embed's slot of both Adagrads; TorchRec calls it momentum1
+MOMENTUM = "momentum1"
+TINY = float(np.finfo(np.float32).tiny)  # FBGEMM's accumulators start at 0; ours must start > 0
+_NO_DECAY, _L2, _DECOUPLED, _DECOUPLED_GLOBAL = 0, 1, 2, 5  # FBGEMM's WeightDecayMode values
+_DECAY_NAMES = {0: "NONE", 1: "L2", 2: "DECOUPLE", 3: "COUNTER", 4: "COWCLIP", 5: "DECOUPLE_GLOBAL"}
+
+
+# ------------------------------------------------------------------ optimizers
+def _kind(value: Any) -> str:
+    """An `EmbOptimType` (or its name or value) -> its name in lower case, e.g. "exact_rowwise_adagrad"."""
+    return str(getattr(value, "name", value)).lower().replace("row_wise", "rowwise")
+
+
+def _decay_mode(value: Any) -> int:
+    """A `WeightDecayMode` (or its name or value) -> its int value."""
+    value = getattr(value, "value", value)
+    if isinstance(value, str):
+        names = {v: k for k, v in _DECAY_NAMES.items()}
+        if value.upper() not in names:
+            raise ValueError(f"Unknown weight_decay_mode {value!r}; FBGEMM's are {sorted(names)}.")
+        return names[value.upper()]
+    return int(value)
+
+
+def optimizer_from_fused_params(params: Mapping[str, Any], *,
+                                initial_accumulator_value: float = TINY) -> opt.Optimizer:
+    """TorchRec's fused optimizer settings -> the sparse_embed optimizer with the same math, or a ValueError.
+
+    `params`: the `fused_params` of TorchRec's sharders (FBGEMM's names:
+    `optimizer` an `EmbOptimType` or its name, `learning_rate`, `eps`, `weight_decay`,
+    `weight_decay_mode`), or `{"optimizer": ..., "lr": ...}` as given to
+    `apply_optimizer_in_backward`. Settings that do not change the math
+    (cache, precision of the output, ...) are ignored.
+    """
+    kind = _kind(params.get("optimizer", "exact_sgd"))
+    lr = float(params.get("learning_rate", params.get("lr", 0.01)))
+    eps = float(params.get("eps", 1e-8))  # FBGEMM's default
+    wd = float(params.get("weight_decay", 0.0))
+    mode = _decay_mode(params.get("weight_decay_mode", _NO_DECAY))
+    if params.get("gradient_clipping"):
+        raise ValueError("TorchRec's gradient_clipping (FBGEMM's max_gradient) clips where sparse_embed's "
+                         "clip_gradient does not: not converted; train without it.")
+    if kind == "exact_rowwise_adagrad":
+        if wd and mode not in (_DECOUPLED, _DECOUPLED_GLOBAL):
+            raise ValueError(f"FBGEMM's row-wise Adagrad with weight_decay_mode {_DECAY_NAMES.get(mode, mode)} has "
+                             "no sparse_embed counterpart: sparse_embed decays decoupled only (w -= lr * wd * w, "
+                             "FBGEMM's DECOUPLE); L2 adds wd * w to the gradient.")
+        return opt.RowwiseAdagrad(lr, initial_accumulator_value, eps, weight_decay=wd)
+    if wd:
+        raise ValueError(f"FBGEMM's {kind} has no weight decay; weight_decay={wd} would change nothing there and "
+                         "decay the rows here: leave it out.")
+    if kind in ("exact_sgd", "sgd"):
+        return opt.SGD(lr)
+    if kind == "exact_adagrad":
+        if eps != 0.0:
+            raise ValueError(f"FBGEMM's Adagrad divides by sqrt(acc) + eps (eps={eps}), sparse_embed's by sqrt(acc): "
+                             "they agree only with eps=0 (set it in TorchRec's fused params), or use row-wise "
+                             "Adagrad (EXACT_ROWWISE_ADAGRAD <-> RowwiseAdagrad, the same math with eps).")
+        return opt.Adagrad(lr, initial_accumulator_value)
+    raise ValueError(f"TorchRec's fused optimizer {kind!r} has no sparse_embed optimizer with the same math; "
+                     "exact_sgd, exact_adagrad (eps=0) and exact_rowwise_adagrad convert.")
+
+
+def fused_params(optimizer: opt.Optimizer) -> dict[str, Any]:
+    """A sparse_embed optimizer -> TorchRec's fused params with the same math (FBGEMM's names), or a ValueError.
+
+    `optimizer` is the `EmbOptimType`'s name and `weight_decay_mode` the
+    `WeightDecayMode`'s int: `EmbOptimType[p["optimizer"]]`,
+    `WeightDecayMode(p["weight_decay_mode"])`.
+    """
+    name = type(optimizer).__name__
+    if callable(optimizer.learning_rate):
+        raise ValueError(f"{name}: a learning-rate schedule is not part of TorchRec's fused params (a scheduler sets "
+                         "the fused optimizer's lr each step); convert a float learning_rate.")
+    if optimizer.clip_gradient is not None or optimizer.clip_weight is not None:
+        raise ValueError(f"{name}: clip_gradient/clip_weight have no FBGEMM counterpart on CPU.")
+    lr, wd = optimizer.learning_rate, optimizer.weight_decay
+    if type(optimizer) is opt.RowwiseAdagrad:
+        return {"optimizer": "EXACT_ROWWISE_ADAGRAD", "learning_rate": lr, "eps": optimizer.epsilon,
+                "weight_decay": wd, "weight_decay_mode": _DECOUPLED if wd else _NO_DECAY}
+    if wd:
+        raise ValueError(f"{name}: FBGEMM applies weight decay in row-wise Adagrad only; weight_decay={wd} has no "
+                         "counterpart.")
+    if type(optimizer) is opt.SGD:
+        return {"optimizer": "EXACT_SGD", "learning_rate": lr}
+    if type(optimizer) is opt.Adagrad:
+        return {"optimizer": "EXACT_ADAGRAD", "learning_rate": lr, "eps": 0.0}
+    raise ValueError(f"{name} has no FBGEMM optimizer with the same math; SGD, Adagrad and RowwiseAdagrad convert.")
+
+
+def features_from_torchrec(configs: Any, batch_size: int, optimizer: opt.Optimizer, *,
+                           initializer: Any = None) -> dict[str, FeatureSpec]:
+    """TorchRec `EmbeddingBagConfig`s -> `{feature: FeatureSpec}`, each feature reading its config's table.
+
+    Pooling SUM and MEAN map to the combiners "sum" and "mean"; `optimizer`
+    is every table's (see `optimizer_from_fused_params`); `initializer`
+    (default: the TableSpec's) matters only for tables not converted.
+    """
+    out = {}
+    for c in configs:
+        pooling = _kind(getattr(c, "pooling", "sum"))
+        pooling = {"0": "sum", "1": "mean"}.get(pooling, pooling)  # PoolingType's values, or their names
+        if pooling not in ("sum", "mean"):
+            raise ValueError(f"Table {c.name!r}: pooling {pooling!r} has no sparse_embed combiner (sum, mean).")
+        extra = {} if initializer is None else {"initializer": initializer}
+        table = TableSpec(c.name, int(c.num_embeddings), int(c.embedding_dim), optimizer=optimizer,
+                          combiner=pooling, **extra)
+        out.update({f: FeatureSpec(f, table, batch_size) for f in c.feature_names})
+    return out
+
+
+# ------------------------------------------------------------------ TorchRec's state
+def _leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """`(dotted path, leaf)` of a nested mapping (state dicts, DCP's nested form)."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{path}.{k}" if path else str(k))
+    else:
+        yield path, tree
+
+
+def _find(leaves: Mapping[str, Any], suffix: str, table: str) -> tuple[str, Any] | None:
+    """The one leaf whose path is `suffix` or ends with `.suffix`."""
+    hits = [(k, v) for k, v in leaves.items() if k == suffix or k.endswith("." + suffix)]
+    if len(hits) > 1:
+        raise ValueError(f"Table {table!r}: several entries of the TorchRec state end with {suffix!r}: "
+                         f"{sorted(k for k, _ in hits)}; pass prefix= to pick one collection.")
+    return hits[0] if hits else None
+
+
+def _keys(table: str) -> tuple[str, str]:
+    """The key suffixes of a table's weight and of its fused optimizer's momentum."""
+    weight = f"embedding_bags.{table}.weight"
+    return weight, f"{weight}.{table}.{MOMENTUM}"
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in (leaf.size() if callable(getattr(leaf, "size", None)) else np.shape(leaf)))
+
+
+def _is_sharded(leaf: Any) -> bool:
+    return hasattr(leaf, "local_shards") and hasattr(leaf, "metadata")  # torch's ShardedTensor
+
+
+def _shard_slices(shard: Any) -> tuple[slice, ...]:
+    md = shard.metadata
+    return tuple(slice(int(o), int(o) + int(n)) for o, n in zip(md.shard_offsets, md.shard_sizes))
+
+
+def _numpy(t: Any) -> np.ndarray:
+    """A CPU tensor (any float dtype) or array -> float32 numpy."""
+    if hasattr(t, "detach"):
+        t = t.detach().cpu()
+        t = t.float() if not t.is_floating_point() or t.element_size() < 4 else t
+        return t.numpy().astype(np.float32, copy=False)
+    return np.asarray(t, np.float32)
+
+
+def _read(key: str, leaf: Any) -> np.ndarray:
+    """A leaf of TorchRec's state -> the whole array on the host (a ShardedTensor from its local shards)."""
+    if _is_sharded(leaf):
+        out, covered = np.zeros(_shape(leaf), np.float32), 0
+        for shard in leaf.local_shards():
+            where = _shard_slices(shard)
+            out[where] = _numpy(shard.tensor).reshape(out[where].shape)
+            covered += out[where].size
+        if covered != out.size:
+            raise ValueError(f"{key}: this process holds {covered} of its {out.size} elements (a ShardedTensor over "
+                             "several processes): read a DCP checkpoint instead, or gather the tensor first.")
+        return out
+    if hasattr(leaf, "full_tensor"):  # a DTensor
+        leaf = leaf.full_tensor()
+    return _numpy(leaf)
+
+
+def _read_dcp(path: str | os.PathLike) -> dict[str, Any]:
+    """A DCP checkpoint directory -> its state dict (nested, plain tensors), without a process group."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        return _load_state_dict_from_keys(checkpoint_id=os.fspath(path))
+
+
+def _slot_shape(table: TableSpec) -> tuple[int, ...] | None:
+    """TorchRec's momentum1 shape for a table's optimizer (None: it keeps none), or a ValueError."""
+    o = table.optimizer
+    if type(o) is opt.SGD:
+        return None
+    if type(o) is opt.RowwiseAdagrad:
+        return (table.vocabulary_size,)
+    if type(o) is opt.Adagrad:
+        return (table.vocabulary_size, table.embedding_dim)
+    raise ValueError(f"Table {table.name!r}: its optimizer {type(o).__name__} has no TorchRec (FBGEMM) counterpart "
+                     "with the same state; SGD, Adagrad and RowwiseAdagrad convert.")
+
+
+def _tables_of(plan: EmbeddingPlan) -> list[TableSpec]:
+    for s in plan.stacks:
+        if s.dynamic is not None:
+            raise ValueError(f"Table {s.first.name!r} is keyed by raw ids (dynamic=): TorchRec's "
+                             "EmbeddingBagCollection holds rows by index; convert a plan of static tables.")
+    return [plan.tables[n] for n in sorted(plan.tables)]
+
+
+def _state_leaves(state: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(state, (str, os.PathLike)):
+        state = _read_dcp(state)
+    if not isinstance(state, Mapping):
+        raise TypeError(f"The TorchRec state must be a (nested) state dict or a DCP directory, got {type(state)}.")
+    return {k: v for k, v in _leaves(state) if k.startswith(prefix)}
+
+
+def _check_shape(table: str, key: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if got != want:
+        raise ValueError(f"Table {table!r}: TorchRec's {key} has shape {got}, the plan's table needs {want}.")
+
+
+def _quiet(fn: Callable) -> Callable:
+    """Runs `fn` without torch's FutureWarning on each use of a ShardedTensor (what TorchRec's state dicts hold)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@_quiet
+def from_torchrec(plan: EmbeddingPlan, state: Any, *, prefix: str = "",
+                  with_optimizer_state: bool = True) -> dict[str, EmbeddingVariables]:
+    """TorchRec's tables (and fused optimizer state) -> the plan's stacked, sharded state, on any mesh.
+
+    `state`: a nested mapping holding an `EmbeddingBagCollection`'s state
+    dict and, unless `with_optimizer_state=False` (fresh slots), its fused
+    optimizer's `state_dict()`, e.g. `{"model": m.state_dict(), "optim":
+    m.fused_optimizer.state_dict()}`; or the directory of a DCP checkpoint
+    of such a mapping. Every table of the plan must be there with its
+    shape, and its optimizer's state must be the one its TorchRec
+    optimizer keeps (see the module docstring); other entries are ignored.
+    """
+    leaves = _state_leaves(state, prefix)
+    arrays, slots = {}, {}
+    for t in _tables_of(plan):
+        weight_key, momentum_key = _keys(t.name)
+        hit = _find(leaves, weight_key, t.name)
+        if hit is None:
+            raise ValueError(f"Table {t.name!r}: no {weight_key!r} in the TorchRec state (prefix {prefix!r}).")
+        _check_shape(t.name, hit[0], _shape(hit[1]), (t.vocabulary_size, t.embedding_dim))
+        arrays[t.name] = _read(*hit)
+        want, momentum = _slot_shape(t), _find(leaves, momentum_key, t.name)
+        if want is None and momentum is not None:
+            raise ValueError(f"Table {t.name!r}: the TorchRec state has {momentum[0]}, but its optimizer SGD keeps "
+                             "no state: was it trained with another optimizer?")
+        if want is None or not with_optimizer_state:
+            continue
+        if momentum is None:
+            raise ValueError(f"Table {t.name!r}: no {momentum_key!r} (its {type(t.optimizer).__name__} state) in the "
+                             "TorchRec state; pass the fused optimizer's state_dict() too, or "
+                             "with_optimizer_state=False for fresh slots.")
+        _check_shape(t.name, momentum[0], _shape(momentum[1]), want)
+        slots[t.name] = {SLOT: _read(*momentum).reshape(t.vocabulary_size, -1)}
+    return stack_tables(plan, arrays, slots)
+
+
+def _write(key: str, leaf: Any, a: np.ndarray) -> None:
+    """Writes `a` (the whole array) into a leaf of TorchRec's state in place (its local shards, if sharded)."""
+    if _is_sharded(leaf):
+        for shard in leaf.local_shards():
+            where = _shard_slices(shard)
+            shard.tensor.detach().copy_(shard.tensor.new_tensor(a[where]))
+    elif hasattr(leaf, "full_tensor"):
+        raise ValueError(f"{key}: a DTensor is not written in place; write a ShardedTensor or plain tensor state, "
+                         "or save to_torchrec(plan, tables) with DCP.")
+    elif hasattr(leaf, "copy_"):
+        leaf.detach().copy_(leaf.new_tensor(a))
+    else:
+        leaf[...] = a
+
+
+@_quiet
+def to_torchrec(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], into: Any = None, *,
+                prefix: str = "", with_optimizer_state: bool = True) -> Any:
+    """The plan's state -> TorchRec's: `{"model": {key: tensor}, "optim": {"state": {key: {name: tensor}}}}`.
+
+    The keys are an unsharded `EmbeddingBagCollection`'s and its fused
+    optimizer's (load with `load_state_dict`, or save with DCP). With
+    `into` (a state as `from_torchrec` reads it: live state dicts of a
+    TorchRec model, plain tensors or ShardedTensors), writes into its
+    tensors in place instead and returns it: every table must be there.
+    """
+    specs = _tables_of(plan)
+    natural = unstack_state(plan, tables)
+    if into is None:
+        import torch
+
+        model, optim = {}, {}
+        for t in specs:
+            weight_key, _ = _keys(t.name)
+            model[weight_key] = torch.from_numpy(np.ascontiguousarray(natural[t.name][TABLE_KEY], np.float32))
+            want = _slot_shape(t)
+            if want is not None and with_optimizer_state:
+                optim[weight_key] = {f"{t.name}.{MOMENTUM}": torch.from_numpy(natural[t.name][SLOT].reshape(want))}
+        return {"model": model, "optim": {"state": optim}}
+    leaves = _state_leaves(into, prefix)
+    for t in specs:
+        want = _slot_shape(t)
+        pairs = [(TABLE_KEY, (t.vocabulary_size, t.embedding_dim), 0)]
+        pairs += [(SLOT, want, 1)] if want is not None and with_optimizer_state else []
+        for ours, shape, i in pairs:
+            hit = _find(leaves, _keys(t.name)[i], t.name)
+            if hit is None:
+                raise ValueError(f"Table {t.name!r}: no {_keys(t.name)[i]!r} in the TorchRec state to write into.")
+            _check_shape(t.name, hit[0], _shape(hit[1]), shape)
+            _write(hit[0], hit[1], natural[t.name][ours].reshape(shape))
+    return into

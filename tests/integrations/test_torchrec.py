@@ -1,0 +1,373 @@
+"""TorchRec interop: tables and fused-optimizer state move both ways and training goes on as in TorchRec.
+
+The reference is FBGEMM itself: its CPU table-batched embedding (`SplitTableBatchedEmbeddingBagsCodegen`, the
+kernel under TorchRec's fused `EmbeddingBagCollection`) trains the TorchRec side, and its state is laid out under
+TorchRec's keys. Where the torchrec package is installed (it requires the CUDA `fbgemm-gpu` distribution, so the
+test extra cannot carry it: see pyproject.toml), the same runs through TorchRec's `DistributedModelParallel` on a
+1-process gloo group, with TorchRec's own state dicts (ShardedTensors).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparse_embed as se
+from conftest import make_mesh
+from sparse_embed import optimizers as opt
+from sparse_embed.integrations import torchrec as tr
+
+# TorchRec's planner and sharders warn about their own defaults (FutureWarning, UserWarning)
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning:torchrec"),
+              pytest.mark.filterwarnings("ignore::UserWarning:torchrec"),
+              pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")]  # reading one here
+torch = pytest.importorskip("torch")
+pytest.importorskip("fbgemm_gpu")
+
+B, N, MAX_LEN = 16, 3, 4  # batch, steps on each side, ids per sample
+CONFIGS = [  # TorchRec EmbeddingBagConfigs (duck-typed): table a is read by two features
+    types.SimpleNamespace(name="a", num_embeddings=40, embedding_dim=8, feature_names=["fa1", "fa2"], pooling="SUM"),
+    types.SimpleNamespace(name="b", num_embeddings=23, embedding_dim=8, feature_names=["fb"], pooling="SUM"),
+    types.SimpleNamespace(name="c", num_embeddings=17, embedding_dim=4, feature_names=["fc"], pooling="SUM"),
+]
+FEATURES = [f for c in CONFIGS for f in c.feature_names]
+FUSED = {  # TorchRec's fused params (FBGEMM's names)
+    "rowwise_adagrad": {"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.3, "eps": 1e-3},
+    "adagrad": {"optimizer": "exact_adagrad", "learning_rate": 0.2, "eps": 0.0},
+    "sgd": {"optimizer": "exact_sgd", "learning_rate": 0.1},
+}
+# Not trained against FBGEMM: its CPU kernel (fbgemm-gpu-cpu 1.8.0) applies no weight decay in either mode
+# (measured: one step's rows are those without decay); its GPU kernel applies this formula.
+DECAY = {"optimizer": "EXACT_ROWWISE_ADAGRAD", "learning_rate": 0.3, "eps": 1e-3, "weight_decay": 0.05,
+         "weight_decay_mode": 2}
+
+
+def _plan(optimizer: opt.Optimizer, devices: int) -> se.EmbeddingPlan:
+    features = tr.features_from_torchrec(CONFIGS, B, optimizer)
+    return se.plan(features, make_mesh(devices), capacity=3 * B * MAX_LEN)  # a and b stack (dim 8), c alone
+
+
+def _batches(seed: int, n: int) -> list[tuple[dict, dict]]:
+    """`n` batches of ragged ids `{feature: (values, lengths)}` and loss cotangents `{feature: [B, dim]}`."""
+    rng, dims = np.random.default_rng(seed), {f: c.embedding_dim for c in CONFIGS for f in c.feature_names}
+    vocab = {f: c.num_embeddings for c in CONFIGS for f in c.feature_names}
+    out = []
+    for _ in range(n):
+        lengths = {f: rng.integers(0, MAX_LEN + 1, B) for f in FEATURES}
+        ids = {f: (rng.integers(0, vocab[f] // 2 if f == "fa2" else vocab[f], int(n.sum())), n)  # repeats
+               for f, n in lengths.items()}
+        out.append((ids, {f: rng.normal(size=(B, dims[f])).astype(np.float32) for f in FEATURES}))
+    return out
+
+
+# ------------------------------------------------------------------ the TorchRec side
+class Fbgemm:
+    """FBGEMM's CPU TBE with the fused optimizer; its state under TorchRec's keys (views of its buffers)."""
+
+    def __init__(self, fused: dict):
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen, WeightDecayMode)
+
+        kw = {k: v for k, v in fused.items() if k in ("learning_rate", "eps", "weight_decay")}
+        if "weight_decay_mode" in fused:
+            kw["weight_decay_mode"] = WeightDecayMode(fused["weight_decay_mode"])
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(c.num_embeddings, c.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for c in CONFIGS],
+            feature_table_map=[i for i, c in enumerate(CONFIGS) for _ in c.feature_names],
+            optimizer=EmbOptimType[fused["optimizer"].upper()], pooling_mode=PoolingMode.SUM, **kw)
+
+    def train(self, ids: dict, cot: dict) -> None:
+        values = torch.from_numpy(np.concatenate([ids[f][0] for f in FEATURES]).astype(np.int64))
+        lengths = np.concatenate([ids[f][1] for f in FEATURES])
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        out = self.tbe(values, offsets)
+        out.backward(torch.from_numpy(np.concatenate([cot[f] for f in FEATURES], axis=1)))
+
+    def state(self) -> dict:
+        names = [c.name for c in CONFIGS]
+        model = {f"embedding_bags.{n}.weight": w for n, w in zip(names, self.tbe.split_embedding_weights())}
+        states = self.tbe.split_optimizer_states()
+        optim = {f"embedding_bags.{n}.weight": {f"{n}.momentum1": s[0]} for n, s in zip(names, states) if s}
+        return {"model": model, "optim": {"state": optim, "param_groups": []}}
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A 1-process gloo group for TorchRec's DistributedModelParallel (in this process's memory)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class TorchRec:
+    """TorchRec's EmbeddingBagCollection under DistributedModelParallel, fused optimizer from `fused`."""
+
+    def __init__(self, fused: dict):
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+        from benchmarks.e2e_torchrec import fused_dmp
+
+        configs = [EmbeddingBagConfig(name=c.name, num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim,
+                                      feature_names=list(c.feature_names)) for c in CONFIGS]
+        params = {**fused, "optimizer": EmbOptimType[fused["optimizer"].upper()]}
+        if "weight_decay_mode" in params:
+            from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+            params["weight_decay_mode"] = WeightDecayMode(params["weight_decay_mode"])
+        ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+        self.model = fused_dmp(torch, ebc, params, [c.name for c in CONFIGS])
+
+    def train(self, ids: dict, cot: dict) -> None:
+        from torchrec import KeyedJaggedTensor
+
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=FEATURES, values=torch.from_numpy(np.concatenate([ids[f][0] for f in FEATURES]).astype(np.int64)),
+            lengths=torch.from_numpy(np.concatenate([ids[f][1] for f in FEATURES]).astype(np.int64)))
+        out = self.model(kjt).to_dict()
+        torch.autograd.backward([out[f] for f in FEATURES], [torch.from_numpy(cot[f]) for f in FEATURES])
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.model.fused_optimizer.state_dict()}
+
+
+PEERS = {"fbgemm": Fbgemm, "torchrec": TorchRec}
+
+
+def _peer(kind: str, fused: dict, request):
+    if kind == "torchrec":
+        pytest.importorskip("torchrec")
+        request.getfixturevalue("process_group")
+    return PEERS[kind](fused)
+
+
+# ------------------------------------------------------------------ our side
+@functools.lru_cache(maxsize=None)
+def _train_step(plan: se.EmbeddingPlan):
+    def loss(tables, batch, cot, step):
+        acts = se.lookup(plan, batch, tables, step)
+        return sum(jnp.sum(acts[f] * cot[f]) for f in FEATURES)
+
+    return jax.jit(jax.grad(loss), donate_argnums=0)  # the gradient of the tables: the updated tables
+
+
+def _train(plan, tables, batches, first_step):
+    for i, (ids, cot) in enumerate(batches):
+        tables = _train_step(plan)(tables, se.preprocess(plan, ids)[0], cot, jnp.int32(first_step + i))
+    return tables
+
+
+def _assert_same(plan, tables, state) -> None:
+    """Our tables and accumulators against TorchRec's state, read independently of the converter."""
+    ours = se.unstack_state(plan, tables)
+    flat = dict(tr._leaves(state))
+    for c in CONFIGS:
+        want = tr._read("w", next(v for k, v in flat.items() if k.endswith(f"embedding_bags.{c.name}.weight")))
+        np.testing.assert_allclose(ours[c.name]["table"], want, rtol=2e-5, atol=1e-6, err_msg=c.name)
+        momentum = [v for k, v in flat.items() if k.endswith(f"{c.name}.momentum1")]
+        assert len(momentum) == len(ours[c.name]) - 1, c.name  # one state for the Adagrads, none for SGD
+        if momentum:
+            acc = ours[c.name]["accumulator"]
+            np.testing.assert_allclose(acc, tr._read("m", momentum[0]).reshape(acc.shape), rtol=2e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ the acceptance
+@pytest.mark.parametrize("devices", [1, 8], ids=lambda n: f"mesh{n}")
+@pytest.mark.parametrize("name", sorted(FUSED))
+@pytest.mark.parametrize("kind", ["fbgemm", "torchrec"])
+def test_trained_in_torchrec_converted_trains_on_as_torchrec_does(kind, name, devices, request):
+    """N steps in TorchRec, converted; N more here and N more in TorchRec on the same batches agree."""
+    plan = _plan(tr.optimizer_from_fused_params(FUSED[name]), devices)
+    batches = _batches(0, 2 * N)
+    peer = _peer(kind, FUSED[name], request)
+    for ids, cot in batches[:N]:
+        peer.train(ids, cot)
+    tables = tr.from_torchrec(plan, peer.state())
+    _assert_same(plan, tables, peer.state())
+    tables = _train(plan, tables, batches[N:], N)
+    for ids, cot in batches[N:]:
+        peer.train(ids, cot)
+    _assert_same(plan, tables, peer.state())
+
+
+@pytest.mark.parametrize("devices", [1, 8], ids=lambda n: f"mesh{n}")
+@pytest.mark.parametrize("name", sorted(FUSED))
+@pytest.mark.parametrize("kind", ["fbgemm", "torchrec"])
+def test_trained_here_written_into_torchrec_trains_on_alike(kind, name, devices, request):
+    """N steps here, written into a fresh TorchRec model in place; N more on each side agree."""
+    plan = _plan(tr.optimizer_from_fused_params(FUSED[name], initial_accumulator_value=0.05), devices)
+    batches = _batches(1, 2 * N)
+    tables = _train(plan, se.init_tables(plan, jax.random.key(3)), batches[:N], 0)
+    peer = _peer(kind, FUSED[name], request)
+    tr.to_torchrec(plan, tables, into=peer.state())
+    _assert_same(plan, tables, peer.state())
+    tables = _train(plan, tables, batches[N:], N)
+    for ids, cot in batches[N:]:
+        peer.train(ids, cot)
+    _assert_same(plan, tables, peer.state())
+
+
+def test_to_torchrec_then_from_torchrec_is_exact_on_another_mesh_and_stacking():
+    o = opt.RowwiseAdagrad(0.1)
+    plan8 = _plan(o, 8)
+    state = se.init_tables(plan8, jax.random.key(0))
+    state = {k: se.EmbeddingVariables(v.table, {"accumulator": v.slots["accumulator"] + jnp.arange(
+        v.slots["accumulator"].shape[0], dtype=jnp.float32)[:, None]}) for k, v in state.items()}
+    out = tr.to_torchrec(plan8, state)
+    assert sorted(out["model"]) == [f"embedding_bags.{c.name}.weight" for c in CONFIGS]
+    assert tuple(out["optim"]["state"]["embedding_bags.a.weight"]["a.momentum1"].shape) == (40,)  # row-wise: [rows]
+    plan2 = se.plan(tr.features_from_torchrec(CONFIGS, B, o), make_mesh(2), stacking=None)
+    back = se.unstack_state(plan2, tr.from_torchrec(plan2, out))
+    for name, arrays in se.unstack_state(plan8, state).items():
+        for key, a in arrays.items():
+            np.testing.assert_array_equal(back[name][key], a, err_msg=f"{name}/{key}")
+
+
+def test_a_dcp_checkpoint_reads_as_its_state_dict(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    plan = _plan(opt.Adagrad(0.1), 1)
+    state = se.init_tables(plan, jax.random.key(0))
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(tr.to_torchrec(plan, state), checkpoint_id=str(tmp_path))
+    back = tr.from_torchrec(plan, tmp_path)
+    for name, arrays in se.unstack_state(plan, state).items():
+        for key, a in arrays.items():
+            np.testing.assert_array_equal(se.unstack_state(plan, back)[name][key], a)
+
+
+# ------------------------------------------------------------------ the optimizers' math
+@pytest.mark.parametrize("name", [*sorted(FUSED), "decay"])
+def test_optimizers_map_both_ways(name):
+    fused = DECAY if name == "decay" else FUSED[name]
+    o = tr.optimizer_from_fused_params(fused)
+    assert tr.optimizer_from_fused_params(tr.fused_params(o)) == o
+    want = {"rowwise_adagrad": opt.RowwiseAdagrad(0.3, tr.TINY, 1e-3),
+            "decay": opt.RowwiseAdagrad(0.3, tr.TINY, 1e-3, weight_decay=0.05),
+            "adagrad": opt.Adagrad(0.2, tr.TINY), "sgd": opt.SGD(0.1)}[name]
+    assert o == want
+    assert tr.fused_params(o)["optimizer"].lower().replace("exact_", "") == want.__class__.__name__.lower().replace(
+        "rowwiseadagrad", "rowwise_adagrad")
+
+
+@pytest.mark.parametrize("fused, match", [
+    ({"optimizer": "exact_adagrad", "learning_rate": 0.1}, "eps=1e-08"),  # FBGEMM's default eps
+    ({"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": 1}, "L2"),
+    ({"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": "COUNTER"}, "COUNTER"),
+    ({"optimizer": "exact_sgd", "weight_decay": 0.1}, "no weight decay"),
+    ({"optimizer": "adam"}, "'adam' has no sparse_embed optimizer"),
+    ({"optimizer": "exact_sgd", "gradient_clipping": True}, "gradient_clipping"),
+])
+def test_fused_params_that_do_not_map_exactly_are_refused(fused, match):
+    with pytest.raises(ValueError, match=match):
+        tr.optimizer_from_fused_params(fused)
+
+
+@pytest.mark.parametrize("optimizer, match", [
+    (opt.Adam(0.1), "Adam has no FBGEMM"),
+    (opt.SGD(0.1, weight_decay=0.1), "row-wise Adagrad only"),
+    (opt.Adagrad(lambda step: 0.1), "schedule"),
+    (opt.RowwiseAdagrad(0.1, clip_gradient=(-1, 1)), "clip_gradient"),
+])
+def test_our_optimizers_without_an_fbgemm_twin_are_refused(optimizer, match):
+    with pytest.raises(ValueError, match=match):
+        tr.fused_params(optimizer)
+
+
+# ------------------------------------------------------------------ bad input
+def _state(plan) -> dict:
+    return tr.to_torchrec(plan, se.init_tables(plan, jax.random.key(0)))
+
+
+def test_a_table_missing_a_shape_mismatch_and_missing_slots_are_named():
+    plan = _plan(opt.RowwiseAdagrad(0.1), 1)
+    state = _state(plan)
+    del state["model"]["embedding_bags.b.weight"]
+    with pytest.raises(ValueError, match="Table 'b': no 'embedding_bags.b.weight'"):
+        tr.from_torchrec(plan, state)
+    state = _state(plan)
+    state["model"]["embedding_bags.c.weight"] = torch.zeros(18, 4)
+    with pytest.raises(ValueError, match=r"Table 'c': .*shape \(18, 4\), the plan's table needs \(17, 4\)"):
+        tr.from_torchrec(plan, state)
+    state = _state(plan)
+    state["optim"]["state"]["embedding_bags.a.weight"]["a.momentum1"] = torch.zeros(40, 8)  # Adagrad's, not row-wise
+    with pytest.raises(ValueError, match=r"Table 'a': .*momentum1 has shape \(40, 8\).*needs \(40,\)"):
+        tr.from_torchrec(plan, state)
+    with pytest.raises(ValueError, match="Table 'a': no .*momentum1.*fused optimizer's state_dict"):
+        tr.from_torchrec(plan, {"model": _state(plan)["model"]})
+    fresh = tr.from_torchrec(plan, {"model": _state(plan)["model"]}, with_optimizer_state=False)
+    assert float(fresh["a_b"].slots["accumulator"][0, 0]) == pytest.approx(0.1)  # the spec's initial value
+
+
+def test_an_optimizer_state_for_an_sgd_table_and_an_unconvertible_optimizer_are_refused():
+    state = _state(_plan(opt.Adagrad(0.1), 1))
+    with pytest.raises(ValueError, match="Table 'a': .*momentum1, but its optimizer SGD keeps no state"):
+        tr.from_torchrec(_plan(opt.SGD(0.1), 1), state)
+    adam = _plan(opt.Adam(0.1), 1)
+    with pytest.raises(ValueError, match="Table 'a': its optimizer Adam has no TorchRec"):
+        tr.from_torchrec(adam, state)
+    with pytest.raises(ValueError, match="Table 'a': its optimizer Adam has no TorchRec"):
+        tr.to_torchrec(adam, se.init_tables(adam, jax.random.key(0)))
+
+
+def test_two_collections_need_a_prefix_and_into_needs_every_table():
+    plan = _plan(opt.SGD(0.1), 1)
+    one = _state(plan)["model"]
+    both = {"user_tower.ebc": one, "item_tower.ebc": {k: v + 1 for k, v in one.items()}}
+    with pytest.raises(ValueError, match="several entries .* pass prefix="):
+        tr.from_torchrec(plan, both)
+    picked = se.unstack_tables(plan, tr.from_torchrec(plan, both, prefix="item_tower"))
+    np.testing.assert_array_equal(picked["a"], one["embedding_bags.a.weight"].numpy() + 1)
+    with pytest.raises(ValueError, match="Table 'c': no 'embedding_bags.c.weight' .* to write into"):
+        tr.to_torchrec(plan, se.init_tables(plan, jax.random.key(0)),
+                       into={k: v for k, v in one.items() if ".c." not in k})
+
+
+class _Shard(types.SimpleNamespace):
+    pass
+
+
+class _ShardedTensor:
+    """The two attributes of torch's ShardedTensor the converter reads: its local shards and its size."""
+
+    def __init__(self, full: np.ndarray, rows: list[tuple[int, int]]):
+        self.full, self.metadata = full, None
+        self.shards = [_Shard(tensor=torch.from_numpy(full[a:b].copy()),
+                              metadata=types.SimpleNamespace(shard_offsets=[a, 0], shard_sizes=[b - a, full.shape[1]]))
+                       for a, b in rows]
+
+    def local_shards(self):
+        return self.shards
+
+    def size(self):
+        return self.full.shape
+
+
+def test_sharded_tensors_read_from_their_shards_and_a_partial_one_is_refused():
+    plan = _plan(opt.SGD(0.1), 1)
+    model = {k: v.numpy() for k, v in _state(plan)["model"].items()}
+    sharded = {k: _ShardedTensor(v, [(0, 5), (5, v.shape[0])]) for k, v in model.items()}
+    got = se.unstack_tables(plan, tr.from_torchrec(plan, sharded))
+    for c in CONFIGS:
+        np.testing.assert_array_equal(got[c.name], model[f"embedding_bags.{c.name}.weight"])
+    sharded["embedding_bags.b.weight"] = _ShardedTensor(model["embedding_bags.b.weight"], [(0, 5)])
+    with pytest.raises(ValueError, match=r"embedding_bags.b.weight: this process holds 40 of its 184 elements"):
+        tr.from_torchrec(plan, sharded)
+
+
+def test_raw_id_tables_are_refused():
+    t = se.TableSpec("a", 40, 8, optimizer=opt.SGD(0.1), dynamic=se.Dynamic())
+    plan = se.plan({"fa": se.FeatureSpec("fa", t, B)}, make_mesh(1))
+    with pytest.raises(ValueError, match="Table 'a' is keyed by raw ids"):
+        tr.from_torchrec(plan, {})
