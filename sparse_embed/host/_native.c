@@ -1133,6 +1133,128 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ Criteo click logs */
+
+static signed char HEX_DIGIT[256]; /* a hex digit's value, -1 for any other byte (hex_setup) */
+
+static void hex_setup(void)
+{
+    for (int c = 0; c < 256; c++)
+        HEX_DIGIT[c] = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                     : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+}
+
+/* One line of a Criteo log from p: a label 0/1, 13 decimal integers (optional '-', |x| < 2**63) and 26 hex values
+   (1-16 digits, < 2**63), tab-separated, any of the 39 features empty (an integer: 0; a hex value: `missing`); the
+   same grammar as host/criteo.py's numpy path. Returns the line's end (its newline, or `end`); *ok = 1 if it is
+   well-formed (then its fields are written). One pass: no field loop reads past a newline. */
+static const unsigned char *criteo_line(const unsigned char *p, const unsigned char *end, float *label,
+                                        int64_t *ints, int64_t *cats, int64_t missing, int *ok)
+{
+    *ok = 0;
+    if (end - p < 2 || (p[0] != '0' && p[0] != '1') || p[1] != '\t')
+        goto skip;
+    *label = (float)(p[0] - '0');
+    p += 2;
+    for (int f = 0; f < 13; f++) {
+        const int neg = p < end && *p == '-';
+        int digits = 0;
+        u64 v = 0;
+        for (p += neg; p < end && (unsigned)(*p - '0') <= 9; p++, digits++) {
+            if (v > ((u64)INT64_MAX - (u64)(*p - '0')) / 10)
+                goto skip;
+            v = v * 10 + (u64)(*p - '0');
+        }
+        if (p == end || *p != '\t' || (neg && !digits))
+            goto skip;
+        ints[f] = neg ? -(int64_t)v : (int64_t)v;
+        p++;
+    }
+    for (int f = 0; f < 26; f++) {
+        int digits = 0, d;
+        u64 v = 0;
+        for (; p < end && (d = HEX_DIGIT[*p]) >= 0; p++) {
+            if (digits++ == 16)
+                goto skip;
+            v = (v << 4) | (u64)d;
+        }
+        if (v > (u64)INT64_MAX || (f < 25 ? p == end || *p != '\t' : p < end && *p != '\n'))
+            goto skip;
+        cats[f] = digits ? (int64_t)v : missing;
+        p += f < 25;
+    }
+    *ok = 1;
+    return p;
+skip: {
+        const unsigned char *nl = memchr(p, '\n', (size_t)(end - p));
+        return nl ? nl : end;
+    }
+}
+
+/* criteo_parse(data, missing, table float32 [T], labels float32 [n], ints int64 [n * 13], dense float32 [n * 13],
+                cats int64 [n * 26], bad int64 [n]) -> (good lines, bad lines, integers >= T)
+   Each well-formed line's fields in order, its integers also as dense = table[max(x, 0)] where x < T (the caller's
+   log1p table: numpy's own values; larger x are the caller's to fill); each malformed line's index in `bad`.
+   n >= the number of lines (a last line without a newline counts). */
+static PyObject *py_criteo_parse(PyObject *self, PyObject *args)
+{
+    PyObject *objs[7];
+    i64 missing;
+    Py_buffer v[7] = {{0}};
+    const char kinds[7] = {0, 'f', 'f', 'l', 'f', 'l', 'l'};
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "OLOOOOOO", &objs[0], &missing, &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &objs[6]))
+        return NULL;
+    if (PyObject_GetBuffer(objs[0], &v[0], PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    for (int j = 1; j < 7; j++)
+        if (get_buffer(objs[j], &v[j], kinds[j], j > 1, "criteo_parse's arrays") < 0)
+            goto done;
+    const unsigned char *p = v[0].buf, *end = p + v[0].len;
+    const i64 table_size = v[1].len / 4, cap = v[2].len / 4;
+    if (v[3].len / 8 < cap * 13 || v[4].len / 4 < cap * 13 || v[5].len / 8 < cap * 26 || v[6].len / 8 < cap) {
+        PyErr_SetString(PyExc_ValueError, "criteo_parse: the outputs are smaller than labels' n lines");
+        goto done;
+    }
+    const float *table = v[1].buf;
+    float *labels = v[2].buf, *dense = v[4].buf;
+    int64_t *ints = v[3].buf, *cats = v[5].buf, *bad = v[6].buf;
+    i64 good = 0, nbad = 0, line = 0, large = 0, overflow = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (p < end) {
+        int ok;
+        if (good + nbad >= cap) {
+            overflow = 1;
+            break;
+        }
+        const unsigned char *stop = criteo_line(p, end, labels + good, ints + good * 13, cats + good * 26,
+                                                missing, &ok);
+        if (ok) {
+            for (int f = 0; f < 13; f++) {
+                const int64_t x = ints[good * 13 + f] < 0 ? 0 : ints[good * 13 + f];
+                large += x >= table_size;
+                dense[good * 13 + f] = x < table_size ? table[x] : 0.0f;
+            }
+            good++;
+        } else {
+            bad[nbad++] = line;
+        }
+        line++;
+        p = stop < end ? stop + 1 : end;
+    }
+    Py_END_ALLOW_THREADS
+    if (overflow)
+        PyErr_SetString(PyExc_ValueError, "criteo_parse: more lines than the outputs hold");
+    else
+        result = Py_BuildValue("LLL", good, nbad, large);
+done:
+    for (int j = 0; j < 7; j++)
+        if (v[j].obj)
+            PyBuffer_Release(&v[j]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"validate", py_validate, METH_VARARGS,
      "validate(ids, weights|None, vocab, padding) -> (first bad id index, first non-finite weight index), -1 = none"},
@@ -1148,6 +1270,8 @@ static PyMethodDef methods[] = {
      "csr(cols, rows, vals, ends, S, N, R, slice_rows, cap, limit, rp, eid, sid, gain) -> most entries in a partition"},
     {"checksum", py_checksum, METH_VARARGS,
      "checksum(buffer, itemsize, start) -> (a, b): sparse_embed.io.integrity's two sums, first word at start"},
+    {"criteo_parse", py_criteo_parse, METH_VARARGS,
+     "criteo_parse(data, missing, table, labels, ints, dense, cats, bad) -> (good, bad, large): Criteo log lines"},
     {"crc32c", py_crc32c, METH_VARARGS,
      "crc32c(buffer, crc=0) -> the CRC-32C of the buffer's bytes, continuing crc (zarr3's crc32c codec)"},
     {NULL, NULL, 0, NULL},
@@ -1164,5 +1288,6 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void)
 {
     native_setup();
+    hex_setup();
     return PyModule_Create(&module);
 }
