@@ -21,7 +21,8 @@ Specialist names live in namespaces of their own: `sparse_embed.jte`
 natural form and map state), `sparse_embed.offload` (tables on disk under
 a device cache), `sparse_embed.serving` (int8/int4 serving tables, live
 updates by deltas), `sparse_embed.torchrec` (TorchRec's tables and fused
-optimizer state in and out); `sparse_embed.flax.linen` / `.nnx` hold the
+optimizer state in and out), `sparse_embed.data` (input pipelines that
+resume exactly, the Criteo reader); `sparse_embed.flax.linen` / `.nnx` hold the
 Flax modules. Their old top-level names work until the next release, with
 a `DeprecationWarning`.
 """
@@ -96,8 +97,8 @@ _NAMES = {
     "sparse_embed.io.serving": ("serving_lookup",),
     "sparse_embed.io.verify": ("Verification", "verify_checkpoint"),
 }
-_SUBMODULES = ("distributed", "flax", "initializers", "jte", "offload", "optimizers", "raw_ids", "serving", "torchrec",
-               "tuning")
+_SUBMODULES = ("data", "distributed", "flax", "initializers", "jte", "offload", "optimizers", "raw_ids", "serving",
+               "torchrec", "tuning")
 # Old top-level names -> their namespace now (each still resolves, with a DeprecationWarning)
 _MOVED = {
     **dict.fromkeys(("CsrBatch", "JteTableLayout", "from_jte", "jte_layout", "jte_layout_from_specs",

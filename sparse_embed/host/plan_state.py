@@ -97,6 +97,28 @@ class PlanState:
         with self._lock:
             return dict(self._marks)
 
+    def snapshot(self) -> dict:
+        """What this state learned from the batches so far, JSON-serialisable (a checkpoint holds it).
+
+        `layout` is the plan's layout digest: the marks mean something only
+        for plans of the same layout (the same stacks over the same devices).
+        """
+        with self._lock:
+            return {"layout": self.tag.split(".")[0], "marks": dict(self._marks), "bounded": sorted(self._bounded),
+                    "outgrown": sorted(self._outgrown),
+                    "high_water": [[list(k) if isinstance(k, tuple) else k, v] for k, v in self._high_water.items()]}
+
+    def restore(self, snapshot: dict) -> bool:
+        """Takes the marks of a `snapshot` of a plan of the same layout (True); another layout's are ignored
+        (False: the capacities are learned again from the batches, as for a new run)."""
+        if snapshot.get("layout") != self.tag.split(".")[0]:
+            return False
+        with self._lock:
+            self._marks = {str(k): int(v) for k, v in snapshot["marks"].items()}
+            self._bounded, self._outgrown = set(snapshot["bounded"]), set(snapshot["outgrown"])
+            self._high_water = {tuple(k) if isinstance(k, list) else k: int(v) for k, v in snapshot["high_water"]}
+        return True
+
     def next_exchange(self) -> int:
         """The number of this plan's next exchange between processes (0, 1, ...)."""
         with self._lock:

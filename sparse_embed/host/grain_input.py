@@ -1,0 +1,141 @@
+"""Input pipelines with grain: `preprocess` as a grain transform, and a loader whose state resumes exactly.
+
+    source = se.data.CriteoSource(paths, batch_size=B, vocabulary=V)  # this process's rows of each batch
+    ds = grain.MapDataset.source(source).shuffle(seed=0).repeat(None).to_iter_dataset()
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))  # reading and parsing in worker processes
+    with se.data.Loader(plan, ds, inputs=se.data.criteo_ids, state=saved) as batches:
+        for batch, stats, item in batches:
+            ...
+            ckpt.save(step, plan, tables, data=batches.get_state(), ...)
+
+What runs where: grain's worker processes read and parse (the part of an
+input pipeline that wants processes: Python-heavy, independent per
+element); `preprocess` runs in this process, on one thread, in input
+order, `buffer_size` batches ahead of the loop (`se.prefetch`'s worker
+thread): it puts the batch on this process's devices, it keeps the plan's
+auto-capacity high-water marks (`host.plan_state`), and under
+`jax.distributed` it exchanges counts with the other processes in step, so
+it cannot run in a worker process.
+
+`Loader.get_state()` is the state *after the last batch the loop took*
+(not after the batches prepared ahead): grain's iterator state after that
+element, and the plan's capacity marks right after its `preprocess`. A
+loader made with that `state` yields the next batch exactly as the first
+run would have, with the same capacities (so the same shapes and the same
+numbers).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
+
+import grain
+
+from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.host import plan_state
+from sparse_embed.host.prefetching import Prefetched, Prefetcher, _check_buffer_size, _prepare
+
+
+class Preprocess(grain.transforms.Map):
+    """`preprocess` as a grain map transform: an element -> `Prefetched(batch, stats, element)`.
+
+    `inputs` picks the ids (or `(ids, weights)`) of an element, as in
+    `se.prefetch`; by default the element is the ids mapping. Run it in the
+    main process (after `mp_prefetch`, never inside grain's worker
+    processes: see the module docstring).
+    """
+
+    def __init__(self, plan: EmbeddingPlan, inputs: Callable[[Any], Any] | None = None, *,
+                 device_put: bool = True) -> None:
+        if not isinstance(plan, EmbeddingPlan):
+            raise TypeError(f"plan must be an EmbeddingPlan, got {type(plan).__name__}.")
+        self.plan, self.inputs, self.device_put = plan, inputs, device_put
+
+    def map(self, element: Any) -> Prefetched:
+        return _prepare(self.plan, self.inputs, self.device_put, element)
+
+
+class _Ready(NamedTuple):
+    """One prepared batch and the loader's state once the loop has taken it."""
+
+    prefetched: Prefetched
+    state: dict
+
+
+def _prepare_with_state(transform: Preprocess, pair: tuple[Any, Any]) -> _Ready:
+    """The worker thread's work for one element: preprocess it, then note the state after it."""
+    element, input_state = pair
+    prefetched = transform.map(element)
+    return _Ready(prefetched, {"input": input_state, "plan": plan_state.of(transform.plan).snapshot()})
+
+
+def _iterator(dataset: Any):
+    """A grain dataset iterator of `dataset` (a `MapDataset` is read in order: `to_iter_dataset()`)."""
+    if isinstance(dataset, grain.MapDataset):
+        dataset = dataset.to_iter_dataset()
+    if not isinstance(dataset, grain.IterDataset):
+        raise TypeError(f"dataset must be a grain MapDataset or IterDataset, got {type(dataset).__name__}.")
+    return iter(dataset)
+
+
+def _checked_state(state: Any) -> dict:
+    if not isinstance(state, Mapping) or set(state) != {"input", "plan"}:
+        raise ValueError("state must be what Loader.get_state() returned (a dict with 'input' and 'plan'), got "
+                         f"{type(state).__name__}{sorted(state) if isinstance(state, Mapping) else ''}.")
+    return dict(state)
+
+
+class Loader(Iterator[Prefetched]):
+    """Iterator of `Prefetched(batch, stats, element)` over a grain dataset, with a checkpointable state.
+
+    Args:
+      plan: the `EmbeddingPlan`.
+      dataset: a grain `IterDataset` (or `MapDataset`) of input elements.
+      inputs: picks what to preprocess from an element (as `se.prefetch`).
+      state: a `get_state()` of an earlier loader over the same dataset
+        (e.g. from `CheckpointManager.restore(...).data`): continue after it.
+      buffer_size, device_put: as `se.prefetch`.
+
+    A context manager; `close()` stops the worker thread.
+    """
+
+    def __init__(self, plan: EmbeddingPlan, dataset: Any, *, inputs: Callable[[Any], Any] | None = None,
+                 state: Mapping | None = None, buffer_size: int = 2, device_put: bool = True) -> None:
+        transform = Preprocess(plan, inputs, device_put=device_put)
+        buffer_size = _check_buffer_size(buffer_size)
+        iterator = _iterator(dataset)
+        if state is not None:
+            state = _checked_state(state)
+            iterator.set_state(copy.deepcopy(state["input"]))
+            plan_state.of(plan).restore(state["plan"])
+        self._state = {"input": iterator.get_state(), "plan": plan_state.of(plan).snapshot()}
+        source = ((element, iterator.get_state()) for element in iterator)  # advanced in the worker thread
+        self._prefetcher = Prefetcher(functools.partial(_prepare_with_state, transform), source, buffer_size)
+
+    def __iter__(self) -> "Loader":
+        return self
+
+    def __next__(self) -> Prefetched:
+        ready = next(self._prefetcher)
+        self._state = ready.state
+        return ready.prefetched
+
+    def get_state(self) -> dict:
+        """The state after the last batch taken: `{"input": grain's iterator state, "plan": capacity marks}`.
+
+        JSON-serialisable (a `CheckpointManager` step holds it as `data=`).
+        """
+        return json.loads(json.dumps(self._state))
+
+    def close(self) -> None:
+        self._prefetcher.close()
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+

@@ -1,0 +1,125 @@
+"""`se.data.Loader` / `Preprocess` over grain: the batches equal `preprocess` of the same elements, and a loader
+made from `get_state()` continues exactly (same batches, same capacities) where the first one stopped."""
+
+from __future__ import annotations
+
+import grain
+import jax
+import numpy as np
+import pytest
+
+import sparse_embed as se
+from conftest import make_mesh
+from sparse_embed import data as sed
+from sparse_embed.host import plan_state
+
+B = 128
+
+
+def make_plan(mesh=None):
+    t = se.TableSpec("t", 50, 4)
+    return se.plan([se.FeatureSpec("f", t, B), se.FeatureSpec("g", t, B)], mesh or make_mesh(8))
+
+
+class Source:
+    """Random ragged ids: a batch's width (ids per sample) grows then shrinks, so the auto capacity grows early."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict:
+        rng = np.random.default_rng(i)
+        width = 24 if i in (1, 2) else 2
+        return {"f": rng.integers(0, 50, (B, width)), "g": rng.integers(-1, 50, (B, 3)), "i": np.int64(i)}
+
+
+def ids_of(element):
+    return {"f": element["f"], "g": element["g"]}
+
+
+def dataset():
+    return grain.MapDataset.source(Source()).shuffle(seed=5).to_iter_dataset()
+
+
+def host(batch):
+    return jax.tree.map(np.asarray, batch)
+
+
+def assert_same_batches(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_loader_batches_equal_preprocess_of_the_same_elements():
+    plan, reference = make_plan(), make_plan()
+    order = [int(e["i"]) for e in dataset()]
+    with sed.Loader(plan, dataset(), inputs=ids_of) as batches:
+        got = list(batches)
+    assert [int(p.item["i"]) for p in got] == order and sorted(order) == list(range(12))
+    for p in got:
+        batch, stats = se.preprocess(reference, ids_of(Source()[int(p.item["i"])]))
+        assert_same_batches(host(p.batch), host(batch))
+        assert p.stats == stats
+
+
+@pytest.mark.parametrize("taken", [0, 1, 4, 11])
+def test_a_loader_from_get_state_continues_exactly(taken):
+    plan = make_plan()
+    with sed.Loader(plan, dataset(), inputs=ids_of, buffer_size=3) as batches:
+        first = [next(batches) for _ in range(taken)]
+        state = batches.get_state()
+        rest = list(batches)
+    fresh = make_plan()  # a new run: a new plan object, its capacities not learned yet
+    with sed.Loader(fresh, dataset(), inputs=ids_of, state=state) as resumed:
+        again = list(resumed)
+    assert len(first) + len(again) == 12
+    assert [int(p.item["i"]) for p in again] == [int(p.item["i"]) for p in rest]
+    for g, w in zip(again, rest):
+        assert_same_batches(host(g.batch), host(w.batch))  # same shapes: the capacity marks came back
+        assert g.stats == w.stats
+
+
+def test_without_the_plan_state_the_capacity_would_differ():
+    """What the test above guards against: a resumed run that re-learns capacities builds other shapes."""
+    plan = make_plan()
+    with sed.Loader(plan, dataset(), inputs=ids_of) as batches:
+        list(batches)
+    marks = batches.get_state()["plan"]["marks"]
+    narrow = ids_of(Source()[0])  # 2 ids per sample: below the high-water mark of the 24-wide batches
+    assert se.preprocess(make_plan(), narrow)[1].capacity != marks
+    fresh = make_plan()
+    assert plan_state.of(fresh).restore(batches.get_state()["plan"])
+    assert se.preprocess(fresh, narrow)[1].capacity == marks
+
+
+def test_plan_state_of_another_layout_is_ignored():
+    plan = make_plan()
+    se.preprocess(plan, ids_of(Source()[1]))
+    other = make_plan(make_mesh(4))
+    assert not plan_state.of(other).restore(plan_state.of(plan).snapshot())
+    assert plan_state.of(other).marks() == {}
+
+
+def test_preprocess_as_a_grain_map_transform():
+    plan, reference = make_plan(), make_plan()
+    ds = grain.MapDataset.source(Source()).map(lambda e: ids_of(e)).map(sed.Preprocess(plan, device_put=False))
+    p = ds[3]
+    batch, stats = se.preprocess(reference, ids_of(Source()[3]), device_put=False)
+    assert_same_batches(p.batch, batch)
+    assert p.stats == stats
+    with pytest.raises(TypeError, match="plan must be an EmbeddingPlan"):
+        sed.Preprocess("plan")
+
+
+def test_loader_bad_arguments():
+    plan = make_plan()
+    with pytest.raises(TypeError, match="dataset must be a grain MapDataset or IterDataset"):
+        sed.Loader(plan, [1, 2])
+    with pytest.raises(ValueError, match="state must be what Loader.get_state"):
+        sed.Loader(plan, dataset(), state={"position": 3})
+    with pytest.raises(ValueError, match="buffer_size must be >= 1"):
+        sed.Loader(plan, dataset(), buffer_size=0)
+    with sed.Loader(plan, dataset()) as batches:  # the element is not an ids mapping: the error comes at it
+        with pytest.raises(ValueError, match="unknown features"):
+            next(batches)
