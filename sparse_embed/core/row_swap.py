@@ -45,10 +45,26 @@ def fresh_rows(t: TableSpec, table_key: jax.Array, ids: jax.Array) -> dict[str, 
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
+def _combined(plan: EmbeddingPlan, fill: dict[str, jax.Array], fresh: jax.Array) -> tuple[dict, jax.Array]:
+    """`fill` and `fresh` given per process (`[S * n, ...]` over the plan's axis: each device's block is its
+    process's rows, or zeros), added up into `[n, ...]` on every device. Each entry is non-zero in one block only
+    (its row's owner's), and the blocks are added as integers, so the sum is that block's bits exactly (a float
+    sum would turn -0.0 into 0.0)."""
+    axis = plan.axis_name
+
+    def add(fill, fresh):
+        ints = {k: jax.lax.bitcast_convert_type(v, jnp.int32) for k, v in fill.items()}
+        ints = jax.lax.psum(ints, axis)
+        return ({k: jax.lax.bitcast_convert_type(v, jnp.float32) for k, v in ints.items()},
+                jax.lax.psum(fresh.astype(jnp.int32), axis) > 0)
+
+    return jax.shard_map(add, mesh=plan.mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P()))(fill, fresh)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("per_process",), donate_argnums=(2,))
 def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariables, table_key: jax.Array,
               evict_at: jax.Array, fill_at: jax.Array, fill: dict[str, jax.Array], fresh: jax.Array,
-              fresh_ids: jax.Array) -> tuple[EmbeddingVariables, dict[str, jax.Array]]:
+              fresh_ids: jax.Array, *, per_process: bool = False) -> tuple[EmbeddingVariables, dict[str, jax.Array]]:
     """Reads rows out of a stack's cache, then writes rows in (in place: `variables` is donated).
 
     Args:
@@ -59,6 +75,7 @@ def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariable
       fresh: `[n]` bool: write the initializer's row `fresh_ids[i]` (and initial
         slots) instead of `fill`'s (a row never stored).
       fresh_ids: `[n]` uint32 table rows for `fresh` entries.
+      per_process: `fill` and `fresh` come from several processes, each its own rows (see `_combined`).
 
     Returns:
       `(variables, evicted)`: the cache with the rows written, and
@@ -66,6 +83,8 @@ def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariable
       the write (replicated; zeros at padding).
     """
     stack = plan.stack(stack_name)
+    if per_process:
+        fill, fresh = _combined(plan, fill, fresh)
     new = fresh_rows(stack.tables[0].table, table_key, fresh_ids)
     fill = {k: jnp.where(fresh[:, None], new[k], v) for k, v in fill.items()}
     arrays = {TABLE_KEY: variables.table, **variables.slots}

@@ -109,6 +109,19 @@ def allgather_ints(processes: Sequence[int], values: Sequence[int], *, name: str
     equally long `values`. Raises RuntimeError if another process does not
     answer within `timeout_s` (default `EXCHANGE_TIMEOUT_S`).
     """
+    texts = allgather_bytes(processes, ",".join(str(int(v)) for v in values).encode(), name=name, n=n,
+                            timeout_s=timeout_s)
+    rows = [[int(v) for v in t.decode().split(",")] if t else [] for t in texts]
+    if len({len(r) for r in rows}) != 1:
+        raise RuntimeError(f"Processes {tuple(processes)} exchanged numbers of different lengths "
+                           f"{[len(r) for r in rows]}: they called preprocess with different plans or in a "
+                           "different order.")
+    return np.asarray(rows, np.int64).reshape(len(rows), -1)
+
+
+def allgather_bytes(processes: Sequence[int], data: bytes, *, name: str, n: int,
+                    timeout_s: float | None = None) -> list[bytes]:
+    """Every listed process's `data`, in process order: exchange `n` of the series `name` (as `allgather_ints`)."""
     processes = tuple(int(p) for p in processes)
     me = jax.process_index()
     if me not in processes:
@@ -116,22 +129,18 @@ def allgather_ints(processes: Sequence[int], values: Sequence[int], *, name: str
     client = _client()
     group = f"{zlib.crc32(','.join(map(str, processes)).encode()):08x}"
     prefix = f"sparse_embed/allgather/{group}/{name}/"
-    client.key_value_set(f"{prefix}{n}/{me}", ",".join(str(int(v)) for v in values))
+    client.key_value_set_bytes(f"{prefix}{n}/{me}", bytes(data))
     timeout_ms = int(1000 * (EXCHANGE_TIMEOUT_S if timeout_s is None else timeout_s))
-    rows = []
+    out = []
     for p in processes:
         try:
-            text = client.blocking_key_value_get(f"{prefix}{n}/{p}", timeout_ms)
+            out.append(bytes(client.blocking_key_value_get_bytes(f"{prefix}{n}/{p}", timeout_ms)))
         except Exception as e:  # noqa: BLE001 - the runtime's error types are not public
             raise RuntimeError(
-                f"Process {me}: process {p} did not send its preprocess numbers (exchange #{n}) within "
+                f"Process {me}: process {p} did not send its numbers for {name!r} (exchange #{n}) within "
                 f"{timeout_ms / 1000:g} s ({type(e).__name__}: {e}). Every process must call preprocess for "
                 "the plan the same number of times, in the same order; did another process fail?"
             ) from None
-        rows.append([int(v) for v in text.split(",")] if text else [])
-    if len({len(r) for r in rows}) != 1:
-        raise RuntimeError(f"Processes {processes} exchanged numbers of different lengths {[len(r) for r in rows]}: "
-                           "they called preprocess with different plans or in a different order.")
     if n > 0:  # every process has read exchange n-1 (it wrote exchange n after that): drop ours
         client.key_value_delete(f"{prefix}{n - 1}/{me}")
-    return np.asarray(rows, np.int64).reshape(len(processes), -1)
+    return out

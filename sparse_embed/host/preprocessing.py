@@ -143,12 +143,16 @@ def _agree(plan: EmbeddingPlan, ids, parts: dict[str, Partitioned], failed: bool
     return out
 
 
-def _partitions(plan: EmbeddingPlan, ids, weights, positions: list[int], several: bool):
-    """Each stack's `Partitioned` entries of this process's rows, and the numbers all processes agree on."""
-    parts, failure = {}, None
+def _partitions(plan: EmbeddingPlan, ids, weights, positions: list[int], several: bool,
+                failure: BaseException | None = None):
+    """Each stack's `Partitioned` entries of this process's rows, and the numbers all processes agree on
+    (`failure`: this process failed before; it takes part in the exchange, then raises it)."""
+    parts = {}
     try:
-        flats = _checked_features(plan, ids, weights, len(positions))
-        parts = {s.name: (partition_raw if s.dynamic else partition)(s, flats, len(positions)) for s in plan.stacks}
+        if failure is None:
+            flats = _checked_features(plan, ids, weights, len(positions))
+            parts = {s.name: (partition_raw if s.dynamic else partition)(s, flats, len(positions))
+                     for s in plan.stacks}
     except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
         if not several:
             raise
@@ -227,11 +231,13 @@ def preprocess(
 
 
 def preprocess_cached(plan: EmbeddingPlan, ids: Mapping[str, Any], weights: Mapping[str, Any] | None = None, *,
-                      device_put: bool = True) -> tuple[dict[str, ShardedCooMatrix], Stats]:
-    """`preprocess` where an offloaded table's ids are already its cache rows (`sparse_embed.tiers`)."""
+                      device_put: bool = True, failure: BaseException | None = None
+                      ) -> tuple[dict[str, ShardedCooMatrix], Stats]:
+    """`preprocess` where an offloaded table's ids are already its cache rows (`sparse_embed.tiers`);
+    `failure`: the tiers failed on this process (raised here, after every process learns of it)."""
     several = distributed.spans_processes(plan)
     positions = distributed.local_positions(plan) if several else list(range(plan.num_shards))
-    parts, agreed = _partitions(plan, ids, weights, positions, several)
+    parts, agreed = _partitions(plan, ids, weights, positions, several, failure)
     state, batch, fields = plan_state.of(plan), {}, {k: {} for k in Stats.__dataclass_fields__}
     for s in plan.stacks:
         part, numbers = parts[s.name], agreed[s.name]

@@ -18,6 +18,7 @@ from sparse_embed.core.relayout import TABLE_KEY
 from sparse_embed.core.row_swap import fresh_rows
 from sparse_embed.core.specs import TableSpec
 from sparse_embed.core.tables import table_key
+from sparse_embed.tiers.processes import check_layout, shard_path, stored_shards
 from sparse_embed.tiers.store import RowStore, slot_specs
 
 _CHUNK = 1 << 18  # rows per read or write
@@ -31,29 +32,38 @@ def _columns(table: TableSpec) -> dict[str, int]:
 
 def store_state(table: TableSpec, rng: jax.Array) -> dict[str, np.ndarray]:
     """`{"table": [V, dim], slot: [V, width]}` of an offloaded table's store, in id order; `rng`: the key its
-    training used (`Tiers(plan, rng)`), for the rows never stored."""
-    store = RowStore(table)
+    training used (`Tiers(plan, rng)`), for the rows never stored. A store written by several processes is read
+    from all their shards."""
+    path = table.storage.path
+    count = stored_shards(path) or 1
+    stores = []
     try:
+        for i in range(count):
+            stores.append(RowStore(table, path=shard_path(path, i, count)))
         cols = _columns(table)
         out = {k: np.empty((table.vocabulary_size, w), np.float32) for k, w in cols.items()}
         key = table_key(rng, table.name)
         for lo in range(0, table.vocabulary_size, _CHUNK):
             rows = np.arange(lo, min(lo + _CHUNK, table.vocabulary_size))
-            stored = store.written[rows]
             fresh = jax.device_get(_fresh(table, key, rows.astype(np.uint32)))
-            records = store.read(rows[stored]) if stored.any() else np.zeros((0, store.width - 1), np.float32)
-            at = 0
-            for k, w in cols.items():
+            for k in cols:
                 out[k][rows] = fresh[k]
-                out[k][rows[stored]] = records[:, at:at + w]
-                at += w
+            for store in stores:  # a shard holds only its own rows
+                stored = rows[store.written[rows]]
+                records = store.read(stored) if stored.size else np.zeros((0, store.width - 1), np.float32)
+                at = 0
+                for k, w in cols.items():
+                    out[k][stored] = records[:, at:at + w]
+                    at += w
         return out
     finally:
-        store.close()
+        for store in stores:
+            store.close()
 
 
 def write_store(table: TableSpec, state: Mapping[str, np.ndarray], step: int | None = None) -> None:
     """Writes `{"table": [V, dim], slot: [V, width]}` (id order) into the table's store and commits it at `step`."""
+    check_layout(table.name, table.storage.path, 1)
     cols = _columns(table)
     for k, w in cols.items():
         if k not in state or np.shape(state[k]) != (table.vocabulary_size, w):

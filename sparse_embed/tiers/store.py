@@ -27,6 +27,10 @@ Layout of the store's directory (one table):
   write-back, a flush) always opens as exactly its last commit: never two
   steps' rows. A commit (`flush`) writes only the rows changed since the
   last one, then the bitmap, then renames `tier.json` (the commit point).
+  The log then stays, as the way back from that commit to the one before:
+  `tier.json`'s `history` lists the last `KEPT_COMMITS` commits (number,
+  id, step), whose logs and bitmaps are kept, and `rollback_to(id)` makes
+  the store one of them again (a checkpoint's, `io.offload_checkpoint`).
 
 A row's checksum covers its values and its row number: a flipped byte, or a
 row written at the wrong place, is a `CorruptStoreError` naming the table
@@ -52,6 +56,8 @@ from sparse_embed.core.specs import TableSpec
 
 FORMAT = "sparse_embed.offload/1"
 KEPT_CHANGES = 8  # commits whose `changes.<commit>.npy` a store keeps
+KEPT_COMMITS = 8  # commits a store can go back to (`RowStore.rollback_to`): their undo logs and bitmaps are kept
+_OPEN: dict[str, int] = {}  # real path -> `RowStore`s of this process open on it
 _K = 0x9E3779B9
 
 
@@ -171,29 +177,18 @@ class RowStore:
     """One offloaded table's rows and slots on disk (the module doc has the layout). Thread-safe for reads
     and writes of distinct rows (copies into and out of one mapping)."""
 
-    def __init__(self, table: TableSpec) -> None:
+    def __init__(self, table: TableSpec, path: str | None = None) -> None:
         if table.storage is None:
             raise ValueError(f"Table {table.name!r} has no storage=Offload(...).")
-        self.table, self.path = table, table.storage.path
+        self.table, self.path = table, table.storage.path if path is None else path  # path: a process's shard
         self.width = record_width(table)
         self.record_bytes = 4 * self.width
         shape = (table.vocabulary_size, self.width)
         os.makedirs(os.path.join(self.path, "records", "c", "0"), exist_ok=True)
-        meta_path = os.path.join(self.path, "tier.json")
-        if os.path.exists(meta_path):
-            with open(meta_path) as f:
-                meta = json.load(f)
-            want = _spec_json(table)
-            got = {k: meta.get(k) for k in want}
-            if got != want:
-                diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
-                raise CorruptStoreError(f"Table {table.name!r}: the store at {self.path!r} holds another table "
-                                        f"(stored vs declared: {diff}).")
-            self.step, self.commit = meta.get("step"), int(meta.get("commit", 0))
-        else:
-            _write_json(os.path.join(self.path, "records", "zarr.json"), _zarr_json(shape))
-            _write_json(meta_path, {**_spec_json(table), "step": None, "commit": 0})
-            self.step, self.commit = None, 0
+        meta = self._open_meta(shape)
+        self.step, self.commit, self.id = meta.get("step"), int(meta.get("commit", 0)), meta.get("id")
+        # the commits it can go back to, oldest first, the last one the state of the last commit (`rollback_to`)
+        self.history = list(meta.get("history") or [{"commit": self.commit, "id": self.id, "step": self.step}])
         data = os.path.join(self.path, "records", "c", "0", "0")
         fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o644)
         if os.fstat(fd).st_size < shape[0] * self.record_bytes:
@@ -208,6 +203,29 @@ class RowStore:
         self._undo = open(self._undo_path(self.commit + 1), "ab")
         self._lock = threading.Lock()  # `written` and the counters
         self.rows_read = self.rows_written = 0
+        self._real = os.path.realpath(self.path)
+        _OPEN[self._real] = _OPEN.get(self._real, 0) + 1
+
+    def _open_meta(self, shape: tuple[int, int]) -> dict[str, Any]:
+        """`tier.json`, checked against the table (a new store: created)."""
+        meta_path = os.path.join(self.path, "tier.json")
+        table = self.table
+        if not os.path.exists(meta_path):
+            _write_json(os.path.join(self.path, "records", "zarr.json"), _zarr_json(shape))
+            first = _new_id()
+            meta = {**_spec_json(table), "step": None, "commit": 0, "id": first,
+                    "history": [{"commit": 0, "id": first, "step": None}]}
+            _write_json(meta_path, meta)
+            return meta
+        with open(meta_path) as f:
+            meta = json.load(f)
+        want = _spec_json(table)
+        got = {k: meta.get(k) for k in want}
+        if got != want:
+            diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+            raise CorruptStoreError(f"Table {table.name!r}: the store at {self.path!r} holds another table "
+                                    f"(stored vs declared: {diff}).")
+        return meta
 
     def _undo_path(self, commit: int) -> str:
         return os.path.join(self.path, f"undo.{commit}.log")
@@ -228,25 +246,26 @@ class RowStore:
                 os.remove(os.path.join(self.path, name))
 
     def _rollback(self) -> None:
-        """Restores every row written since the last commit from the undo log (then deletes it and any older
-        commit's files): the store is then exactly its last commit. Idempotent, so a crash here is harmless."""
+        """Restores every row written since the last commit from the undo log (then deletes it, and any file no
+        kept commit needs): the store is then exactly its last commit. Idempotent, so a crash here is harmless."""
         path = self._undo_path(self.commit + 1)
         if os.path.exists(path):
-            entry = 8 + self.record_bytes
-            raw = np.fromfile(path, np.uint8)
-            n = raw.size // entry  # a torn last entry was never followed by its row's write
-            raw = raw[:n * entry].reshape(n, entry)
-            rows = raw[:, :8].copy().view(np.int64)[:, 0]
-            first = np.unique(rows, return_index=True)[1]  # the oldest record of a row is its committed one
-            rows, records = rows[first], raw[first, 8:].copy().view(np.float32)
+            rows, records = _read_log(path, self.record_bytes)
             self._rolled_back = rows  # a reader may have seen their newer records
             keep = self._committed[rows]  # rows unwritten at the commit need nothing: the bitmap says so
             if keep.any():
                 self._io(rows[keep], np.ascontiguousarray(records[keep]), write=True)
                 self._records.sync()
-        for name in os.listdir(self.path):  # this log (applied), any older commit's log or bitmap, later changes
-            if (name.startswith("undo.") or (name.startswith("written.") and name != f"written.{self.commit}.bin")
-                    or _numbered(name, "changes.", ".npy") > self.commit):
+        self._prune()
+
+    def _prune(self) -> None:
+        """Removes the undo logs and bitmaps that neither the last commit nor a kept one needs (and `changes` of
+        commits after the last: a commit that never happened)."""
+        keep = {f"written.{self.commit}.bin", *(f"written.{h['commit']}.bin" for h in self.history),
+                *(f"undo.{h['commit']}.log" for h in self.history[1:])}
+        for name in os.listdir(self.path):
+            if (name.startswith(("undo.", "written.")) and name not in keep) or \
+                    _numbered(name, "changes.", ".npy") > self.commit:
                 os.remove(os.path.join(self.path, name))
 
     def _log_undo(self, rows: np.ndarray) -> None:
@@ -265,13 +284,14 @@ class RowStore:
             os.fdatasync(self._undo.fileno())
         self._logged[new] = True
 
-    def _load_written(self) -> np.ndarray:
-        n = self.table.vocabulary_size
-        path = self._written_path(self.commit)
+    def _load_written(self, commit: int | None = None) -> np.ndarray:
+        """bool `[V]`: the rows stored as of `commit` (default: the last)."""
+        n, commit = self.table.vocabulary_size, self.commit if commit is None else commit
+        path = self._written_path(commit)
         if not os.path.exists(path):
-            if self.commit:
+            if commit:
                 raise CorruptStoreError(f"Table {self.table.name!r}: {path}, the rows stored as of commit "
-                                        f"{self.commit}, is missing.")
+                                        f"{commit}, is missing.")
             return np.zeros(n, bool)
         bits = np.fromfile(path, np.uint8)
         if bits.size != (n + 7) // 8:
@@ -311,6 +331,10 @@ class RowStore:
         """Commits every write so far as the store's state at `step` (durably; the rename of `tier.json` is
         the commit point, after the bitmap and `changes.<commit>.npy`), and starts a new undo log. Call with no
         write in flight."""
+        new = _new_id()
+        self._commit(step, new, (self.history + [{"commit": self.commit + 1, "id": new, "step": step}])[-KEPT_COMMITS:])
+
+    def _commit(self, step: int | None, commit_id: str, history: list[dict]) -> None:
         self._records.sync()
         with self._lock:
             bits = np.packbits(self.written)
@@ -320,23 +344,75 @@ class RowStore:
             f.flush()
             os.fsync(f.fileno())
         self._write_changes(self.commit + 1)
-        _write_json(os.path.join(self.path, "tier.json"),
-                    {**_spec_json(self.table), "step": step, "commit": self.commit + 1})
-        # committed: the old undo log and bitmap are obsolete (a crash before their removal ignores them)
+        _write_json(os.path.join(self.path, "tier.json"), {**_spec_json(self.table), "step": step,
+                                                           "commit": self.commit + 1, "id": commit_id,
+                                                           "history": history})
+        # committed: files no kept commit needs are obsolete (a crash before their removal: removed on opening)
         self._undo.close()
-        for old in (self._undo_path(self.commit + 1), self._written_path(self.commit)):
-            if os.path.exists(old):
-                os.remove(old)
-        self.commit, self.step = self.commit + 1, step
+        self.commit, self.step, self.id, self.history = self.commit + 1, step, commit_id, history
+        self._prune()
         with self._lock:
             self._committed = self.written.copy()
         self._logged[:] = False
         self._rolled_back = np.zeros(0, np.int64)
         self._undo = open(self._undo_path(self.commit + 1), "ab")
 
+    def rollback_to(self, commit_id: str) -> None:
+        """Makes the store exactly its kept commit `commit_id` again, as a new commit (the later ones are gone;
+        a reader sees the rows it restores change). Crash-safe: the rows are rewritten through the undo log, so
+        a store killed meanwhile opens as it was. A CorruptStoreError if it does not keep that commit."""
+        ids = [h["id"] for h in self.history]
+        if commit_id == self.id:
+            return
+        if commit_id not in ids:
+            raise CorruptStoreError(
+                f"Table {self.table.name!r}: the store at {self.path!r} does not keep commit {commit_id!r}: it "
+                f"keeps {[(h['commit'], h['step']) for h in self.history]} (commit, step), the last "
+                f"{KEPT_COMMITS} (or another run has since replaced the store).")
+        at = ids.index(commit_id)
+        paths = [self._undo_path(h["commit"]) for h in self.history[at + 1:]] + [self._undo_path(self.commit + 1)]
+        logs = [_read_log(p, self.record_bytes) for p in paths]  # the last: writes since the last commit
+        # each row's record from the oldest log that has it: its value at the commit gone back to
+        rows, first = np.unique(np.concatenate([r for r, _ in logs]), return_index=True)
+        records = np.concatenate([d for _, d in logs])[first]
+        bad = _failing(records, rows)
+        if bad.any():
+            raise _corrupt_row(self.table.name, self.path, int(rows[int(np.argmax(bad))]))
+        written = self._load_written(self.history[at]["commit"])
+        keep = written[rows]
+        self.write(rows[keep], records[keep][:, :-1])
+        gone = np.flatnonzero(self.written & ~written)  # rows it no longer holds: a reader drops them too
+        with self._lock:
+            self.written = written
+        self._rolled_back = np.union1d(rows, gone)
+        self._commit(self.history[at]["step"], commit_id, self.history[:at + 1])
+
     def close(self) -> None:
+        if not self._undo.closed:
+            _OPEN[self._real] -= 1
         self._undo.close()
         self._records.close()
+
+
+def is_open(path: str) -> bool:
+    """Whether a `RowStore` of this process has the store at `path` open."""
+    return _OPEN.get(os.path.realpath(path), 0) > 0
+
+
+def _new_id() -> str:
+    return os.urandom(8).hex()
+
+
+def _read_log(path: str, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(rows int64 [n], records float32 [n, width])` of an undo log, each row's first (oldest) entry; a torn
+    last entry is dropped (its row's write never followed it)."""
+    entry = 8 + record_bytes
+    raw = np.fromfile(path, np.uint8)
+    n = raw.size // entry
+    raw = raw[:n * entry].reshape(n, entry)
+    rows = raw[:, :8].copy().view(np.int64)[:, 0]
+    rows, first = np.unique(rows, return_index=True)
+    return rows, raw[first, 8:].copy().view(np.float32)
 
 
 class StoreReader:

@@ -16,12 +16,15 @@ The data flow of one batch (docs/offload.md):
 A miss whose row was evicted by an earlier swap and is not yet written back
 takes the values from that swap's evicted rows on the device instead of the
 store, so look-ahead never reads a stale row. Every decision is a function
-of the batches' order alone: results equal the in-memory table's.
+of the batches' order alone: results equal the in-memory table's. Under
+several processes every process makes the same decisions over every
+process's ids, and keeps its own rows of the store (`tiers.processes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -43,6 +46,7 @@ from sparse_embed.host import native
 from sparse_embed.host.prefetching import Prefetcher, _check_buffer_size, _split
 from sparse_embed.host.preprocessing import preprocess_cached
 from sparse_embed.tiers.cache import Admission, CacheMap
+from sparse_embed.tiers.processes import Processes, check_layout, shard_path
 from sparse_embed.tiers.store import RowStore, slot_specs
 
 _MIN_BUCKET = 256
@@ -77,7 +81,7 @@ class _TableSwap(NamedTuple):
     evicted_rows: np.ndarray  # int64 [k] their table rows
     fill_at: np.ndarray  # int32 [n] cache array rows to write
     fill: dict[str, np.ndarray]  # {"table": [n, dim], slot: [n, w]} values from the store
-    placed: dict[str, jax.Array] | None  # `fill` on the devices (prefetched), unless `pending` patches it
+    placed: tuple | None  # `(fill, fresh)` as `swap_rows` takes them (prefetched), unless `pending` patches `fill`
     fresh: np.ndarray  # bool [n]
     fresh_ids: np.ndarray  # uint32 [n]
     pending: tuple[tuple[int, np.ndarray, np.ndarray], ...]  # (swap, index in its evicted rows, index in fill)
@@ -116,9 +120,10 @@ def _padded(a: np.ndarray, n: int, fill: Any) -> np.ndarray:
 class _Table:
     """One offloaded table: its declared spec, stack, store, cache map and counters."""
 
-    def __init__(self, plan: EmbeddingPlan, spec: TableSpec, rng: jax.Array) -> None:
+    def __init__(self, plan: EmbeddingPlan, spec: TableSpec, rng: jax.Array, procs: Processes) -> None:
         self.spec, self.stack = spec, plan.stack_of_table(spec.name)[0]
-        self.store = RowStore(spec)
+        check_layout(spec.name, spec.storage.path, procs.count)
+        self.store = RowStore(spec, path=shard_path(spec.storage.path, procs.index, procs.count))
         self.cache = CacheMap(spec.name, spec.vocabulary_size, spec.cache_rows)
         self.positions = cache_positions(self.stack)
         self.key = table_key(rng, spec.name)
@@ -159,17 +164,21 @@ class Tiers:
 
     def __init__(self, plan: EmbeddingPlan, rng: jax.Array) -> None:
         if not plan.tiered:
-            raise ValueError("Tiers: the plan has no offloaded table (TableSpec(storage=sparse_embed.offload.Offload(...))).")
-        if jax.process_count() > 1:
-            raise NotImplementedError("Tiers: offloaded tables run in one process for now (docs/offload.md).")
+            raise ValueError("Tiers: the plan has no offloaded table "
+                             "(TableSpec(storage=sparse_embed.offload.Offload(...))).")
         self.plan = plan
-        self.tables = {t.name: _Table(plan, t, rng) for t in plan.tiered}
+        self._procs = procs = Processes(plan)
+        self.tables = {t.name: _Table(plan, t, rng, procs) for t in plan.tiered}
         self._features = {n: f for n, f in plan.features.items() if f.table.name in self.tables}
-        self._declared = {n: dataclasses.replace(f, table=self.tables[f.table.name].spec)
+        local = len(procs.local)  # under several processes, each passes its devices' rows
+        self._declared = {n: dataclasses.replace(f, table=self.tables[f.table.name].spec,
+                                                 batch_size=f.batch_size // plan.num_shards * local)
                           for n, f in self._features.items()}
+        self._flushes: list[int] = []  # the swaps run at each flush so far (the loop's)
+        self._cleared = 0  # flushes whose dirty bits the planning has cleared
         self._planned = 0  # swaps planned (preprocess)
         self._queued: dict[int, Swap] = {}  # planned, not yet run
-        self._plan_lock = threading.Lock()  # the cache maps: the worker's preprocess against the loop's flush
+        self._plan_lock = threading.Lock()  # one batch planned at a time (the cache maps are sequential)
         self._swapped = 0  # swaps run (swap)
         self._lock = threading.Lock()
         self._evicted: dict[int, dict[str, dict[str, jax.Array]]] = {}  # swap -> table -> evicted device rows
@@ -196,34 +205,27 @@ class Tiers:
                     device_put: bool) -> tuple[dict, Any, Swap]:
         ids, weights = dict(ids), dict(weights or {})
         index = self._planned
-        rows = {name: [] for name in self.tables}
-        canon = {}
-        for name, f in self._declared.items():
-            if name not in ids:
-                continue  # preprocess names the missing feature
-            c = ids_lib.canonical(f, ids[name], weights.get(name))
-            if native.extension() is not None:
-                ids_lib.validated(f, c)  # every id against the whole table, every weight finite
-            else:
-                ids_lib.flattened(f, c)  # the same checks, in numpy
-            canon[name] = c
-            rows[f.table.name].append(c.ids[c.ids >= 0].reshape(-1) if c.dense else c.ids.reshape(-1))
+        canon, used, totals = self._table_rows(ids, weights)
         # A batch refused below (a cache too small, a damaged store row, the plan's own checks) changes nothing:
         # its admissions are undone, its counters never counted, its index not taken.
-        swaps, admitted, saved = {}, {}, {}
+        swaps, admitted, saved, failure = {}, {}, {}, None
         try:
             for name, t in self.tables.items():
-                used = np.concatenate(rows[name]).astype(np.int64) if rows[name] else np.zeros(0, np.int64)
                 saved[name] = t.cache.save()
-                admitted[name] = t.cache.admit(used, train)
-                swaps[name] = self._admit(t, admitted[name], used, device_put)
+                admitted[name] = t.cache.admit(used[name], train)
+                try:
+                    swaps[name] = self._admit(t, admitted[name], used[name], device_put, totals.get(name))
+                except Exception as e:  # noqa: BLE001 - a damaged store row: with several processes, all raise below
+                    if not self._procs.several:
+                        raise
+                    failure = failure or e
             for name, c in canon.items():
                 t = self.tables[self._features[name].table.name]
                 mapped = t.cache.map(c.ids.astype(np.int64)).astype(np.int32)
                 ids[name] = mapped if c.dense else (mapped, c.lengths)
                 if c.weights is not None:
                     weights[name] = c.weights if c.dense else (c.weights, c.lengths)
-            batch, stats = preprocess_cached(self.plan, ids, weights or None, device_put=device_put)
+            batch, stats = preprocess_cached(self.plan, ids, weights or None, device_put=device_put, failure=failure)
         except BaseException:
             for name, state in saved.items():
                 self.tables[name].cache.restore(state, admitted.get(name))
@@ -241,9 +243,55 @@ class Tiers:
         self._planned += 1
         return batch, stats, swap
 
-    def _admit(self, t: _Table, a: Admission, used: np.ndarray, device_put: bool) -> tuple[_TableSwap, dict]:
-        """One table's swap for admission `a` (reads the store), and the counts it adds to the table's stats."""
+    def _table_rows(self, ids: dict, weights: dict) -> tuple[dict, dict[str, np.ndarray], dict]:
+        """`(canonical ids by feature, {table: the batch's rows}, {table: (lookups, hits)})`.
+
+        Under several processes, the rows are every process's (distinct, in process order) and the counts
+        their sums (else empty: `admit` counts). Clears the dirty bits of the flushes every process has made
+        (a batch planned after a flush evicts the rows it wrote clean; under several processes, at the same
+        batch on every process).
+        """
+        rows = {name: [] for name in self.tables}
+        canon, failure = {}, None
+        try:
+            for name, f in self._declared.items():
+                if name not in ids:
+                    continue  # preprocess names the missing feature
+                c = ids_lib.canonical(f, ids[name], weights.get(name))
+                if native.extension() is not None:
+                    ids_lib.validated(f, c)  # every id against the whole table, every weight finite
+                else:
+                    ids_lib.flattened(f, c)  # the same checks, in numpy
+                canon[name] = c
+                rows[f.table.name].append(c.ids[c.ids >= 0].reshape(-1) if c.dense else c.ids.reshape(-1))
+        except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
+            if not self._procs.several:
+                raise
+            failure = e
+        used = {name: np.concatenate(r).astype(np.int64) if r else np.zeros(0, np.int64) for name, r in rows.items()}
+        flushes, totals = len(self._flushes), {}
+        if self._procs.several:
+            counts = {n: (u.size, int(np.count_nonzero(self.tables[n].cache.slot_of[u] >= 0))) for n, u in used.items()}
+            union, flushes = self._procs.union({n: np.unique(u) for n, u in used.items()}, counts, flushes,
+                                               failure is not None)
+            if failure is not None:
+                raise failure
+            used = {n: r for n, (r, _, _) in union.items()}
+            totals = {n: (lookups, hits) for n, (_, lookups, hits) in union.items()}
+        for m in range(self._cleared, flushes):
+            for t in self.tables.values():  # a row that a batch planned but not yet run trains stays dirty
+                t.cache.dirty &= t.trained_at >= self._flushes[m]
+        self._cleared = max(self._cleared, flushes)
+        return canon, used, totals
+
+    def _admit(self, t: _Table, a: Admission, used: np.ndarray, device_put: bool,
+               totals: tuple[int, int] | None) -> tuple[_TableSwap, dict]:
+        """One table's swap for admission `a` (reads the store), and the counts it adds to the table's stats.
+
+        Under several processes, the values of this process's rows only (the others' are zeros: `swap_rows`
+        adds them up), and the ids' `totals` (lookups, hits) over all processes."""
         n = _bucket(a.misses.size)
+        mine = self._procs.owned(a.misses)
         # where each miss's values come from: the newest earlier eviction not yet written back, else the store
         done = self._written_through
         for e in [e for e in t.pending if e <= done]:
@@ -253,26 +301,33 @@ class Tiers:
         for e in sorted(t.pending, reverse=True):
             rows_e = t.pending[e]
             at = np.minimum(np.searchsorted(rows_e, a.misses), rows_e.size - 1)
-            found = (rows_e[at] == a.misses) & (source < 0)
+            found = (rows_e[at] == a.misses) & (source < 0) & mine
             if found.any():
                 source[found] = e
                 pending.append((e, t.pending_order[e][at[found]], np.flatnonzero(found)))
-        stored = (source < 0) & t.store.written[a.misses]
-        fresh = (source < 0) & ~stored
+        stored = mine & (source < 0) & t.store.written[a.misses]
+        fresh = mine & (source < 0) & ~stored
         records = np.zeros((a.misses.size, t.store.width - 1), np.float32)
         t0 = time.perf_counter()
         if stored.any():
             records[stored] = t.store.read(a.misses[stored])
-        counts = dict(lookups=used.size, hits=a.hits, misses=a.misses.size, read_seconds=time.perf_counter() - t0,
+        lookups, hits = totals or (used.size, a.hits)
+        counts = dict(lookups=lookups, hits=hits, misses=a.misses.size, read_seconds=time.perf_counter() - t0,
                       fresh=int(fresh.sum()), rows_read=int(stored.sum()),
                       bytes_read=int(stored.sum()) * t.store.record_bytes, from_evicted=int((source >= 0).sum()))
-        fill = {k: _padded(v, n, 0) for k, v in t.split(records).items()}
-        placed = jax.device_put(fill, self._replicated) if device_put and not pending else None
+        fill, fresh = {k: _padded(v, n, 0) for k, v in t.split(records).items()}, _padded(fresh, n, False)
+        placed = self._place(fill, fresh) if device_put and not pending else None
         return _TableSwap(
             evict_at=_padded(t.positions[a.slots[a.dirty]], n, -1), evicted_rows=a.evicted[a.dirty],
             fill_at=_padded(t.positions[a.slots], n, -1), fill=fill, placed=placed,
-            fresh=_padded(fresh, n, False), fresh_ids=_padded(a.misses.astype(np.uint32), n, 0),
+            fresh=fresh, fresh_ids=_padded(a.misses.astype(np.uint32), n, 0),
             pending=tuple(pending), misses=a.misses, slots=a.slots, used=t.cache.slot_of[used]), counts
+
+    def _place(self, fill: dict[str, np.ndarray], fresh: np.ndarray) -> tuple:
+        """`(fill, fresh)` on the devices as `swap_rows` takes them (per process under several)."""
+        if self._procs.several:
+            return self._procs.place((fill, fresh))
+        return jax.device_put(fill, self._replicated), fresh
 
     # ------------------------------------------------------------------ the loop's side
     def swap(self, tables: Mapping[str, EmbeddingVariables], swap: Swap) -> dict[str, EmbeddingVariables]:
@@ -295,12 +350,17 @@ class Tiers:
         evicted = {}
         for name, ts in swap.tables.items():
             t = self.tables[name]
-            fill = ts.placed if ts.placed is not None else {k: v.copy() for k, v in ts.fill.items()}
-            for e, src, dst in ts.pending:  # on the host: a copy of a few rows (an earlier swap's, done by now)
-                for k, v in self._evicted[e][name].items():
-                    fill[k][dst] = np.asarray(v)[src]
+            if ts.placed is not None:
+                fill, fresh = ts.placed
+            else:
+                fill = {k: v.copy() for k, v in ts.fill.items()}
+                for e, src, dst in ts.pending:  # on the host: a copy of a few rows (an earlier swap's, done by now)
+                    for k, v in self._evicted[e][name].items():
+                        fill[k][dst] = np.asarray(v)[src]
+                fill, fresh = self._place(fill, ts.fresh)
             out[t.stack.name], evicted[name] = swap_rows(self.plan, t.stack.name, out[t.stack.name], t.key,
-                                                         ts.evict_at, ts.fill_at, fill, ts.fresh, ts.fresh_ids)
+                                                         ts.evict_at, ts.fill_at, fill, fresh, ts.fresh_ids,
+                                                         per_process=self._procs.several)
             t.held[ts.slots] = ts.misses
             t.changed[ts.slots] = False
             if swap.train:
@@ -329,11 +389,7 @@ class Tiers:
             try:
                 for name, (rows, evicted) in per_table.items():
                     if rows.size:
-                        t = self.tables[name]
-                        host = {k: np.asarray(v)[:rows.size] for k, v in evicted.items()}
-                        t.store.write(rows, np.concatenate([host[k] for k in t.columns], axis=1))
-                        t.stats.rows_written += rows.size
-                        t.stats.bytes_written += rows.size * t.store.record_bytes
+                        self._write_back(self.tables[name], rows, evicted)
             except BaseException as e:  # noqa: BLE001 - handed to the loop's thread
                 self._error = e
                 return
@@ -343,6 +399,15 @@ class Tiers:
                 self._written_through = index
                 # plans up to the one in progress may have named this swap's rows (they read `done` before)
                 self._released[index] = self._planned + 1
+
+    def _write_back(self, t: _Table, rows: np.ndarray, records: Mapping[str, Any]) -> None:
+        """Writes the records of table rows `rows` (`records[k][:rows.size]`, on the devices) that this process's
+        store keeps."""
+        mine = self._procs.owned(rows)
+        host = {k: np.asarray(v)[:rows.size][mine] for k, v in records.items()}
+        t.store.write(rows[mine], np.concatenate([host[k] for k in t.columns], axis=1))
+        t.stats.rows_written += int(mine.sum())
+        t.stats.bytes_written += int(mine.sum()) * t.store.record_bytes
 
     def _raise_writer_error(self) -> None:
         if self._error is not None:
@@ -374,14 +439,24 @@ class Tiers:
                 out[t.stack.name], rows = swap_rows(self.plan, t.stack.name, out[t.stack.name], t.key, at,
                                                     np.full(n, -1, np.int32), none, np.zeros(n, bool),
                                                     np.zeros(n, np.uint32))
-                host = {k: np.asarray(v)[:part.size] for k, v in rows.items()}
-                t.store.write(t.held[part], np.concatenate([host[k] for k in t.columns], axis=1))
-                t.stats.rows_written += part.size
-                t.stats.bytes_written += part.size * t.store.record_bytes
+                self._write_back(t, t.held[part], rows)
             t.changed[:] = False
-            with self._plan_lock:  # a row that a batch planned but not yet run trains stays dirty
-                t.cache.dirty &= t.trained_at >= self._swapped
             t.store.commit_step(step)
+        self._flushes.append(self._swapped)  # the batches planned from now on evict these rows clean
+        return out
+
+    def committed(self, step: int) -> dict[str, dict[str, Any]]:
+        """`{table: {"path", "commit", "id", "step"}}`: each store's last commit, which must be `flush(tables,
+        step)`'s with no batch trained since (so that it and the in-memory tables are the same step's, as a
+        checkpoint records them); else a ValueError naming the table."""
+        out = {}
+        for name, t in self.tables.items():
+            if t.store.step != step or t.changed.any():
+                raise ValueError(f"Table {name!r} (offloaded): its store's last commit is step {t.store.step}"
+                                 f"{', and batches have trained its cache since' if t.changed.any() else ''}; "
+                                 f"call tables = tiers.flush(tables, {step}) right before saving step {step}.")
+            out[name] = {"path": os.path.abspath(t.store.path), "commit": t.store.commit, "id": t.store.id,
+                         "step": t.store.step}
         return out
 
     # ------------------------------------------------------------------ conveniences

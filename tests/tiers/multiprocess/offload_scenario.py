@@ -1,0 +1,70 @@
+"""The run of tests/tiers/test_offload_processes.py: offloaded tables (and one in memory), by 1 or 2 processes."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sparse_embed as se
+
+V, D, B, L = 2000, 8, 32, 4  # rows of each table, row width, global batch, ids per sample
+CACHE = 160  # cache rows per feature: one batch reads ~100 distinct rows of a feature, all batches ~1000
+STEPS = 8
+FLUSH_AT = 4  # the store is committed here and at the end; a refused batch comes right after
+TABLES = {"adagrad": (se.optimizers.Adagrad(0.1), "mean"), "sgd": (se.optimizers.SGD(0.1), "sum"),
+          "adam": (se.optimizers.Adam(0.01), "mean"), "plain": (se.optimizers.RowwiseAdagrad(0.1), "mean")}
+TIERED = ("adagrad", "adam", "sgd")
+# (feature, table, max_sequence_length, weighted)
+FEATURES = [("f", "adagrad", 0, False), ("seq", "adagrad", L, False), ("g", "sgd", 0, True),
+            ("a", "adam", 0, False), ("p", "plain", 0, False)]
+
+
+def features(root: str | None) -> list[se.FeatureSpec]:
+    """The features; with `root`, the tables in TIERED are offloaded to `root/<table>`."""
+    specs = {}
+    for name, (opt, combiner) in TABLES.items():
+        rows = CACHE * sum(t == name for _, t, _, _ in FEATURES)
+        storage = se.offload.Offload(os.path.join(root, name), rows) if root and name in TIERED else None
+        specs[name] = se.TableSpec(name, V, D, optimizer=opt, combiner=combiner, storage=storage)
+    return [se.FeatureSpec(f, specs[t], B, max_sequence_length=seq) for f, t, seq, _ in FEATURES]
+
+
+def batches(steps: int = STEPS) -> list[tuple[dict, dict]]:
+    """Global `(ids, weights)` per step: a Zipf head (hits) and a uniform tail (misses), -1 padding."""
+    g = np.random.default_rng(11)
+    out = []
+    for _ in range(steps):
+        ids, weights = {}, {}
+        for f, _, _, weighted in FEATURES:
+            x = np.where(g.random((B, L)) < 0.5, g.zipf(1.3, (B, L)) % V, g.integers(0, V, (B, L))).astype(np.int64)
+            x[:, 1:][g.random((B, L - 1)) < 0.2] = -1
+            ids[f] = x
+            if weighted:
+                weights[f] = g.uniform(0.25, 2.0, (B, L)).astype(np.float32)
+        out.append((ids, weights))
+    return out
+
+
+def step_fn(plan: se.EmbeddingPlan):
+    """`(tables, batch, step) -> (loss, tables')` for a loss linear in the activations."""
+    g = np.random.default_rng(2)
+    cts = {f: jnp.asarray(g.standard_normal((B, seq, D) if seq else (B, D)).astype(np.float32))
+           for f, _, seq, _ in FEATURES}
+
+    def loss(tables, batch, step):
+        acts = se.lookup(plan, batch, tables, step)
+        return sum(jnp.sum(acts[k] * cts[k]) for k in sorted(acts))
+
+    return jax.jit(jax.value_and_grad(loss), donate_argnums=0)
+
+
+def train_in_memory(plan, feed=lambda plan, x: x):
+    """The state of every table after STEPS steps of plain training."""
+    tables, step = se.init_tables(plan, jax.random.key(0)), step_fn(plan)
+    for i, (ids, weights) in enumerate(batches()):
+        batch, _ = se.preprocess(plan, feed(plan, ids), feed(plan, weights))
+        _, tables = step(tables, batch, i)
+    return se.unstack_state(plan, tables)
