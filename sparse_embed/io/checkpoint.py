@@ -39,6 +39,7 @@ from sparse_embed.io.checks import user_checksums
 from sparse_embed.io.ckpt_format import (  # noqa: F401 - the public names, re-exported
     STAGING, CheckpointError, CheckpointInfo, CorruptCheckpointError, TableRecord, resolve, training_info,
 )
+from sparse_embed.io import offload_checkpoint
 from sparse_embed.io.id_checkpoint import write_id_tables
 from sparse_embed.io.orbax_items import item_handlers, read_info, read_user, write_step
 from sparse_embed.io.restoring import restore_embeddings, restore_state, static_part  # noqa: F401 (re-exported)
@@ -85,7 +86,8 @@ class CheckpointManager:
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def save(self, step: int, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], *,
-             id_maps: Mapping[str, Any] | None = None, user: Any = None, force: bool = False) -> bool:
+             id_maps: Mapping[str, Any] | None = None, user: Any = None, force: bool = False,
+             tiers: Any = None) -> bool:
         """Saves `step` (skipped, returning False, if `save_interval_steps` says so and not `force`).
 
         The tables are streamed to disk before this returns (so `tables` may
@@ -94,7 +96,8 @@ class CheckpointManager:
         needs their `id_maps` (saved with them, in id order).
         """
         step = int(step)
-        _no_offloaded(plan)
+        # offloaded tables: their `tiers`, flushed at `step` (each store's commit is recorded, docs/offload.md)
+        plan, tables, commits = offload_checkpoint.for_save(plan, tables, tiers, step)
         if not force and not self._manager.should_save(step):
             return False
         check_state(plan, tables)
@@ -105,6 +108,7 @@ class CheckpointManager:
 
         def write(d: str) -> dict[str, str]:
             sums = store.write_state(d, static, tables)
+            offload_checkpoint.write_commits(d, commits)
             return sums if id_maps is None else {**sums, **write_id_tables(d, plan, tables, id_maps)}
 
         info = training_info(plan, step, user is not None, None, None if user is None else user_checksums(user))
@@ -147,7 +151,6 @@ class CheckpointManager:
           allow_vocab_growth: allow tables with a larger vocabulary than saved;
             new rows get the initializer (from `rng`) and fresh slots.
         """
-        _no_offloaded(plan)
         kwargs = dict(user=user, allow_vocab_growth=allow_vocab_growth, rng=rng)
         if step is not None:
             return self._restore(plan, self._step_dir(step), **kwargs)
@@ -169,7 +172,10 @@ class CheckpointManager:
     def _restore(self, plan: EmbeddingPlan, step_dir: str, *, user: Any, allow_vocab_growth: bool,
                  rng: jax.Array | None) -> Restored:
         info = read_info(step_dir)
-        tables, maps = restore_state(plan, step_dir, allow_vocab_growth=allow_vocab_growth, rng=rng)
+        memory = offload_checkpoint.memory_plan(plan, step_dir, info.table_names)
+        tables, maps = restore_state(memory, step_dir, allow_vocab_growth=allow_vocab_growth, rng=rng)
+        # offloaded tables: each store made the step's commit again; their caches come back empty (docs/offload.md)
+        tables.update(offload_checkpoint.restore_stores(plan, step_dir))
         return Restored(tables, int(info.step), None if user is None else read_user(step_dir, info, user), maps)
 
     def close(self) -> None:
@@ -182,12 +188,3 @@ class CheckpointManager:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _no_offloaded(plan: EmbeddingPlan) -> None:
-    """An offloaded table's checkpoint is its store's commit (docs/offload.md), not a copy through orbax."""
-    if plan.tiered:
-        names = ", ".join(repr(t.name) for t in plan.tiered)
-        raise ValueError(f"Tables {names} are offloaded: their store is their checkpoint. Commit it with "
-                         "`tables = tiers.flush(tables, step)` (only the rows changed since the last commit are "
-                         "written), and checkpoint the other tables with a plan without them; "
-                         "sparse_embed.offload.store_state / write_store move a store to an in-memory table and back.")

@@ -1,5 +1,5 @@
-"""A store as an in-memory table's arrays and back (`store_state` / `write_store`), on another mesh, and the
-checkpoint manager's refusal of offloaded tables."""
+"""A store as an in-memory table's arrays and back (`store_state` / `write_store`), on another mesh (checkpoints
+of offloaded tables: tests/io/test_offload_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -59,12 +59,3 @@ def test_write_store_names_a_missing_or_misshapen_array(tmp_path):
     with pytest.raises(ValueError, match=r"Table 't': write_store needs 'table' of shape \(2000, 8\)"):
         se.offload.write_store(_spec(tmp_path), {"table": np.zeros((V, 4), np.float32)})
 
-
-def test_the_checkpoint_manager_refuses_offloaded_tables_and_says_what_to_do(tmp_path):
-    plan = se.plan([se.FeatureSpec("f", _spec(tmp_path / "s"), B)], make_mesh(1))
-    manager = se.CheckpointManager(tmp_path / "ckpt")
-    with pytest.raises(ValueError, match=r"Tables 't' are offloaded: their store is their checkpoint.*tiers.flush"):
-        manager.save(1, plan, se.init_tables(plan, jax.random.key(0)))
-    with pytest.raises(ValueError, match="offloaded"):
-        manager.restore(plan)
-    manager.close()
