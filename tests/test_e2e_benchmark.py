@@ -1,0 +1,49 @@
+"""benchmarks/e2e.py at tiny size: every system trains the same DLRM, and the report and goals come out."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from benchmarks import e2e, e2e_data, e2e_report
+
+
+def _args(model: str, system: str) -> argparse.Namespace:
+    return e2e.parse_args(["--model", model, "--steps", "2", "--block", "1", "--warmup", "1", "--eval-batches", "2",
+                           "--profile-steps", "2", "--child", system])
+
+
+@pytest.mark.parametrize("system", ["nnx", "flax_embed"])
+def test_a_system_trains_in_this_process(system):
+    r = e2e.run_child(_args("w1_tiny", system))
+    assert r["examples_per_s"] > 0 and len(r["blocks"]) == 2 and 0 <= r["eval_auc"] <= 1
+    assert r["step_ms"] > 0 and r["rss_peak_steps_bytes"] > 0
+    assert ("dense_ms" in r) == (system == "nnx")
+
+
+def test_the_benchmark_runs_each_system_in_a_process_and_reports_the_goals(tmp_path):
+    out = tmp_path / "e2e.md"
+    results = e2e.main(["--model", "demo_tiny", "--systems", "torchrec,linen", "--steps", "2", "--block", "1",
+                        "--warmup", "1", "--eval-batches", "2", "--profile-steps", "2", "--out", str(out)])
+    runs = {r["system"]: r for r in results["runs"]}
+    assert "status" not in runs["linen"], runs["linen"]
+    assert runs["linen"]["dense_ms"] > 0 and runs["linen"]["input_h2d_ms"] >= 0
+    text = out.read_text()
+    assert "## demo_tiny" in text and "| linen |" in text
+    if "status" in runs["torchrec"]:  # torchrec is not in the test extra (it requires the CUDA fbgemm-gpu)
+        assert runs["torchrec"]["status"].startswith("not installed")
+    else:
+        assert {g["goal"] for g in e2e_report.goals(results["runs"])} == set(e2e_report.GOALS)
+
+
+def test_every_system_sees_the_same_batches():
+    data = e2e_data.Data(e2e_data.MODELS["demo_tiny"])
+    a, b = data.batch(3), data.batch(3)
+    for f in a.ids:
+        np.testing.assert_array_equal(a.ids[f][0], b.ids[f][0])
+        assert a.ids[f][1].sum() == a.ids[f][0].size == a.gains[f].size
+    per_sample = np.add.reduceat(a.gains["tags"], np.concatenate([[0], np.cumsum(a.ids["tags"][1])[:-1]]))
+    np.testing.assert_allclose(per_sample, 1, rtol=1e-6)  # a weighted mean's gains sum to 1 in each sample
+    assert 0.15 < a.labels.mean() < 0.6
