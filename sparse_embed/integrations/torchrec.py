@@ -26,7 +26,9 @@ ValueError that says what differs):
 
 FBGEMM's Adagrad divides by `sqrt(acc) + eps` and sparse_embed's by
 `sqrt(acc)` (so eps must be 0); FBGEMM's L2 weight decay adds `wd * w` to
-the gradient (sparse_embed's is decoupled only). FBGEMM starts its
+the gradient (sparse_embed's is decoupled only). The decay maps as FBGEMM
+states it and its GPU kernel applies it; its CPU kernel (fbgemm-gpu-cpu
+1.8.0) applies none, in either mode (measured). FBGEMM starts its
 accumulators at 0, sparse_embed's must be > 0: a converted state carries
 TorchRec's accumulators (zeros included), so only rows that no converted
 state covers see the spec's `initial_accumulator_value` (default here: the
@@ -153,8 +155,7 @@ def features_from_torchrec(configs: Any, batch_size: int, optimizer: opt.Optimiz
     """
     out = {}
     for c in configs:
-        pooling = _kind(getattr(c, "pooling", "sum"))
-        pooling = {"0": "sum", "1": "mean"}.get(pooling, pooling)  # PoolingType's values, or their names
+        pooling = _kind(getattr(c, "pooling", "sum"))  # a PoolingType or its name
         if pooling not in ("sum", "mean"):
             raise ValueError(f"Table {c.name!r}: pooling {pooling!r} has no sparse_embed combiner (sum, mean).")
         extra = {} if initializer is None else {"initializer": initializer}

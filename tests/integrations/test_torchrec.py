@@ -218,6 +218,20 @@ def test_trained_here_written_into_torchrec_trains_on_alike(kind, name, devices,
     _assert_same(plan, tables, peer.state())
 
 
+def test_embedding_bag_configs_become_feature_specs():
+    torchrec = pytest.importorskip("torchrec")
+    configs = [torchrec.EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=8, feature_names=["f", "g"],
+                                           pooling=torchrec.PoolingType.MEAN),
+               torchrec.EmbeddingBagConfig(name="b", num_embeddings=9, embedding_dim=4, feature_names=["h"])]
+    features = tr.features_from_torchrec(configs, B, opt.SGD(0.1))
+    assert sorted(features) == ["f", "g", "h"] and features["f"].table is features["g"].table
+    assert (features["f"].table.combiner, features["h"].table.combiner) == ("mean", "sum")
+    assert (features["h"].table.vocabulary_size, features["h"].table.embedding_dim) == (9, 4)
+    with pytest.raises(ValueError, match="Table 'a': pooling 'none' has no sparse_embed combiner"):
+        tr.features_from_torchrec([types.SimpleNamespace(name="a", num_embeddings=4, embedding_dim=4,
+                                                         feature_names=["f"], pooling="NONE")], B, opt.SGD(0.1))
+
+
 def test_to_torchrec_then_from_torchrec_is_exact_on_another_mesh_and_stacking():
     o = opt.RowwiseAdagrad(0.1)
     plan8 = _plan(o, 8)
