@@ -12,13 +12,16 @@ dtype (float32, bfloat16, int8, int4):
   `serving_lookup` reads them, put back into the model (AUC on the demo's
   held-out batches).
 
-Live updates (int8): after the export, `--delta-steps` more training steps
-tracked by `sparse_embed.serving.Changes`; the delta's bytes and apply time
-(`apply_delta`, median of 3) against the full export's bytes and a full
-re-export + reload. Under load: `--threads` threads look up W1-sized int8
-tables while `--deltas` deltas apply; each delta sets 1% of the rows (the
-ones looked up) to its version number, exact in int8 (a constant row), so
-a lookup whose values are not all its snapshot's version is a torn read.
+Live updates (int8): after the export, training goes on (SGD on Zipf ids
+for W1, the demo's own loop), tracked by `sparse_embed.serving.Changes`; after
+each of `--delta-steps` (1, 10, 100) steps a delta of every step since the
+export is written, and its bytes and apply time (`apply_delta`, median of
+3) are set against the full export's bytes and a full re-export + reload of
+the last step. Under load: `--threads` threads look up the W1-sized int8
+tables while `--deltas` deltas apply, spread over `--load-seconds`; each
+delta sets 1% of the rows (the ones looked up) to its version number, exact
+in int8 (a constant row), so a lookup whose values are not all its
+snapshot's version is a torn read.
 
     python benchmarks/serving_quant.py [--rows 1000000 --demo-steps 1000] [--out benchmarks/results/serving_quant.json]
 """
@@ -93,48 +96,76 @@ def _delta_vs_full(base: str, delta: str, full: str, export_s: float) -> dict:
     return out
 
 
+def _horizons(args) -> list[int]:
+    return sorted({int(h) for h in args.delta_steps.split(",")})
+
+
 def _w1_plan(args) -> se.EmbeddingPlan:
     opt = se.optimizers.SGD(0.05)
-    feats = [se.FeatureSpec(f"f{i}", se.TableSpec(f"t{i}", args.rows, args.dim, optimizer=opt, combiner="sum"), args.batch)
-             for i in range(args.tables)]
+    tables = [se.TableSpec(f"t{i}", args.rows, args.dim, optimizer=opt, combiner="sum") for i in range(args.tables)]
+    feats = [se.FeatureSpec(f"f{i}", t, args.batch) for i, t in enumerate(tables)]
     return se.plan(feats, Mesh(np.array(jax.devices()[:1]), ("x",)), stacking=None)
 
 
-def _train_w1(args, plan, tables, changes):
-    """`--delta-steps` SGD steps on Zipf ids, each step's ids added to `changes`."""
+def _fraction(plan, changes) -> float:
+    """Rows (raw ids) touched, over the rows of every table."""
+    return sum(changes.rows(t).size for t in plan.tables) / sum(t.vocabulary_size for t in plan.tables.values())
+
+
+def _deltas(args, plan, base: str, where: str, segments):
+    """Trains in `segments` (`(steps, run)` pairs: `run(steps)` trains and returns `(tables, id_maps, ids of each
+    step)`); after each, writes the delta of every step since `base` (one tracker per horizon)."""
+    trackers, out, done = {h: ss.Changes.since(base) for h in _horizons(args)}, {}, 0
+    for h in _horizons(args):
+        tables, id_maps, batches = segments(h - done)
+        for ids in batches:
+            trackers = {g: c.touched_ids(plan, ids) for g, c in trackers.items()}
+        c, done = trackers.pop(h), h
+        out[h] = (ss.export_delta(f"{where}_{h}", plan, tables, c, id_maps=id_maps or None)[0], _fraction(plan, c))
+    return tables, id_maps, out
+
+
+def _compare(base: str, full: str, export_s: float, deltas: dict) -> dict:
+    return {str(h): {**_delta_vs_full(base, path, full, export_s), "touched_fraction": fraction}
+            for h, (path, fraction) in deltas.items()}
+
+
+def _w1_segments(args, plan, tables):
+    """`run(steps)` for `_deltas`: SGD steps of the W1 plan on Zipf ids."""
     @jax.jit
     def step(tables, batch, step):
         return jax.grad(lambda t: sum(jnp.sum(jnp.sin(x)) for x in se.lookup(plan, batch, t, step).values()))(tables)
 
-    rng, sample = np.random.default_rng(1), id_sampler(args.rows, 1.05)
-    for k in range(args.delta_steps):
-        ids = {f"f{i}": sample(rng, (args.batch, args.ids)) for i in range(args.tables)}
-        tables = step(tables, se.preprocess(plan, ids)[0], k)
-        changes = changes.touched_ids(plan, ids)
-    return tables, changes
+    rng, sample, state = np.random.default_rng(1), id_sampler(args.rows, 1.05), {"tables": tables, "step": 0}
+
+    def run(steps: int):
+        batches = [{f"f{i}": sample(rng, (args.batch, args.ids)) for i in range(args.tables)} for _ in range(steps)]
+        for ids in batches:
+            state["tables"] = step(state["tables"], se.preprocess(plan, ids)[0], state["step"])
+            state["step"] += 1
+        return state["tables"], {}, batches
+
+    return run
 
 
 def w1(args, work: str) -> dict:
-    """The W1-sized table: memory and lookups/s of each dtype; an int8 delta after `--delta-steps` steps."""
+    """The W1-sized table: memory and lookups/s of each dtype; int8 deltas after `--delta-steps` steps."""
     plan = _w1_plan(args)
     tables = se.init_tables(plan, jax.random.key(0))
     rng = np.random.default_rng(0)
     ids = {f"f{i}": rng.integers(0, args.rows, (args.batch, args.ids), dtype=np.int32) for i in range(args.tables)}
-    out: dict = {"memory": {}, "lookups_per_s": {}}
+    out: dict = {"memory": {}, "lookups_per_s": {}, "export_s": {}}
     for dtype in DTYPES:
         path = os.path.join(work, f"w1_{dtype}")
-        _, export_s = _timed(se.export_serving, path, plan, tables, dtype=dtype)
+        _, out["export_s"][dtype] = _timed(se.export_serving, path, plan, tables, dtype=dtype)
         served, specs = se.load_serving(path)
         out["memory"][dtype] = sum(a.nbytes for a in served.values())
         out["lookups_per_s"][dtype] = _lookups_per_s(_served_features(plan.features, specs), served, ids, args.reps)
-        out.setdefault("export_s", {})[dtype] = export_s
         del served
-    changes = ss.Changes.since(os.path.join(work, "w1_int8"))
-    tables, changes = _train_w1(args, plan, tables, changes)
-    out["touched_fraction"] = sum(changes.rows(t).size for t in plan.tables) / (args.rows * args.tables)
-    delta, _ = ss.export_delta(os.path.join(work, "w1_deltas"), plan, tables, changes)
-    _, export_s = _timed(se.export_serving, os.path.join(work, "w1_int8_full"), plan, tables, dtype="int8")
-    out["delta"] = _delta_vs_full(os.path.join(work, "w1_int8"), delta, os.path.join(work, "w1_int8_full"), export_s)
+    base, full = os.path.join(work, "w1_int8"), os.path.join(work, "w1_int8_full")
+    tables, _, deltas = _deltas(args, plan, base, os.path.join(work, "w1_deltas"), _w1_segments(args, plan, tables))
+    _, export_s = _timed(se.export_serving, full, plan, tables, dtype="int8")
+    out["delta"] = _compare(base, full, export_s, deltas)
     return out
 
 
@@ -155,36 +186,59 @@ def _served_params(plan, params, id_maps, served: dict):
     return {**params, "embed": {**params["embed"], "tables": tables}}, maps
 
 
+def _demo_trainer(dlrm, dargs, built):
+    """`run(steps)` for `_deltas`, and its state: the demo's train step (compiled once), on the batches
+    `dlrm.train` would draw (step i from seed [seed, 1, i]), steps counted on across calls."""
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    teacher, plan, model, params, id_maps, layout, _ = built
+    tx = se.optax_tx(optax.adam(dargs.dense_lr))
+    opt_sharding = layout.shardings(jax.eval_shape(tx.init, params))
+    shardings = dlrm.Shardings(layout.shardings(params), opt_sharding, plan.batch_sharding(),
+                               NamedSharding(plan.mesh, PartitionSpec()))
+    train_step = dlrm.make_train_step(model, tx, shardings)
+    state = {"params": params, "opt": jax.jit(tx.init, out_shardings=opt_sharding)(params), "maps": id_maps,
+             "step": 0}
+
+    def run(steps: int):
+        seen = []
+        for _ in range(steps):
+            ex = teacher.sample(np.random.default_rng([dargs.seed, 1, state["step"]]), dargs.batch_size)
+            b = dlrm.to_batch(plan, ex, *se.preprocess(plan, ex.ids, ex.weights))
+            state["params"], state["opt"], state["maps"], _ = train_step(
+                state["params"], state["opt"], state["maps"], b.sparse, b.inputs, jnp.asarray(state["step"], jnp.int32))
+            state["step"] += 1
+            seen.append(ex.ids)
+        return state["params"]["embed"]["tables"], state["maps"], seen
+
+    return run, state
+
+
 def demo(args, work: str) -> dict:
-    """The demo: eval AUC served from each dtype; an int8 delta after `--delta-steps` more training steps."""
+    """The demo: eval AUC served from each dtype; int8 deltas after `--delta-steps` more training steps."""
     from sparse_embed.examples import dlrm
 
     dargs = dlrm.parse_args(["--steps", str(args.demo_steps), "--batch-size", str(args.demo_batch), "--no-progress",
                              *args.demo_args.split()])
-    teacher, plan, model, params, id_maps, layout, eval_batches = dlrm.build(dargs)
-    result = dlrm.train(dargs, plan, teacher, model, params, id_maps, layout)
+    built = dlrm.build(dargs)
+    plan, model, eval_batches = built[1], built[2], built[6]
+    run, state = _demo_trainer(dlrm, dargs, built)
+    embed, maps, _ = run(args.demo_steps)
     predict = dlrm.make_predict(model)
-    out: dict = {"steps": args.demo_steps, "auc": {"trained": dlrm.score(predict, result.params, result.id_maps,
-                                                                         eval_batches)[0]}, "memory": {}}
-    embed = result.params["embed"]["tables"]
+    out: dict = {"steps": args.demo_steps, "memory": {},
+                 "auc": {"trained": dlrm.score(predict, state["params"], maps, eval_batches)[0]}}
     for dtype in DTYPES:
         path = os.path.join(work, f"demo_{dtype}")
-        se.export_serving(path, plan, embed, id_maps=result.id_maps or None, dtype=dtype)
+        se.export_serving(path, plan, embed, id_maps=maps or None, dtype=dtype)
         served, _ = se.load_serving(path)
         out["memory"][dtype] = sum((a[1] if isinstance(a, tuple) else a).nbytes for a in served.values())
-        p, m = _served_params(plan, result.params, result.id_maps, served)
+        p, m = _served_params(plan, state["params"], maps, served)
         out["auc"][dtype] = dlrm.score(predict, p, m, eval_batches)[0]
-    changes = ss.Changes.since(os.path.join(work, "demo_int8"))
-    more = argparse.Namespace(**{**vars(dargs), "steps": args.delta_steps})
-    after = dlrm.train(more, plan, teacher, model, result.params, result.id_maps, layout)
-    for i in range(args.delta_steps):  # the ids of those steps (dlrm.train draws step i from seed [seed, 1, i])
-        changes = changes.touched_ids(plan, teacher.sample(np.random.default_rng([dargs.seed, 1, i]),
-                                                           dargs.batch_size).ids)
-    embed, maps = after.params["embed"]["tables"], after.id_maps or None
-    delta, _ = ss.export_delta(os.path.join(work, "demo_deltas"), plan, embed, changes, id_maps=maps)
-    full = os.path.join(work, "demo_int8_full")
-    _, export_s = _timed(se.export_serving, full, plan, embed, id_maps=maps, dtype="int8")
-    out["delta"] = _delta_vs_full(os.path.join(work, "demo_int8"), delta, full, export_s)
+    base, full = os.path.join(work, "demo_int8"), os.path.join(work, "demo_int8_full")
+    embed, maps, deltas = _deltas(args, plan, base, os.path.join(work, "demo_deltas"), run)
+    _, export_s = _timed(se.export_serving, full, plan, embed, id_maps=maps or None, dtype="int8")
+    out["delta"] = _compare(base, full, export_s, deltas)
     return out
 
 
@@ -219,13 +273,17 @@ def load(args, work: str) -> dict:
     start = time.perf_counter()
     for t in threads:
         t.start()
-    applies = [_timed(live.catch_up, deltas)[1]]
+    applies = []
+    for v in range(2, args.deltas + 1):  # spread over --load-seconds, so that lookups run before, during, after
+        time.sleep(args.load_seconds / args.deltas)
+        applies.append(_timed(live.apply, os.path.join(deltas, ss.delta_name(changes.base, v)))[1])
+    time.sleep(args.load_seconds / args.deltas)
     done.set()
     for t in threads:
         t.join()
     seconds = time.perf_counter() - start
     lat = np.array([s for r in records for s, _ in r])
-    return {"threads": args.threads, "deltas": args.deltas - 1, "seconds": seconds, "apply_s": applies[0],
+    return {"threads": args.threads, "deltas": args.deltas - 1, "seconds": seconds, "apply_s": sum(applies),
             "lookups": int(lat.size), "lookups_per_s": lat.size * args.load_batch / seconds,
             "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
             "torn": int(sum(torn for r in records for _, torn in r)), "final_seq": live.snapshot.seq}
@@ -244,19 +302,18 @@ def report(r: dict) -> str:
         lines.append(f"| {t} | {w['memory'][t] / 2**20:,.0f} | {w['lookups_per_s'][t]:,.0f} | "
                      f"{w['lookups_per_s'][t] / f32:.2f}x ({speed}) | {d['memory'][t] / 2**20:,.2f} | "
                      f"{d['auc'][t]:.4f} | {d['auc'][t] - auc32:+.4f} ({acc}) |")
-    lines += ["", f"A delta (int8) after {r['delta_steps']} more training steps, against a full re-export and "
-              "reload (goal: <= 0.1x both):", "",
-              "| model | rows touched | delta MiB | full MiB | bytes ratio | apply s | re-export + reload s | "
-              "time ratio |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "A delta (int8) after N more training steps, against a full re-export and reload "
+              "(goal after 100 steps: <= 0.1x both):", "",
+              "| model | steps | rows touched | delta MiB | full MiB | bytes ratio | apply s | re-export + reload s | "
+              "time ratio |", "|---|---|---|---|---|---|---|---|---|"]
     for name, x in (("W1-sized", w), ("demo", d)):
-        dl = x["delta"]
-        touched = f"{x['touched_fraction']:.1%}" if "touched_fraction" in x else "-"
-        lines.append(f"| {name} | {touched} | {dl['delta_bytes'] / 2**20:,.2f} | {dl['full_bytes'] / 2**20:,.2f} | "
-                     f"{dl['bytes_ratio']:.3f} | {dl['apply_s']:.3f} | {dl['export_s']:.2f} + {dl['reload_s']:.2f} | "
-                     f"{dl['time_ratio']:.3f} |")
+        for h, dl in x["delta"].items():
+            lines.append(f"| {name} | {h} | {dl['touched_fraction']:.1%} | {dl['delta_bytes'] / 2**20:,.2f} | "
+                         f"{dl['full_bytes'] / 2**20:,.2f} | {dl['bytes_ratio']:.3f} | {dl['apply_s']:.3f} | "
+                         f"{dl['export_s']:.2f} + {dl['reload_s']:.2f} | {dl['time_ratio']:.3f} |")
     lines += ["", f"Lookups under load: {ld['threads']} threads, batches of {r['load_batch']} samples, while "
               f"{ld['deltas']} deltas (1% of the rows each) apply to the W1-sized int8 tables "
-              f"in {ld['apply_s']:.2f} s:",
+              f"over {ld['seconds']:.1f} s (applying took {ld['apply_s']:.2f} s):",
               "", "| lookups | samples/s | p50 ms | p99 ms | torn reads (goal 0) |", "|---|---|---|---|---|",
               f"| {ld['lookups']} | {ld['lookups_per_s']:,.0f} | {ld['p50_ms']:.1f} | {ld['p99_ms']:.1f} | "
               f"{ld['torn']} |"]
@@ -266,9 +323,11 @@ def report(r: dict) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, default in (("tables", 8), ("rows", 1_000_000), ("dim", 64), ("batch", 4096), ("ids", 20),
-                          ("reps", 10), ("delta-steps", 100), ("demo-steps", 1000), ("demo-batch", 1024),
+                          ("reps", 10), ("demo-steps", 1000), ("demo-batch", 1024),
                           ("threads", 4), ("deltas", 8), ("load-batch", 512)):
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--delta-steps", default="1,10,100", help="training steps after the export of each delta")
+    ap.add_argument("--load-seconds", type=float, default=10.0, help="the deltas under load are spread over this")
     ap.add_argument("--demo-args", default="", help="more flags of sparse_embed.examples.dlrm, one string "
                     "(--demo-args='--items 1000')")
     ap.add_argument("--dir", default=None, help="where the exports go (default: a temporary directory, removed)")
@@ -280,7 +339,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
     work = args.dir or tempfile.mkdtemp(prefix="serving_quant_")
     try:
-        r = {**{k: getattr(args, k) for k in ("tables", "rows", "dim", "batch", "ids", "delta_steps", "load_batch")},
+        r = {**{k: getattr(args, k) for k in ("tables", "rows", "dim", "batch", "ids", "load_batch")},
              "w1": w1(args, work), "demo": demo(args, work)}
         r["load"] = load(args, work)
     finally:

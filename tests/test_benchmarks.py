@@ -133,7 +133,7 @@ def test_serving_quant_benchmark_smoke(tmp_path):
 
     out = serving_quant.main([
         "--tables", "2", "--rows", "3000", "--dim", "16", "--batch", "64", "--ids", "4", "--reps", "2",
-        "--delta-steps", "3", "--demo-steps", "3", "--demo-batch", "128", "--threads", "2", "--deltas", "3",
+        "--delta-steps", "1,3", "--load-seconds", "1", "--demo-steps", "3", "--demo-batch", "128", "--threads", "2", "--deltas", "3",
         "--load-batch", "16", "--out", str(tmp_path / "s.json"),
         "--demo-args=--eval-batches 2 --users 2000 --user-rows 1000 --items 1000 --tags 200"])
     assert "| int8 |" in out and "torn reads" in out
@@ -141,5 +141,7 @@ def test_serving_quant_benchmark_smoke(tmp_path):
     mem = r["w1"]["memory"]
     assert mem["int4"] < mem["int8"] < mem["bfloat16"] < mem["float32"] == 2 * 3000 * 16 * 4
     assert all(0 < r["demo"]["auc"][t] < 1 for t in serving_quant.DTYPES)
-    assert 0 < r["w1"]["delta"]["bytes_ratio"] < 1 and r["demo"]["delta"]["apply_s"] > 0
+    assert set(r["w1"]["delta"]) == set(r["demo"]["delta"]) == {"1", "3"}
+    assert 0 < r["w1"]["delta"]["1"]["bytes_ratio"] < r["w1"]["delta"]["3"]["bytes_ratio"] < 1
+    assert r["demo"]["delta"]["3"]["apply_s"] > 0
     assert r["load"]["torn"] == 0 and r["load"]["lookups"] > 0 and r["load"]["final_seq"] == 3

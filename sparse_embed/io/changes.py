@@ -143,7 +143,8 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
     served = dict(changes.served_ids)
     for name, (r, values) in rows.items():
         header["tables"][name] = "rows"
-        arrays.update({f"{name}/rows": np.asarray(r, np.int64),
+        r = np.asarray(r, np.int64)
+        arrays.update({f"{name}/rows": r.astype(np.int32) if r.size == 0 or r.max() < 2**31 else r,
                        f"{name}/values": serving_rows(values, changes.dtypes[name], name)})
     for name, (upsert, values, evicted) in (raw or {}).items():
         header["tables"][name] = "ids"
