@@ -2,7 +2,8 @@
 
 The workers (tests/tiers/multiprocess/offload_worker.py) train the run of `offload_scenario` twice on the
 8-device mesh of both processes: in memory, and with three tables offloaded (by hand two batches ahead, a
-flush, a batch refused on one process, then `prefetch`, a flush). Each process keeps its rows (r % 2) in its own
+flush, a batch refused on one process, then `prefetch`, a flush, then a batch that reads rows damaged in one
+process's store). Each process keeps its rows (r % 2) in its own
 store; read back whole (`store_state`), the stores equal the in-memory tables bitwise, and both equal one
 process's in-memory run to float32 rounding (gloo sums across processes in another order).
 """
@@ -62,6 +63,12 @@ def test_bad_input_on_one_process_raises_on_every_process(run):
     _, workers, _ = run
     assert "Feature 'f'" in workers[1]["messages"]["bad_id"] and str(sc.V + 5) in workers[1]["messages"]["bad_id"]
     assert "failed on process(es) [1]" in workers[0]["messages"]["bad_id"]
+
+
+def test_a_damaged_row_read_by_one_process_raises_on_every_process(run):
+    _, workers, _ = run
+    assert "CorruptStoreError: Table 'adagrad': row" in workers[1]["messages"]["damaged"], workers[1]
+    assert "failed on process(es) [1]" in workers[0]["messages"]["damaged"], workers[0]
 
 
 def test_a_store_of_two_processes_is_refused_by_one(run):

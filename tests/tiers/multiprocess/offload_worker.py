@@ -53,6 +53,23 @@ for i, item in enumerate(tiers.prefetch(data[sc.FLUSH_AT:], inputs=lambda b: b, 
 tables = tiers.flush(tables, sc.STEPS)
 results.update({f"tiered/plain/{k}": v for k, v in se.unstack_state(plan, tables)["plain"].items()})
 stats = {n: dataclasses.asdict(s) for n, s in tiers.stats().items()}
+
+# a damaged row read by the last process only: every process raises
+t = tiers.tables["adagrad"]
+touched = np.unique(np.concatenate([ids[f][ids[f] >= 0] for ids, _ in sc.batches() for f in ("f", "seq")]))
+rows = touched[(touched % nproc == nproc - 1) & (t.cache.slot_of[touched] < 0)][:sc.B]  # stored, not cached
+first_words = t.store._records.map[rows, 0].copy()
+if pid == nproc - 1:
+    assert rows.size and t.store.written[rows].all()
+    t.store._records.map[rows, 0] += 1.0  # the checksums no longer match
+ids, weights = data[0]
+ids = {**ids, "f": np.full((sc.B // nproc, sc.L), -1, np.int64)}
+ids["f"][:, 0] = sd.process_slice(plan, {"f": np.resize(rows, sc.B)})["f"]
+try:
+    tiers.preprocess(ids, weights, train=False)
+except ValueError as e:
+    messages["damaged"] = f"{type(e).__name__}: {e}"
+t.store._records.map[rows, 0] = first_words  # undamaged again, for the test to read the stores
 tiers.close()
 
 with open(os.path.join(out_dir, f"worker{pid}.json"), "w") as f:
