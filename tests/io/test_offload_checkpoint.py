@@ -216,3 +216,24 @@ def test_a_rollback_cut_short_reopens_as_the_last_commit(tmp_path, monkeypatch):
     again.rollback_to(ids[0])
     assert_holds(again, states[0])
     again.close()
+
+
+def test_a_server_picks_up_a_rollback(tmp_path):
+    """A `StoreServer` of the store sees a rollback as a new commit: the rows it restores and the rows it no
+    longer holds (served as the default) change in its cache."""
+    s, _, states, ids = _three_commits(str(tmp_path / "t"))
+    server = se.offload.StoreServer(str(tmp_path / "t"), cache_bytes=1 << 20, refresh_seconds=None)
+    rows = np.arange(50)
+
+    def served(state):
+        _, stored, values = state
+        want = np.zeros((50, 4), np.float32)
+        want[stored] = values[:, :4]
+        return want
+
+    np.testing.assert_array_equal(server.lookup(rows), served(states[2]))
+    s.rollback_to(ids[0])
+    assert server.refresh()
+    np.testing.assert_array_equal(server.lookup(rows), served(states[0]))
+    server.close()
+    s.close()
