@@ -1,6 +1,6 @@
 """Orbax checkpoints of the training state that restore onto any mesh and stacking: the manager.
 
-`CheckpointManager` saves `(tables, step, id maps, user pytree)` as one
+`CheckpointManager` saves `(tables, step, id maps, user pytree, input state)` as one
 orbax step and restores the newest step that verifies onto any plan. The
 pieces it is made of, one concern each:
 
@@ -40,6 +40,7 @@ from sparse_embed.io.ckpt_format import (  # noqa: F401 - the public names, re-e
     STAGING, CheckpointError, CheckpointInfo, CorruptCheckpointError, TableRecord, resolve, training_info,
 )
 from sparse_embed.io import offload_checkpoint
+from sparse_embed.io.data_item import read_data
 from sparse_embed.io.id_checkpoint import write_id_tables
 from sparse_embed.io.orbax_items import item_handlers, read_info, read_user, write_step
 from sparse_embed.io.restoring import restore_embeddings, restore_state, static_part  # noqa: F401 (re-exported)
@@ -52,6 +53,7 @@ class Restored(NamedTuple):
     step: int
     user: Any
     id_maps: dict[str, Any] = {}  # the raw-id tables' maps (`IdMap`), placed for the plan
+    data: Any = None  # the input pipeline's state saved with the step (`save(..., data=)`), or None
 
 
 class CheckpointManager:
@@ -86,14 +88,16 @@ class CheckpointManager:
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def save(self, step: int, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], *,
-             id_maps: Mapping[str, Any] | None = None, user: Any = None, force: bool = False,
-             tiers: Any = None) -> bool:
+             id_maps: Mapping[str, Any] | None = None, user: Any = None, data: Any = None,
+             force: bool = False, tiers: Any = None) -> bool:
         """Saves `step` (skipped, returning False, if `save_interval_steps` says so and not `force`).
 
         The tables are streamed to disk before this returns (so `tables` may
         be donated or updated right after); the user pytree and the metadata
         are written in the background (`wait()`). A plan with raw-id tables
-        needs their `id_maps` (saved with them, in id order).
+        needs their `id_maps` (saved with them, in id order). `data`: this
+        process's input-pipeline state, JSON-serialisable (`se.data.Loader.get_state()`:
+        the data position and the plan's capacity marks), for an exact resume.
         """
         step = int(step)
         # offloaded tables: their `tiers`, flushed at `step` (each store's commit is recorded, docs/offload.md)
@@ -113,7 +117,7 @@ class CheckpointManager:
 
         info = training_info(plan, step, user is not None, None, None if user is None else user_checksums(user))
         return write_step(lambda items: self._manager.save(step, args=ocp.args.Composite(**items), force=force),
-                          os.path.join(self.directory, f"{STAGING}-{step}"), write, info, user)
+                          os.path.join(self.directory, f"{STAGING}-{step}"), write, info, user, data)
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""
@@ -176,7 +180,8 @@ class CheckpointManager:
         tables, maps = restore_state(memory, step_dir, allow_vocab_growth=allow_vocab_growth, rng=rng)
         # offloaded tables: each store made the step's commit again; their caches come back empty (docs/offload.md)
         tables.update(offload_checkpoint.restore_stores(plan, step_dir))
-        return Restored(tables, int(info.step), None if user is None else read_user(step_dir, info, user), maps)
+        return Restored(tables, int(info.step), None if user is None else read_user(step_dir, info, user), maps,
+                        read_data(step_dir))
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""

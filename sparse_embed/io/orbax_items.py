@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from sparse_embed.io.data_item import DATA, DataHandler, DataSave
 from sparse_embed.io.checks import leaf_meanings, user_checksums, verify_user
 from sparse_embed.io.ckpt_format import (
     EMBEDDINGS, META, USER, WHAT_TO_DO, CheckpointError, CheckpointInfo, CorruptCheckpointError, first_line, resolve,
@@ -52,7 +53,8 @@ def item_handlers(*, write: bool = False) -> dict[str, ocp.CheckpointHandler]:
       Checkpoints written with OCDBT still restore.
     """
     arrays = lambda: ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False)  # noqa: E731
-    return {EMBEDDINGS: _MoveInHandler() if write else arrays(), USER: arrays(), META: ocp.JsonCheckpointHandler()}
+    return {EMBEDDINGS: _MoveInHandler() if write else arrays(), USER: arrays(), META: ocp.JsonCheckpointHandler(),
+            DATA: DataHandler()}
 
 
 def checkpointer(*, write: bool = False) -> ocp.Checkpointer:
@@ -61,8 +63,10 @@ def checkpointer(*, write: bool = False) -> ocp.Checkpointer:
 
 
 def write_step(save: Callable[[dict], Any], staging: str, write_tables: Callable[[str], dict[str, str]],
-               info: CheckpointInfo, user: Any = None) -> Any:
+               info: CheckpointInfo, user: Any = None, data: Any = None) -> Any:
     """Writes the tables into `staging` (`write_tables(dir) -> checksums`), then `save(items)` with orbax.
+
+    `data`: this process's input-pipeline state (JSON), the `data` item (`io.data_item`).
 
     The staging directory is removed if anything fails.
     """
@@ -73,6 +77,8 @@ def write_step(save: Callable[[dict], Any], staging: str, write_tables: Callable
         items = {EMBEDDINGS: StagedSave(staging), META: ocp.args.JsonSave(info.to_json())}
         if user is not None:
             items[USER] = ocp.args.PyTreeSave(user)
+        if data is not None:
+            items[DATA] = DataSave(data)
         return save(items)
     finally:
         if jax.process_index() == 0:
