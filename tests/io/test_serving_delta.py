@@ -229,3 +229,15 @@ def test_the_update_loop_in_docs_runs(tmp_path, monkeypatch):
     ns: dict = {}
     exec(compile(code, "docs/serving.md", "exec"), ns)
     assert ns["live"].snapshot.seq == ns["deltas"] > 0
+
+
+def test_the_serving_namespace_resolves_its_names_to_the_implementation():
+    import importlib
+
+    assert se.serving is ss and "serving" in dir(se)
+    where = {"quantize": "sparse_embed.io.quantize", "dequantize": "sparse_embed.io.quantize",
+             "LiveTables": "sparse_embed.io.live", "Snapshot": "sparse_embed.io.live",
+             "apply_delta": "sparse_embed.io.live", "load_snapshot": "sparse_embed.io.live"}
+    for name in ss.__all__:
+        module = importlib.import_module(where.get(name, "sparse_embed.io.changes"))
+        assert getattr(ss, name) is getattr(module, name), name
