@@ -12,6 +12,10 @@ with an empty cache (which rows are cached never changes a value, only what is r
 `KEPT_COMMITS` commits, so restoring an older checkpoint, or one saved before a crash that came after the
 flush of a save that never completed, goes back. A store that no longer keeps the commit (or another store
 at that path) is a `CheckpointError` naming the table, and no store is changed.
+
+Under several processes each process's store holds its own rows (`tiers.processes`): each records its
+stores' commits in `offload.process<i>of<P>.json`, and on restore checks its own; the processes agree
+(`host.distributed`) before any of them changes a store.
 """
 
 from __future__ import annotations
@@ -19,17 +23,42 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import threading
 import zlib
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
+
+import jax
 
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import empty_tables
-from sparse_embed.host import distributed
+from sparse_embed.host import distributed, plan_state
 from sparse_embed.io.ckpt_format import EMBEDDINGS, CheckpointError, CorruptCheckpointError
 from sparse_embed.tiers import store as tier_store
+from sparse_embed.tiers.processes import check_layout, shard_path
 
-RECORD = "offload.json"
+RECORD = "offload.json"  # one process's record; process i of P: offload.process<i>of<P>.json
+_RESTORES: dict[str, int] = {}  # plan tag -> restores of such a plan (the processes' exchange numbers)
+_LOCK = threading.Lock()
+
+
+class Commits(NamedTuple):
+    """What a save records: the file (this process's) and `{table: {"path", "commit", "id", "step"}}`."""
+
+    file: str
+    stores: dict[str, dict[str, Any]]
+
+
+def _place(plan: EmbeddingPlan) -> tuple[int, int]:
+    """`(index, count)` of this process among the processes of the plan's mesh."""
+    processes = distributed.mesh_processes(plan.mesh)
+    return processes.index(jax.process_index()), len(processes)
+
+
+def _record(plan: EmbeddingPlan) -> str:
+    index, count = _place(plan)
+    return RECORD if count == 1 else f"offload.process{index}of{count}.json"
 
 
 def split(plan: EmbeddingPlan) -> tuple[EmbeddingPlan, EmbeddingPlan]:
@@ -40,16 +69,8 @@ def split(plan: EmbeddingPlan) -> tuple[EmbeddingPlan, EmbeddingPlan]:
             dataclasses.replace(plan, stacks=caches))
 
 
-def _one_process(plan: EmbeddingPlan) -> None:
-    if distributed.spans_processes(plan):
-        raise NotImplementedError(f"CheckpointManager: tables {sorted(plan.tiered_tables)} are offloaded and the "
-                                  "plan's mesh spans several processes; checkpoints of offloaded tables run in one "
-                                  "process for now (each process's store is committed by tiers.flush: "
-                                  "docs/offload.md).")
-
-
 def for_save(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], tiers: Any,
-             step: int) -> tuple[EmbeddingPlan, dict[str, EmbeddingVariables], dict | None]:
+             step: int) -> tuple[EmbeddingPlan, dict[str, EmbeddingVariables], Commits | None]:
     """`(plan, tables, commits)` a save writes: the in-memory part of the plan and its tables, and each
     offloaded table's store commit at `step` (None without offloaded tables). Raises naming the table when the
     tiers are missing, another plan's, or not flushed at `step`."""
@@ -63,11 +84,10 @@ def for_save(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], tier
                          f"tiers.flush(tables, step); manager.save(step, plan, tables, tiers=tiers)` (the "
                          "checkpoint records each store's commit; only the rows changed since the last one are "
                          "written).")
-    _one_process(plan)
     if sorted(tiers.tables) != names or any(tiers.tables[n].spec != plan.tiered_tables[n] for n in names):
         raise ValueError(f"CheckpointManager.save: the Tiers given hold tables {sorted(tiers.tables)}, not the "
                          f"plan's offloaded tables {names} as declared.")
-    commits = tiers.committed(step)
+    commits = Commits(_record(plan), tiers.committed(step))
     memory, _ = split(plan)
     missing = sorted(set(plan.stack_names) - set(tables))
     if missing:
@@ -79,17 +99,22 @@ def _checksum(commits: Mapping[str, Any]) -> str:
     return f"{zlib.crc32(json.dumps(commits, sort_keys=True).encode()):08x}"
 
 
-def write_commits(directory: str, commits: Mapping[str, Any] | None) -> None:
-    """Writes `offload.json` (the stores' commits and their checksum) into a step's staged `embeddings`."""
+def write_commits(directory: str, commits: Commits | None) -> None:
+    """Writes this process's record (the stores' commits and their checksum) into a step's staged `embeddings`."""
     if commits is not None:
-        with open(os.path.join(directory, RECORD), "w") as f:
-            json.dump({"stores": commits, "crc32": _checksum(commits)}, f, indent=1, sort_keys=True)
+        with open(os.path.join(directory, commits.file), "w") as f:
+            json.dump({"stores": commits.stores, "crc32": _checksum(commits.stores)}, f, indent=1, sort_keys=True)
 
 
-def read_commits(step_dir: str) -> dict | None:
-    """The stores' commits a step recorded, checked (None: it recorded none)."""
-    path = os.path.join(step_dir, EMBEDDINGS, RECORD)
+def read_commits(plan: EmbeddingPlan, step_dir: str) -> dict | None:
+    """This process's stores' commits the step recorded, checked (None: it recorded none)."""
+    path = os.path.join(step_dir, EMBEDDINGS, _record(plan))
     if not os.path.exists(path):
+        others = sorted(n for n in os.listdir(os.path.join(step_dir, EMBEDDINGS))
+                        if re.fullmatch(r"offload(\.process\d+of\d+)?\.json", n))
+        if others:
+            raise CheckpointError(f"{step_dir} was saved by another number of processes than this run's "
+                                  f"{_place(plan)[1]} (it has {others}): restore it with as many.")
         return None
     try:
         with open(path) as f:
@@ -106,7 +131,7 @@ def read_commits(step_dir: str) -> dict | None:
 def memory_plan(plan: EmbeddingPlan, step_dir: str, saved_tables: tuple[str, ...]) -> EmbeddingPlan:
     """The in-memory part of `plan`, to restore from the step's tables; a CheckpointError naming the table when
     the plan offloads a table the step holds in memory, or the other way round."""
-    commits = read_commits(step_dir) or {}
+    commits = read_commits(plan, step_dir) or {}
     for name in plan.tables:
         offloaded, stored = name in plan.tiered_tables, name in commits
         if offloaded != stored and (name in saved_tables or stored):
@@ -121,34 +146,61 @@ def memory_plan(plan: EmbeddingPlan, step_dir: str, saved_tables: tuple[str, ...
 def restore_stores(plan: EmbeddingPlan, step_dir: str) -> dict[str, EmbeddingVariables]:
     """Makes each offloaded table's store the commit the step recorded; returns their stacks' (empty) caches.
 
-    Every store is checked before any is changed: a table the step did not record, a store open in this
-    process, or one that does not keep the commit raises naming the table.
+    Every store (of every process) is checked before any is changed: a table the step did not record, a store
+    open in this process, or one that does not keep the commit raises naming the table.
     """
     if not plan.tiered:
         return {}
-    _one_process(plan)
-    commits = read_commits(step_dir) or {}
-    stores = []
+    commits = read_commits(plan, step_dir) or {}
+    stores, failure = [], None
     try:
-        for name, spec in sorted(plan.tiered_tables.items()):
-            if name not in commits:
-                raise CheckpointError(f"Table {name!r} is offloaded in the plan, but the checkpoint {step_dir} "
-                                      "does not hold it.")
-            if tier_store.is_open(spec.storage.path):
-                raise CheckpointError(f"Table {name!r}: its store at {spec.storage.path!r} is open (a Tiers of this "
-                                      "process); close it (tiers.close()) before restoring, then make a new Tiers.")
-            stores.append(tier_store.RowStore(spec))
-            kept = [h["id"] for h in stores[-1].history]
-            if commits[name]["id"] not in kept:
-                c = commits[name]
-                raise CheckpointError(
-                    f"Table {name!r}: the checkpoint {step_dir} needs commit {c['commit']} (step {c['step']}, id "
-                    f"{c['id']}) of the store at {spec.storage.path!r} (saved from {c['path']!r}), which that store "
-                    f"does not keep: it keeps {[(h['commit'], h['step']) for h in stores[-1].history]} (commit, "
-                    f"step), its last {tier_store.KEPT_COMMITS}, or is another store.")
+        try:
+            for name, spec in sorted(plan.tiered_tables.items()):
+                stores.append(_checked_store(plan, spec, commits.get(name), step_dir))
+        except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
+            failure = e
+        _agree(plan, failure)
         for s in stores:
             s.rollback_to(commits[s.table.name]["id"])
     finally:
         for s in stores:
             s.close()
     return empty_tables(split(plan)[1])
+
+
+def _checked_store(plan: EmbeddingPlan, spec, commit: dict | None, step_dir: str) -> tier_store.RowStore:
+    """This process's store of `spec`, opened, once it is known to keep `commit`; else a CheckpointError."""
+    name, (index, count) = spec.name, _place(plan)
+    if commit is None:
+        raise CheckpointError(f"Table {name!r} is offloaded in the plan, but the checkpoint {step_dir} does not "
+                              "hold it.")
+    path = shard_path(spec.storage.path, index, count)
+    if tier_store.is_open(path):
+        raise CheckpointError(f"Table {name!r}: its store at {path!r} is open (a Tiers of this process); close it "
+                              "(tiers.close()) before restoring, then make a new Tiers.")
+    check_layout(name, spec.storage.path, count)
+    store = tier_store.RowStore(spec, path=path)
+    if commit["id"] not in [h["id"] for h in store.history]:
+        store.close()
+        raise CheckpointError(
+            f"Table {name!r}: the checkpoint {step_dir} needs commit {commit['commit']} (step {commit['step']}, id "
+            f"{commit['id']}) of the store at {path!r} (saved from {commit['path']!r}), which that store does "
+            f"not keep: it keeps {[(h['commit'], h['step']) for h in store.history]} (commit, step), its last "
+            f"{tier_store.KEPT_COMMITS}, or is another store.")
+    return store
+
+
+def _agree(plan: EmbeddingPlan, failure: Exception | None) -> None:
+    """Raises `failure` here, and on every other process of the plan's mesh when one has one."""
+    processes = distributed.mesh_processes(plan.mesh)
+    if len(processes) > 1:
+        tag = plan_state.of(plan).tag
+        with _LOCK:
+            n = _RESTORES[tag] = _RESTORES.get(tag, -1) + 1
+        flags = distributed.allgather_ints(processes, [int(failure is not None)], name=f"offload_restore.{tag}", n=n)
+        bad = [processes[i] for i in map(int, flags[:, 0].nonzero()[0])]
+        if bad and failure is None:
+            raise CheckpointError(f"Restoring the offloaded tables' stores failed on process(es) {bad} (see their "
+                                  "error); no store was changed.")
+    if failure is not None:
+        raise failure

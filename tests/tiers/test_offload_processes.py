@@ -2,8 +2,9 @@
 
 The workers (tests/tiers/multiprocess/offload_worker.py) train the run of `offload_scenario` twice on the
 8-device mesh of both processes: in memory, and with three tables offloaded (by hand two batches ahead, a
-flush, a batch refused on one process, then `prefetch`, a flush, then a batch that reads rows damaged in one
-process's store). Each process keeps its rows (r % 2) in its own
+flush and a checkpoint, a batch refused on one process, then `prefetch`, a flush, a batch that reads rows
+damaged in one process's store; then the checkpoint restored, its stores a commit back, and the last steps
+trained again through a new Tiers). Each process keeps its rows (r % 2) in its own
 store; read back whole (`store_state`), the stores equal the in-memory tables bitwise, and both equal one
 process's in-memory run to float32 rounding (gloo sums across processes in another order).
 """
@@ -34,11 +35,11 @@ def run(tmp_path_factory):
     launch.run_workers(os.path.join(HERE, "multiprocess", "offload_worker.py"), 2, [str(out), str(root)],
                        devices_per_process=4, timeout=180)
     workers = [json.loads((out / f"worker{i}.json").read_text()) for i in range(2)]
-    return dict(np.load(out / "results.npz")), workers, str(root)
+    return dict(np.load(out / "results.npz")), workers, str(root), str(out / "ckpt")
 
 
 def test_two_processes_train_offloaded_tables_as_in_memory(run):
-    got, workers, root = run
+    got, workers, root, _ = run
     rng = jax.random.key(0)
     one = sc.train_in_memory(se.plan(sc.features(None), make_mesh(8)))
     for spec in se.plan(sc.features(root), make_mesh(8)).tiered:
@@ -49,6 +50,7 @@ def test_two_processes_train_offloaded_tables_as_in_memory(run):
             np.testing.assert_allclose(v, one[spec.name][k], rtol=1e-5, atol=1e-6, err_msg=f"{spec.name}/{k}")
     for k, v in one["plain"].items():
         np.testing.assert_array_equal(got[f"tiered/plain/{k}"], got[f"memory/plain/{k}"], err_msg=f"plain/{k}")
+        np.testing.assert_array_equal(got[f"resumed/plain/{k}"], got[f"memory/plain/{k}"], err_msg=f"plain/{k}")
     for name in sc.TIERED:
         s0, s1 = (w["stats"][name] for w in workers)
         for k in ("lookups", "hits", "misses"):  # the cache's decisions and counts: the same on both
@@ -60,22 +62,27 @@ def test_two_processes_train_offloaded_tables_as_in_memory(run):
 
 
 def test_bad_input_on_one_process_raises_on_every_process(run):
-    _, workers, _ = run
+    _, workers, _, _ = run
     assert "Feature 'f'" in workers[1]["messages"]["bad_id"] and str(sc.V + 5) in workers[1]["messages"]["bad_id"]
     assert "failed on process(es) [1]" in workers[0]["messages"]["bad_id"]
 
 
 def test_a_damaged_row_read_by_one_process_raises_on_every_process(run):
-    _, workers, _ = run
+    _, workers, _, _ = run
     assert "CorruptStoreError: Table 'adagrad': row" in workers[1]["messages"]["damaged"], workers[1]
     assert "failed on process(es) [1]" in workers[0]["messages"]["damaged"], workers[0]
 
 
-def test_a_store_of_two_processes_is_refused_by_one(run):
-    _, _, root = run
+def test_a_store_or_checkpoint_of_two_processes_is_refused_by_one(run):
+    _, _, root, ckpt = run
     plan = se.plan(sc.features(root), make_mesh(8))
     with pytest.raises(ValueError, match=r"Table 'adagrad': the store at .* was written by 2 process\(es\).*this "
                                          r"run has 1"):
         se.offload.Tiers(plan, jax.random.key(0))
     with pytest.raises(ValueError, match="written by 2 process"):
         se.offload.write_store(plan.tiered_tables["adagrad"], {})
+    assert sorted(n for n in os.listdir(os.path.join(ckpt, str(sc.FLUSH_AT), "embeddings")) if "offload" in n) == [
+        "offload.process0of2.json", "offload.process1of2.json"]
+    with se.CheckpointManager(ckpt) as m, pytest.raises(se.CheckpointError, match="saved by another number of "
+                                                                                 "processes than this run's 1"):
+        m.restore(plan)

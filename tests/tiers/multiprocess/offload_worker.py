@@ -37,6 +37,9 @@ for i, (ids, weights) in enumerate(data[:sc.FLUSH_AT]):  # by hand, two batches 
         j, batch, _, swap = planned.popleft()
         _, tables = step(tiers.swap(tables, swap), batch, j)
 tables = tiers.flush(tables, sc.FLUSH_AT)
+ckpt = se.CheckpointManager(os.path.join(out_dir, "ckpt"))
+ckpt.save(sc.FLUSH_AT, plan, tables, tiers=tiers)
+ckpt.wait()
 
 messages = {}
 bad = dict(data[sc.FLUSH_AT][0])
@@ -69,7 +72,18 @@ try:
     tiers.preprocess(ids, weights, train=False)
 except ValueError as e:
     messages["damaged"] = f"{type(e).__name__}: {e}"
-t.store._records.map[rows, 0] = first_words  # undamaged again, for the test to read the stores
+t.store._records.map[rows, 0] = first_words  # undamaged again
+tiers.close()
+
+# restored at FLUSH_AT (the stores go back a commit), trained on through a new Tiers: the same stores again
+restored = ckpt.restore(plan)
+ckpt.close()
+tiers = se.offload.Tiers(plan, rng)
+tables = restored.tables
+for i, item in enumerate(tiers.prefetch(data[sc.FLUSH_AT:], inputs=lambda b: b, buffer_size=2), sc.FLUSH_AT):
+    _, tables = step(tiers.swap(tables, item.swap), item.batch, i)
+tables = tiers.flush(tables, sc.STEPS)
+results.update({f"resumed/plain/{k}": v for k, v in se.unstack_state(plan, tables)["plain"].items()})
 tiers.close()
 
 with open(os.path.join(out_dir, f"worker{pid}.json"), "w") as f:
