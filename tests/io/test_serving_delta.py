@@ -121,9 +121,10 @@ def test_the_tracker_is_pure_and_holds_every_touched_id():
         changes.touched_ids(plan, {"i": np.full((B, 1), 99)})
 
 
-@pytest.fixture
-def chain(tmp_path):
-    """A base export and two deltas after it, and a delta of another export."""
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """A base export and two deltas after it, and a delta of another export (read only)."""
+    tmp_path = tmp_path_factory.mktemp("chain")
     plan = _plan(1)
     rng = jax.random.key(2)
     tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
