@@ -4,7 +4,8 @@ Two models share one DLRM: bottom MLP `num_dense-512-256-dim` (ReLU), the
 pairwise dot products of the bottom output and the pooled features, top
 MLP `512-256-1` on `[bottom, dots]`; row-wise Adagrad on the tables,
 Adagrad on the dense part (`g / (sqrt(acc) + eps)`, accumulators from 0, as
-torch's), binary cross-entropy, batch 4096.
+torch's), binary cross-entropy, batch 4096. Every system starts from the
+same tables and dense weights (`initial_tables`, `dense_init`).
 
 - `demo`: the sparse features of `sparse_embed.examples.dlrm` labelled by
   its teacher (static user ids): user, item, history (up to 8 items, the
@@ -183,6 +184,16 @@ def dense_init(model: Model, seed: int = 0) -> dict[str, tuple[np.ndarray, np.nd
         bound = 1 / np.sqrt(a)
         out[name] = (rng.uniform(-bound, bound, (a, b)).astype(np.float32),
                      rng.uniform(-bound, bound, b).astype(np.float32))
+    return out
+
+
+def initial_tables(model: Model, seed: int = 0) -> dict[str, np.ndarray]:
+    """`{table: [rows, dim]}` float32, normal (std 0.02) clipped at 2 std: every system starts from these rows, so
+    that their AUCs differ by the arithmetic's rounding, not by the draw of the initial tables."""
+    out = {}
+    for i, (t, rows) in enumerate(model.tables):
+        a = np.random.default_rng([seed, 6, i]).standard_normal((rows, model.dim), dtype=np.float32)
+        out[t] = np.clip(a * np.float32(0.02), -0.04, 0.04, out=a)
     return out
 
 

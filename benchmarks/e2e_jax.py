@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 import sparse_embed as se
-from benchmarks.e2e_data import HostBatch, Model, dense_init
+from benchmarks.e2e_data import HostBatch, Model, dense_init, initial_tables
 from sparse_embed.flax import linen as sel
 from sparse_embed.flax import nnx as senn
 
@@ -137,7 +137,7 @@ class SparseEmbed:
                 return Head(model, name="head")([acts[f] for f in features], dense)
 
         self.module = Dlrm()
-        self.params = {"embed": {"tables": se.init_tables(plan, jax.random.key(0))}, "head": head_params(model)}
+        self.params = {"embed": {"tables": se.stack_tables(plan, initial_tables(model))}, "head": head_params(model)}
         tx = se.optax_tx(adagrad(model.dense_lr, model.eps))
         self.opt_state = tx.init(self.params)
 
@@ -170,6 +170,11 @@ class SparseEmbed:
                 return dlrm_head(model, lambda name, x: getattr(self, name)(x), [acts[f] for f in features], dense)
 
         self.module = Dlrm(nnx.Rngs(0))
+        for name, v in se.stack_tables(plan, initial_tables(model)).items():
+            held = self.module.embed.tables[name]
+            held["table"].set_value(v.table)
+            for k, a in v.slots.items():
+                held["slots"][k].set_value(a)
         self.optimizer = senn.Optimizer(self.module, adagrad(model.dense_lr, model.eps))
 
         @nnx.jit(donate_argnums=(0, 1))
@@ -250,14 +255,12 @@ class FlaxEmbed:
         class Dlrm(nn.Module):
             @nn.compact
             def __call__(self, ids, gains, dense):
-                embed = {t: nn.Embed(rows[t], model.dim, embedding_init=nn.initializers.truncated_normal(0.02),
-                                     name=t) for t in rows}
+                embed = {t: nn.Embed(rows[t], model.dim, name=t) for t in rows}
                 pooled = [(embed[tables[f]](ids[f]) * gains[f][..., None]).sum(1) for f in tables]
                 return Head(model, name="head")(pooled, dense)
 
         self.module = Dlrm()
-        params = {t: {"embedding": nn.initializers.truncated_normal(0.02)(jax.random.key(i), (n, model.dim))}
-                  for i, (t, n) in enumerate(model.tables)}
+        params = {t: {"embedding": jnp.asarray(a)} for t, a in initial_tables(model).items()}
         self.params = {**params, "head": head_params(model)}
         labels = {k: "head" if k == "head" else "table" for k in self.params}
         tx = optax.multi_transform({"head": adagrad(model.dense_lr, model.eps),

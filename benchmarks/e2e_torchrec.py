@@ -4,8 +4,8 @@ One `EmbeddingBagCollection` (weighted where the data has gains other than
 1) under `DistributedModelParallel` on a 1-process gloo group, its fused
 optimizer FBGEMM's EXACT_ROWWISE_ADAGRAD (applied inside the backward), the
 dense layers in torch with `torch.optim.Adagrad` (accumulators from 0, the
-same eps), torch on `threads` threads. Tables start truncated-normal (std
-0.02) as sparse_embed's, the dense layers from `e2e_data.dense_init`.
+same eps), torch on `threads` threads. Tables and dense layers start from
+the same numbers as the other systems' (`e2e_data`).
 The input pipeline builds the `KeyedJaggedTensor` on a background thread.
 `dense_step` times the dense part alone on a plain copy of the head (no
 DDP wrapper), on fixed embedding activations.
@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from benchmarks.e2e_data import HostBatch, Model, dense_init
+from benchmarks.e2e_data import HostBatch, Model, dense_init, initial_tables
 from benchmarks.e2e_jax import threaded
 
 
@@ -113,13 +113,14 @@ class TorchRec:
         self.plain_optimizer = torch.optim.Adagrad(self.plain_head.parameters(), lr=model.dense_lr, eps=model.eps)
 
     def _init_tables(self) -> None:
-        """Truncated normal (std 0.02, at 2 std), written into the fused tables through their state dict views."""
-        torch = self.torch
+        """`e2e_data.initial_tables`, written into the fused tables through their state dict's views (table-wise:
+        one shard each)."""
+        torch, tables = self.torch, initial_tables(self.model)
         with torch.no_grad():
             for key, value in self.dmp.state_dict().items():
                 if "embedding_bags" in key and key.endswith(".weight"):
-                    for shard in value.local_shards():
-                        torch.nn.init.trunc_normal_(shard.tensor, std=0.02, a=-0.04, b=0.04)
+                    (shard,) = value.local_shards()
+                    shard.tensor.copy_(torch.from_numpy(tables[key.split(".")[-2]]))
 
     def prepare(self, hb: HostBatch) -> Any:
         from torchrec import KeyedJaggedTensor
