@@ -29,6 +29,7 @@ snapshot's version is a torn read.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -132,7 +133,7 @@ def _compare(base: str, full: str, export_s: float, deltas: dict) -> dict:
 
 def _w1_segments(args, plan, tables):
     """`run(steps)` for `_deltas`: SGD steps of the W1 plan on Zipf ids."""
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)  # the tables are updated in place
     def step(tables, batch, step):
         return jax.grad(lambda t: sum(jnp.sum(jnp.sin(x)) for x in se.lookup(plan, batch, t, step).values()))(tables)
 
