@@ -185,6 +185,7 @@ class SparseEmbed:
 
         self._train = train
         self._predict = nnx.jit(lambda m, sparse, dense: m(sparse, dense, None))
+        self._acts = nnx.jit(lambda m, sparse: m.embed(sparse, None))
 
     def _make_dense_step(self):
         """The dense part alone (linen head, the same math in both APIs), on fixed activations."""
@@ -227,10 +228,7 @@ class SparseEmbed:
         return self._train(self.module, self.optimizer, sparse, dense, labels, step)
 
     def activations(self, x) -> list:
-        if self.api == "linen":
-            acts = self._acts(self.params, x[0])
-        else:
-            acts = self.module.embed(x[0], None)
+        acts = self._acts(self.params if self.api == "linen" else self.module, x[0])
         return [acts[f] for f in self.features]
 
     def dense_step(self, acts: list, x) -> jax.Array:
