@@ -45,18 +45,21 @@ def fresh_rows(t: TableSpec, table_key: jax.Array, ids: jax.Array) -> dict[str, 
     return out
 
 
+def _gathered(x: jax.Array, axis: str) -> jax.Array:
+    """The sum over `axis` of blocks in which each entry is non-zero on one device at most: that device's bits
+    exactly (added as integers; a float sum would turn -0.0 into 0.0)."""
+    ints = {2: jnp.int16, 4: jnp.int32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(jax.lax.psum(jax.lax.bitcast_convert_type(x, ints), axis), x.dtype)
+
+
 def _combined(plan: EmbeddingPlan, fill: dict[str, jax.Array], fresh: jax.Array) -> tuple[dict, jax.Array]:
     """`fill` and `fresh` given per process (`[S * n, ...]` over the plan's axis: each device's block is its
-    process's rows, or zeros), added up into `[n, ...]` on every device. Each entry is non-zero in one block only
-    (its row's owner's), and the blocks are added as integers, so the sum is that block's bits exactly (a float
-    sum would turn -0.0 into 0.0)."""
+    process's rows, or zeros), added up into `[n, ...]` on every device (each entry is non-zero in its row's
+    owner's block only)."""
     axis = plan.axis_name
 
     def add(fill, fresh):
-        ints = {k: jax.lax.bitcast_convert_type(v, jnp.int32) for k, v in fill.items()}
-        ints = jax.lax.psum(ints, axis)
-        return ({k: jax.lax.bitcast_convert_type(v, jnp.float32) for k, v in ints.items()},
-                jax.lax.psum(fresh.astype(jnp.int32), axis) > 0)
+        return {k: _gathered(v, axis) for k, v in fill.items()}, jax.lax.psum(fresh.astype(jnp.int32), axis) > 0
 
     return jax.shard_map(add, mesh=plan.mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P()))(fill, fresh)
 
@@ -97,7 +100,7 @@ def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariable
             at = evict_at - lo
             mine = (at >= 0) & (at < rps) & (evict_at >= 0)
             rows = jnp.where(mine[:, None], local[jnp.clip(at, 0, rps - 1)], jnp.zeros((), local.dtype))
-            evicted[k] = jax.lax.psum(rows, axis)
+            evicted[k] = _gathered(rows, axis)
             to = fill_at - lo
             to = jnp.where((to >= 0) & (to < rps) & (fill_at >= 0), to, rps)  # rps: out of bounds, dropped
             out[k] = local.at[to].set(fill[k].astype(local.dtype), mode="drop")

@@ -1,0 +1,58 @@
+"""`core.row_swap.swap_rows`, the device side of an offloaded table, against plain numpy: the rows read out are
+the cache's rows bit for bit (-0.0 included), the rows written in are the fill's; per process (blocks added up
+on the devices) as replicated."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import sparse_embed as se
+from sparse_embed.core.row_swap import cache_positions, swap_rows
+from sparse_embed.core.tables import table_key
+from tests.conftest import make_mesh
+
+V, D, C, N = 100, 4, 24, 4  # table rows, width, cache rows, swap entries
+
+
+@pytest.mark.parametrize("per_process", [False, True])
+@pytest.mark.parametrize("devices", [1, 8])
+def test_swap_rows_against_numpy(tmp_path, devices, per_process):
+    spec = se.TableSpec("t", V, D, optimizer=se.optimizers.RowwiseAdagrad(0.1),
+                        storage=se.offload.Offload(str(tmp_path), C))
+    plan = se.plan([se.FeatureSpec("f", spec, 8)], make_mesh(devices))
+    stack = plan.stack_of_table("t")[0]
+    g = np.random.default_rng(0)
+    cache = {"table": g.standard_normal((C, D)).astype(np.float32), "accumulator": g.random((C, 1), np.float32)}
+    cache["table"][5, :2] = -0.0
+    variables = se.stack_tables(plan, {"t": cache["table"]}, slots={"t": {"accumulator": cache["accumulator"]}})
+    at = cache_positions(stack)
+    evict = np.array([5, 3, 11, -1])
+    put = np.array([5, 3, 20, -1])  # cache rows written: 20 gets the initializer's row of table row 77
+    fill = {"table": g.standard_normal((N, D)).astype(np.float32), "accumulator": g.random((N, 1), np.float32)}
+    fill["table"][0, 1] = -0.0
+    fresh = np.array([False, False, True, False])
+    ids = np.array([0, 0, 77, 0], np.uint32)
+    if per_process:  # one process: block 0 holds its rows, the others zeros
+        S = plan.num_shards
+        fill_in = {k: np.concatenate([v] + [np.zeros_like(v)] * (S - 1)) for k, v in fill.items()}
+        fresh_in = np.concatenate([fresh] + [np.zeros_like(fresh)] * (S - 1))
+    else:
+        fill_in, fresh_in = fill, fresh
+    out, evicted = swap_rows(plan, stack.name, variables["t"], table_key(jax.random.key(0), "t"),
+                             np.where(evict >= 0, at[np.maximum(evict, 0)], -1).astype(np.int32),
+                             np.where(put >= 0, at[np.maximum(put, 0)], -1).astype(np.int32), fill_in, fresh_in, ids,
+                             per_process=per_process)
+    got = se.unstack_state(plan, {"t": out})["t"]
+    for k in ("table", "accumulator"):
+        want_out = np.zeros((N,) + cache[k].shape[1:], np.float32)
+        want_out[:3] = cache[k][evict[:3]]
+        np.testing.assert_array_equal(np.asarray(evicted[k]).view(np.uint32), want_out.view(np.uint32), err_msg=k)
+        want = cache[k].copy()
+        want[put[:2]] = fill[k][:2]
+        keep = np.setdiff1d(np.arange(C), [20])
+        np.testing.assert_array_equal(got[k][keep].view(np.uint32), want[keep].view(np.uint32), err_msg=k)
+    assert not np.array_equal(got["table"][20], cache["table"][20])  # the initializer's row came in
+    initial = np.float32(spec.resolved_optimizer.slots(D)["accumulator"].init)
+    np.testing.assert_array_equal(got["accumulator"][20], initial)
