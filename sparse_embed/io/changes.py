@@ -3,9 +3,10 @@
 What is tracked, and why it is exact: the lookup's backward applies the
 optimizer to the rows a batch looked up and to no other row, so the rows
 that changed since an export are among the ids fed to the steps since it.
-`Changes.touched(plan, ids)` takes a step's ids (the `{feature: ids}` given
-to `preprocess`, any format) and returns a new tracker (the old one is left
-as it is); it costs a sort of the batch's ids. A delta carries each touched
+`Changes.touched_ids(plan, ids)` takes a step's ids (the `{feature: ids}`
+given to `preprocess`, any format) and returns a new tracker (the old one is
+left as it is); it costs a sort of the batch's ids, and every 16 batches a
+merge of what was kept (memory: the distinct ids). A delta carries each touched
 row's current value, so a row that was looked up but left as it was is
 re-sent, never missed. Rows changed outside the train step (a restore, your
 own edits) are not seen: export in full after those.
@@ -95,7 +96,7 @@ class Changes:
 
     def touched_ids(self, plan: EmbeddingPlan, ids: Mapping[str, Any]) -> "Changes":
         """A new tracker that also holds the ids of one step's batch (`{feature: ids}` as given to preprocess)."""
-        new = {name: tuple(parts) for name, parts in self.touched.items()}
+        new = dict(self.touched)
         features = plan.features
         for fname, x in ids.items():
             if fname not in features:

@@ -56,7 +56,7 @@ def _set_rows(table: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array
 
 def _static(table: jax.Array, rows: np.ndarray, values: np.ndarray) -> jax.Array:
     """`table` with `rows` set to `values` (a new array; rows padded to a power of two: few compiles)."""
-    n = max(1, 1 << (max(rows.size, 1) - 1).bit_length())
+    n = 1 << (max(rows.size, 1) - 1).bit_length()
     padded = np.full(n, table.shape[0], np.int32)
     padded[: rows.size] = rows
     vals = np.zeros((n, values.shape[1]), values.dtype)
