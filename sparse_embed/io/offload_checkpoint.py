@@ -36,7 +36,7 @@ from sparse_embed.core.tables import empty_tables
 from sparse_embed.host import distributed, plan_state
 from sparse_embed.io.ckpt_format import EMBEDDINGS, CheckpointError, CorruptCheckpointError
 from sparse_embed.tiers import store as tier_store
-from sparse_embed.tiers.processes import check_layout, shard_path
+from sparse_embed.tiers.processes import check_layout
 
 RECORD = "offload.json"  # one process's record; process i of P: offload.process<i>of<P>.json
 _RESTORES: dict[str, int] = {}  # plan tag -> restores of such a plan (the processes' exchange numbers)
@@ -174,7 +174,7 @@ def _checked_store(plan: EmbeddingPlan, spec, commit: dict | None, step_dir: str
     if commit is None:
         raise CheckpointError(f"Table {name!r} is offloaded in the plan, but the checkpoint {step_dir} does not "
                               "hold it.")
-    path = shard_path(spec.storage.path, index, count)
+    path = tier_store.shard_path(spec.storage.path, index, count)
     if tier_store.is_open(path):
         raise CheckpointError(f"Table {name!r}: its store at {path!r} is open (a Tiers of this process); close it "
                               "(tiers.close()) before restoring, then make a new Tiers.")

@@ -18,8 +18,8 @@ from sparse_embed.core.relayout import TABLE_KEY
 from sparse_embed.core.row_swap import fresh_rows
 from sparse_embed.core.specs import TableSpec
 from sparse_embed.core.tables import table_key
-from sparse_embed.tiers.processes import check_layout, shard_path, stored_shards
-from sparse_embed.tiers.store import RowStore, slot_specs
+from sparse_embed.tiers.processes import check_layout
+from sparse_embed.tiers.store import RowStore, shard_path, slot_specs, stored_shards
 
 _CHUNK = 1 << 18  # rows per read or write
 # compiled as in `init_tables` and the swap: op by op, XLA rounds the initializer's math differently (1 ulp)

@@ -19,8 +19,6 @@ store at `<path>` itself.
 
 from __future__ import annotations
 
-import os
-import re
 import threading
 from typing import Any, Mapping
 
@@ -31,26 +29,10 @@ from jax.sharding import PartitionSpec as P
 
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.host import distributed, plan_state
+from sparse_embed.tiers.store import stored_shards
 
-_SHARD = re.compile(r"process(\d+)of(\d+)$")
 _SERIES: dict[str, int] = {}  # plan tag -> how many `Tiers` of such a plan this process made (exchange names)
 _LOCK = threading.Lock()
-
-
-def shard_path(path: str, index: int, count: int) -> str:
-    """The directory of process `index` of `count`'s store of the table stored at `path`."""
-    return path if count == 1 else os.path.join(path, f"process{index}of{count}")
-
-
-def stored_shards(path: str) -> int | None:
-    """How many processes wrote the store at `path` (1: a store of one process), None if there is none yet.
-    Raises a ValueError if it holds shards of different process counts."""
-    if os.path.exists(os.path.join(path, "tier.json")):
-        return 1
-    counts = {int(m.group(2)) for m in map(_SHARD.match, os.listdir(path) if os.path.isdir(path) else []) if m}
-    if len(counts) > 1:
-        raise ValueError(f"The store at {path!r} holds shards of {sorted(counts)} processes; keep one set.")
-    return counts.pop() if counts else None
 
 
 def check_layout(table: str, path: str, count: int) -> None:

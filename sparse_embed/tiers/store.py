@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import threading
 from typing import Any
 
@@ -58,11 +59,28 @@ FORMAT = "sparse_embed.offload/1"
 KEPT_CHANGES = 8  # commits whose `changes.<commit>.npy` a store keeps
 KEPT_COMMITS = 8  # commits a store can go back to (`RowStore.rollback_to`): their undo logs and bitmaps are kept
 _OPEN: dict[str, int] = {}  # real path -> `RowStore`s of this process open on it
+_SHARD = re.compile(r"process(\d+)of(\d+)$")  # a process's store of a table trained by several (`tiers.processes`)
 _K = 0x9E3779B9
 
 
 class CorruptStoreError(ValueError):
     """A row of an offloaded table's store fails its checksum, or the store does not match its table."""
+
+
+def shard_path(path: str, index: int, count: int) -> str:
+    """The directory of process `index` of `count`'s store of the table stored at `path`."""
+    return path if count == 1 else os.path.join(path, f"process{index}of{count}")
+
+
+def stored_shards(path: str) -> int | None:
+    """How many processes wrote the store at `path` (1: a store of one process), None if there is none yet.
+    Raises a ValueError if it holds shards of different process counts."""
+    if os.path.exists(os.path.join(path, "tier.json")):
+        return 1
+    counts = {int(m.group(2)) for m in map(_SHARD.match, os.listdir(path) if os.path.isdir(path) else []) if m}
+    if len(counts) > 1:
+        raise ValueError(f"The store at {path!r} holds shards of {sorted(counts)} processes; keep one set.")
+    return counts.pop() if counts else None
 
 
 def record_width(table: TableSpec) -> int:
@@ -426,6 +444,11 @@ class StoreReader:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         if not os.path.exists(os.path.join(self.path, "tier.json")):
+            shards = stored_shards(self.path)
+            if shards:  # several processes' stores of one table: rows r % P in process<i>of<P>
+                raise ValueError(f"The store at {self.path!r} was written by {shards} processes (each keeps its "
+                                 "rows in process<i>of<P>/): serving reads a store of one process; rewrite it as one "
+                                 "with sparse_embed.offload.store_state and write_store.")
             raise FileNotFoundError(f"No offloaded table's store at {self.path!r} (it has no tier.json).")
         meta = self.meta()
         if meta.get("format") != FORMAT:

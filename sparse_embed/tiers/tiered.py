@@ -46,8 +46,8 @@ from sparse_embed.host import native
 from sparse_embed.host.prefetching import Prefetcher, _check_buffer_size, _split
 from sparse_embed.host.preprocessing import preprocess_cached
 from sparse_embed.tiers.cache import Admission, CacheMap
-from sparse_embed.tiers.processes import Processes, check_layout, shard_path
-from sparse_embed.tiers.store import RowStore, slot_specs
+from sparse_embed.tiers.processes import Processes, check_layout
+from sparse_embed.tiers.store import RowStore, shard_path, slot_specs
 
 _MIN_BUCKET = 256
 _FLUSH_ROWS = 1 << 16  # cache rows read out per jit when flushing

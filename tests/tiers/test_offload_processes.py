@@ -81,6 +81,8 @@ def test_a_store_or_checkpoint_of_two_processes_is_refused_by_one(run):
         se.offload.Tiers(plan, jax.random.key(0))
     with pytest.raises(ValueError, match="written by 2 process"):
         se.offload.write_store(plan.tiered_tables["adagrad"], {})
+    with pytest.raises(ValueError, match=r"written by 2 processes .*: serving reads a store of one process"):
+        se.offload.StoreServer(os.path.join(root, "adagrad"))
     assert sorted(n for n in os.listdir(os.path.join(ckpt, str(sc.FLUSH_AT), "embeddings")) if "offload" in n) == [
         "offload.process0of2.json", "offload.process1of2.json"]
     with se.CheckpointManager(ckpt) as m, pytest.raises(se.CheckpointError, match="saved by another number of "
