@@ -105,6 +105,7 @@ def profile(system, data: Data, first: int, reps: int) -> dict[str, float]:
         hosts = iter([system.host_part(hb) for hb in hbs])
         out["input_h2d_ms"] = _median_ms(lambda: system.device_part(next(hosts)), reps)
     xs = [system.prepare(hb) for hb in hbs]
+    float(system.step(xs[-1]))  # compiles, where these inputs are placed otherwise than the loop's
     it = iter(xs)
     out["step_ms"] = _median_ms(lambda: float(system.step(next(it))), reps)
     if hasattr(system, "dense_step"):

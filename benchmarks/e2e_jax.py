@@ -79,6 +79,17 @@ def bce(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return optax.sigmoid_binary_cross_entropy(logits, labels).mean()
 
 
+def jit_train(loss: Callable[..., jax.Array], tx: optax.GradientTransformation, apply_updates: Callable) -> Callable:
+    """`(params, opt_state, *batch) -> (params, opt_state, loss)` of `loss(params, *batch)`, params and state donated."""
+
+    def train(params, opt_state, *batch):
+        value, grads = jax.value_and_grad(loss)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return apply_updates(params, updates), opt_state, value
+
+    return jax.jit(train, donate_argnums=(0, 1))
+
+
 @contextlib.contextmanager
 def threaded(items: Iterable[Any], prepare: Callable[[Any], Any], depth: int = 2) -> Iterator[Iterator[Any]]:
     """`prepare(item)` of each item on a background thread, `depth` ahead of the consumer."""
@@ -140,14 +151,9 @@ class SparseEmbed:
         self.params = {"embed": {"tables": se.stack_tables(plan, initial_tables(model))}, "head": head_params(model)}
         tx = se.optax_tx(adagrad(model.dense_lr, model.eps))
         self.opt_state = tx.init(self.params)
-
-        def train(params, opt_state, sparse, dense, labels, step):
-            loss, grads = jax.value_and_grad(lambda p: bce(self.module.apply({"params": p}, sparse, dense, step),
-                                                           labels))(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return se.apply_updates(params, updates), opt_state, loss
-
-        self._train = jax.jit(train, donate_argnums=(0, 1))
+        loss = lambda p, sparse, dense, labels, step: bce(  # noqa: E731
+            self.module.apply({"params": p}, sparse, dense, step), labels)
+        self._train = jit_train(loss, tx, se.apply_updates)
         self._predict = jax.jit(lambda p, sparse, dense: self.module.apply({"params": p}, sparse, dense, None))
         self._acts = jax.jit(lambda p, sparse: se.lookup(plan, sparse, p["embed"]["tables"], None))
 
@@ -264,14 +270,9 @@ class FlaxEmbed:
         tx = optax.multi_transform({"head": adagrad(model.dense_lr, model.eps),
                                     "table": rowwise_adagrad(model.embedding_lr, model.eps)}, labels)
         self.opt_state = tx.init(self.params)
-
-        def train(params, opt_state, ids, gains, dense, labels):
-            loss, g = jax.value_and_grad(lambda p: bce(self.module.apply({"params": p}, ids, gains, dense),
-                                                       labels))(params)
-            updates, opt_state = tx.update(g, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        self._train = jax.jit(train, donate_argnums=(0, 1))
+        loss = lambda p, ids, gains, dense, labels: bce(  # noqa: E731
+            self.module.apply({"params": p}, ids, gains, dense), labels)
+        self._train = jit_train(loss, tx, optax.apply_updates)
         self._predict = jax.jit(lambda p, ids, gains, dense: self.module.apply({"params": p}, ids, gains, dense))
 
     def prepare(self, hb: HostBatch) -> Any:
