@@ -261,6 +261,21 @@ def test_a_dcp_checkpoint_reads_as_its_state_dict(tmp_path):
             np.testing.assert_array_equal(se.unstack_state(plan, back)[name][key], a)
 
 
+def test_a_dcp_checkpoint_of_a_torchrec_model_reads_as_its_live_state(tmp_path, request):
+    """TorchRec's own DCP checkpoint (its ShardedTensors saved by DCP) reads as the live model's state does."""
+    import torch.distributed.checkpoint as dcp
+
+    peer = _peer("torchrec", FUSED["rowwise_adagrad"], request)
+    for ids, cot in _batches(2, N):
+        peer.train(ids, cot)
+    dcp.save(peer.state(), checkpoint_id=str(tmp_path))
+    plan = _plan(tr.optimizer_from_fused_params(FUSED["rowwise_adagrad"]), 2)
+    live, saved = (se.unstack_state(plan, tr.from_torchrec(plan, x)) for x in (peer.state(), tmp_path))
+    for name, arrays in live.items():
+        for key, a in arrays.items():
+            np.testing.assert_array_equal(saved[name][key], a, err_msg=f"{name}/{key}")
+
+
 # ------------------------------------------------------------------ the optimizers' math
 @pytest.mark.parametrize("name", [*sorted(FUSED), "decay"])
 def test_optimizers_map_both_ways(name):
