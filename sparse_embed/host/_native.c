@@ -387,7 +387,7 @@ static inline i64 owner_of(const Layout *lay, u64 h)
 }
 
 /* One device's distinct ids: open addressing, key id + 1 (0 = empty) beside its value (one cache line
-   per probe), cleared through `used`. */
+   per probe), emptied through `used` after each device. */
 typedef struct {
     u64 key;
     int32_t val, pad;
@@ -395,88 +395,171 @@ typedef struct {
 
 typedef struct {
     IdSlot *slots;
-    i64 *used, n_used, mask;
+    i64 *used, mask;
     int shift; /* 64 - log2(size) */
 } IdSet;
 
+/* Fibonacci hashing: the top bits of id times 2**64 / golden ratio. */
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+#define RAW_AHEAD 32                             /* ids between the prefetch of an id's slot and its probe */
+#define IDSET_KEEP_BYTES ((size_t)64 << 20)      /* a thread keeps its table up to this size */
+
+/* Each thread's table, kept empty between calls: a call neither allocates nor zeroes one (a fresh table would
+   fault in or clear every page, as the ids land all over it). */
+static _Thread_local IdSet kept_set;
+
+/* The calling thread's table, empty, of at least 2n slots (load <= 1/2: short probes). */
 static int idset_init(IdSet *t, i64 n)
 {
     i64 size = 16;
-    t->shift = 60;
-    while (size < 2 * n) { /* load <= 1/2: short probes */
-        size *= 2;
-        t->shift--;
+    int shift = 60;
+    for (; size < 2 * n; size *= 2)
+        shift--;
+    IdSet *k = &kept_set;
+    if (!k->slots || k->mask + 1 < size) {
+        free(k->slots);
+        free(k->used);
+        *k = (IdSet){calloc((size_t)size, sizeof(IdSlot)), malloc((size_t)(size / 2 + 1) * sizeof(i64)), size - 1,
+                     shift};
+        if (!k->slots || !k->used) {
+            free(k->slots);
+            free(k->used);
+            *k = (IdSet){0};
+            return -1;
+        }
     }
-    /* fresh zero pages each call (calloc: the OS zeroes only the pages touched), not a kept buffer cleared whole */
-    t->slots = calloc((size_t)size, sizeof(IdSlot));
-    t->used = malloc((size_t)(n + 1) * sizeof(i64));
-    t->n_used = 0;
-    t->mask = size - 1;
-    return t->slots && t->used ? 0 : -1;
+    *t = *k;
+    return 0;
 }
 
-static void idset_free(IdSet *t)
+/* After a call (its table empty again): a rare huge table goes back to the system. */
+static void idset_done(const IdSet *t)
 {
-    free(t->slots);
-    free(t->used);
-}
-
-static void idset_clear(IdSet *t)
-{
-    while (t->n_used)
-        t->slots[t->used[--t->n_used]].key = 0;
-}
-
-/* Fibonacci hashing: the top bits of id times 2**64 / golden ratio. */
-static inline i64 idset_hash(const IdSet *t, u64 id)
-{
-    return (i64)((id * 0x9E3779B97F4A7C15ULL) >> t->shift);
-}
-
-/* The value of `id` (u64 < 2**63); *fresh = 1 if it was not there (its value is then unset). */
-static inline int32_t *idset_slot(IdSet *t, u64 id, int *fresh)
-{
-    i64 h = idset_hash(t, id);
-    while (t->slots[h].key && t->slots[h].key != id + 1)
-        h = (h + 1) & t->mask;
-    *fresh = !t->slots[h].key;
-    if (*fresh) {
-        t->slots[h].key = id + 1;
-        t->used[t->n_used++] = h;
+    if (t->slots && (size_t)(t->mask + 1) * sizeof(IdSlot) > IDSET_KEEP_BYTES) {
+        free(kept_set.slots);
+        free(kept_set.used);
+        kept_set = (IdSet){0};
     }
-    return &t->slots[h].val;
+}
+
+/* count_raw's state, in locals (the loops' stores cannot alias them, so they stay in registers): the table, the
+   slots it used, the device's distinct ids (one shard: the numbers), the entries so far. */
+typedef struct {
+    IdSlot *slots;
+    i64 *used;
+    u64 mask;
+    int shift;
+    i64 n_used, u_dev, e;
+} RawCount;
+
+/* One entry of partition `key`: its id's number (a new id: the partition's next; one shard: the device's) into
+   num[e], the partition into part[e]. */
+static inline __attribute__((always_inline)) void raw_entry(RawCount *c, i64 *unique, int32_t *part, int32_t *num,
+                                                            u64 id, i64 key, const int one_shard)
+{
+    const u64 key1 = id + 1;
+    u64 h = id * GOLDEN >> c->shift;
+    while (c->slots[h].key && c->slots[h].key != key1)
+        h = (h + 1) & c->mask;
+    if (!c->slots[h].key) {
+        c->slots[h].key = key1;
+        c->slots[h].val = (int32_t)(one_shard ? c->u_dev++ : unique[key]++);
+        c->used[c->n_used++] = (i64)h;
+    }
+    part[c->e] = (int32_t)key;
+    num[c->e++] = c->slots[h].val;
+}
+
+/* raw_entry over the ids [from, to) of a dense int64 feature on one shard (the usual case on one device), with
+   few live values, so that they stay in registers; the entries' partition (the device's) is written after. */
+static int raw_dense_one_shard(RawCount *c, const int64_t *ids, i64 from, i64 to, int32_t key, int32_t *part,
+                               int32_t *num)
+{
+    IdSlot *const slots = c->slots;
+    i64 *const used = c->used;
+    const u64 mask = c->mask;
+    const int shift = c->shift;
+    i64 n_used = c->n_used, u = c->u_dev, e = c->e;
+    const i64 e0 = e;
+    int status = 0;
+    for (i64 k = from; k < to; k++) {
+        const i64 id = ids[k];
+        if (k + RAW_AHEAD < to) /* the slot of an id a few ahead: its cache miss overlaps this one */
+            __builtin_prefetch(&slots[(u64)ids[k + RAW_AHEAD] * GOLDEN >> shift]);
+        if (id < 0) {
+            if (id == -1)
+                continue; /* padding */
+            status = -1;
+            break;
+        }
+        const u64 key1 = (u64)id + 1;
+        u64 h = (u64)id * GOLDEN >> shift;
+        while (slots[h].key && slots[h].key != key1)
+            h = (h + 1) & mask;
+        if (!slots[h].key) {
+            slots[h].key = key1;
+            slots[h].val = (int32_t)u++;
+            used[n_used++] = (i64)h;
+        }
+        num[e++] = slots[h].val;
+    }
+    for (i64 x = e0; x < e; x++)
+        part[x] = key;
+    c->n_used = n_used, c->u_dev = u, c->e = e;
+    return status;
+}
+
+/* count_raw of one device's ids of one feature. -1 on a negative id. */
+static inline __attribute__((always_inline)) int raw_feature(RawCount *c, const Feature *f, const Layout *L, i64 d,
+                                                             int64_t *counts, i64 *unique, int32_t *part,
+                                                             int32_t *num, const int one_shard)
+{
+    const i64 S = L->shards, spd = f->samples_per_device;
+    if (one_shard && !f->offsets.buf && f->ids.itemsize == 8 && (f->seq_len == 0 || f->width <= f->seq_len))
+        return raw_dense_one_shard(c, f->ids.buf, d * spd * f->width, (d + 1) * spd * f->width, (int32_t)d, part,
+                                   num);
+    FOR_EACH_ID(f, d * spd, (d + 1) * spd,
+        if (id < 0)
+            return -1;
+        if (k + RAW_AHEAD < f->n) /* as in raw_dense_one_shard */
+            __builtin_prefetch(&c->slots[(u64)id_at(&f->ids, k + RAW_AHEAD) * GOLDEN >> c->shift]);
+        const i64 key = one_shard ? d : d * S + owner_of(L, splitmix64((u64)id));
+        if (!one_shard)
+            counts[key]++;
+        raw_entry(c, unique, part, num, (u64)id, key, one_shard););
+    return 0;
+}
+
+static inline __attribute__((always_inline)) int count_raw_shards(const Feature *fs, Py_ssize_t nf, const Layout *L,
+                                                                  const IdSet *seen, int64_t *counts, i64 *unique,
+                                                                  int32_t *part, int32_t *num, const int one_shard)
+{
+    RawCount c = {seen->slots, seen->used, (u64)seen->mask, seen->shift, 0, 0, 0};
+    int status = 0;
+    for (i64 d = 0; d < L->devices && status == 0; d++) {
+        const i64 e0 = c.e;
+        c.u_dev = 0;
+        for (Py_ssize_t i = 0; i < nf && status == 0; i++)
+            status = raw_feature(&c, &fs[i], L, d, counts, unique, part, num, one_shard);
+        if (one_shard) {
+            counts[d] = c.e - e0;
+            unique[d] = c.u_dev;
+        }
+        while (c.n_used) /* empty again for the next device (and call), whatever happened */
+            c.slots[c.used[--c.n_used]].key = 0;
+    }
+    return status;
 }
 
 /* Entries and distinct ids per partition d * S + owner shard; for every entry (in the order fill_raw
    meets them) its partition and its id's number among the distinct ids of the partition, by first
    occurrence (the numbers of the entries that fit a capacity are their numbers among those entries,
    as they come first). -1 on a negative id. */
-static int count_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, IdSet *seen, int64_t *counts, i64 *unique,
-                     int32_t *part, int32_t *num)
+static int count_raw(const Feature *fs, Py_ssize_t nf, const Layout *lay, const IdSet *seen, int64_t *counts,
+                     i64 *unique, int32_t *part, int32_t *num)
 {
-    const i64 S = lay->shards;
-    i64 e = 0;
-    for (i64 d = 0; d < lay->devices; d++) {
-        for (Py_ssize_t i = 0; i < nf; i++) {
-            const Feature *f = &fs[i];
-            i64 spd = f->samples_per_device;
-            FOR_EACH_ID(f, d * spd, (d + 1) * spd,
-                if (id < 0)
-                    return -1;
-                if (k + 16 < f->n) /* the slot of an id a few ahead: its cache miss overlaps this one */
-                    __builtin_prefetch(&seen->slots[idset_hash(seen, (u64)id_at(&f->ids, k + 16))]);
-                int fresh;
-                i64 key = d * S + (S > 1 ? owner_of(lay, splitmix64((u64)id)) : 0);
-                int32_t *j = idset_slot(seen, (u64)id, &fresh);
-                if (fresh)
-                    *j = (int32_t)unique[key]++;
-                counts[key]++;
-                part[e] = (int32_t)key;
-                num[e++] = (int32_t)*j;);
-        }
-        idset_clear(seen);
-    }
-    return 0;
+    return lay->shards == 1 ? count_raw_shards(fs, nf, lay, seen, counts, unique, part, num, 1)
+                            : count_raw_shards(fs, nf, lay, seen, counts, unique, part, num, 0);
 }
 
 /* fill_ids for raw ids, from count_raw's partitions and numbers: the column of an entry is its id's
@@ -641,7 +724,7 @@ static PyObject *py_count(PyObject *self, PyObject *args)
     free(seen);
     free(touched);
     free(unique);
-    idset_free(&ids);
+    idset_done(&ids);
 done:
     PyBuffer_Release(&counts);
     PyBuffer_Release(&scratch[0]);
