@@ -107,11 +107,20 @@ def _check_oov_eagerly(feature: FeatureSpec, e: Entries) -> None:
                             f"[0, {feature.table.vocabulary_size}); pass oov='zero' or a default vector to serve it.")
 
 
+def _take(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """`table[ids]`; a quantized table's rows are gathered as 32-bit words where their width allows (XLA:CPU's
+    gather costs per element: a row of 72 bytes took ~4x longer as 72 bytes than as 18 words)."""
+    if table.dtype != jnp.uint8 or table.shape[1] % 4:
+        return jnp.take(table, ids, axis=0)
+    words = jax.lax.bitcast_convert_type(table.reshape(table.shape[0], -1, 4), jnp.uint32)
+    return jax.lax.bitcast_convert_type(jnp.take(words, ids, axis=0), jnp.uint8).reshape(ids.shape[0], -1)
+
+
 def _rows(table: jax.Array, dim: int, ids: jax.Array, oov: Any, max_norm: float | None) -> jax.Array:
     """Looked-up rows `[N, dim]`: f32 (quantized ones dequantized), OOV ids replaced per policy, clipped to max_norm."""
     vocab = table.shape[0]
     in_vocab = (ids >= 0) & (ids < vocab)
-    rows = jnp.take(table, jnp.where(in_vocab, ids, 0), axis=0)
+    rows = _take(table, jnp.where(in_vocab, ids, 0))
     rows = dequantize(rows, dim, jnp) if table.dtype == jnp.uint8 else rows.astype(jnp.float32)
     if isinstance(oov, str):
         default = jnp.full((dim,), jnp.nan if oov == "error" else 0.0, jnp.float32)

@@ -60,11 +60,12 @@ def test_quantize_refuses_a_row_that_is_not_finite():
 
 
 def _features():
-    """Every combiner, pooled with max_norm and as a sequence (one table each)."""
+    """Every combiner, pooled with max_norm and as a sequence (one table each); dims 8 and 7: rows of whole 32-bit
+    words (int8: 16 bytes, int4: 12) and not (int8: 15 bytes), which serving_lookup gathers differently."""
     feats = {}
     for combiner in ("sum", "mean", "sqrtn"):
-        for kind, seq, max_norm in (("pooled", 0, 0.5), ("seq", 3, None)):
-            t = se.TableSpec(f"t_{combiner}_{kind}", 37 + len(combiner), 7, combiner=combiner, max_norm=max_norm)
+        for kind, seq, max_norm, dim in (("pooled", 0, 0.5, 8), ("seq", 3, None, 7)):
+            t = se.TableSpec(f"t_{combiner}_{kind}", 37 + len(combiner), dim, combiner=combiner, max_norm=max_norm)
             feats[f"f_{combiner}_{kind}"] = se.FeatureSpec(f"f_{combiner}_{kind}", t, B, max_sequence_length=seq)
     return feats
 
@@ -108,15 +109,14 @@ def test_quantized_lookup_jax_export_roundtrip_and_oov_default(tmp_path):
     tables, specs = _served(tmp_path / "s", plan, state, "int8")
     serve = {n: se.FeatureSpec(n, specs[f.table.name], B, max_sequence_length=f.max_sequence_length)
              for n, f in feats.items()}
-    default = np.linspace(-1, 1, 7).astype(np.float32)
-    oov = {f.table.name: default for f in feats.values()}
+    oov = {f.table.name: np.linspace(-1, 1, f.table.embedding_dim).astype(np.float32) for f in feats.values()}
     ids = {n: np.array([[1, 2, -1], [500, 3, -1]] * (B // 2), np.int32) for n in feats}  # 500: unknown
     fn = jax.jit(lambda t, i: se.serving_lookup(serve, t, i, oov=oov))
     exported = jax.export.export(fn)(tables, ids)
     got = jax.export.deserialize(exported.serialize()).call(tables, ids)
     floats = se.unstack_tables(plan, state)
     for name, f in feats.items():
-        deq = np.concatenate([np_quantize(floats[f.table.name], 8)[1], default[None]])
+        deq = np.concatenate([np_quantize(floats[f.table.name], 8)[1], oov[f.table.name][None]])
         samples = [[(int(i) if i < f.table.vocabulary_size else len(deq) - 1, 1.0) for i in row if i != -1]
                    for row in ids[name]]
         want = ref.lookup(deq, samples, combiner="sum", seq_len=f.max_sequence_length, max_norm=f.table.max_norm)
@@ -183,6 +183,6 @@ def test_bad_dtype_damaged_file_and_wrong_table_are_refused(tmp_path):
     with pytest.raises(se.CorruptCheckpointError, match=f"table '{name}'"):
         se.load_serving(tmp_path / "s")
     serve = [se.FeatureSpec("f", specs[name], B)]
-    wrong = {name: np.zeros((specs[name].vocabulary_size, 9), np.uint8)}  # neither int8 (15) nor int4 (12) rows
-    with pytest.raises(ValueError, match=r"Feature 'f' .*uint8 \(40, 9\), expected a float \(40, 7\) or a quantized"):
+    wrong = {name: np.zeros((specs[name].vocabulary_size, 9), np.uint8)}  # neither int8 (16) nor int4 (12) rows
+    with pytest.raises(ValueError, match=r"Feature 'f' .*uint8 \(40, 9\), expected a float \(40, 8\) or a quantized"):
         se.serving_lookup(serve, wrong, {"f": np.zeros((B, 1), np.int32)})
