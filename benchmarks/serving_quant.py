@@ -78,11 +78,22 @@ def _served_features(features: dict, specs: dict) -> dict:
             for n, f in features.items()}
 
 
-def _lookups_per_s(features: dict, tables: dict, ids: dict, reps: int) -> float:
+def _lookup_rates(features: dict, served: dict, ids: dict, reps: int) -> tuple[dict, dict]:
+    """`({dtype: samples/s}, {dtype: CPU ms per lookup})` of `serving_lookup` on each dtype's tables, medians of
+    `reps` rounds that take the dtypes in turn (so that the load of a shared machine falls on all alike)."""
     fn = jax.jit(lambda t, i: se.serving_lookup(features, t, i))
-    jax.block_until_ready(fn(tables, ids))
-    times = [_timed(lambda: jax.block_until_ready(fn(tables, ids)))[1] for _ in range(reps)]
-    return next(iter(ids.values())).shape[0] / statistics.median(times)
+    for tables in served.values():
+        jax.block_until_ready(fn(tables, ids))
+    wall, cpu = {d: [] for d in served}, {d: [] for d in served}
+    for _ in range(reps):
+        for d, tables in served.items():
+            w, c = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fn(tables, ids))
+            wall[d].append(time.perf_counter() - w)
+            cpu[d].append(time.process_time() - c)
+    batch = next(iter(ids.values())).shape[0]
+    return ({d: batch / statistics.median(t) for d, t in wall.items()},
+            {d: statistics.median(t) * 1e3 for d, t in cpu.items()})
 
 
 def _delta_vs_full(base: str, delta: str, full: str, export_s: float) -> dict:
@@ -155,14 +166,18 @@ def w1(args, work: str) -> dict:
     tables = se.init_tables(plan, jax.random.key(0))
     rng = np.random.default_rng(0)
     ids = {f"f{i}": rng.integers(0, args.rows, (args.batch, args.ids), dtype=np.int32) for i in range(args.tables)}
-    out: dict = {"memory": {}, "lookups_per_s": {}, "export_s": {}}
+    out: dict = {"export_s": {}}
     for dtype in DTYPES:
-        path = os.path.join(work, f"w1_{dtype}")
-        _, out["export_s"][dtype] = _timed(se.export_serving, path, plan, tables, dtype=dtype)
-        served, specs = se.load_serving(path)
-        out["memory"][dtype] = sum(a.nbytes for a in served.values())
-        out["lookups_per_s"][dtype] = _lookups_per_s(_served_features(plan.features, specs), served, ids, args.reps)
-        del served
+        _, out["export_s"][dtype] = _timed(se.export_serving, os.path.join(work, f"w1_{dtype}"), plan, tables,
+                                           dtype=dtype)
+    del tables  # the four served copies next, side by side
+    served = {d: se.load_serving(os.path.join(work, f"w1_{d}")) for d in DTYPES}
+    out["memory"] = {d: sum(a.nbytes for a in t.values()) for d, (t, _) in served.items()}
+    features = _served_features(plan.features, served["float32"][1])
+    out["lookups_per_s"], out["lookup_cpu_ms"] = _lookup_rates(features, {d: t for d, (t, _) in served.items()}, ids,
+                                                                args.reps)
+    del served
+    tables = se.init_tables(plan, jax.random.key(0))  # as exported
     base, full = os.path.join(work, "w1_int8"), os.path.join(work, "w1_int8_full")
     tables, _, deltas = _deltas(args, plan, base, os.path.join(work, "w1_deltas"), _w1_segments(args, plan, tables))
     _, export_s = _timed(se.export_serving, full, plan, tables, dtype="int8")
@@ -296,13 +311,13 @@ def report(r: dict) -> str:
     goals = {"int8": (">= 1.0x", "<= 0.001"), "int4": ("-", "<= 0.003")}
     lines = [f"W1-sized: {r['tables']} tables x {r['rows']} rows x {r['dim']}, lookups of {r['batch']} samples x "
              f"{r['ids']} ids per table; demo: {d['steps']} steps (eval AUC as trained {d['auc']['trained']:.4f})",
-             "", "| served as | W1 MiB | W1 lookups/s | vs float32 (goal) | demo MiB | demo eval AUC | "
-             "AUC - float32 (goal) |", "|---|---|---|---|---|---|---|"]
+             "", "| served as | W1 MiB | W1 lookups (samples/s) | vs float32 (goal) | CPU ms a lookup | demo MiB | "
+             "demo eval AUC | AUC - float32 (goal) |", "|---|---|---|---|---|---|---|---|"]
     for t in DTYPES:
         speed, acc = goals.get(t, ("-", "-"))
         lines.append(f"| {t} | {w['memory'][t] / 2**20:,.0f} | {w['lookups_per_s'][t]:,.0f} | "
-                     f"{w['lookups_per_s'][t] / f32:.2f}x ({speed}) | {d['memory'][t] / 2**20:,.2f} | "
-                     f"{d['auc'][t]:.4f} | {d['auc'][t] - auc32:+.4f} ({acc}) |")
+                     f"{w['lookups_per_s'][t] / f32:.2f}x ({speed}) | {w['lookup_cpu_ms'][t]:.0f} | "
+                     f"{d['memory'][t] / 2**20:,.2f} | {d['auc'][t]:.4f} | {d['auc'][t] - auc32:+.4f} ({acc}) |")
     lines += ["", "A delta (int8) after N more training steps, against a full re-export and reload "
               "(goal after 100 steps: <= 0.1x both):", "",
               "| model | steps | rows touched | delta MiB | full MiB | bytes ratio | apply s | re-export + reload s | "
