@@ -27,6 +27,7 @@ Run::
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         python -m sparse_embed.examples.dlrm                  # 8 simulated CPU devices
     python -m sparse_embed.examples.dlrm --checkpoint-dir /tmp/dlrm   # then: sparse-embed inspect /tmp/dlrm
+    python -m sparse_embed.examples.dlrm --data day_0.txt --checkpoint-dir /tmp/c --checkpoint-every 100  # resumable
 """
 
 from __future__ import annotations
@@ -390,6 +391,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", help="save the trained state here (sparse_embed.CheckpointManager); "
                    "inspect it with `sparse-embed inspect DIR`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from sparse_embed.examples import criteo_dlrm  # (imports this module: here, not at the top)
+
+    criteo_dlrm.add_arguments(p)
     args = p.parse_args(argv)
     n = len(jax.devices())
     if args.batch_size % n:
@@ -504,6 +508,10 @@ def describe_kernels(plan: se.EmbeddingPlan) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Trains the student on teacher-labelled data; prints and returns losses and AUCs."""
     args = parse_args(argv)
+    if args.data:  # Criteo-format files instead of the teacher (examples/criteo_dlrm.py)
+        from sparse_embed.examples import criteo_dlrm
+
+        return criteo_dlrm.main(args)
     teacher, plan, model, params, id_maps, layout, eval_batches = build(args)
     print(f"{len(jax.devices())} device(s), stacks {list(plan.stack_names)}, "
           f"{args.steps} steps x {args.batch_size} examples")
