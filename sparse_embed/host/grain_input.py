@@ -33,6 +33,7 @@ import json
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import grain
+from absl import flags
 
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.host import plan_state
@@ -73,12 +74,28 @@ def _prepare_with_state(transform: Preprocess, pair: tuple[Any, Any]) -> _Ready:
 
 
 def _iterator(dataset: Any):
-    """A grain dataset iterator of `dataset` (a `MapDataset` is read in order: `to_iter_dataset()`)."""
+    """A grain dataset iterator of `dataset` (a `MapDataset` is read in order: `to_iter_dataset()`).
+
+    grain reads absl flags (`mp_prefetch`'s workers do): outside an absl app nothing has parsed them, so
+    they are marked parsed here, with their defaults, as `absl.app.run` would leave them without arguments.
+    """
     if isinstance(dataset, grain.MapDataset):
         dataset = dataset.to_iter_dataset()
     if not isinstance(dataset, grain.IterDataset):
         raise TypeError(f"dataset must be a grain MapDataset or IterDataset, got {type(dataset).__name__}.")
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
     return iter(dataset)
+
+
+def _with_states(iterator) -> Iterator[tuple[Any, Any]]:
+    """(element, grain's state after it) for each element; advanced in the worker thread, which closes it (and
+    so grain's worker processes and their shared memory) when the loader closes."""
+    try:
+        for element in iterator:
+            yield element, iterator.get_state()
+    finally:
+        iterator.close()
 
 
 def _checked_state(state: Any) -> dict:
@@ -112,8 +129,8 @@ class Loader(Iterator[Prefetched]):
             iterator.set_state(copy.deepcopy(state["input"]))
             plan_state.of(plan).restore(state["plan"])
         self._state = {"input": iterator.get_state(), "plan": plan_state.of(plan).snapshot()}
-        source = ((element, iterator.get_state()) for element in iterator)  # advanced in the worker thread
-        self._prefetcher = Prefetcher(functools.partial(_prepare_with_state, transform), source, buffer_size)
+        self._prefetcher = Prefetcher(functools.partial(_prepare_with_state, transform), _with_states(iterator),
+                                      buffer_size)
 
     def __iter__(self) -> "Loader":
         return self

@@ -123,3 +123,29 @@ def test_loader_bad_arguments():
     with sed.Loader(plan, dataset()) as batches:  # the element is not an ids mapping: the error comes at it
         with pytest.raises(ValueError, match="unknown features"):
             next(batches)
+
+
+def test_loader_with_grain_worker_processes_resumes_exactly(tmp_path):
+    """Reading and parsing in grain's worker processes (`mp_prefetch`): the state holds every worker's position."""
+    from sparse_embed.examples.criteo_data import write_criteo
+
+    path = write_criteo(str(tmp_path / "day.txt"), 32 * 12, vocabulary=60)
+    table = se.TableSpec("c", 97, 4)
+    plans = [se.plan([se.FeatureSpec("C1", table, 32)], make_mesh(8)) for _ in range(2)]
+
+    def batches(plan, state=None):
+        source = sed.CriteoSource(path, 32, vocabulary=97, process_index=0, process_count=1)
+        ds = grain.MapDataset.source(source).shuffle(seed=2).to_iter_dataset()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))
+        return sed.Loader(plan, ds, inputs=lambda b: {"C1": b.categorical[:, 0]}, state=state)
+
+    with batches(plans[0]) as it:
+        first = [next(it).item.labels for _ in range(5)]
+        state = it.get_state()
+        rest = [p.item for p in it]
+    with batches(plans[1], state) as it:
+        again = [p.item for p in it]
+    assert len(first) + len(rest) == 12 and len(again) == len(rest)
+    for g, w in zip(again, rest):
+        np.testing.assert_array_equal(g.categorical, w.categorical)
+        np.testing.assert_array_equal(g.labels, w.labels)
