@@ -18,10 +18,11 @@ own), its input pipeline on a background thread (sparse_embed's:
   of the whole process;
 - a profile: the input's host part and host->device copy, the train step
   alone on a ready input, the dense part alone (bottom, interaction, top,
-  their backward and optimizer, on fixed embedding activations); the
-  embedding part is the step minus the dense part, and the part of a step
-  outside the embeddings is the loop's time per step minus the embedding
-  part (input left unhidden + dense part + dispatch).
+  their backward and optimizer, on fixed embedding activations), the
+  embedding part alone (the lookup and its backward with the tables'
+  optimizer, for fixed activation gradients); the part of a step outside
+  the embeddings is the loop's time per step minus the embedding part
+  (the input left unhidden, the dense part, dispatch).
 
     python benchmarks/e2e.py                              # demo and w1, full size (tens of minutes)
     python benchmarks/e2e.py --model demo_tiny --steps 4  # a smoke run
@@ -60,7 +61,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="demo,w1", help=f"comma-separated, of {sorted(MODELS)}")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {list(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=60, help="timed train steps (after the warmup)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles, first touches)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps first: the first two compile (the second for the first's output placement)")
     p.add_argument("--block", type=int, default=5, help="steps per timed block")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the eval AUC")
     p.add_argument("--profile-steps", type=int, default=5, help="repetitions of each profiled part")
@@ -112,6 +114,10 @@ def profile(system, data: Data, first: int, reps: int) -> dict[str, float]:
         acts = system.activations(xs[0])
         float(system.dense_step(acts, xs[0]))  # compiles
         out["dense_ms"] = _median_ms(lambda: float(system.dense_step(acts, xs[0])), reps)
+        cots = [a * 1e-3 for a in acts]  # any fixed activation gradients
+        float(system.embedding_step(cots, xs[-1]))
+        it = iter(xs)
+        out["embedding_ms"] = _median_ms(lambda: float(system.embedding_step(cots, next(it))), reps)
     return out
 
 

@@ -88,7 +88,7 @@ def _dmp(torch, model: Model, weighted: bool):
             pooled = self.ebc(kjt)
             return self.head([pooled[f] for f in features], dense)
 
-    ebc = EmbeddingBagCollection(tables=configs, is_weighted=weighted, device=torch.device("cpu"))
+    ebc = EmbeddingBagCollection(tables=configs, is_weighted=weighted, device=torch.device("meta"))  # no unsharded copy
     return fused_dmp(torch, Net(ebc, _head_module(torch, model)), fused, [t for t, _ in model.tables])
 
 
@@ -147,6 +147,14 @@ class TorchRec:
         with self.torch.no_grad():
             pooled = self.dmp.module.ebc(x[0])
             return [pooled[f].clone() for f in self.features]
+
+    def embedding_step(self, cots: list, x) -> Any:
+        """The tables' part alone: the sharded collection's forward, and its backward (the fused optimizer) for
+        fixed activation gradients `cots`."""
+        pooled = self.dmp.module.ebc(x[0])
+        outs = [pooled[f] for f in self.features]
+        self.torch.autograd.backward(outs, cots)
+        return outs[0].detach()[0, 0]
 
     def dense_step(self, acts: list, x) -> Any:
         acts = [a.detach().requires_grad_() for a in acts]

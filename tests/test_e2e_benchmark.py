@@ -11,7 +11,7 @@ from benchmarks import e2e, e2e_data, e2e_report
 
 
 def _args(model: str, system: str) -> argparse.Namespace:
-    return e2e.parse_args(["--model", model, "--steps", "2", "--block", "1", "--warmup", "1", "--eval-batches", "2",
+    return e2e.parse_args(["--model", model, "--steps", "2", "--block", "1", "--warmup", "2", "--eval-batches", "2",
                            "--profile-steps", "2", "--child", system])
 
 
