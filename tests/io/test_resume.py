@@ -177,3 +177,18 @@ def test_data_item_round_trip(tmp_path):
         m.wait()
         assert m.restore(plan, step=1).data == state
         assert m.restore(plan, step=2).data is None
+
+
+def test_data_item_saved_by_other_process_counts(tmp_path):
+    """Restored with another number of processes: the state if every process saved the same one, else an error."""
+    from sparse_embed.io.data_item import read_data
+
+    d = tmp_path / "data"
+    d.mkdir()
+    for i in range(2):
+        (d / f"process_{i}-of-2.json").write_text('{"next_index": 4}')
+    assert read_data(str(tmp_path)) == {"next_index": 4}
+    (d / "process_1-of-2.json").write_text('{"next_index": 5}')
+    with pytest.raises(se.CheckpointError, match="saved by 2 processes, each at its own position"):
+        read_data(str(tmp_path))
+    assert read_data(str(tmp_path / "nothing")) is None
