@@ -7,7 +7,8 @@ dtype (float32, bfloat16, int8, int4):
 
 - memory: bytes of the served arrays (`load_serving`);
 - lookups/s: samples a second of `serving_lookup` jitted over every table
-  (median of `--reps` calls);
+  (median of `--reps` rounds that take the four dtypes in turn), and the
+  process CPU time of one lookup (steadier on a shared machine);
 - eval AUC of the demo served from each: its served tables, dequantized as
   `serving_lookup` reads them, put back into the model (AUC on the demo's
   held-out batches).
