@@ -200,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from benchmarks import e2e_report
 
     results = {"environment": environment.environment(argv, args.threads, "benchmarks/e2e.py"), "runs": []}
+    results["environment"]["peers"].update(environment.package_versions(("torchrec",)))
     for model in args.model.split(","):
         for system in args.systems.split(","):
             r = run_system(system, model, args, _argv_pairs(argv))
