@@ -242,3 +242,21 @@ def test_the_serving_namespace_resolves_its_names_to_the_implementation():
     for name in ss.__all__:
         module = importlib.import_module(where.get(name, "sparse_embed.io.changes"))
         assert getattr(ss, name) is getattr(module, name), name
+
+
+def test_tracking_from_a_training_checkpoint_or_without_id_maps_is_refused(tmp_path):
+    plan = _plan(1)
+    rng = jax.random.key(0)
+    tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
+    with se.CheckpointManager(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, plan, tables, id_maps=maps)
+    with pytest.raises(ValueError, match="is a training checkpoint; deltas apply to serving exports"):
+        ss.Changes.since(tmp_path / "ck")
+    se.export_serving(tmp_path / "s", plan, tables, id_maps=maps)
+    changes = ss.Changes.since(tmp_path / "s")
+    with pytest.raises(ValueError, match=r"raw-id tables \['users'\]: pass export_delta\(\.\.\., id_maps=id_maps\)"):
+        ss.export_delta(tmp_path / "d", plan, tables, changes)
+    static = se.plan([f for f in plan.features.values() if f.table.dynamic is None], make_mesh(1))
+    with pytest.raises(ValueError, match=r"The export has raw-id tables \['users'\], the plan \[\]"):
+        ss.export_delta(tmp_path / "d", static, se.init_tables(static, rng), changes)
+    assert not (tmp_path / "d").exists()
