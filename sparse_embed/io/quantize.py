@@ -9,7 +9,10 @@ the row's codes, then its scale and its bias as little-endian float32:
   nibble, `2k + 1` in the high one; an odd dim leaves the last high nibble
   0), `width = ceil(dim / 2) + 8`.
 
-Since `dim + 8 != ceil(dim / 2) + 8`, a uint8 array's width says which one it is.
+A uint8 array's width says which one it is (for dim 1 both are 9 bytes and
+mean the same: a one-element row is constant, code 0). Rows whose width is a
+multiple of 4 (int8 with dim % 4 == 0, int4 with dim % 8 == 0) are gathered
+as 32-bit words by `serving_lookup`.
 FBGEMM keeps int4's scale and bias in float16; float32 here costs 4 bytes a
 row and keeps one layout, exact scales and no float16 overflow.
 
