@@ -4,8 +4,8 @@ that commit again on restore (sparse_embed/io/offload_checkpoint.py, docs/offloa
 The run: two offloaded tables (Adagrad; Adam, whose bias correction counts the global step) and one in memory,
 caches much smaller than the tables. Saved at step 3 and 6, interrupted, restored at 3 (its stores gone past it
 by two commits), trained on to the end: the stores and the in-memory table equal plain in-memory training
-bitwise. A store that is not the checkpoint's, or no longer keeps its commit, is refused before anything
-changes.
+bitwise. A save killed by SIGKILL after its flush leaves the step before restorable, its stores brought back.
+A store that is not the checkpoint's, or no longer keeps its commit, is refused before anything changes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -237,3 +241,65 @@ def test_a_server_picks_up_a_rollback(tmp_path):
     np.testing.assert_array_equal(server.lookup(rows), served(states[0]))
     server.close()
     s.close()
+
+
+# The child: saves step 3, trains on, flushes step 6 (its stores commit) and is killed by SIGKILL while saving
+# step 6, before the checkpoint is complete.
+CHILD = textwrap.dedent("""
+    import os, signal, sys
+    from tests.io import test_offload_checkpoint as t
+    from sparse_embed.io import offload_checkpoint
+    write = offload_checkpoint.write_commits
+
+    def dying(directory, commits):
+        if commits is not None and commits.stores["adam"]["step"] == 6:
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(directory, commits)
+
+    offload_checkpoint.write_commits = dying
+    t.killed_run(sys.argv[1])
+    sys.exit(3)  # not killed
+""")
+
+
+def _killed_setup(root: str):
+    batches = make_batches(FEATS, STEPS, seed=3)
+    mem_f, tier_f = make_specs(TABLES, FEATS, os.path.join(root, "stores"), {None: CACHE, "adagrad": 2 * CACHE},
+                               tiered=("adagrad", "adam"))
+    return batches, mem_f, se.plan(tier_f, make_mesh(2)), os.path.join(root, "ckpt")
+
+
+def killed_run(root: str) -> None:
+    """What the child runs (see CHILD)."""
+    batches, _, plan, ckpt = _killed_setup(root)
+    rng = jax.random.key(7)
+    tiers = se.offload.Tiers(plan, rng)
+    tables = se.init_tables(plan, rng)
+    with se.CheckpointManager(ckpt) as m:
+        for lo, hi in ((0, 3), (3, 6)):
+            _, tables = train_tiered(tiers, plan, tables, batches[lo:hi], start=lo)
+            tables = tiers.flush(tables, hi)
+            m.save(hi, plan, tables, tiers=tiers)
+            m.wait()
+
+
+def test_a_save_killed_after_its_flush_restores_the_step_before(tmp_path):
+    """SIGKILL in the middle of saving step 6 (the stores already committed at 6): the manager's latest complete
+    step is 3, and restoring it brings the stores back to step 3: equal to in-memory training of 3 steps."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: `reference`, as pytest has it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here]), "JAX_PLATFORMS": "cpu"}
+    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    batches, mem_f, plan, ckpt = _killed_setup(str(tmp_path))
+    assert [_commit_of(t)[2] for t in plan.tiered] == [6, 6]
+    rng = jax.random.key(7)
+    _, _, states = train_in_memory(mem_f, make_mesh(2), batches[:3], rng, snapshots=(3,))
+    with se.CheckpointManager(ckpt) as m:
+        assert m.latest_step() == 3
+        r = m.restore(plan)
+    for spec in plan.tiered:
+        for k, v in se.offload.store_state(spec, rng).items():
+            np.testing.assert_array_equal(v, states[3][spec.name][k], err_msg=f"{spec.name}/{k}")
+    for k, v in se.unstack_state(plan, r.tables)["plain"].items():
+        np.testing.assert_array_equal(v, states[3]["plain"][k], err_msg=f"plain/{k}")
