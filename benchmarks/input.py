@@ -8,7 +8,10 @@
 
    - prefetch: `se.prefetch` over a Python iterator of the batches;
    - grain: `se.data.Loader` over a grain `MapDataset` of the same batches
-     (its iterator state kept for every batch, as a resumable run keeps it).
+     (its iterator state kept for every batch, as a resumable run keeps it);
+   - grain's thread: grain's own `ThreadPrefetchIterDataset` over
+     `.map(se.data.Preprocess(plan))` (for comparison: its state would not
+     hold the capacity marks as of the batch the loop took).
 
    Reported: examples/s of the whole loop (global batch / wall time per step).
 2. The Criteo reader on a generated file of `--lines` lines (default
@@ -38,7 +41,8 @@ if __package__ in (None, ""):  # run as a script: make the `benchmarks` package 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import environment, pipeline, workload  # noqa: E402
 
-LOOPS = {"prefetch": "se.prefetch (thread)", "grain": "se.data.Loader (grain)"}
+LOOPS = {"prefetch": "se.prefetch (thread)", "grain": "se.data.Loader (grain)",
+         "grain_thread": "grain's thread + Preprocess"}
 SOURCE_BATCH = 1024  # CriteoSource's batch (lines per record)
 
 
@@ -88,11 +92,18 @@ def run_loop(p: pipeline.Pipeline, loop: str, warmup: int, steps: int) -> tuple[
 
     if loop == "prefetch":
         feed = se.prefetch(p.plan, itertools.cycle(p.raw))
-    else:
-        dataset = grain.MapDataset.source(_Batches(p.raw)).repeat(None).to_iter_dataset()
-        feed = sed.Loader(p.plan, dataset)
-    with feed:
+        with feed:
+            return pipeline.timed(lambda i: p.step(next(feed).batch), warmup, steps)
+    dataset = grain.MapDataset.source(_Batches(p.raw)).repeat(None).to_iter_dataset()
+    if loop == "grain":
+        with sed.Loader(p.plan, dataset) as feed:
+            return pipeline.timed(lambda i: p.step(next(feed).batch), warmup, steps)
+    threaded = grain.experimental.ThreadPrefetchIterDataset(dataset.map(sed.Preprocess(p.plan)), prefetch_buffer_size=2)
+    feed = iter(threaded)
+    try:
         return pipeline.timed(lambda i: p.step(next(feed).batch), warmup, steps)
+    finally:
+        feed.close()
 
 
 def measure_loops(p: pipeline.Pipeline, cfg: Config) -> dict[str, dict[str, float]]:
@@ -150,7 +161,7 @@ def format_report(results: dict[str, Any]) -> str:
     lines += [f"{LOOPS[k]:<28}{r['ms_per_step']:9.1f}{r['cpu_ms_per_step']:13.1f}{r['examples_per_s']:12,.0f}"
               for k, r in loops.items()]
     ratio = loops["grain"]["examples_per_s"] / loops["prefetch"]["examples_per_s"]
-    lines += [f"grain / prefetch examples/s: {ratio:.2f}",
+    lines += [f"se.data.Loader / se.prefetch examples/s: {ratio:.2f}",
               "",
               f"Criteo reader, {c['lines']:,} generated lines ({c['bytes'] / 2**20:.0f} MiB):",
               f"  parse_lines over 16 MiB blocks: {c['parse_lines_per_s'] / 1e6:.2f} M lines/s "

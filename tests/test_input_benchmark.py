@@ -11,4 +11,4 @@ def test_input_benchmark_smoke(capsys, tmp_path):
     c = out["criteo"]
     assert c["lines"] == 3000 and c["source_lines_read"] == 2048 and c["parse_lines_per_s"] > 0
     assert (tmp_path / "in.json").exists()
-    assert "grain / prefetch examples/s" in capsys.readouterr().out
+    assert "se.data.Loader / se.prefetch examples/s" in capsys.readouterr().out
