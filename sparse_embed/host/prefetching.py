@@ -5,7 +5,10 @@
             tables, loss = train_step(tables, batch, labels)
 
 A serial loop costs `preprocess + step` per batch; with the prefetch it costs
-about `max(preprocess, step)` (`benchmarks/pipeline.py` measures both). One
+about `max(preprocess, step)` (`benchmarks/pipeline.py` measures both). A
+plain iterator has no state to checkpoint: for a run that must resume
+exactly, `se.data.Loader` runs this same worker over a grain dataset and
+keeps the position and the capacities as of the batch taken (docs/data.md). One
 worker thread (daemon) advances the input iterator, calls `preprocess` on
 each item in order and hands the results over through a buffer of at most
 `buffer_size` items. A thread and not a process: the plan holds a `Mesh` and
