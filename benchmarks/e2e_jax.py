@@ -116,15 +116,28 @@ def threaded(items: Iterable[Any], prepare: Callable[[Any], Any], depth: int = 2
 
 # ------------------------------------------------------------------ sparse_embed
 def embedding_plan(model: Model) -> se.EmbeddingPlan:
-    """The tables (row-wise Adagrad, as TorchRec's fused one: `se.torchrec.optimizer_from_fused_params`), one
-    device, a capacity that no batch exceeds (sum pooling over the batches' gains)."""
+    """The tables (row-wise Adagrad, as TorchRec's fused one: `se.torchrec.optimizer_from_fused_params`) on one
+    device per process (each process's first: one process, one device), a capacity that no batch exceeds (sum
+    pooling over the batches' gains)."""
     o = se.torchrec.optimizer_from_fused_params({"optimizer": "exact_rowwise_adagrad",
                                                  "learning_rate": model.embedding_lr, "eps": model.eps})
     init = se.initializers.truncated_normal(0.02)
     tables = {t: se.TableSpec(t, rows, model.dim, init, o, combiner="sum") for t, rows in model.tables}
     features = {f: se.FeatureSpec(f, tables[t], model.batch) for f, t in model.features}
-    capacity = model.batch * sum(model.most_ids(f) for f, _ in model.features)
-    return se.plan(features, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)), capacity=capacity)
+    devices = [d for d in jax.devices() if d.id == min(e.id for e in jax.devices() if e.process_index ==
+                                                        d.process_index)]
+    capacity = model.batch // len(devices) * sum(model.most_ids(f) for f, _ in model.features)
+    return se.plan(features, jax.sharding.Mesh(np.array(devices), ("x",)), capacity=capacity)
+
+
+def replicated(plan: se.EmbeddingPlan, tree):
+    """Host values placed on every device of the plan's mesh (the same on every process)."""
+    return jax.device_put(tree, jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec()))
+
+
+def batch_rows(plan: se.EmbeddingPlan, rows):
+    """This process's rows of a batch array -> the global array sharded over the plan's devices."""
+    return jax.make_array_from_process_local_data(plan.batch_sharding(), rows)
 
 
 class SparseEmbed:
@@ -149,7 +162,8 @@ class SparseEmbed:
                 return Head(model, name="head")([acts[f] for f in features], dense)
 
         self.module = Dlrm()
-        self.params = {"embed": {"tables": se.stack_tables(plan, initial_tables(model))}, "head": head_params(model)}
+        self.params = {"embed": {"tables": se.stack_tables(plan, initial_tables(model))},
+                       "head": replicated(plan, head_params(model))}
         tx = se.optax_tx(adagrad(model.dense_lr, model.eps))
         self.opt_state = tx.init(self.params)
         loss = lambda p, sparse, dense, labels, step: bce(  # noqa: E731
@@ -228,7 +242,7 @@ class SparseEmbed:
             updates, opt_state = tx.update(g, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss, g_acts
 
-        params = head_params(self.model)
+        params = replicated(self.plan, head_params(self.model))
         self._dense_state = (params, tx.init(params))
         return jax.jit(step, donate_argnums=(0, 1))
 
@@ -247,7 +261,8 @@ class SparseEmbed:
     def loop(self, items: Iterable[HostBatch]) -> Iterator[Iterator[Any]]:
         inputs = lambda hb: (hb.ids, {f: (hb.gains[f], hb.ids[f][1]) for f in self.features})  # noqa: E731
         with se.prefetch(self.plan, items, inputs=inputs) as batches:
-            yield ((b.batch, jax.device_put(b.item.dense), jax.device_put(b.item.labels)) for b in batches)
+            yield ((b.batch, batch_rows(self.plan, b.item.dense), batch_rows(self.plan, b.item.labels))
+                   for b in batches)
 
     def step(self, x) -> jax.Array:
         sparse, dense, labels = x

@@ -63,7 +63,8 @@ def fused_dmp(torch, module, fused: dict, tables: list[str]):
 
     sharders = [EmbeddingBagCollectionSharder(fused_params=fused)]
     constraints = {t: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"]) for t in tables}
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints)
+    topology = Topology(world_size=torch.distributed.get_world_size(), compute_device="cpu")
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     plan = planner.collective_plan(module, sharders, torch.distributed.GroupMember.WORLD)
     return DistributedModelParallel(module, device=torch.device("cpu"), plan=plan, sharders=sharders)
 
@@ -113,14 +114,15 @@ class TorchRec:
         self.plain_optimizer = torch.optim.Adagrad(self.plain_head.parameters(), lr=model.dense_lr, eps=model.eps)
 
     def _init_tables(self) -> None:
-        """`e2e_data.initial_tables`, written into the fused tables through their state dict's views (table-wise:
-        one shard each)."""
+        """`e2e_data.initial_tables`, written into this process's shards of the fused tables through their state
+        dict's views."""
         torch, tables = self.torch, initial_tables(self.model)
         with torch.no_grad():
             for key, value in self.dmp.state_dict().items():
                 if "embedding_bags" in key and key.endswith(".weight"):
-                    (shard,) = value.local_shards()
-                    shard.tensor.copy_(torch.from_numpy(tables[key.split(".")[-2]]))
+                    for shard in value.local_shards():
+                        (r, c), (n, m) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                        shard.tensor.copy_(torch.from_numpy(tables[key.split(".")[-2]][r:r + n, c:c + m]))
 
     def prepare(self, hb: HostBatch) -> Any:
         from torchrec import KeyedJaggedTensor

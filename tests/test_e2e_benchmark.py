@@ -7,7 +7,7 @@ import argparse
 import numpy as np
 import pytest
 
-from benchmarks import e2e, e2e_data, e2e_report
+from benchmarks import e2e, e2e_data, e2e_processes, e2e_report
 
 
 def _args(model: str, system: str) -> argparse.Namespace:
@@ -51,3 +51,12 @@ def test_every_system_sees_the_same_batches():
     per_sample = np.add.reduceat(a.gains["tags"], np.concatenate([[0], np.cumsum(a.ids["tags"][1])[:-1]]))
     np.testing.assert_allclose(per_sample, 1, rtol=1e-6)  # a weighted mean's gains sum to 1 in each sample
     assert 0.15 < a.labels.mean() < 0.6
+
+
+def test_two_processes_train_over_jax_distributed():
+    (r,) = e2e_processes.main(["--model", "demo_tiny", "--systems", "linen", "--steps", "2", "--block", "1",
+                               "--warmup", "2"])
+    assert "status" not in r, r
+    assert r["processes"] == 2 and r["examples_per_s"] > 0 and r["rss_peak_steps_bytes"] > 0
+    local = e2e_processes.local_rows(e2e_data.Data(e2e_data.MODELS["demo_tiny"]).batch(0), 1, 2)
+    assert local.labels.size == 128 and all(v.size == n.sum() for v, n in local.ids.values())
