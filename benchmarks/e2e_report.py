@@ -81,10 +81,11 @@ def goals(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def format_report(results: dict[str, Any]) -> str:
     env = results["environment"]
     versions = ", ".join(f"{k} {v}" for k, v in {"jax": env.get("jax"), **env.get("peers", {})}.items() if v)
+    load = " ".join(f"{x:.1f}" for x in env.get("loadavg_start", ()))
+    commit = env.get("sparse_embed", {}).get("commit", "?")
     lines = ["# End to end: the same DLRM in TorchRec and sparse_embed", "",
              f"{env.get('date', '')}; {env.get('cpu', '?')}, {env.get('threads', '?')} threads, load average at the "
-             f"start {' '.join(f'{x:.1f}' for x in env.get('loadavg_start', ()))}; sparse_embed {env.get('sparse_embed', {}).get('commit', '?')}; "
-             f"{versions}.", "", f"`{env.get('command', '')}`", ""]
+             f"start {load}; sparse_embed {commit}; {versions}.", "", f"`{env.get('command', '')}`", ""]
     models = list(dict.fromkeys(r["model"] for r in results["runs"]))
     for m in models:
         runs = [r for r in results["runs"] if r["model"] == m]
