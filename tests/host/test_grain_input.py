@@ -149,3 +149,17 @@ def test_loader_with_grain_worker_processes_resumes_exactly(tmp_path):
     for g, w in zip(again, rest):
         np.testing.assert_array_equal(g.categorical, w.categorical)
         np.testing.assert_array_equal(g.labels, w.labels)
+
+
+def test_loader_over_grain_batches_of_examples():
+    """Per-example records batched by grain (`.batch`): the loader preprocesses grain's batches."""
+    rng = np.random.default_rng(3)
+    examples = [{"f": rng.integers(0, 50, 3), "g": rng.integers(-1, 50, 2)} for _ in range(3 * B)]
+    plan, reference = make_plan(), make_plan()
+    ds = grain.MapDataset.source(examples).batch(B)
+    with sed.Loader(plan, ds) as batches:
+        got = list(batches)
+    assert len(got) == 3
+    for k, p in enumerate(got):
+        ids = {n: np.stack([e[n] for e in examples[k * B:(k + 1) * B]]) for n in ("f", "g")}
+        assert_same_batches(host(p.batch), host(se.preprocess(reference, ids)[0]))
