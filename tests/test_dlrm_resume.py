@@ -52,18 +52,20 @@ def demo(data: str, ckpt: str, kill_at: int | None = None) -> bool:
 
 
 def final(ckpt: str) -> dict[str, np.ndarray]:
+    """The last step's tables' and id maps' contents, dense state and every step's loss, as flat arrays."""
     args = argparse.Namespace(embedding_lr=0.05, embedding_init_acc=1e-6, embedding_init_std=0.02, hashed=False,
                               table_rows=64, embedding_dim=4, batch_size=64)
     plan = criteo_dlrm.make_plan(args, make_mesh(4))  # the devices the runs had: the same shards, nothing dropped
     params = criteo_dlrm.init_params(jax.random.key(0), 4)
     import optax
 
-    target = jax.device_put(criteo_dlrm.State(params, optax.adam(1e-3).init(params), np.zeros(STEPS, np.float32)),
+    target = jax.device_put({"params": params, "opt": optax.adam(1e-3).init(params)},
                             jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec()))
     with se.CheckpointManager(ckpt) as m:
         r = m.restore(plan, user=target)
-    assert r.step == STEPS and r.data is not None
+    assert r.step == STEPS
     out = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(r.user)}
+    out["losses"] = np.array([float.fromhex(x) for x in r.data["losses"]], np.float32)
     for name, t in se.raw_ids.id_table_contents(plan, r.tables, r.id_maps).items():
         out.update({f"{name}/{k}": np.asarray(v) for k, v in t._asdict().items() if k != "slots"})
         out.update({f"{name}/slot/{k}": np.asarray(v) for k, v in t.slots.items()})
@@ -79,20 +81,23 @@ def test_demo_with_data_killed_and_resumed_is_bitwise_the_uninterrupted_run(tmp_
     assert demo(data, str(tmp_path / "killed"))
     want, got = final(str(tmp_path / "whole")), final(str(tmp_path / "killed"))
     assert sorted(got) == sorted(want)
-    losses = [k for k in want if "losses" in k]
-    assert losses and np.all(want[losses[0]] > 0)  # every step's loss is there
+    assert want["losses"].shape == (STEPS,) and np.all(want["losses"] > 0)  # every step's loss is there
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
-def test_demo_trains_on_data_in_process_with_hashed_tables(tmp_path, capsys):
-    """(Raw-id tables: the test above.)"""
+def test_demo_with_hashed_tables_goes_on_with_more_steps(tmp_path, capsys):
+    """In this process, static hashed tables: 8 steps saved, then started again with --steps 16: it resumes at 8."""
     data = write_criteo(str(tmp_path / "day_0.txt"), 64 * 24, vocabulary=200)
     from sparse_embed.examples import dlrm
 
-    out = dlrm.main(["--data", data, "--steps", "16", "--batch-size", "64", "--eval-batches", "4",
-                     "--table-rows", "256", "--embedding-dim", "4", "--no-progress", "--hashed"])
+    flags = ["--data", data, "--batch-size", "64", "--eval-batches", "4", "--table-rows", "256", "--embedding-dim",
+             "4", "--no-progress", "--hashed", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4"]
+    first = dlrm.main(["--steps", "8", *flags])
+    out = dlrm.main(["--steps", "16", *flags])
     losses = np.asarray(out["losses"])
-    assert losses.shape == (16,) and np.isfinite(losses).all() and out["start"] == 0
+    assert out["start"] == 8 and losses.shape == (16,) and np.isfinite(losses).all() and (losses > 0).all()
+    np.testing.assert_array_equal(losses[:8], first["losses"])
     assert 0.5 < out["eval_auc"] <= 1.0
-    assert "hashed tables of 256 rows" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "hashed tables of 256 rows" in shown and "resumed from step 8" in shown

@@ -7,10 +7,11 @@ into. The 13 integer features (log1p) feed a bottom MLP; the 27 vectors'
 pairwise dots and the vectors feed a top MLP (DLRM). The input is a grain
 pipeline (`se.data.CriteoSource`, batches shuffled, `--workers` processes
 reading) under `se.data.Loader`. With `--checkpoint-dir`, the run saves
-every `--checkpoint-every` steps (tables, id maps, dense state, the loss
-so far and the loader's state) and, started again, continues from the
-last save exactly as if it had never stopped. The last `--eval-batches`
-batches of the files are held out for eval AUC.
+every `--checkpoint-every` steps (tables, id maps, dense state, the losses
+so far and the loader's state) and, started again (with the same or a
+larger `--steps`), continues from the last save exactly as if it had
+never stopped. The last `--eval-batches` batches of the files are held
+out for eval AUC.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def logits(plan, params, tables, sparse, dense, step) -> jax.Array:
 
 
 class State(NamedTuple):
-    """What a checkpoint holds beside the tables and id maps (its user pytree)."""
+    """The dense state (a checkpoint's user pytree: params, opt) and the losses so far (in its `data`)."""
 
     params: Any
     opt: Any
@@ -117,15 +118,31 @@ def evaluate(plan, predict, tables, id_maps, params, source, batches: range) -> 
 
 
 def _restore(args, plan, tables, id_maps, state: State):
-    """The last checkpoint of `--checkpoint-dir` if there is one: (tables, id maps, state, step, loader state)."""
+    """The last checkpoint of `--checkpoint-dir` if there is one: (tables, id maps, state, step, loader state).
+
+    The losses so far come from the step's `data` (float hex, exact), so a run may go on with a larger --steps.
+    """
     if not args.checkpoint_dir:
         return tables, id_maps, state, 0, None
     with se.CheckpointManager(args.checkpoint_dir) as ckpt:
         if ckpt.latest_step() is None:
             return tables, id_maps, state, 0, None
-        r = ckpt.restore(plan, user=state)
+        r = ckpt.restore(plan, user={"params": state.params, "opt": state.opt})
+    losses = np.zeros(args.steps, np.float32)
+    saved = [float.fromhex(x) for x in r.data["losses"]][:args.steps]
+    losses[:len(saved)] = saved
     print(f"resumed from step {r.step} of {args.checkpoint_dir}")
-    return r.tables, r.id_maps, State(*r.user), r.step, r.data
+    state = State(r.user["params"], r.user["opt"], jax.device_put(losses, state.losses.sharding))
+    return r.tables, r.id_maps, state, r.step, r.data["loader"]
+
+
+def _save(ckpt, step: int, plan, tables, id_maps, state: State, loader: sed.Loader) -> None:
+    """Step `step`: tables, id maps, dense state; the loader's state and the losses so far as `data`."""
+    losses = [float(x).hex() for x in np.asarray(state.losses[:step])]
+    ckpt.save(step, plan, tables, id_maps=id_maps or None, user={"params": state.params, "opt": state.opt},
+              data={"loader": loader.get_state(), "losses": losses})
+    ckpt.wait()
+    print(f"checkpoint of step {step} saved", flush=True)
 
 
 def _dataset(args, source: sed.CriteoSource, train_batches: int):
@@ -152,9 +169,7 @@ def train(args, plan, source, train_batches: int):
             tables, id_maps, state = train_step(tables, id_maps, state, sparse, _rows(plan, b.dense),
                                                 _rows(plan, b.labels), jnp.int32(step))
             if ckpt is not None and ((step + 1) % every == 0 or step + 1 == args.steps):
-                ckpt.save(step + 1, plan, tables, id_maps=id_maps or None, user=state, data=batches.get_state())
-                ckpt.wait()
-                print(f"checkpoint of step {step + 1} saved", flush=True)
+                _save(ckpt, step + 1, plan, tables, id_maps, state, batches)
     if ckpt is not None:
         ckpt.close()
     return tables, id_maps, state, start, time.perf_counter() - began
