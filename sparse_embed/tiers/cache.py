@@ -7,6 +7,10 @@ A row the current batch uses is never taken. The decisions are a function of
 the sequence of batches only, so every run (and every mesh) makes the same.
 Which rows are cached never changes a value: only how much is read and
 written.
+
+An admission touches only the batch's rows and the rows the hand sweeps (no
+pass over the whole cache), and records what it changed, so that `restore`
+can undo it when the rest of the batch's preprocessing fails.
 """
 
 from __future__ import annotations
@@ -24,7 +28,19 @@ class Admission(NamedTuple):
     evicted: np.ndarray  # int64 [m] the table row each of those cache rows held (-1: none)
     dirty: np.ndarray  # bool [m] whether that evicted row changed since it came in (it is written back)
     hits: int  # ids of the batch (repeats counted) whose row is cached
-    cached: int  # distinct rows of the batch found in the cache
+    lookups: int  # ids of the batch (repeats counted; -1 entries not counted)
+    mapped: np.ndarray  # int32, the shape of the rows admitted: the cache row of each (-1 stays -1)
+    used: np.ndarray  # int32 [u] the cache rows the batch uses (distinct: its cached rows, then the misses')
+    undo: tuple  # what `restore` needs
+
+
+def distinct(a: np.ndarray) -> np.ndarray:
+    """`np.unique(a)` of a 1-D array, by a sort (numpy's hash-based unique is ~3x slower for ~10^4 int64)."""
+    s = np.sort(a)
+    keep = np.empty(s.size, bool)
+    keep[:1] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
 
 
 class CacheMap:
@@ -37,69 +53,90 @@ class CacheMap:
         self.referenced = np.zeros(cache_rows, bool)
         self.dirty = np.zeros(cache_rows, bool)
         self.hand = 0
+        self._pinned = np.zeros(cache_rows, bool)  # all False between admissions
 
     def admit(self, rows: np.ndarray, train: bool) -> Admission:
-        """Brings the table rows `rows` (int64, any order, repeats allowed) of one batch into the cache.
+        """Brings the table rows `rows` (int64, any shape and order, repeats allowed, -1: none) of one batch into
+        the cache.
 
         `train`: the batch's step updates them (they become dirty).
-        Raises a ValueError naming the table when they are more than the cache holds.
+        Raises a ValueError naming the table when they are more than the cache holds (changing nothing).
         """
-        slots = self.slot_of[rows]
-        hit = slots >= 0
-        misses = np.unique(rows[~hit])  # the hits need no sort: most of a batch, once the cache is warm
-        pinned = np.zeros(self.rows, bool)  # the batch's cached rows: never evicted for its misses
-        pinned[slots[hit]] = True
-        hits = int(np.count_nonzero(pinned))
-        if hits + misses.size > self.rows:
-            raise ValueError(f"Table {self.table!r}: a batch reads {hits + misses.size} distinct rows, more than "
-                             f"its cache of {self.rows} rows (Offload(cache_rows=...)); give it at least "
-                             f"{hits + misses.size} rows, and several batches' worth for a useful hit rate.")
-        victims = self._victims(misses.size, pinned)
+        rows = np.asarray(rows, np.int64)
+        mapped = self.slot_of[rows]  # a -1 row reads the last table row's entry: set back to -1 below
+        miss = mapped < 0
+        none = rows < 0
+        if none.any():
+            mapped[none] = -1
+            miss &= ~none
+        wanted = rows[miss]
+        hits = mapped[mapped >= 0]
+        misses = distinct(wanted)
+        pinned = self._pinned  # the batch's cached rows: never evicted for its misses
+        pinned[hits] = True
+        cached = np.flatnonzero(pinned)
+        try:
+            if cached.size + misses.size > self.rows:
+                need = cached.size + misses.size
+                raise ValueError(f"Table {self.table!r}: a batch reads {need} distinct rows, more than its cache of "
+                                 f"{self.rows} rows (Offload(cache_rows=...)); give it at least {need} rows, and "
+                                 f"several batches' worth for a useful hit rate.")
+            undo = (self.hand, cached, self.referenced[cached], self.dirty[cached])
+            victims, swept = self._victims(misses.size, pinned)
+        finally:
+            pinned[:] = False
         evicted = self.row_of[victims]
         dirty = self.dirty[victims] & (evicted >= 0)
+        undo += (swept, victims, self.dirty[victims], evicted)
         self.slot_of[evicted[evicted >= 0]] = -1
         self.slot_of[misses] = victims
         self.row_of[victims] = misses
-        self.referenced |= pinned
+        self.referenced[cached] = True
         self.referenced[victims] = True
         self.dirty[victims] = train
         if train:
-            self.dirty |= pinned
-        return Admission(misses, victims.astype(np.int32), evicted, dirty, int(np.count_nonzero(hit)), hits)
+            self.dirty[cached] = True
+        mapped[miss] = self.slot_of[wanted]
+        used = np.concatenate([cached, victims]).astype(np.int32)
+        return Admission(misses, victims.astype(np.int32), evicted, dirty, int(hits.size), int(hits.size + wanted.size),
+                         mapped, used, undo)
 
-    def save(self) -> tuple:
-        """What `restore` needs to undo the next `admit` (the reference bits, dirty bits and the hand)."""
-        return self.hand, self.referenced.copy(), self.dirty.copy()
+    def restore(self, admission: Admission) -> None:
+        """Undoes `admission`, the last `admit`'s."""
+        hand, cached, referenced, dirty, swept, victims, victims_dirty, evicted = admission.undo
+        self.referenced[cached] = referenced
+        for at, bits in reversed(swept):  # the first sweep of a position saw its bit before this admission
+            self.referenced[at] = bits
+        self.dirty[victims] = victims_dirty
+        self.dirty[cached] = dirty
+        self.hand = hand
+        self.slot_of[admission.misses] = -1
+        back = evicted >= 0
+        self.slot_of[evicted[back]] = victims[back]
+        self.row_of[victims] = evicted
 
-    def restore(self, saved: tuple, admission: Admission | None) -> None:
-        """Undoes the last `admit` (which returned `admission`, or raised: None), given `save()` from before it."""
-        self.hand, self.referenced, self.dirty = saved
-        if admission is not None:
-            self.slot_of[admission.misses] = -1
-            back = admission.evicted >= 0
-            self.slot_of[admission.evicted[back]] = admission.slots[back]
-            self.row_of[admission.slots] = admission.evicted
-
-    def _victims(self, m: int, keep: np.ndarray) -> np.ndarray:
-        """`m` cache rows to reuse, by CLOCK, never one where `keep` (the batch's hits; it marks the victims too)."""
+    def _victims(self, m: int, keep: np.ndarray) -> tuple[np.ndarray, list]:
+        """`m` cache rows to reuse, by CLOCK, never one where `keep` (the batch's hits; it marks the victims too);
+        and `[(positions, their reference bits before)]` of each stretch the hand swept."""
         if m == 0:
-            return np.zeros(0, np.int64)
-        out, found, swept = [], 0, 0
+            return np.zeros(0, np.int64), []
+        out, swept, found, turned = [], [], 0, 0
         while found < m:
-            if swept >= 2 * self.rows + m:  # two full turns clear every bit: only pinned rows are left
+            if turned >= 2 * self.rows + m:  # two full turns clear every bit: only pinned rows are left
                 raise AssertionError(f"Table {self.table!r}: the cache has no {m} rows to reuse.")
             size = min(self.rows, max(2 * (m - found), 4096))
             window = (self.hand + np.arange(size)) % self.rows
             free = ~self.referenced[window] & ~keep[window]
             take = np.flatnonzero(free)[:m - found]
             end = size if take.size < m - found else int(take[-1]) + 1
+            swept.append((window[:end], self.referenced[window[:end]]))
             self.referenced[window[:end]] = False
             keep[window[take]] = True  # a later turn of the hand must not take them again
             out.append(window[take])
             found += take.size
-            swept += end
+            turned += end
             self.hand = int((self.hand + end) % self.rows)
-        return np.concatenate(out)
+        return np.concatenate(out), swept
 
     def map(self, rows: np.ndarray) -> np.ndarray:
         """Cache rows of table rows `rows` (any shape; -1 stays -1). Every row must be cached."""

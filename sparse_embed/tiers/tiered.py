@@ -87,7 +87,7 @@ class _TableSwap(NamedTuple):
     pending: tuple[tuple[int, np.ndarray, np.ndarray], ...]  # (swap, index in its evicted rows, index in fill)
     misses: np.ndarray  # int64 [m] the table rows it brings in
     slots: np.ndarray  # int32 [m] the cache rows they go to
-    used: np.ndarray  # int32 the cache rows of every id of the batch (repeats allowed)
+    used: np.ndarray  # int32 the cache rows the batch uses
 
 
 class TieredItem(NamedTuple):
@@ -208,27 +208,25 @@ class Tiers:
         canon, used, totals = self._table_rows(ids, weights)
         # A batch refused below (a cache too small, a damaged store row, the plan's own checks) changes nothing:
         # its admissions are undone, its counters never counted, its index not taken.
-        swaps, admitted, saved, failure = {}, {}, {}, None
+        swaps, admitted, failure = {}, {}, None
         try:
             for name, t in self.tables.items():
-                saved[name] = t.cache.save()
                 admitted[name] = t.cache.admit(used[name], train)
                 try:
-                    swaps[name] = self._admit(t, admitted[name], used[name], device_put, totals.get(name))
+                    swaps[name] = self._admit(t, admitted[name], device_put, totals.get(name))
                 except Exception as e:  # noqa: BLE001 - a damaged store row: with several processes, all raise below
                     if not self._procs.several:
                         raise
                     failure = failure or e
-            for name, c in canon.items():
-                t = self.tables[self._features[name].table.name]
-                mapped = t.cache.map(c.ids.astype(np.int64)).astype(np.int32)
+            for name, mapped in self._mapped(canon, admitted).items():
+                c = canon[name]
                 ids[name] = mapped if c.dense else (mapped, c.lengths)
                 if c.weights is not None:
                     weights[name] = c.weights if c.dense else (c.weights, c.lengths)
             batch, stats = preprocess_cached(self.plan, ids, weights or None, device_put=device_put, failure=failure)
         except BaseException:
-            for name, state in saved.items():
-                self.tables[name].cache.restore(state, admitted.get(name))
+            for name, a in admitted.items():
+                self.tables[name].cache.restore(a)
             raise
         for name, (ts, counts) in swaps.items():
             t = self.tables[name]
@@ -243,11 +241,25 @@ class Tiers:
         self._planned += 1
         return batch, stats, swap
 
+    def _mapped(self, canon: dict, admitted: dict[str, Admission]) -> dict[str, np.ndarray]:
+        """`{feature: int32 cache rows of its ids}` (the shape of its canonical ids; -1 stays -1)."""
+        if self._procs.several:  # the admissions were of every process's distinct rows
+            return {name: self.tables[self._features[name].table.name].cache.map(c.ids.astype(np.int64))
+                    .astype(np.int32) for name, c in canon.items()}
+        out, at = {}, {}
+        for name, c in canon.items():  # the order `_table_rows` concatenated them in
+            table = self._features[name].table.name
+            lo = at.get(table, 0)
+            at[table] = lo + c.ids.size
+            out[name] = admitted[table].mapped[lo:at[table]].reshape(c.ids.shape)
+        return out
+
     def _table_rows(self, ids: dict, weights: dict) -> tuple[dict, dict[str, np.ndarray], dict]:
         """`(canonical ids by feature, {table: the batch's rows}, {table: (lookups, hits)})`.
 
-        Under several processes, the rows are every process's (distinct, in process order) and the counts
-        their sums (else empty: `admit` counts). Clears the dirty bits of the flushes every process has made
+        Under one process, the rows are the features' ids one after another (-1 where a dense feature has
+        none); under several, every process's distinct rows (in process order) and the counts their sums
+        (else empty: `admit` counts). Clears the dirty bits of the flushes every process has made
         (a batch planned after a flush evicts the rows it wrote clean; under several processes, at the same
         batch on every process).
         """
@@ -263,12 +275,13 @@ class Tiers:
                 else:
                     ids_lib.flattened(f, c)  # the same checks, in numpy
                 canon[name] = c
-                rows[f.table.name].append(c.ids[c.ids >= 0].reshape(-1) if c.dense else c.ids.reshape(-1))
+                rows[f.table.name].append(c.ids[c.ids >= 0] if c.dense and self._procs.several else c.ids.reshape(-1))
         except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
             if not self._procs.several:
                 raise
             failure = e
-        used = {name: np.concatenate(r).astype(np.int64) if r else np.zeros(0, np.int64) for name, r in rows.items()}
+        used = {name: (r[0] if len(r) == 1 else np.concatenate(r) if r else np.zeros(0)).astype(np.int64, copy=False)
+                for name, r in rows.items()}
         flushes, totals = len(self._flushes), {}
         if self._procs.several:
             counts = {n: (u.size, int(np.count_nonzero(self.tables[n].cache.slot_of[u] >= 0))) for n, u in used.items()}
@@ -284,7 +297,7 @@ class Tiers:
         self._cleared = max(self._cleared, flushes)
         return canon, used, totals
 
-    def _admit(self, t: _Table, a: Admission, used: np.ndarray, device_put: bool,
+    def _admit(self, t: _Table, a: Admission, device_put: bool,
                totals: tuple[int, int] | None) -> tuple[_TableSwap, dict]:
         """One table's swap for admission `a` (reads the store), and the counts it adds to the table's stats.
 
@@ -311,7 +324,7 @@ class Tiers:
         t0 = time.perf_counter()
         if stored.any():
             records[stored] = t.store.read(a.misses[stored])
-        lookups, hits = totals or (used.size, a.hits)
+        lookups, hits = totals or (a.lookups, a.hits)
         counts = dict(lookups=lookups, hits=hits, misses=a.misses.size, read_seconds=time.perf_counter() - t0,
                       fresh=int(fresh.sum()), rows_read=int(stored.sum()),
                       bytes_read=int(stored.sum()) * t.store.record_bytes, from_evicted=int((source >= 0).sum()))
@@ -321,7 +334,7 @@ class Tiers:
             evict_at=_padded(t.positions[a.slots[a.dirty]], n, -1), evicted_rows=a.evicted[a.dirty],
             fill_at=_padded(t.positions[a.slots], n, -1), fill=fill, placed=placed,
             fresh=fresh, fresh_ids=_padded(a.misses.astype(np.uint32), n, 0),
-            pending=tuple(pending), misses=a.misses, slots=a.slots, used=t.cache.slot_of[used]), counts
+            pending=tuple(pending), misses=a.misses, slots=a.slots, used=a.used), counts
 
     def _place(self, fill: dict[str, np.ndarray], fresh: np.ndarray) -> tuple:
         """`(fill, fresh)` on the devices as `swap_rows` takes them (per process under several)."""
