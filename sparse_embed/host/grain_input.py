@@ -123,9 +123,9 @@ class Loader(Iterator[Prefetched]):
                  state: Mapping | None = None, buffer_size: int = 2, device_put: bool = True) -> None:
         transform = Preprocess(plan, inputs, device_put=device_put)
         buffer_size = _check_buffer_size(buffer_size)
+        state = None if state is None else _checked_state(state)
         iterator = _iterator(dataset)
         if state is not None:
-            state = _checked_state(state)
             iterator.set_state(copy.deepcopy(state["input"]))
             plan_state.of(plan).restore(state["plan"])
         self._state = {"input": iterator.get_state(), "plan": plan_state.of(plan).snapshot()}
