@@ -64,10 +64,17 @@ def _combined(plan: EmbeddingPlan, fill: dict[str, jax.Array], fresh: jax.Array)
     return jax.shard_map(add, mesh=plan.mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P()))(fill, fresh)
 
 
+def _local_at(at: jax.Array, lo: jax.Array, rps: int) -> jax.Array:
+    """Global array rows `at` (-1: padding) as rows of this device's shard; `rps` (out of bounds) where not its."""
+    local = at - lo
+    return jnp.where((local >= 0) & (local < rps) & (at >= 0), local, rps)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("per_process",), donate_argnums=(2,))
 def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariables, table_key: jax.Array,
-              evict_at: jax.Array, fill_at: jax.Array, fill: dict[str, jax.Array], fresh: jax.Array,
-              fresh_ids: jax.Array, *, per_process: bool = False) -> tuple[EmbeddingVariables, dict[str, jax.Array]]:
+              evict_at: jax.Array, fill_at: jax.Array, fill: dict[str, jax.Array], fresh: jax.Array | None,
+              fresh_ids: jax.Array | None, *, per_process: bool = False
+              ) -> tuple[EmbeddingVariables, dict[str, jax.Array]]:
     """Reads rows out of a stack's cache, then writes rows in (in place: `variables` is donated).
 
     Args:
@@ -76,8 +83,8 @@ def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariable
         that another entry writes.
       fill: `{"table": [n, dim], slot: [n, width]}` the rows to write (from the store).
       fresh: `[n]` bool: write the initializer's row `fresh_ids[i]` (and initial
-        slots) instead of `fill`'s (a row never stored).
-      fresh_ids: `[n]` uint32 table rows for `fresh` entries.
+        slots) instead of `fill`'s (a row never stored); None: none is.
+      fresh_ids: `[n]` uint32 table rows for `fresh` entries (None with `fresh`).
       per_process: `fill` and `fresh` come from several processes, each its own rows (see `_combined`).
 
     Returns:
@@ -88,8 +95,9 @@ def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariable
     stack = plan.stack(stack_name)
     if per_process:
         fill, fresh = _combined(plan, fill, fresh)
-    new = fresh_rows(stack.tables[0].table, table_key, fresh_ids)
-    fill = {k: jnp.where(fresh[:, None], new[k], v) for k, v in fill.items()}
+    if fresh is not None:
+        new = fresh_rows(stack.tables[0].table, table_key, fresh_ids)
+        fill = {k: jnp.where(fresh[:, None], new[k], v) for k, v in fill.items()}
     arrays = {TABLE_KEY: variables.table, **variables.slots}
     axis, rps = plan.axis_name, stack.rows_per_shard
 
@@ -97,15 +105,34 @@ def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariable
         lo = jax.lax.axis_index(axis) * rps
         out, evicted = {}, {}
         for k, local in arrays.items():
-            at = evict_at - lo
-            mine = (at >= 0) & (at < rps) & (evict_at >= 0)
-            rows = jnp.where(mine[:, None], local[jnp.clip(at, 0, rps - 1)], jnp.zeros((), local.dtype))
+            at = _local_at(evict_at, lo, rps)
+            rows = jnp.where((at < rps)[:, None], local[jnp.minimum(at, rps - 1)], jnp.zeros((), local.dtype))
             evicted[k] = _gathered(rows, axis)
-            to = fill_at - lo
-            to = jnp.where((to >= 0) & (to < rps) & (fill_at >= 0), to, rps)  # rps: out of bounds, dropped
-            out[k] = local.at[to].set(fill[k].astype(local.dtype), mode="drop")
+            out[k] = local.at[_local_at(fill_at, lo, rps)].set(fill[k].astype(local.dtype), mode="drop")
         return out, evicted
 
     out, evicted = jax.shard_map(swap, mesh=plan.mesh, in_specs=(P(axis), P(), P(), P()),
                                  out_specs=(P(axis), P()))(arrays, evict_at, fill_at, fill)
     return EmbeddingVariables(out.pop(TABLE_KEY), out), evicted
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
+def write_fresh(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariables, table_key: jax.Array,
+                at: jax.Array, ids: jax.Array) -> EmbeddingVariables:
+    """Writes the initial values of table rows `ids` (`[n]` uint32; rows never stored), with initial slots, at
+    global array rows `at` (`[n]` int32, -1: padding; distinct) of a stack's cache, in place.
+
+    The rows a batch misses that were never stored, apart from `swap_rows`' fill: only they are generated, and
+    no fill of zeros is made or moved for them.
+    """
+    stack = plan.stack(stack_name)
+    new = fresh_rows(stack.tables[0].table, table_key, ids)
+    arrays = {TABLE_KEY: variables.table, **variables.slots}
+    axis, rps = plan.axis_name, stack.rows_per_shard
+
+    def write(arrays, at, new):
+        to = _local_at(at, jax.lax.axis_index(axis) * rps, rps)
+        return {k: local.at[to].set(new[k].astype(local.dtype), mode="drop") for k, local in arrays.items()}
+
+    out = jax.shard_map(write, mesh=plan.mesh, in_specs=(P(axis), P(), P()), out_specs=P(axis))(arrays, at, new)
+    return EmbeddingVariables(out.pop(TABLE_KEY), out)

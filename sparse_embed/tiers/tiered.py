@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.relayout import TABLE_KEY
-from sparse_embed.core.row_swap import cache_positions, swap_rows
+from sparse_embed.core.row_swap import cache_positions, swap_rows, write_fresh
 from sparse_embed.core.specs import FeatureSpec, TableSpec
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import table_key
@@ -75,15 +75,18 @@ class TierStats:
 
 
 class _TableSwap(NamedTuple):
-    """One table's share of a swap, padded to `n` entries (position -1: padding)."""
+    """One table's share of a swap: `swap_rows`' entries padded to `n` (0: no call; position -1: padding), and
+    under one process the rows never stored, generated apart (`write_fresh`), padded to `g`."""
 
     evict_at: np.ndarray  # int32 [n] cache array rows to read out (dirty evictions)
     evicted_rows: np.ndarray  # int64 [k] their table rows
     fill_at: np.ndarray  # int32 [n] cache array rows to write
     fill: dict[str, np.ndarray]  # {"table": [n, dim], slot: [n, w]} values from the store
     placed: tuple | None  # `(fill, fresh)` as `swap_rows` takes them (prefetched), unless `pending` patches `fill`
-    fresh: np.ndarray  # bool [n]
-    fresh_ids: np.ndarray  # uint32 [n]
+    fresh: np.ndarray | None  # bool [n]: several processes: `fill`'s rows this process never stored; else None
+    fresh_ids: np.ndarray | None  # uint32 [n] the table rows of `fill` (with `fresh`)
+    new_at: np.ndarray  # int32 [g] cache array rows of the rows never stored (one process)
+    new_ids: np.ndarray  # uint32 [g] their table rows
     pending: tuple[tuple[int, np.ndarray, np.ndarray], ...]  # (swap, index in its evicted rows, index in fill)
     misses: np.ndarray  # int64 [m] the table rows it brings in
     slots: np.ndarray  # int32 [m] the cache rows they go to
@@ -108,7 +111,12 @@ class Swap(NamedTuple):
 
 
 def _bucket(n: int) -> int:
-    return max(_MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
+    """`n` rounded up to `_MIN_BUCKET`, or to a quarter of the power of two above it: padding stays under a
+    third of the entries, and a swap compiles for a few sizes."""
+    if n <= _MIN_BUCKET:
+        return _MIN_BUCKET
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
 
 
 def _padded(a: np.ndarray, n: int, fill: Any) -> np.ndarray:
@@ -303,38 +311,54 @@ class Tiers:
 
         Under several processes, the values of this process's rows only (the others' are zeros: `swap_rows`
         adds them up), and the ids' `totals` (lookups, hits) over all processes."""
-        n = _bucket(a.misses.size)
         mine = self._procs.owned(a.misses)
-        # where each miss's values come from: the newest earlier eviction not yet written back, else the store
-        done = self._written_through
-        for e in [e for e in t.pending if e <= done]:
-            del t.pending[e], t.pending_order[e]
-        source = np.full(a.misses.size, -1, np.int64)
-        pending = []
-        for e in sorted(t.pending, reverse=True):
-            rows_e = t.pending[e]
-            at = np.minimum(np.searchsorted(rows_e, a.misses), rows_e.size - 1)
-            found = (rows_e[at] == a.misses) & (source < 0) & mine
-            if found.any():
-                source[found] = e
-                pending.append((e, t.pending_order[e][at[found]], np.flatnonzero(found)))
+        source, pending = self._sources(t, a.misses, mine)
         stored = mine & (source < 0) & t.store.written[a.misses]
         fresh = mine & (source < 0) & ~stored
-        records = np.zeros((a.misses.size, t.store.width - 1), np.float32)
+        several = self._procs.several
+        # One process: the fill holds the rows with values (read, or evicted earlier), and the fresh rows are
+        # generated apart. Several: every miss (which are fresh differs between the processes' stores).
+        into = np.arange(a.misses.size) if several else np.flatnonzero(~fresh)
+        new = np.zeros(0, np.int64) if several else np.flatnonzero(fresh)
+        dirty = np.flatnonzero(a.dirty)
+        n = _bucket(max(into.size, dirty.size)) if into.size or dirty.size else 0
+        at = np.full(a.misses.size, -1, np.int64)  # each miss's entry in the fill
+        at[into] = np.arange(into.size)
+        records = np.zeros((n, t.store.width - 1), np.float32)
         t0 = time.perf_counter()
         if stored.any():
-            records[stored] = t.store.read(a.misses[stored])
+            records[at[stored]] = t.store.read(a.misses[stored])
         lookups, hits = totals or (a.lookups, a.hits)
         counts = dict(lookups=lookups, hits=hits, misses=a.misses.size, read_seconds=time.perf_counter() - t0,
                       fresh=int(fresh.sum()), rows_read=int(stored.sum()),
                       bytes_read=int(stored.sum()) * t.store.record_bytes, from_evicted=int((source >= 0).sum()))
-        fill, fresh = {k: _padded(v, n, 0) for k, v in t.split(records).items()}, _padded(fresh, n, False)
-        placed = self._place(fill, fresh) if device_put and not pending else None
+        fill, flags = t.split(records), _padded(fresh, n, False) if several else None
+        placed = self._place(fill, flags) if device_put and n and not pending else None
+        g = _bucket(new.size) if new.size else 0
         return _TableSwap(
-            evict_at=_padded(t.positions[a.slots[a.dirty]], n, -1), evicted_rows=a.evicted[a.dirty],
-            fill_at=_padded(t.positions[a.slots], n, -1), fill=fill, placed=placed,
-            fresh=fresh, fresh_ids=_padded(a.misses.astype(np.uint32), n, 0),
-            pending=tuple(pending), misses=a.misses, slots=a.slots, used=a.used), counts
+            evict_at=_padded(t.positions[a.slots[dirty]], n, -1), evicted_rows=a.evicted[dirty],
+            fill_at=_padded(t.positions[a.slots[into]], n, -1), fill=fill, placed=placed, fresh=flags,
+            fresh_ids=_padded(a.misses.astype(np.uint32), n, 0) if several else None,
+            new_at=_padded(t.positions[a.slots[new]], g, -1), new_ids=_padded(a.misses[new].astype(np.uint32), g, 0),
+            pending=tuple((e, src, at[dst]) for e, src, dst in pending), misses=a.misses, slots=a.slots,
+            used=a.used), counts
+
+    def _sources(self, t: _Table, misses: np.ndarray, mine: np.ndarray) -> tuple[np.ndarray, list]:
+        """Where each miss's values come from: `(source [m]`: the newest earlier swap whose eviction of the row
+        is not yet written back, else -1 (the store), `[(swap, index in its evicted rows, index in misses)]`)."""
+        done = self._written_through
+        for e in [e for e in t.pending if e <= done]:
+            del t.pending[e], t.pending_order[e]
+        source = np.full(misses.size, -1, np.int64)
+        pending = []
+        for e in sorted(t.pending, reverse=True):
+            rows_e = t.pending[e]
+            at = np.minimum(np.searchsorted(rows_e, misses), rows_e.size - 1)
+            found = (rows_e[at] == misses) & (source < 0) & mine
+            if found.any():
+                source[found] = e
+                pending.append((e, t.pending_order[e][at[found]], np.flatnonzero(found)))
+        return source, pending
 
     def _place(self, fill: dict[str, np.ndarray], fresh: np.ndarray) -> tuple:
         """`(fill, fresh)` on the devices as `swap_rows` takes them (per process under several)."""
@@ -363,17 +387,14 @@ class Tiers:
         evicted = {}
         for name, ts in swap.tables.items():
             t = self.tables[name]
-            if ts.placed is not None:
-                fill, fresh = ts.placed
-            else:
-                fill = {k: v.copy() for k, v in ts.fill.items()}
-                for e, src, dst in ts.pending:  # on the host: a copy of a few rows (an earlier swap's, done by now)
-                    for k, v in self._evicted[e][name].items():
-                        fill[k][dst] = np.asarray(v)[src]
-                fill, fresh = self._place(fill, ts.fresh)
-            out[t.stack.name], evicted[name] = swap_rows(self.plan, t.stack.name, out[t.stack.name], t.key,
-                                                         ts.evict_at, ts.fill_at, fill, fresh, ts.fresh_ids,
-                                                         per_process=self._procs.several)
+            v, evicted[name] = out[t.stack.name], {}
+            if ts.fill_at.size:
+                fill, fresh = ts.placed if ts.placed is not None else self._patched(name, ts)
+                v, evicted[name] = swap_rows(self.plan, t.stack.name, v, t.key, ts.evict_at, ts.fill_at, fill, fresh,
+                                             ts.fresh_ids, per_process=self._procs.several)
+            if ts.new_at.size:
+                v = write_fresh(self.plan, t.stack.name, v, t.key, ts.new_at, ts.new_ids)
+            out[t.stack.name] = v
             t.held[ts.slots] = ts.misses
             t.changed[ts.slots] = False
             if swap.train:
@@ -383,6 +404,15 @@ class Tiers:
         self._writes.put((swap.index, {n: (swap.tables[n].evicted_rows, evicted[n]) for n in evicted}))
         self._forget_evicted()
         return out
+
+    def _patched(self, name: str, ts: _TableSwap) -> tuple:
+        """`ts`'s `(fill, fresh)` placed, with the rows that earlier swaps evicted (and ran by now) copied in on the
+        host (a copy of a few rows)."""
+        fill = {k: v.copy() for k, v in ts.fill.items()}
+        for e, src, dst in ts.pending:
+            for k, v in self._evicted[e][name].items():
+                fill[k][dst] = np.asarray(v)[src]
+        return self._place(fill, ts.fresh)
 
     def _forget_evicted(self) -> None:
         """Drops the device copies of evicted rows that no swap still to run can take: written back, and every
@@ -450,8 +480,7 @@ class Tiers:
                 at = _padded(t.positions[part], n, -1)
                 none = {k: np.zeros((n, w), np.float32) for k, w in t.columns.items()}
                 out[t.stack.name], rows = swap_rows(self.plan, t.stack.name, out[t.stack.name], t.key, at,
-                                                    np.full(n, -1, np.int32), none, np.zeros(n, bool),
-                                                    np.zeros(n, np.uint32))
+                                                    np.full(n, -1, np.int32), none, None, None)
                 self._write_back(t, t.held[part], rows)
             t.changed[:] = False
             t.store.commit_step(step)
