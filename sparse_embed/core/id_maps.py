@@ -160,7 +160,7 @@ def initial_rows(stack: StackPlan, seed: jax.Array, keys: jax.Array) -> jax.Arra
 
 
 class _Mapped(NamedTuple):
-    rows: jax.Array  # [Q] local row of each distinct id (negative: none)
+    entries: tuple  # (rows, gains): what `finish` gives (see `_map_shard`)
     ids: IdMap
     tables: EmbeddingVariables  # with the new ids' rows (re)initialised
     stats: IdMapStats
@@ -199,15 +199,17 @@ def _stale_before(d, step: jax.Array):
 
 
 def _map_shard(stack: StackPlan, v: EmbeddingVariables, m: IdMap, u: jax.Array, occ: jax.Array, step: jax.Array,
-               shard: jax.Array, train: bool, search: kernels.KeySearch, touched) -> _Mapped:
-    """One shard: the rows of the distinct ids `u [Q, 2]` (any order; FREE = none), the new map and tables.
+               shard: jax.Array, train: bool, search: kernels.KeySearch, touched, finish) -> _Mapped:
+    """One shard: the distinct ids `u [Q, 2]` (any order; FREE = none) mapped, the new map and tables.
 
     `search` searches a `KeySet` (`key_set`'s functions, or the native kernel's); `touched`: in a train step,
-    `search.touch`'s result for `m.rows` and `u` (every stack's touched together, see `_map_jit`).
+    `search.touch`'s result for `m.rows` and `u` (every stack's touched together, see `_map_jit`), with
+    `finish`'s result for the rows it found if the touch computed that too; `finish`: the distinct ids' rows
+    `[Q]` (negative: none) -> what the entries get (`_Mapped.entries`).
     """
     d, rows, R = stack.dynamic, m.rows, stack.rows_per_shard
     if train:
-        slot, last, missing = touched
+        slot, last, missing, *found_entries = touched
         rows = rows._replace(last=last)
     else:
         slot = search.find(rows, u)
@@ -222,7 +224,7 @@ def _map_shard(stack: StackPlan, v: EmbeddingVariables, m: IdMap, u: jax.Array, 
     if not train:
         stats = IdMapStats(zero, zero, zero, miss().sum(), zero, zero, rows.size,
                            zero if m.pending is None else m.pending.size)
-        return _Mapped(found, m, v, stats)
+        return _Mapped(finish(found), m, v, stats)
     if m.pending is None:  # every miss is admitted
         admit, pend, counts, forgotten = miss, None, None, zero
     else:
@@ -236,10 +238,10 @@ def _map_shard(stack: StackPlan, v: EmbeddingVariables, m: IdMap, u: jax.Array, 
         ins = search.insert(rows, shard_capacity(stack, shard), u, want, removed, step)
         new = ins.slots >= 0  # admitted ids are misses: none of them has a row in `found`
         tally = jnp.stack([new.sum(), ins.evicted, (want & ~new).sum()]).astype(jnp.int32)
-        return jnp.where(new, ins.slots, found), ins.set, _reinit(stack, v, m.seed, u, ins.slots, new), tally
+        return finish(jnp.where(new, ins.slots, found)), ins.set, _reinit(stack, v, m.seed, u, ins.slots, new), tally
 
-    def keep(v):  # most steps: no map or table array changes, nothing to build
-        return found, rows, v, jnp.zeros_like(found, shape=(3,))
+    def keep(v):  # most steps: no map or table array changes, nothing to build (the touch may have finished)
+        return tuple(found_entries) or finish(found), rows, v, jnp.zeros_like(found, shape=(3,))
 
     if removed is not None:
         changes = admit().any() | removed.any()
@@ -301,6 +303,11 @@ class _Received(NamedTuple):
     inverse: jax.Array | None
     occ: jax.Array | None
 
+    def entries(self, coo: RawIdBatch) -> tuple[jax.Array, jax.Array] | None:
+        """With one source (its entries are this device's own), `(slot_of, gains)`: what a touch that hands the
+        entries their rows takes (`KeySearch.touch_many`); None with several (their rows travel back first)."""
+        return (self.slot_of, coo.values) if self.inverse is None else None
+
 
 def _receive(stack: StackPlan, axis: str, coo: RawIdBatch, search: kernels.KeySearch) -> _Received:
     """Inside shard_map: every source sends each shard the ids it owns (the lookup's exchange)."""
@@ -323,14 +330,18 @@ def _stack_body(stack: StackPlan, axis: str, coo: RawIdBatch, v: EmbeddingVariab
     """Inside shard_map, one stack: map the received ids, send every segment its rows."""
     S, R = stack.num_shards, stack.rows_per_shard
     C = coo.col_ids.shape[0] // S
-    u, slot_of, inverse = rec.u, rec.slot_of, rec.inverse
-    mapped = _map_shard(stack, v, m, u, rec.occ, step, jax.lax.axis_index(axis), train, search, touched)
-    v = mapped.tables
-    # One source: its ids arrive distinct (preprocessing numbered them), so key slot = distinct id.
-    row_of_slot = mapped.rows if inverse is None else search.take(mapped.rows, inverse, R)
-    rows = search.take(row_of_slot, slot_of, R)  # unused entries' slot_of is out of range: R
+
+    def finish(rows):  # the distinct ids' rows -> each received entry's row (unused entries: R), [its gain]
+        if rec.inverse is None:  # one source: its ids arrive distinct (preprocessing numbered them)
+            got = search.take(rows, rec.slot_of, R)
+            return got, jnp.where(got < R, coo.values, 0.0)  # as key_set.entry_rows
+        return search.take(search.take(rows, rec.inverse, R), rec.slot_of, R), None
+
+    mapped = _map_shard(stack, v, m, rec.u, rec.occ, step, jax.lax.axis_index(axis), train, search, touched, finish)
+    v, (rows, gains) = mapped.tables, mapped.entries
     back = jax.lax.all_to_all(rows.reshape(S, C), axis, 0, 0, tiled=True).reshape(-1)  # [S * C] in my layout
-    rows = (coo.shard_starts, coo.shard_ends, back, coo.row_ids, jnp.where(back < R, coo.values, 0.0))
+    gains = jnp.where(back < R, coo.values, 0.0) if gains is None else gains
+    rows = (coo.shard_starts, coo.shard_ends, back, coo.row_ids, gains)
     if stack.dynamic.default is None:
         batch = ShardedCooMatrix(*rows)
     else:  # per output row: the gains of its ids without a row
@@ -420,8 +431,9 @@ def _map_jit(plan: EmbeddingPlan, train: bool, batch, tables, id_maps, step):
             for s in dyn:
                 groups.setdefault(kernels.for_stack(plan, s), []).append(s)
             for group in groups.values():
-                done = search[group[0].name].touch_many(
-                    [(local[s.name].rows, rec[s.name].u, _stale_before(s.dynamic, step)) for s in group], step)
+                sets = [(local[s.name].rows, rec[s.name].u, _stale_before(s.dynamic, step),
+                         rec[s.name].entries(coo[s.name])) for s in group]  # with one source: its entries' rows too
+                done = search[group[0].name].touch_many(sets, step)
                 touched.update({s.name: t for s, t in zip(group, done)})
         out = {}
         for s in dyn:

@@ -258,6 +258,13 @@ def take(values: jax.Array, index: jax.Array, fill) -> jax.Array:
     return jnp.where(got < 0, jnp.asarray(fill, got.dtype), got)
 
 
+def entry_rows(rows: jax.Array, slot_of: jax.Array, values: jax.Array, fill: int) -> tuple[jax.Array, jax.Array]:
+    """What a shard hands the entries of its one source: each entry's row `take(rows, slot_of, fill)` `[E]`, and its
+    value `values [E]`, 0 where it got no row (`fill`)."""
+    got = take(rows, slot_of, fill)
+    return got, jnp.where(got < fill, values, jnp.zeros((), values.dtype))
+
+
 def drop_missing(index: jax.Array, n: int) -> jax.Array:
     """Scatter indices with -1 (none) moved out of range, so that `mode="drop"` drops them."""
     return jnp.where(index >= 0, index, n)

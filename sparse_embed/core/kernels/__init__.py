@@ -78,8 +78,9 @@ class KeySearch(NamedTuple):
     insert: Callable[..., key_set.Inserted]
     unique: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
     take: Callable[[jax.Array, jax.Array, int], jax.Array]
-    # `touch` of several `(keys, queries, stale_before)` with one step: a list of its results
-    touch_many: Callable[[Sequence[tuple[key_set.KeySet, jax.Array, jax.Array]], jax.Array], list]
+    # `touch` of several `(keys, queries, stale_before[, (slot_of, values)])` with one step: a list of its results
+    # (with entries, `key_set.entry_rows` of each set's too)
+    touch_many: Callable[[Sequence[tuple], jax.Array], list]
 
 
 def key_search(plan: EmbeddingPlan, stack: StackPlan) -> KeySearch:

@@ -375,40 +375,68 @@ ffi::Error FindKeys(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_keys, ffi
 // threads, each set's touch runs on one thread and the sets spread over the pool (one call keeps both cores
 // busy throughout, where XLA ran the stacks' touch_keys one after another, each joining its own helpers);
 // with fewer, one after another on all threads. The same answers either way.
-// Args: step, then per set (sorted_keys, order, size, directory, span, queries, stale_before, last);
-// results per set (slots, last (aliased), missing).
+// Args: step, then per set (sorted_keys, order, size, directory, span, queries, stale_before, last[, slot_of,
+// values]); results per set (slots, last (aliased), missing[, rows, gains]). With `entries`, each set also hands
+// its entries their rows (key_set.entry_rows: rows[e] = slots[slot_of[e]], or N (the set's size) where there is
+// none; gains[e] = values[e] there, else 0), in the same pass: no gather and select of their own.
 ffi::Error TouchKeysMany(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> step, ffi::RemainingArgs args,
-                         ffi::RemainingRets rets, int64_t threads) {
-  const int64_t sets = int64_t(rets.size()) / 3;
-  if (int64_t(args.size()) != 8 * sets || int64_t(rets.size()) != 3 * sets)
-    return ffi::Error::InvalidArgument("sparse_embed touch_keys_many: 8 arguments and 3 results per set");
+                         ffi::RemainingRets rets, int64_t threads, int64_t entries) {
+  const int64_t n_args = entries ? 10 : 8, n_rets = entries ? 5 : 3, sets = int64_t(rets.size()) / n_rets;
+  if (int64_t(args.size()) != n_args * sets || int64_t(rets.size()) != n_rets * sets)
+    return ffi::Error::InvalidArgument("sparse_embed touch_keys_many: 8 arguments and 3 results per set (with "
+                                       "entries: 10 and 5)");
   struct Job {
     Set set;
     const int32_t* queries;
     int64_t count;
     Touch touch;
     int32_t *slots, *missing;
+    const int32_t* slot_of = nullptr;  // with entries
+    const float* values = nullptr;
+    int32_t* rows = nullptr;
+    float* gains = nullptr;
+    int64_t n_entries = 0;
   };
   std::vector<Job> jobs;
   for (int64_t i = 0; i < sets; i++) {
-    auto arg = [&](int64_t k) { return args.get<ffi::Buffer<ffi::S32>>(size_t(8 * i + k)); };
-    auto ret = [&](int64_t k) { return rets.get<ffi::Buffer<ffi::S32>>(size_t(3 * i + k)); };
+    auto arg = [&](int64_t k) { return args.get<ffi::Buffer<ffi::S32>>(size_t(n_args * i + k)); };
+    auto ret = [&](int64_t k) { return rets.get<ffi::Buffer<ffi::S32>>(size_t(n_rets * i + k)); };
     auto keys = arg(0), order = arg(1), size = arg(2), dir = arg(3), queries = arg(5), stale = arg(6), last = arg(7);
-    auto span = args.get<ffi::AnyBuffer>(size_t(8 * i + 4));
+    auto span = args.get<ffi::AnyBuffer>(size_t(n_args * i + 4));
     auto slots = ret(0), last_out = ret(1), missing = ret(2);
     if (!keys.has_value() || !order.has_value() || !size.has_value() || !dir.has_value() || !span.has_value() ||
         !queries.has_value() || !stale.has_value() || !last.has_value() || !slots.has_value() ||
         !last_out.has_value() || !missing.has_value())
       return ffi::Error::InvalidArgument("sparse_embed touch_keys_many: a set's buffers have the wrong types");
-    jobs.push_back(Job{set_of(*keys, *order, *size, *dir, *span), queries->typed_data(),
-                       int64_t((*slots)->element_count()),
-                       Touch{in_place(*last, *last_out), step.typed_data()[0], stale->typed_data()[0]},
-                       (*slots)->typed_data(), (*missing)->typed_data()});
+    Job job{set_of(*keys, *order, *size, *dir, *span), queries->typed_data(), int64_t((*slots)->element_count()),
+            Touch{in_place(*last, *last_out), step.typed_data()[0], stale->typed_data()[0]},
+            (*slots)->typed_data(), (*missing)->typed_data()};
+    if (entries) {
+      auto slot_of = arg(8);
+      auto rows = ret(3);
+      auto values = args.get<ffi::Buffer<ffi::F32>>(size_t(n_args * i + 9));
+      auto gains = rets.get<ffi::Buffer<ffi::F32>>(size_t(n_rets * i + 4));
+      if (!slot_of.has_value() || !values.has_value() || !rows.has_value() || !gains.has_value() ||
+          slot_of->element_count() != values->element_count() ||
+          (*rows)->element_count() != slot_of->element_count())
+        return ffi::Error::InvalidArgument("sparse_embed touch_keys_many: a set's entries have the wrong types");
+      job.slot_of = slot_of->typed_data(), job.values = values->typed_data();
+      job.rows = (*rows)->typed_data(), job.gains = (*gains)->typed_data();
+      job.n_entries = int64_t(slot_of->element_count());
+    }
+    jobs.push_back(job);
   }
   const int64_t nt = thread_count(pool, threads);
   const auto run = [&](int64_t i, int64_t on) {
     const Job& j = jobs[size_t(i)];
     *j.missing = int32_t(find_all(pool, on, j.set, j.queries, j.count, j.touch, j.slots));
+    const int32_t none = int32_t(j.set.n);
+    for (int64_t e = 0; e < j.n_entries; e++) {
+      const int32_t at = j.slot_of[e];
+      const int32_t row = at >= 0 && at < j.count && j.slots[at] >= 0 ? j.slots[at] : none;
+      j.rows[e] = row;
+      j.gains[e] = row < none ? j.values[e] : 0.0f;
+    }
   };
   if (sets >= nt)
     parallel_for(pool, nt, sets, [&](int64_t i) { run(i, 1); });
@@ -761,7 +789,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedTouchKeysMany, TouchKeysMany,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // step []
                                   .RemainingArgs()               // per set: see TouchKeysMany
                                   .RemainingRets()
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("entries"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseEmbedInsertKeys, InsertKeys,
                               ffi::Ffi::Bind()

@@ -79,9 +79,13 @@ class KernelBase:
                    stale_before: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return key_set.touch(keys, queries, step, stale_before)
 
-    def touch_keys_many(self, sets: Sequence[tuple[key_set.KeySet, jax.Array, jax.Array]],
-                        step: jax.Array) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
-        return [self.touch_keys(keys, queries, step, stale_before) for keys, queries, stale_before in sets]
+    def touch_keys_many(self, sets: Sequence[tuple], step: jax.Array) -> list[tuple[jax.Array, ...]]:
+        out = []
+        for keys, queries, stale_before, *entries in sets:
+            slots, last, missing = self.touch_keys(keys, queries, step, stale_before)
+            rows = key_set.entry_rows(slots, *entries[0], keys.last.shape[0]) if entries and entries[0] else ()
+            out.append((slots, last, missing, *rows))
+        return out
 
     def insert_keys(self, keys: key_set.KeySet, capacity: jax.Array, queries: jax.Array, want: jax.Array,
                     removed: jax.Array | None, step: jax.Array) -> key_set.Inserted:

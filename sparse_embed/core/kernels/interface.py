@@ -47,8 +47,9 @@ train step lacks them).
 The raw-id map (`id_maps`) asks the kernel of a raw-id stack for its
 `KeySet` work (`key_set`'s signatures; the defaults are `key_set`'s
 functions): `find_keys(keys, queries)`, `touch_keys(keys, queries, step,
-stale_before)`, `touch_keys_many([(keys, queries, stale_before), ...],
-step)` (a train step touches all its raw-id stacks' sets at once),
+stale_before)`, `touch_keys_many([(keys, queries, stale_before[, entries]), ...],
+step)` (a train step touches all its raw-id stacks' sets at once, and
+hands one source's entries their rows in the same call),
 `insert_keys(keys, capacity, queries, want, removed, step)`,
 `unique_keys(queries)` and `take_rows(values, index, fill)`.
 
@@ -158,9 +159,9 @@ class Kernel(Protocol):
                    stale_before: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """`key_set.touch`: `(slots [Q], last [N], missing [])` with the found keys' last-use steps set."""
 
-    def touch_keys_many(self, sets: Sequence[tuple[key_set.KeySet, jax.Array, jax.Array]],
-                        step: jax.Array) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
-        """`touch_keys` of several `(keys, queries, stale_before)` with one step."""
+    def touch_keys_many(self, sets: Sequence[tuple], step: jax.Array) -> list[tuple[jax.Array, ...]]:
+        """`touch_keys` of several `(keys, queries, stale_before[, (slot_of, values)])` with one step; a set with
+        entries also gets `key_set.entry_rows(slots, slot_of, values, N)` (two more results)."""
 
     def insert_keys(self, keys: key_set.KeySet, capacity: jax.Array, queries: jax.Array, want: jax.Array,
                     removed: jax.Array | None, step: jax.Array) -> key_set.Inserted:

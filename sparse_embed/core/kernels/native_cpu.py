@@ -231,22 +231,30 @@ class NativeCpuKernel(KernelBase):
                    stale_before: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return self.touch_keys_many([(keys, queries, stale_before)], step)[0]
 
-    def touch_keys_many(self, sets: Sequence[tuple[key_set.KeySet, jax.Array, jax.Array]],
-                        step: jax.Array) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
-        """`touch_keys` of several `(keys, queries, stale_before)` in one call: the sets spread over the threads
-        (XLA would run one call per set one after another)."""
+    def touch_keys_many(self, sets: Sequence[tuple], step: jax.Array) -> list[tuple[jax.Array, ...]]:
+        """`touch_keys` of several `(keys, queries, stale_before[, (slot_of, values)])` in one call: the sets spread
+        over the threads (XLA would run one call per set one after another); with entries (every set or none),
+        each set's `key_set.entry_rows` too, in the same pass."""
         _register()  # `find_keys`, then the found keys' last-use steps set in place (`last` aliased)
         i32 = lambda x: jnp.asarray(x, jnp.int32)
+        entries = [s[3] if len(s) > 3 else None for s in sets]
+        with_entries = all(e is not None for e in entries)
+        if not with_entries and any(e is not None for e in entries):
+            raise ValueError("touch_keys_many: entries for every set or for none")
         args, out = [], []
-        for keys, queries, stale_before in sets:
+        for (keys, queries, stale_before, *_), e in zip(sets, entries):
             args += [*self._set(keys), queries, i32(stale_before), keys.last]
             # results typed like the inputs (inside shard_map: varying over its axes, as `last` is)
             out += [jax.typeof(queries).update(shape=queries.shape[:1]), jax.typeof(keys.last),
                     jax.typeof(keys.size).update(shape=())]
+            if with_entries:
+                args += [i32(e[0]), e[1].astype(jnp.float32)]
+                out += [jax.typeof(e[0]).update(dtype=jnp.int32), jax.typeof(e[1]).update(dtype=jnp.float32)]
+        per_arg, per_out = (10, 5) if with_entries else (8, 3)
         res = jax.ffi.ffi_call(_TARGET.format("touch_keys_many"), out,
-                               input_output_aliases={1 + 8 * i + 7: 3 * i + 1 for i in range(len(sets))})(
-            i32(step), *args, threads=np.int64(self.threads))
-        return [tuple(res[3 * i: 3 * i + 3]) for i in range(len(sets))]
+                               input_output_aliases={1 + per_arg * i + 7: per_out * i + 1 for i in range(len(sets))})(
+            i32(step), *args, threads=np.int64(self.threads), entries=np.int64(with_entries))
+        return [tuple(res[per_out * i: per_out * (i + 1)]) for i in range(len(sets))]
 
     def insert_keys(self, keys: key_set.KeySet, capacity: jax.Array, queries: jax.Array, want: jax.Array,
                     removed: jax.Array | None, step: jax.Array) -> key_set.Inserted:
