@@ -1,6 +1,7 @@
 """Builds the optional native code (metadata: pyproject.toml).
 
 - `sparse_embed.host._native` (C, the CPython API only): preprocessing's kernels.
+- `sparse_embed.tiers._clock` (C, the CPython API only): an offloaded table's cache admission (else numpy).
 - `sparse_embed.core.kernels._native_cpu` (C++17, XLA's typed FFI): the native CPU kernel of the lookup
   and of the raw-id map's key search.
   Its headers ship with jaxlib (`jaxlib/include`), a build requirement in pyproject.toml.
@@ -31,6 +32,12 @@ extensions = [
         ["sparse_embed/host/_native.c"],
         # portable -O3 (no -march); no FMA contraction, so float sums match numpy's bit for bit
         extra_compile_args=["-O3", "-ffp-contract=off"],
+        optional=True,
+    ),
+    Extension(
+        "sparse_embed.tiers._clock",
+        ["sparse_embed/tiers/_clock.c"],
+        extra_compile_args=["-O3"],
         optional=True,
     ),
 ]

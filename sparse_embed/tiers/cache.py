@@ -10,14 +10,19 @@ written.
 
 An admission touches only the batch's rows and the rows the hand sweeps (no
 pass over the whole cache), and records what it changed, so that `restore`
-can undo it when the rest of the batch's preprocessing fails.
+can undo it when the rest of the batch's preprocessing fails. Its two passes
+over every id and over the swept rows run in C (`_clock.c`) where built,
+else in numpy, with the same results.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import numpy as np
+
+from sparse_embed.host.native import ENV
 
 
 class Admission(NamedTuple):
@@ -43,6 +48,17 @@ def distinct(a: np.ndarray) -> np.ndarray:
     return s[keep]
 
 
+def _extension():
+    """The C passes (`_clock.c`), or None: not built, or `SPARSE_EMBED_NATIVE=0` (read at each call)."""
+    if os.environ.get(ENV) == "0":
+        return None
+    try:
+        from sparse_embed.tiers import _clock
+    except ImportError:
+        return None
+    return _clock
+
+
 class CacheMap:
     """The host's map of one offloaded table's cache: `cache_rows` rows over `vocabulary_size`."""
 
@@ -62,32 +78,26 @@ class CacheMap:
         `train`: the batch's step updates them (they become dirty).
         Raises a ValueError naming the table when they are more than the cache holds (changing nothing).
         """
-        rows = np.asarray(rows, np.int64)
-        mapped = self.slot_of[rows]  # a -1 row reads the last table row's entry: set back to -1 below
-        miss = mapped < 0
-        none = rows < 0
-        if none.any():
-            mapped[none] = -1
-            miss &= ~none
-        wanted = rows[miss]
-        hits = mapped[mapped >= 0]
-        misses = distinct(wanted)
+        rows = np.ascontiguousarray(rows, np.int64)
+        flat = rows.reshape(-1)
+        ext = _extension()
         pinned = self._pinned  # the batch's cached rows: never evicted for its misses
-        pinned[hits] = True
-        cached = np.flatnonzero(pinned)
         try:
+            mapped, hits, cached, miss_at = self._lookup(ext, flat)
+            wanted = flat[miss_at]
+            misses = distinct(wanted)
             if cached.size + misses.size > self.rows:
                 need = cached.size + misses.size
                 raise ValueError(f"Table {self.table!r}: a batch reads {need} distinct rows, more than its cache of "
                                  f"{self.rows} rows (Offload(cache_rows=...)); give it at least {need} rows, and "
                                  f"several batches' worth for a useful hit rate.")
             undo = (self.hand, cached, self.referenced[cached], self.dirty[cached])
-            victims, swept = self._victims(misses.size, pinned)
+            victims, first_bits = self._victims(ext, misses.size, pinned)
         finally:
             pinned[:] = False
         evicted = self.row_of[victims]
         dirty = self.dirty[victims] & (evicted >= 0)
-        undo += (swept, victims, self.dirty[victims], evicted)
+        undo += (first_bits, victims, self.dirty[victims], evicted)
         self.slot_of[evicted[evicted >= 0]] = -1
         self.slot_of[misses] = victims
         self.row_of[victims] = misses
@@ -96,17 +106,16 @@ class CacheMap:
         self.dirty[victims] = train
         if train:
             self.dirty[cached] = True
-        mapped[miss] = self.slot_of[wanted]
+        mapped[miss_at] = self.slot_of[wanted]
         used = np.concatenate([cached, victims]).astype(np.int32)
-        return Admission(misses, victims.astype(np.int32), evicted, dirty, int(hits.size), int(hits.size + wanted.size),
-                         mapped, used, undo)
+        return Admission(misses, victims.astype(np.int32), evicted, dirty, hits, hits + wanted.size,
+                         mapped.reshape(rows.shape), used, undo)
 
     def restore(self, admission: Admission) -> None:
         """Undoes `admission`, the last `admit`'s."""
-        hand, cached, referenced, dirty, swept, victims, victims_dirty, evicted = admission.undo
+        hand, cached, referenced, dirty, first_bits, victims, victims_dirty, evicted = admission.undo
         self.referenced[cached] = referenced
-        for at, bits in reversed(swept):  # the first sweep of a position saw its bit before this admission
-            self.referenced[at] = bits
+        self.referenced[(hand + np.arange(first_bits.size)) % self.rows] = first_bits
         self.dirty[victims] = victims_dirty
         self.dirty[cached] = dirty
         self.hand = hand
@@ -115,28 +124,52 @@ class CacheMap:
         self.slot_of[evicted[back]] = victims[back]
         self.row_of[victims] = evicted
 
-    def _victims(self, m: int, keep: np.ndarray) -> tuple[np.ndarray, list]:
+    def _lookup(self, ext, flat: np.ndarray) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+        """`(mapped, hits, cached, miss_at)`: the cache row of each of `flat`'s rows (-1: none or a miss), how
+        many are cached, the distinct cache rows they use (also marked in `_pinned`), and where the misses are."""
+        if ext is not None:
+            mapped, cached, miss_at = (np.empty(flat.size, np.int32), np.empty(flat.size, np.int64),
+                                       np.empty(flat.size, np.int64))
+            hits, c, m = ext.lookup(flat, self.slot_of, self._pinned, mapped, cached, miss_at)
+            return mapped, hits, cached[:c], miss_at[:m]
+        mapped = self.slot_of[flat]  # a -1 row reads the last table row's entry: set back to -1 below
+        miss = mapped < 0
+        none = flat < 0
+        if none.any():
+            mapped[none] = -1
+            miss &= ~none
+        hits = mapped[mapped >= 0]
+        self._pinned[hits] = True
+        return mapped, hits.size, np.flatnonzero(self._pinned), np.flatnonzero(miss)
+
+    def _victims(self, ext, m: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`m` cache rows to reuse, by CLOCK, never one where `keep` (the batch's hits; it marks the victims too);
-        and `[(positions, their reference bits before)]` of each stretch the hand swept."""
+        and the reference bits the hand found on its first turn over the rows it swept (from the old hand on)."""
         if m == 0:
-            return np.zeros(0, np.int64), []
-        out, swept, found, turned = [], [], 0, 0
+            return np.zeros(0, np.int64), np.zeros(0, bool)
+        if ext is not None:
+            victims, first_bits = np.empty(m, np.int64), np.empty(self.rows, bool)
+            self.hand, swept = ext.sweep(self.referenced, keep, self.hand, m, victims, first_bits)
+            if swept < 0:
+                raise AssertionError(f"Table {self.table!r}: the cache has no {m} rows to reuse.")
+            return victims, first_bits[:min(swept, self.rows)].copy()
+        out, bits, found, swept = [], [], 0, 0
         while found < m:
-            if turned >= 2 * self.rows + m:  # two full turns clear every bit: only pinned rows are left
+            if swept >= 2 * self.rows + m:  # two full turns clear every bit: only pinned rows are left
                 raise AssertionError(f"Table {self.table!r}: the cache has no {m} rows to reuse.")
             size = min(self.rows, max(2 * (m - found), 4096))
             window = (self.hand + np.arange(size)) % self.rows
             free = ~self.referenced[window] & ~keep[window]
             take = np.flatnonzero(free)[:m - found]
             end = size if take.size < m - found else int(take[-1]) + 1
-            swept.append((window[:end], self.referenced[window[:end]]))
+            bits.append(self.referenced[window[:end]])
             self.referenced[window[:end]] = False
             keep[window[take]] = True  # a later turn of the hand must not take them again
             out.append(window[take])
             found += take.size
-            turned += end
+            swept += end
             self.hand = int((self.hand + end) % self.rows)
-        return np.concatenate(out), swept
+        return np.concatenate(out), np.concatenate(bits)[:self.rows]
 
     def map(self, rows: np.ndarray) -> np.ndarray:
         """Cache rows of table rows `rows` (any shape; -1 stays -1). Every row must be cached."""

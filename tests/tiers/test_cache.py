@@ -1,12 +1,26 @@
 """`CacheMap` (CLOCK over an offloaded table's cache rows) against a plain-Python CLOCK, one row at a time:
-the same misses, cache rows, evictions, dirty bits and per-id cache rows; `restore` undoes an admission."""
+the same misses, cache rows, evictions, dirty bits and per-id cache rows; `restore` undoes an admission. On
+the numpy path and on the C passes alike."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sparse_embed.tiers.cache import CacheMap, distinct
+from sparse_embed.host.native import ENV
+from sparse_embed.tiers.cache import CacheMap, _extension, distinct
+
+PATHS = ["numpy", pytest.param("C", marks=pytest.mark.skipif(_extension() is None, reason="_clock.c not built"))]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """Each test on the numpy path and on the C passes (`_clock.c`)."""
+    if request.param == "numpy":
+        monkeypatch.setenv(ENV, "0")
+    else:
+        monkeypatch.delenv(ENV, raising=False)
+    return request.param
 
 
 class ReferenceClock:
@@ -41,7 +55,7 @@ class ReferenceClock:
             self.dirty[p] = train or (p in cached and self.dirty[p])
         mapped = [self.slot_of[r] if r >= 0 else -1 for r in rows]
         hits = sum(1 for r in valid if self.slot_of[r] in cached)
-        return misses, victims, evicted, dirty, hits, len(valid), mapped, sorted(cached) + victims
+        return misses, victims, evicted, dirty, hits, len(valid), mapped, sorted(cached) + victims  # used
 
 
 def _state(c: CacheMap) -> tuple:
@@ -49,7 +63,7 @@ def _state(c: CacheMap) -> tuple:
 
 
 @pytest.mark.parametrize("cache_rows", [40, 150])
-def test_admissions_equal_a_plain_clock(cache_rows):
+def test_admissions_equal_a_plain_clock(cache_rows, path):
     rng = np.random.default_rng(cache_rows)
     vocab = 1000
     c, ref = CacheMap("t", vocab, cache_rows), ReferenceClock(cache_rows)
@@ -70,7 +84,8 @@ def test_admissions_equal_a_plain_clock(cache_rows):
         np.testing.assert_array_equal(a.evicted, evicted)
         np.testing.assert_array_equal(a.dirty, dirty)
         np.testing.assert_array_equal(a.mapped, np.reshape(mapped, rows.shape))
-        np.testing.assert_array_equal(a.used, used)
+        np.testing.assert_array_equal(np.sort(a.used[:a.used.size - a.slots.size]), used[:len(used) - len(victims)])
+        np.testing.assert_array_equal(a.used[a.used.size - a.slots.size:], victims)
         assert (a.hits, a.lookups) == (hits, lookups) and a.mapped.dtype == np.int32
         np.testing.assert_array_equal(c.referenced, ref.referenced)
         np.testing.assert_array_equal(c.dirty, ref.dirty)
@@ -79,7 +94,7 @@ def test_admissions_equal_a_plain_clock(cache_rows):
     assert 0 < a.hits < a.lookups and written_back > 0  # the cache churned
 
 
-def test_a_batch_larger_than_the_cache_changes_nothing():
+def test_a_batch_larger_than_the_cache_changes_nothing(path):
     c = CacheMap("items", 100, 8)
     c.admit(np.arange(6), True)
     before = _state(c)
@@ -94,3 +109,18 @@ def test_distinct_is_np_unique():
     a = np.random.default_rng(0).integers(0, 50, 300)
     np.testing.assert_array_equal(distinct(a), np.unique(a))
     assert distinct(np.zeros(0, np.int64)).size == 0
+
+
+@pytest.mark.skipif(_extension() is None, reason="_clock.c not built")
+def test_c_passes_refuse_rows_outside_the_map(monkeypatch):
+    """The C pass checks every row against the map (ids are validated before, but no input may read out of
+    bounds), and the buffers' types."""
+    monkeypatch.delenv(ENV, raising=False)
+    c = CacheMap("t", 10, 4)
+    with pytest.raises(IndexError, match=r"row 10 \(entry 1\) outside the table"):
+        c.admit(np.array([3, 10]), True)
+    assert not c._pinned.any()
+    n = 3
+    with pytest.raises(TypeError, match="rows: unexpected buffer format"):
+        _extension().lookup(np.zeros(n, np.int32), c.slot_of, c._pinned, np.empty(n, np.int32),
+                            np.empty(n, np.int64), np.empty(n, np.int64))
