@@ -116,23 +116,29 @@ def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariable
     return EmbeddingVariables(out.pop(TABLE_KEY), out), evicted
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
-def write_fresh(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariables, table_key: jax.Array,
-                at: jax.Array, ids: jax.Array) -> EmbeddingVariables:
-    """Writes the initial values of table rows `ids` (`[n]` uint32; rows never stored), with initial slots, at
-    global array rows `at` (`[n]` int32, -1: padding; distinct) of a stack's cache, in place.
+@functools.partial(jax.jit, static_argnums=(0,))
+def initial_rows(t: TableSpec, table_key: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
+    """`fresh_rows` as its own computation: an offloaded table's rows never stored, generated ahead of the swap
+    that writes them (`write_rows`), beside the step before it."""
+    return fresh_rows(t, table_key, ids)
 
-    The rows a batch misses that were never stored, apart from `swap_rows`' fill: only they are generated, and
-    no fill of zeros is made or moved for them.
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
+def write_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariables, at: jax.Array,
+               rows: dict[str, jax.Array]) -> EmbeddingVariables:
+    """Writes `rows` (`{"table": [n, dim], slot: [n, width]}`, replicated) at global array rows `at` (`[n]` int32,
+    -1: padding; distinct) of a stack's cache, in place.
+
+    Under one process, the rows a batch misses that were never stored (`initial_rows`) go in apart from
+    `swap_rows`' fill: no fill of zeros is made or moved for them.
     """
     stack = plan.stack(stack_name)
-    new = fresh_rows(stack.tables[0].table, table_key, ids)
     arrays = {TABLE_KEY: variables.table, **variables.slots}
     axis, rps = plan.axis_name, stack.rows_per_shard
 
-    def write(arrays, at, new):
+    def write(arrays, at, rows):
         to = _local_at(at, jax.lax.axis_index(axis) * rps, rps)
-        return {k: local.at[to].set(new[k].astype(local.dtype), mode="drop") for k, local in arrays.items()}
+        return {k: local.at[to].set(rows[k].astype(local.dtype), mode="drop") for k, local in arrays.items()}
 
-    out = jax.shard_map(write, mesh=plan.mesh, in_specs=(P(axis), P(), P()), out_specs=P(axis))(arrays, at, new)
+    out = jax.shard_map(write, mesh=plan.mesh, in_specs=(P(axis), P(), P()), out_specs=P(axis))(arrays, at, rows)
     return EmbeddingVariables(out.pop(TABLE_KEY), out)

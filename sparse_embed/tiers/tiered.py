@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.relayout import TABLE_KEY
-from sparse_embed.core.row_swap import cache_positions, swap_rows, write_fresh
+from sparse_embed.core.row_swap import cache_positions, initial_rows, swap_rows, write_rows
 from sparse_embed.core.specs import FeatureSpec, TableSpec
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import table_key
@@ -76,7 +76,7 @@ class TierStats:
 
 class _TableSwap(NamedTuple):
     """One table's share of a swap: `swap_rows`' entries padded to `n` (0: no call; position -1: padding), and
-    under one process the rows never stored, generated apart (`write_fresh`), padded to `g`."""
+    under one process the rows never stored, generated apart (`initial_rows`, `write_rows`), padded to `g`."""
 
     evict_at: np.ndarray  # int32 [n] cache array rows to read out (dirty evictions)
     evicted_rows: np.ndarray  # int64 [k] their table rows
@@ -87,6 +87,7 @@ class _TableSwap(NamedTuple):
     fresh_ids: np.ndarray | None  # uint32 [n] the table rows of `fill` (with `fresh`)
     new_at: np.ndarray  # int32 [g] cache array rows of the rows never stored (one process)
     new_ids: np.ndarray  # uint32 [g] their table rows
+    generated: dict | None  # their values on the devices (prefetched), else None
     pending: tuple[tuple[int, np.ndarray, np.ndarray], ...]  # (swap, index in its evicted rows, index in fill)
     misses: np.ndarray  # int64 [m] the table rows it brings in
     slots: np.ndarray  # int32 [m] the cache rows they go to
@@ -335,11 +336,13 @@ class Tiers:
         fill, flags = t.split(records), _padded(fresh, n, False) if several else None
         placed = self._place(fill, flags) if device_put and n and not pending else None
         g = _bucket(new.size) if new.size else 0
+        new_ids = _padded(a.misses[new].astype(np.uint32), g, 0)
+        generated = self._generate(t, new_ids) if device_put and g else None
         return _TableSwap(
             evict_at=_padded(t.positions[a.slots[dirty]], n, -1), evicted_rows=a.evicted[dirty],
             fill_at=_padded(t.positions[a.slots[into]], n, -1), fill=fill, placed=placed, fresh=flags,
             fresh_ids=_padded(a.misses.astype(np.uint32), n, 0) if several else None,
-            new_at=_padded(t.positions[a.slots[new]], g, -1), new_ids=_padded(a.misses[new].astype(np.uint32), g, 0),
+            new_at=_padded(t.positions[a.slots[new]], g, -1), new_ids=new_ids, generated=generated,
             pending=tuple((e, src, at[dst]) for e, src, dst in pending), misses=a.misses, slots=a.slots,
             used=a.used), counts
 
@@ -359,6 +362,10 @@ class Tiers:
                 source[found] = e
                 pending.append((e, t.pending_order[e][at[found]], np.flatnonzero(found)))
         return source, pending
+
+    def _generate(self, t: _Table, ids: np.ndarray) -> dict[str, jax.Array]:
+        """The initial values of table rows `ids` (uint32), replicated on the devices (one process)."""
+        return initial_rows(t.stack.tables[0].table, t.key, jax.device_put(ids, self._replicated))
 
     def _place(self, fill: dict[str, np.ndarray], fresh: np.ndarray) -> tuple:
         """`(fill, fresh)` on the devices as `swap_rows` takes them (per process under several)."""
@@ -393,7 +400,8 @@ class Tiers:
                 v, evicted[name] = swap_rows(self.plan, t.stack.name, v, t.key, ts.evict_at, ts.fill_at, fill, fresh,
                                              ts.fresh_ids, per_process=self._procs.several)
             if ts.new_at.size:
-                v = write_fresh(self.plan, t.stack.name, v, t.key, ts.new_at, ts.new_ids)
+                v = write_rows(self.plan, t.stack.name, v, ts.new_at,
+                               ts.generated if ts.generated is not None else self._generate(t, ts.new_ids))
             out[t.stack.name] = v
             t.held[ts.slots] = ts.misses
             t.changed[ts.slots] = False
@@ -511,7 +519,7 @@ class Tiers:
         def prepare(item: Any) -> TieredItem:
             ids, weights = _split(item, inputs)
             batch, stats, swap = self.preprocess(ids, weights, train=train)
-            jax.block_until_ready((batch, [s.placed for s in swap.tables.values()]))
+            jax.block_until_ready((batch, [(s.placed, s.generated) for s in swap.tables.values()]))
             return TieredItem(batch, stats, item, swap)
 
         return _TimedPrefetcher(self, prepare, iter(batches), buffer_size)

@@ -1,6 +1,6 @@
-"""`core.row_swap` (`swap_rows`, `write_fresh`), the device side of an offloaded table, against plain numpy: the
-rows read out are the cache's rows bit for bit (-0.0 included), the rows written in are the fill's or the
-initializer's; per process (blocks added up on the devices) as replicated."""
+"""`core.row_swap` (`swap_rows`, `initial_rows`, `write_rows`), the device side of an offloaded table, against
+plain numpy: the rows read out are the cache's rows bit for bit (-0.0 included), the rows written in are the
+fill's or the initializer's; per process (blocks added up on the devices) as replicated."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import sparse_embed as se
-from sparse_embed.core.row_swap import cache_positions, swap_rows, write_fresh
+from sparse_embed.core.row_swap import cache_positions, initial_rows, swap_rows, write_rows
 from sparse_embed.core.tables import table_key
 from tests.conftest import make_mesh
 
@@ -61,9 +61,9 @@ def test_swap_rows_against_numpy(tmp_path, devices, per_process):
 
 
 @pytest.mark.parametrize("devices", [1, 8])
-def test_write_fresh_writes_the_initial_rows(tmp_path, devices):
-    """`write_fresh` puts the in-memory table's initial rows (bit for bit) and initial slots at the cache rows
-    given, and leaves every other row; `swap_rows` without `fresh` writes the fill as given."""
+def test_initial_rows_written_apart(tmp_path, devices):
+    """`initial_rows` and `write_rows` put the in-memory table's initial rows (bit for bit) and initial slots at
+    the cache rows given, and leave every other row; `swap_rows` without `fresh` writes the fill as given."""
     spec = se.TableSpec("t", V, D, optimizer=se.optimizers.RowwiseAdagrad(0.1),
                         storage=se.offload.Offload(str(tmp_path), C))
     plan = se.plan([se.FeatureSpec("f", spec, 8)], make_mesh(devices))
@@ -73,8 +73,9 @@ def test_write_fresh_writes_the_initial_rows(tmp_path, devices):
     variables = se.stack_tables(plan, {"t": cache["table"]}, slots={"t": {"accumulator": cache["accumulator"]}})
     at, key = cache_positions(stack), jax.random.key(3)
     put, rows = np.array([7, 2, 19, -1]), np.array([77, 0, 99, 5], np.uint32)
-    out = write_fresh(plan, stack.name, variables["t"], table_key(key, "t"),
-                      np.where(put >= 0, at[np.maximum(put, 0)], -1).astype(np.int32), rows)
+    new = initial_rows(stack.tables[0].table, table_key(key, "t"), rows)
+    out = write_rows(plan, stack.name, variables["t"], np.where(put >= 0, at[np.maximum(put, 0)], -1).astype(np.int32),
+                     new)
     fill = {"table": g.standard_normal((N, D)).astype(np.float32), "accumulator": g.random((N, 1), np.float32)}
     out, _ = swap_rows(plan, stack.name, out, table_key(key, "t"), np.full(N, -1, np.int32),
                        np.array([at[1], -1, -1, -1], np.int32), fill, None, None)
