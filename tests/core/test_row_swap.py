@@ -18,17 +18,27 @@ from tests.conftest import make_mesh
 V, D, C, N = 100, 4, 24, 4  # table rows, width, cache rows, swap entries
 
 
+def _offloaded(path, devices: int, g: np.random.Generator) -> tuple:
+    """`(spec, plan, stack, cache)`: an offloaded table and random cache rows `{"table": [C, D], "accumulator":
+    [C, 1]}`."""
+    spec = se.TableSpec("t", V, D, optimizer=se.optimizers.RowwiseAdagrad(0.1),
+                        storage=se.offload.Offload(str(path), C))
+    plan = se.plan([se.FeatureSpec("f", spec, 8)], make_mesh(devices))
+    cache = {"table": g.standard_normal((C, D)).astype(np.float32), "accumulator": g.random((C, 1), np.float32)}
+    return spec, plan, plan.stack_of_table("t")[0], cache
+
+
+def _stacked(plan, cache: dict) -> dict:
+    return se.stack_tables(plan, {"t": cache["table"]}, slots={"t": {"accumulator": cache["accumulator"]}})
+
+
 @pytest.mark.parametrize("per_process", [False, True])
 @pytest.mark.parametrize("devices", [1, 8])
 def test_swap_rows_against_numpy(tmp_path, devices, per_process):
-    spec = se.TableSpec("t", V, D, optimizer=se.optimizers.RowwiseAdagrad(0.1),
-                        storage=se.offload.Offload(str(tmp_path), C))
-    plan = se.plan([se.FeatureSpec("f", spec, 8)], make_mesh(devices))
-    stack = plan.stack_of_table("t")[0]
     g = np.random.default_rng(0)
-    cache = {"table": g.standard_normal((C, D)).astype(np.float32), "accumulator": g.random((C, 1), np.float32)}
+    spec, plan, stack, cache = _offloaded(tmp_path, devices, g)
     cache["table"][5, :2] = -0.0
-    variables = se.stack_tables(plan, {"t": cache["table"]}, slots={"t": {"accumulator": cache["accumulator"]}})
+    variables = _stacked(plan, cache)
     at = cache_positions(stack)
     evict = np.array([5, 3, 11, -1])
     put = np.array([5, 3, 20, -1])  # cache rows written: 20 gets the initializer's row of table row 77
@@ -64,13 +74,9 @@ def test_swap_rows_against_numpy(tmp_path, devices, per_process):
 def test_initial_rows_written_apart(tmp_path, devices):
     """`initial_rows` and `write_rows` put the in-memory table's initial rows (bit for bit) and initial slots at
     the cache rows given, and leave every other row; `swap_rows` without `fresh` writes the fill as given."""
-    spec = se.TableSpec("t", V, D, optimizer=se.optimizers.RowwiseAdagrad(0.1),
-                        storage=se.offload.Offload(str(tmp_path), C))
-    plan = se.plan([se.FeatureSpec("f", spec, 8)], make_mesh(devices))
-    stack = plan.stack_of_table("t")[0]
     g = np.random.default_rng(1)
-    cache = {"table": g.standard_normal((C, D)).astype(np.float32), "accumulator": g.random((C, 1), np.float32)}
-    variables = se.stack_tables(plan, {"t": cache["table"]}, slots={"t": {"accumulator": cache["accumulator"]}})
+    spec, plan, stack, cache = _offloaded(tmp_path, devices, g)
+    variables = _stacked(plan, cache)
     at, key = cache_positions(stack), jax.random.key(3)
     put, rows = np.array([7, 2, 19, -1]), np.array([77, 0, 99, 5], np.uint32)
     new = initial_rows(stack.tables[0].table, table_key(key, "t"), rows)
