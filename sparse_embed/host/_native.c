@@ -452,15 +452,21 @@ typedef struct {
     i64 n_used, u_dev, e;
 } RawCount;
 
+/* The slot of `id` in a table: its own, or the empty one it would take. */
+static inline u64 idset_probe(const IdSlot *slots, u64 mask, int shift, u64 id)
+{
+    u64 h = id * GOLDEN >> shift;
+    while (slots[h].key && slots[h].key != id + 1)
+        h = (h + 1) & mask;
+    return h;
+}
+
 /* One entry of partition `key`: its id's number (a new id: the partition's next; one shard: the device's) into
    num[e], the partition into part[e]. */
 static inline __attribute__((always_inline)) void raw_entry(RawCount *c, i64 *unique, int32_t *part, int32_t *num,
                                                             u64 id, i64 key, const int one_shard)
 {
-    const u64 key1 = id + 1;
-    u64 h = id * GOLDEN >> c->shift;
-    while (c->slots[h].key && c->slots[h].key != key1)
-        h = (h + 1) & c->mask;
+    const u64 key1 = id + 1, h = idset_probe(c->slots, c->mask, c->shift, id);
     if (!c->slots[h].key) {
         c->slots[h].key = key1;
         c->slots[h].val = (int32_t)(one_shard ? c->u_dev++ : unique[key]++);
@@ -492,12 +498,9 @@ static int raw_dense_one_shard(RawCount *c, const int64_t *ids, i64 from, i64 to
             status = -1;
             break;
         }
-        const u64 key1 = (u64)id + 1;
-        u64 h = (u64)id * GOLDEN >> shift;
-        while (slots[h].key && slots[h].key != key1)
-            h = (h + 1) & mask;
+        const u64 h = idset_probe(slots, mask, shift, (u64)id);
         if (!slots[h].key) {
-            slots[h].key = key1;
+            slots[h].key = (u64)id + 1;
             slots[h].val = (int32_t)u++;
             used[n_used++] = (i64)h;
         }
