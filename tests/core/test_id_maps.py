@@ -792,6 +792,48 @@ def test_take_rows_equals_numpy_on_each_kernel(q, e):
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=type(k).__name__)
 
 
+@pytest.mark.parametrize("e", [0, 7, 5000])
+def test_touch_hands_entries_their_rows_on_each_kernel(e):
+    """`touch_keys_many` with entries `(slot_of, values)` per set (what `map_ids` passes with one source): besides
+    the touch, each entry's row `slots[slot_of]` (N, the set's size, where the index is outside `[0, Q)` or the
+    key is absent) and its value (0 there), against numpy, for two sets in one call, on the generic kernel and
+    the native one (one thread and all); the touch's own results as without entries."""
+    from sparse_embed.core import key_set
+    from sparse_embed.core.kernels import GENERIC, native_cpu
+
+    gen = np.random.default_rng(e)
+    n, q = 512, 300
+    sets, calls = [], []
+    for compact in (False, True):
+        held = np.unique(gen.integers(0, 2**36, 400))
+        s = key_set.insert(key_set.empty(n, compact), jnp.int32(n), _padded_words(held, 400),
+                           jnp.ones(400, bool).at[held.size:].set(False), None, jnp.int32(0)).set
+        ids = np.unique(np.concatenate([gen.choice(held, 200), gen.integers(0, 2**36, 60)]))
+        slot_of = gen.integers(-2, q + 2, e).astype(np.int32)
+        values = gen.normal(size=e).astype(np.float32)
+        sets.append((s, _padded_words(ids, q), jnp.int32(-5), (jnp.asarray(slot_of), jnp.asarray(values))))
+        calls.append((slot_of, values))
+    kernels = [GENERIC] + ([native_cpu.NativeCpuKernel(), native_cpu.NativeCpuKernel(threads=1)]
+                           if _native_here() else [])
+    for k in kernels:
+        got = jax.jit(k.touch_keys_many)(sets, jnp.int32(3))
+        plain = jax.jit(k.touch_keys_many)([t[:3] for t in sets], jnp.int32(3))
+        for (slots, last, missing, rows, gains), bare, (slot_of, values) in zip(got, plain, calls):
+            for a, b in zip((slots, last, missing), bare):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            slots = np.asarray(slots)
+            inside = (slot_of >= 0) & (slot_of < q)
+            want = np.where(inside, slots[np.clip(slot_of, 0, q - 1)], -1)
+            want = np.where(want >= 0, want, n)
+            np.testing.assert_array_equal(np.asarray(rows), want, err_msg=type(k).__name__)
+            np.testing.assert_array_equal(np.asarray(gains), np.where(want < n, values, 0.0), err_msg=type(k).__name__)
+            assert e == 0 or (want < n).any() and (want == n).any()  # rows and misses among the entries
+    mixed = [sets[0], sets[1][:3]]
+    if _native_here():
+        with pytest.raises(ValueError, match="entries for every set or for none"):
+            native_cpu.NativeCpuKernel().touch_keys_many(mixed, jnp.int32(3))
+
+
 def test_native_key_sets_on_each_lower_instruction_set():
     """The key-set and take_rows tests above again, in a process capped to each instruction set below the CPU's
     best (last in the file: the capped processes find the programs the tests above compiled in this process's
