@@ -110,7 +110,8 @@ def read_commits(plan: EmbeddingPlan, step_dir: str) -> dict | None:
     """This process's stores' commits the step recorded, checked (None: it recorded none)."""
     path = os.path.join(step_dir, EMBEDDINGS, _record(plan))
     if not os.path.exists(path):
-        others = sorted(n for n in os.listdir(os.path.join(step_dir, EMBEDDINGS))
+        item = os.path.join(step_dir, EMBEDDINGS)  # a step without it: the restore names the missing item
+        others = sorted(n for n in (os.listdir(item) if os.path.isdir(item) else ())
                         if re.fullmatch(r"offload(\.process\d+of\d+)?\.json", n))
         if others:
             raise CheckpointError(f"{step_dir} was saved by another number of processes than this run's "
