@@ -111,12 +111,13 @@ class Swap(NamedTuple):
     train: bool
 
 
-def _bucket(n: int) -> int:
-    """`n` rounded up to `_MIN_BUCKET`, or to a quarter of the power of two above it: padding stays under a
-    third of the entries, and a swap compiles for a few sizes."""
+def _bucket(n: int, fine: bool = False) -> int:
+    """`n` rounded up to `_MIN_BUCKET` and to a power of two (a jit compiles for a few sizes, also while the
+    count ramps up as the cache fills); `fine`: to a quarter of that power instead (padding under a third) for
+    the rows generated, whose count stays about the same from batch to batch."""
     if n <= _MIN_BUCKET:
         return _MIN_BUCKET
-    step = 1 << ((n - 1).bit_length() - 3)
+    step = 1 << ((n - 1).bit_length() - (3 if fine else 0))
     return -(-n // step) * step
 
 
@@ -335,7 +336,7 @@ class Tiers:
                       bytes_read=int(stored.sum()) * t.store.record_bytes, from_evicted=int((source >= 0).sum()))
         fill, flags = t.split(records), _padded(fresh, n, False) if several else None
         placed = self._place(fill, flags) if device_put and n and not pending else None
-        g = _bucket(new.size) if new.size else 0
+        g = _bucket(new.size, fine=True) if new.size else 0
         new_ids = _padded(a.misses[new].astype(np.uint32), g, 0)
         generated = self._generate(t, new_ids) if device_put and g else None
         return _TableSwap(
@@ -519,7 +520,8 @@ class Tiers:
         def prepare(item: Any) -> TieredItem:
             ids, weights = _split(item, inputs)
             batch, stats, swap = self.preprocess(ids, weights, train=train)
-            jax.block_until_ready((batch, [(s.placed, s.generated) for s in swap.tables.values()]))
+            # The rows never stored are still being generated: the worker goes on to the next batch meanwhile.
+            jax.block_until_ready((batch, [s.placed for s in swap.tables.values()]))
             return TieredItem(batch, stats, item, swap)
 
         return _TimedPrefetcher(self, prepare, iter(batches), buffer_size)
