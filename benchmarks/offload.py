@@ -12,7 +12,10 @@ this shared machine falls on both. A step's time is the loop's wall time
 from taking the batch to the step's result being ready (`swap` included,
 and any wait for the store). Reported: median / p10 / p90 ms per step, the
 ratio (goal <= 1.2x), the hit rate, rows read / written and bytes per
-step, and the loop's wait. `--uniform` adds the same with uniform ids.
+step, the loop's wait, and each system's process CPU time per step (every
+thread; the offloaded one's write-backs waited for at the end of each of
+its blocks), which other processes' load does not stretch. `--uniform`
+adds the same with uniform ids.
 
 `--huge` trains a 10^8 x 64 table (25.6 GB with its slots: more than this
 machine's memory) for `--huge-steps` (1000) Zipf steps in a fresh process
@@ -122,6 +125,11 @@ class System:
             self.step += 1
         return times
 
+    def settle(self) -> None:
+        """Waits for the write-backs so far (after a block: they count in its CPU time, not the next block's)."""
+        if self.tiers is not None:
+            self.tiers.wait()
+
     def close(self) -> None:
         self.items.close()
         if self.tiers is not None:
@@ -152,15 +160,22 @@ def side_by_side(args: argparse.Namespace, zipf: float | None, where: str) -> di
     memory.run(3)  # compile
     tiered.run(args.warmup)  # compile, and fill the cache
     times: dict[str, list[float]] = {"memory": [], "offloaded": []}
+    cpu = {"memory": 0.0, "offloaded": 0.0}
     before = tiered.tiers.stats()["t"]
     for _ in range(args.rounds):
-        times["memory"] += memory.run(args.steps)
-        times["offloaded"] += tiered.run(args.steps)
+        for name, system in (("memory", memory), ("offloaded", tiered)):
+            c0 = time.process_time()
+            times[name] += system.run(args.steps)
+            system.settle()
+            cpu[name] += time.process_time() - c0
     numbers = _tier_numbers(before, tiered.tiers.stats()["t"], len(times["offloaded"]))
     memory.close()
     tiered.close()
     out = {k: _ms(v) for k, v in times.items()}
     out["ratio"] = out["offloaded"]["median"] / out["memory"]["median"]
+    for k, v in cpu.items():
+        out[k]["cpu_ms_per_step"] = 1e3 * v / len(times[k])
+    out["cpu_ratio"] = out["offloaded"]["cpu_ms_per_step"] / out["memory"]["cpu_ms_per_step"]
     out["offloaded"].update(numbers)
     return out
 
@@ -207,6 +222,9 @@ def report(results: dict[str, Any]) -> None:
                   f"{o['bytes_read_per_step'] / 2**20:.2f} MiB read, {o['bytes_written_per_step'] / 2**20:.2f} MiB "
                   f"written; store reads {o['read_ms_per_step']:.2f} ms (worker), loop's wait "
                   f"{o['wait_ms_per_step']:.2f} ms")
+            print(f"  process CPU per step (every thread; other processes' load stretches wall time, not this): in "
+                  f"memory {m['cpu_ms_per_step']:.2f} ms, offloaded {o['cpu_ms_per_step']:.2f} ms, ratio "
+                  f"{r['cpu_ratio']:.2f}x")
         elif key == "huge":
             print(f"\nhuge: {r['rows']:.2e} rows, {r['steps']} steps: {r['steps_per_s']:.1f} steps/s, median "
                   f"{r['step_ms']['median']:.1f} ms; peak RSS {r['peak_rss_gib']:.2f} GiB (goal <= 8: "
