@@ -150,7 +150,6 @@ class SparseEmbed:
         self.count = 0
         (self._build_linen if api == "linen" else self._build_nnx)()
         self._dense_step = self._make_dense_step()
-        self._embedding_step = self._make_embedding_step()
 
     def _build_linen(self) -> None:
         plan, model, features = self.plan, self.model, self.features
@@ -207,30 +206,6 @@ class SparseEmbed:
         self._train = train
         self._predict = nnx.jit(lambda m, sparse, dense: m(sparse, dense, None))
         self._acts = nnx.jit(lambda m, sparse: m.embed(sparse, None))
-
-    def _make_embedding_step(self):
-        """The tables' part alone: the lookup and its backward (the optimizer on the touched rows) for fixed
-        activation gradients `cots`, tables donated."""
-        plan, features = self.plan, self.features
-
-        def step(tables, sparse, cots):
-            loss = lambda t: sum(jnp.sum(se.lookup(plan, sparse, t, None)[f] * c)  # noqa: E731
-                                 for f, c in zip(features, cots))
-            return jax.grad(loss)(tables)
-
-        return jax.jit(step, donate_argnums=0)
-
-    def embedding_step(self, cots: list, x) -> jax.Array:
-        if self.api == "linen":
-            tables = self._embedding_step(self.params["embed"]["tables"], x[0], cots)
-            self.params = {**self.params, "embed": {"tables": tables}}
-        else:
-            tables = self._embedding_step(self.module.embed.embedding_variables(), x[0], cots)
-            for name, v in tables.items():
-                self.module.embed.tables[name]["table"].set_value(v.table)
-                for k, a in v.slots.items():
-                    self.module.embed.tables[name]["slots"][k].set_value(a)
-        return next(iter(tables.values())).table[0, 0]
 
     def _make_dense_step(self):
         """The dense part alone (linen head, the same math in both APIs), on fixed activations."""

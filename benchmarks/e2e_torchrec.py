@@ -150,14 +150,6 @@ class TorchRec:
             pooled = self.dmp.module.ebc(x[0])
             return [pooled[f].clone() for f in self.features]
 
-    def embedding_step(self, cots: list, x) -> Any:
-        """The tables' part alone: the sharded collection's forward, and its backward (the fused optimizer) for
-        fixed activation gradients `cots`."""
-        pooled = self.dmp.module.ebc(x[0])
-        outs = [pooled[f] for f in self.features]
-        self.torch.autograd.backward(outs, cots)
-        return outs[0].detach()[0, 0]
-
     def dense_step(self, acts: list, x) -> Any:
         acts = [a.detach().requires_grad_() for a in acts]
         loss = self.torch.nn.functional.binary_cross_entropy_with_logits(self.plain_head(acts, x[1]), x[2])
