@@ -58,7 +58,7 @@ from sparse_embed.core.tables import stack_tables, unstack_state
 SLOT = "accumulator"  # sparse_embed's slot of both Adagrads; TorchRec calls it momentum1
 MOMENTUM = "momentum1"
 TINY = float(np.finfo(np.float32).tiny)  # FBGEMM's accumulators start at 0; ours must start > 0
-_NO_DECAY, _L2, _DECOUPLED, _DECOUPLED_GLOBAL = 0, 1, 2, 5  # FBGEMM's WeightDecayMode values
+_NO_DECAY, _DECOUPLED = 0, 2  # FBGEMM's WeightDecayMode values (names: _DECAY_NAMES)
 _DECAY_NAMES = {0: "NONE", 1: "L2", 2: "DECOUPLE", 3: "COUNTER", 4: "COWCLIP", 5: "DECOUPLE_GLOBAL"}
 
 
@@ -98,7 +98,7 @@ def optimizer_from_fused_params(params: Mapping[str, Any], *,
         raise ValueError("TorchRec's gradient_clipping (FBGEMM's max_gradient) clips where sparse_embed's "
                          "clip_gradient does not: not converted; train without it.")
     if kind == "exact_rowwise_adagrad":
-        if wd and mode not in (_DECOUPLED, _DECOUPLED_GLOBAL):
+        if wd and mode != _DECOUPLED:  # DECOUPLE_GLOBAL also decays the rows a step did not touch
             raise ValueError(f"FBGEMM's row-wise Adagrad with weight_decay_mode {_DECAY_NAMES.get(mode, mode)} has "
                              "no sparse_embed counterpart: sparse_embed decays decoupled only (w -= lr * wd * w, "
                              "FBGEMM's DECOUPLE); L2 adds wd * w to the gradient.")

@@ -294,6 +294,7 @@ def test_optimizers_map_both_ways(name):
     ({"optimizer": "exact_adagrad", "learning_rate": 0.1}, "eps=1e-08"),  # FBGEMM's default eps
     ({"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": 1}, "L2"),
     ({"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": "COUNTER"}, "COUNTER"),
+    ({"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": 5}, "DECOUPLE_GLOBAL"),
     ({"optimizer": "exact_sgd", "weight_decay": 0.1}, "no weight decay"),
     ({"optimizer": "adam"}, "'adam' has no sparse_embed optimizer"),
     ({"optimizer": "exact_sgd", "gradient_clipping": True}, "gradient_clipping"),
