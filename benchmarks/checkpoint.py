@@ -55,6 +55,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.environment import cpu_threads, environment  # noqa: E402
+from benchmarks import measuring  # noqa: E402
 from benchmarks.measuring import RSS  # noqa: E402
 
 GIB = 2**30
@@ -408,9 +409,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    "cases": cases}
         print(report_separate(cases, args.cache))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
+        measuring.write_json(args.json, results)
     return results
 
 

@@ -210,8 +210,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         with open(args.out, "w") as f:
             f.write(text)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        measuring.write_json(args.json, results)
     return results
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import e2e, environment, measuring  # noqa: E402
+from benchmarks import e2e, environment  # noqa: E402
 from benchmarks.e2e_data import MODELS, Data, HostBatch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import os
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from typing import Any, Sequence
 
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import measuring  # noqa: E402
 from benchmarks import environment, pipeline, workload  # noqa: E402
 
 LOOPS = {"prefetch": "se.prefetch (thread)", "grain": "se.data.Loader (grain)",
@@ -188,9 +188,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                "loops": loops, "criteo": criteo}
     print(format_report(results))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
+        measuring.write_json(json_path, results)
     return results
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import json
 import os
 import resource
 import sys
@@ -174,3 +175,11 @@ def hlo_collective_bytes(text: str, devices: int) -> float:
                    for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
         total += (2 if op == "all-reduce" else 1) * size * (devices - 1) / devices
     return total
+
+
+def write_json(path: str, results: Any) -> None:
+    """Writes a benchmark's results as JSON (its folder made if missing): one format for every script's record."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")

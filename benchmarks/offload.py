@@ -45,6 +45,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 import numpy as np  # noqa: E402
 
+from benchmarks import measuring  # noqa: E402
 from benchmarks.measuring import RSS  # noqa: E402
 from benchmarks.workload import id_sampler  # noqa: E402
 
@@ -256,8 +257,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if not args.dir:
             shutil.rmtree(where, ignore_errors=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        measuring.write_json(args.json, results)
     return results
 
 

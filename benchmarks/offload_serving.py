@@ -36,7 +36,6 @@ with every miss read from memory instead of the disk.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -49,6 +48,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 import numpy as np  # noqa: E402
 
+from benchmarks import measuring  # noqa: E402
 from benchmarks.measuring import RSS  # noqa: E402
 from benchmarks.workload import HASH_PRIME  # noqa: E402
 
@@ -278,8 +278,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         results["peak_rss_gib"] = RSS.final_process_peak() / GIB
         report(args, results)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "results": results}, f, indent=1)
+            measuring.write_json(args.json, {"args": vars(args), "results": results})
     finally:
         if not args.dir:
             remove_later(where)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import os
 import sys
 import time
@@ -228,9 +227,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                "loops": loops, "overlap": overlap(loops, cores)}
     print(format_report(results))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
+        measuring.write_json(json_path, results)
     return results
 
 

@@ -16,7 +16,6 @@ device, and the planner's printed plan. `--out` records it as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sparse_embed as se  # noqa: E402
+from benchmarks import measuring  # noqa: E402
 from benchmarks.measuring import hlo_collective_bytes  # noqa: E402
 
 
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> str:
     out = report(r)
     print(out)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(r, f, indent=1)
+        measuring.write_json(args.out, r)
     return out
 
 

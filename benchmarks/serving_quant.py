@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import shutil
 import statistics
@@ -50,6 +49,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 import sparse_embed as se  # noqa: E402
 import sparse_embed.serving as ss  # noqa: E402
+from benchmarks import measuring  # noqa: E402
 from benchmarks.workload import id_sampler  # noqa: E402
 from sparse_embed.io.restoring import static_part  # noqa: E402
 
@@ -366,9 +366,7 @@ def main(argv: list[str] | None = None) -> str:
     out = report(r)
     print(out)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(r, f, indent=1)
+        measuring.write_json(args.out, r)
     return out
 
 

@@ -52,14 +52,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import sys
 from typing import Any, Callable, Sequence
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import ours, peers, report, systems  # noqa: E402
+from benchmarks import measuring, ours, peers, report, systems  # noqa: E402
 from benchmarks.environment import configure_devices, cpu_threads, environment, make_mesh  # noqa: E402
 from benchmarks.measuring import RSS, free_memory  # noqa: E402
 from benchmarks.peers import FORWARD  # noqa: E402
@@ -200,9 +199,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         gc.unfreeze()
     print(report.format_report(results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
+        measuring.write_json(args.json, results)
     if args.plot:
         from benchmarks import plot
 
