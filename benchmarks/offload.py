@@ -14,8 +14,11 @@ and any wait for the store). Reported: median / p10 / p90 ms per step, the
 ratio (goal <= 1.2x), the hit rate, rows read / written and bytes per
 step, the loop's wait, and each system's process CPU time per step (every
 thread; the offloaded one's write-backs waited for at the end of each of
-its blocks), which other processes' load does not stretch. `--uniform`
-adds the same with uniform ids.
+its blocks), which other processes' load does not stretch, the
+write-backs' CPU time, and the load average. After the timed blocks the
+offloaded table is flushed (a commit: the cache's changed rows and the
+store's write log merged into its records), timed. `--uniform` adds the
+same with uniform ids.
 
 `--huge` trains a 10^8 x 64 table (25.6 GB with its slots: more than this
 machine's memory) for `--huge-steps` (1000) Zipf steps in a fresh process
@@ -131,6 +134,11 @@ class System:
         if self.tiers is not None:
             self.tiers.wait()
 
+    def flush(self) -> None:
+        """Commits the store (the cache's changed rows written back, the write log merged)."""
+        self.tables = self.tiers.flush(self.tables, self.step)
+        self.block_until_ready(self.tables)
+
     def close(self) -> None:
         self.items.close()
         if self.tiers is not None:
@@ -145,17 +153,20 @@ def _ms(times: list[float]) -> dict[str, float]:
 def _tier_numbers(before: Any, after: Any, steps: int) -> dict[str, float]:
     d = {k: getattr(after, k) - getattr(before, k) for k in ("lookups", "hits", "misses", "fresh", "rows_read",
                                                             "from_evicted", "rows_written", "bytes_read",
-                                                            "bytes_written", "read_seconds", "wait_seconds")}
+                                                            "bytes_written", "read_seconds", "wait_seconds",
+                                                            "write_seconds")}
     return {"hit_rate": d["hits"] / max(d["lookups"], 1),
             **{f"{k}_per_step": d[k] / steps for k in ("misses", "fresh", "rows_read", "from_evicted",
                                                           "rows_written", "bytes_read", "bytes_written")},
-            "read_ms_per_step": 1e3 * d["read_seconds"] / steps, "wait_ms_per_step": 1e3 * d["wait_seconds"] / steps}
+            "read_ms_per_step": 1e3 * d["read_seconds"] / steps, "wait_ms_per_step": 1e3 * d["wait_seconds"] / steps,
+            "write_cpu_ms_per_step": 1e3 * d["write_seconds"] / steps}
 
 
 def side_by_side(args: argparse.Namespace, zipf: float | None, where: str) -> dict[str, Any]:
     """In memory vs offloaded, alternating blocks of steps."""
     batches = draw_batches(args.rows, (args.batch, args.ids_per_sample), zipf,
                            args.warmup + args.rounds * args.steps + args.buffer + 4)
+    load = os.getloadavg()
     memory = System(args, args.rows, batches, None)
     tiered = System(args, args.rows, batches, os.path.join(where, f"store_{zipf}"))
     memory.run(3)  # compile
@@ -170,14 +181,18 @@ def side_by_side(args: argparse.Namespace, zipf: float | None, where: str) -> di
             system.settle()
             cpu[name] += time.process_time() - c0
     numbers = _tier_numbers(before, tiered.tiers.stats()["t"], len(times["offloaded"]))
+    t0, c0 = time.perf_counter(), time.process_time()
+    tiered.flush()
+    flush = {"flush_seconds": time.perf_counter() - t0, "flush_cpu_seconds": time.process_time() - c0}
     memory.close()
     tiered.close()
     out = {k: _ms(v) for k, v in times.items()}
+    out["load_average"] = [load, os.getloadavg()]
     out["ratio"] = out["offloaded"]["median"] / out["memory"]["median"]
     for k, v in cpu.items():
         out[k]["cpu_ms_per_step"] = 1e3 * v / len(times[k])
     out["cpu_ratio"] = out["offloaded"]["cpu_ms_per_step"] / out["memory"]["cpu_ms_per_step"]
-    out["offloaded"].update(numbers)
+    out["offloaded"].update(numbers, **flush)
     return out
 
 
@@ -222,7 +237,10 @@ def report(results: dict[str, Any]) -> None:
                   f"{o['from_evicted_per_step']:.0f}), written back {o['rows_written_per_step']:.0f}, "
                   f"{o['bytes_read_per_step'] / 2**20:.2f} MiB read, {o['bytes_written_per_step'] / 2**20:.2f} MiB "
                   f"written; store reads {o['read_ms_per_step']:.2f} ms (worker), loop's wait "
-                  f"{o['wait_ms_per_step']:.2f} ms")
+                  f"{o['wait_ms_per_step']:.2f} ms; write-backs' CPU {o['write_cpu_ms_per_step']:.2f} ms (writer)")
+            print(f"  then a flush (commit: the cache's changed rows and the write log into the store): "
+                  f"{o['flush_seconds']:.2f} s ({o['flush_cpu_seconds']:.2f} s CPU); load average before, after: "
+                  f"{', '.join('/'.join(f'{x:.1f}' for x in la) for la in r['load_average'])}")
             print(f"  process CPU per step (every thread; other processes' load stretches wall time, not this): in "
                   f"memory {m['cpu_ms_per_step']:.2f} ms, offloaded {o['cpu_ms_per_step']:.2f} ms, ratio "
                   f"{r['cpu_ratio']:.2f}x")

@@ -68,6 +68,7 @@ class TierStats:
     bytes_written: int = 0
     read_seconds: float = 0.0  # the worker's time reading the store
     wait_seconds: float = 0.0  # the loop's time waiting for a batch (its reads not done in time)
+    write_seconds: float = 0.0  # CPU time writing rows back (the writer thread's; a flush's): copies, the store
 
     @property
     def hit_rate(self) -> float:
@@ -455,9 +456,11 @@ class Tiers:
     def _write_back(self, t: _Table, rows: np.ndarray, records: Mapping[str, Any]) -> None:
         """Writes the records of table rows `rows` (`records[k][:rows.size]`, on the devices) that this process's
         store keeps."""
+        t0 = time.thread_time()
         mine = self._procs.owned(rows)
         host = {k: np.asarray(v)[:rows.size][mine] for k, v in records.items()}
         t.store.write(rows[mine], np.concatenate([host[k] for k in t.columns], axis=1))
+        t.stats.write_seconds += time.thread_time() - t0
         t.stats.rows_written += int(mine.sum())
         t.stats.bytes_written += int(mine.sum()) * t.store.record_bytes
 
