@@ -134,6 +134,17 @@ def _raw_rows(plan: EmbeddingPlan, tables, id_maps, changes: Changes) -> dict:
     return out
 
 
+def _in_order(table: str, what: str, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(ids, values)` sorted by id (int64; a delta stores sorted ids as gaps); ValueError if an id repeats."""
+    ids = np.asarray(ids, np.int64).ravel()
+    order = np.argsort(ids, kind="stable")
+    ids = ids[order]
+    twice = ids[1:][ids[1:] == ids[:-1]]
+    if twice.size:
+        raise ValueError(f"Table {table!r}: {what} {int(twice[0])} is given twice; a delta holds each once.")
+    return ids, np.asarray(values)[order]
+
+
 def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
                 raw: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None) -> tuple[str, Changes]:
     """Writes the next delta after `changes` from host rows: `rows[table] = (rows [n], float values [n, dim])`,
@@ -144,18 +155,18 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
     served = dict(changes.served_ids)
     for name, (r, values) in rows.items():
         header["tables"][name] = "rows"
-        r = np.asarray(r, np.int64)
-        arrays.update({f"{name}/rows": r.astype(np.int32) if r.size == 0 or r.max() < 2**31 else r,
-                       f"{name}/values": serving_rows(values, changes.dtypes[name], name)})
+        r, values = _in_order(name, "row", r, values)
+        arrays.update({f"{name}/rows": r, f"{name}/values": serving_rows(values, changes.dtypes[name], name)})
     for name, (upsert, values, evicted) in (raw or {}).items():
         header["tables"][name] = "ids"
-        arrays.update({f"{name}/rows": np.asarray(upsert, np.int64),
-                       f"{name}/values": serving_rows(values, changes.dtypes[name], name),
-                       f"{name}/evicted": np.asarray(evicted, np.int64)})
+        upsert, values = _in_order(name, "id", upsert, values)
+        evicted = _in_order(name, "evicted id", evicted, evicted)[0]
+        arrays.update({f"{name}/rows": upsert, f"{name}/values": serving_rows(values, changes.dtypes[name], name),
+                       f"{name}/evicted": evicted})
         served[name] = np.union1d(np.setdiff1d(served[name], evicted), upsert)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(os.fspath(directory), delta_name(changes.base, changes.seq + 1))
-    delta_file.write(path, header, arrays)
+    delta_file.write(path, header, arrays, ids=[k for k in arrays if not k.endswith("/values")])
     return path, Changes(changes.base, changes.seq + 1, changes.dtypes, {}, served)
 
 

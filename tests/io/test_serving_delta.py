@@ -16,6 +16,7 @@ import sparse_embed as se
 import sparse_embed.serving as ss
 from conftest import make_mesh
 from sparse_embed.io import delta_file
+from test_delta_file import _parts
 
 B = 8
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ def _assert_same_tables(got, want):
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8), err_msg=name)
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4", None])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "bfloat16", None])
 def test_a_chain_of_deltas_equals_a_full_export_bit_for_bit(dtype, tmp_path):
     plan = _plan()
     rng = jax.random.key(0)
@@ -141,20 +142,25 @@ def chain(tmp_path_factory):
     return tmp_path / "base", paths, foreign
 
 
-def _flipped(path, where, tmp_path):
+def _flipped(path, part, tmp_path):
+    """The delta at `path` with a bit of the middle byte of `part` (`_parts`) flipped, as a new file."""
     data = bytearray(pathlib.Path(path).read_bytes())
-    data[{"start": 3, "header": 40, "middle": len(data) // 2, "end": len(data) - 1}[where]] ^= 0x04
-    out = tmp_path / f"flipped_{where}.delta"
+    start, stop = _parts(bytes(data))[part]
+    data[(start + stop) // 2] ^= 0x04
+    out = tmp_path / "flipped.delta"
     out.write_bytes(bytes(data))
     return out
+
+
+PARTS = ("magic", "length", "header", "items/rows", "items/values", "tags/rows", "tags/values", "users/rows",
+         "users/values", "users/evicted", "checksum")
 
 
 @pytest.mark.parametrize("case, error, match", [
     ("foreign", se.CheckpointError, "applies to export .*, but the served tables come from export"),
     ("second_first", se.CheckpointError, r"is number 2 after export .* at number 0: apply .*\.000001\.delta next"),
     ("first_twice", se.CheckpointError, "is number 1 after export .* at number 1"),
-    *[(f"flip_{w}", se.CorruptCheckpointError, "is damaged or incomplete") for w in ("start", "header", "middle",
-                                                                                        "end")],
+    *[(f"flip_{part}", se.CorruptCheckpointError, "is damaged or incomplete") for part in PARTS],
     ("truncated", se.CorruptCheckpointError, "is damaged or incomplete"),
 ])
 def test_a_bad_delta_is_refused_and_changes_nothing(chain, case, error, match, tmp_path):
@@ -260,3 +266,20 @@ def test_tracking_from_a_training_checkpoint_or_without_id_maps_is_refused(tmp_p
     with pytest.raises(ValueError, match=r"The export has raw-id tables \['users'\], the plan \[\]"):
         ss.export_delta(tmp_path / "d", static, se.init_tables(static, rng), changes)
     assert not (tmp_path / "d").exists()
+
+
+def test_write_delta_sorts_the_rows_it_is_given_and_refuses_a_row_given_twice(tmp_path):
+    a = se.TableSpec("a", 10, 4, combiner="sum")
+    plan = se.plan([se.FeatureSpec("fa", a, B)], make_mesh(1))
+    se.export_serving(tmp_path / "base", plan, se.init_tables(plan, jax.random.key(0)))
+    changes = ss.Changes.since(tmp_path / "base")
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    path, _ = ss.write_delta(tmp_path / "d", changes, {"a": (np.array([7, 2, 5]), values)})
+    arrays = delta_file.read(path)[1]
+    assert arrays["a/rows"].tolist() == [2, 5, 7]
+    np.testing.assert_array_equal(arrays["a/values"], values[[1, 2, 0]])
+    snapshot = ss.apply_delta(ss.load_snapshot(tmp_path / "base"), path)
+    np.testing.assert_array_equal(np.asarray(snapshot.tables["a"])[[7, 2, 5]], values)
+    with pytest.raises(ValueError, match="Table 'a': row 5 is given twice; a delta holds each once"):
+        ss.write_delta(tmp_path / "e", changes, {"a": (np.array([5, 1, 5]), np.zeros((3, 4), np.float32))})
+    assert not (tmp_path / "e").exists()
