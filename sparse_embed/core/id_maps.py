@@ -31,6 +31,7 @@ from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparse_embed.core import kernels, key_set
@@ -162,8 +163,9 @@ def initial_rows(stack: StackPlan, seed: jax.Array, keys: jax.Array) -> jax.Arra
 class _Mapped(NamedTuple):
     entries: tuple  # (rows, gains): what `finish` gives (see `_map_shard`)
     ids: IdMap
-    tables: EmbeddingVariables  # with the new ids' rows (re)initialised
+    tables: EmbeddingVariables | None  # with the new ids' rows (re)initialised (None: no tables given)
     stats: IdMapStats
+    new_rows: jax.Array  # [Q] the row each distinct id was given this step (-1: none; it had one, or got none)
 
 
 def _wait(stack: StackPlan, m: IdMap, u: jax.Array, miss: jax.Array, occ: jax.Array, step: jax.Array,
@@ -200,7 +202,8 @@ def _stale_before(d, step: jax.Array):
 
 def _map_shard(stack: StackPlan, v: EmbeddingVariables, m: IdMap, u: jax.Array, occ: jax.Array, step: jax.Array,
                shard: jax.Array, train: bool, search: kernels.KeySearch, touched, finish) -> _Mapped:
-    """One shard: the distinct ids `u [Q, 2]` (any order; FREE = none) mapped, the new map and tables.
+    """One shard: the distinct ids `u [Q, 2]` (any order; FREE = none) mapped, the new map and tables (`v`
+    None: no tables, the rows live elsewhere: `_Mapped.new_rows` says which to initialise).
 
     `search` searches a `KeySet` (`key_set`'s functions, or the native kernel's); `touched`: in a train step,
     `search.touch`'s result for `m.rows` and `u` (every stack's touched together, see `_map_jit`), with
@@ -220,11 +223,11 @@ def _map_shard(stack: StackPlan, v: EmbeddingVariables, m: IdMap, u: jax.Array, 
         hit = (slot >= 0) & ~expired
         found = jnp.where(hit, slot, -1)
     miss = lambda: (u[:, 0] != FREE) & ~hit  # (a function: most train steps need it only in `place` below)
-    zero = jnp.zeros((), jnp.int32)
+    zero, none = jnp.zeros((), jnp.int32), jnp.minimum(found, -1)  # (no id given a row; varying as `found`)
     if not train:
         stats = IdMapStats(zero, zero, zero, miss().sum(), zero, zero, rows.size,
                            zero if m.pending is None else m.pending.size)
-        return _Mapped(finish(found), m, v, stats)
+        return _Mapped(finish(found), m, v, stats, none)
     if m.pending is None:  # every miss is admitted
         admit, pend, counts, forgotten = miss, None, None, zero
     else:
@@ -238,20 +241,21 @@ def _map_shard(stack: StackPlan, v: EmbeddingVariables, m: IdMap, u: jax.Array, 
         ins = search.insert(rows, shard_capacity(stack, shard), u, want, removed, step)
         new = ins.slots >= 0  # admitted ids are misses: none of them has a row in `found`
         tally = jnp.stack([new.sum(), ins.evicted, (want & ~new).sum()]).astype(jnp.int32)
-        return finish(jnp.where(new, ins.slots, found)), ins.set, _reinit(stack, v, m.seed, u, ins.slots, new), tally
+        v = None if v is None else _reinit(stack, v, m.seed, u, ins.slots, new)
+        return finish(jnp.where(new, ins.slots, found)), ins.set, v, tally, jnp.where(new, ins.slots, -1)
 
     def keep(v):  # most steps: no map or table array changes, nothing to build (the touch may have finished)
-        return tuple(found_entries) or finish(found), rows, v, jnp.zeros_like(found, shape=(3,))
+        return tuple(found_entries) or finish(found), rows, v, jnp.zeros_like(found, shape=(3,)), none
 
     if removed is not None:
         changes = admit().any() | removed.any()
     else:  # the search counted the misses: no pass over the ids on steps that admit nothing
         changes = missing > 0 if m.pending is None else admit().any()
-    out, rows, v, (admitted, evicted, no_room) = jax.lax.cond(changes, place, keep, v)
+    out, rows, v, (admitted, evicted, no_room), new_rows = jax.lax.cond(changes, place, keep, v)
     waiting = zero if m.pending is None else (miss() & ~wanted).sum()
     stats = IdMapStats(admitted, evicted, expired.sum(), waiting, no_room, forgotten, rows.size,
                        zero if pend is None else pend.size)
-    return _Mapped(out, IdMap(rows, pend, counts, m.seed), v, stats)
+    return _Mapped(out, IdMap(rows, pend, counts, m.seed), v, stats, new_rows)
 
 
 _REINIT_CHUNK = 1024  # new rows initialised per round: the cost follows the new ids, not the batch's
@@ -349,7 +353,7 @@ def _stack_body(stack: StackPlan, axis: str, coo: RawIdBatch, v: EmbeddingVariab
         batch = MappedIdBatch(*rows, jnp.zeros((stack.rows_per_device,), jnp.float32).at[coo.row_ids].add(
             lost, mode="drop"))
     stats = jax.tree.map(lambda x: jax.lax.psum(x, axis), mapped.stats)
-    return batch, v, mapped.ids, stats
+    return batch, v, mapped.ids, stats, (mapped.new_rows, rec.u)
 
 
 def _check_raw_coo(plan: EmbeddingPlan, stack: StackPlan, coo: RawIdBatch) -> None:
@@ -373,8 +377,9 @@ def _check_raw_coo(plan: EmbeddingPlan, stack: StackPlan, coo: RawIdBatch) -> No
 
 
 def check_raw_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix], id_maps,
-                    tables: Mapping[str, EmbeddingVariables]) -> None:
-    """Clear errors for a batch, tables or maps that do not fit the plan, before `map_ids` reads an array.
+                    tables: Mapping[str, EmbeddingVariables] | None) -> None:
+    """Clear errors for a batch, tables (None: not given) or maps that do not fit the plan, before `map_ids`
+    reads an array.
 
     Only the stacks' names and the arrays' shapes tell which plan built a batch: one from a plan that stacks
     its tables otherwise, or from another mesh, is named as such (not a KeyError or a shard_map error).
@@ -388,7 +393,8 @@ def check_raw_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix], 
         raise ValueError(f"batch has stacks {sorted(batch)} but the plan has {sorted(plan.stack_names)} (stacks "
                          f"missing {missing}, unknown {unknown}): the batch was built by another plan (other tables, "
                          "or tables stacked otherwise); build it with sparse_embed.preprocess(plan, ...).")
-    check_state(plan, tables)
+    if tables is not None:
+        check_state(plan, tables)
     for s in dynamic_stacks(plan):
         _check_raw_coo(plan, s, batch[s.name])
 
@@ -411,14 +417,29 @@ def map_ids(
     evicts and touches nothing: ids without a row read zeros (or `Dynamic.default`).
     """
     check_raw_batch(plan, batch, id_maps, tables)
-    return _map_jit(plan, train, dict(batch), dict(tables), dict(id_maps), jnp.asarray(step, jnp.int32))
+    return _map_jit(plan, train, dict(batch), dict(tables), dict(id_maps), jnp.asarray(step, jnp.int32))[:4]
+
+
+def map_rows(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix], id_maps: Mapping[str, IdMap],
+             step: jax.Array | int, *, train: bool = True):
+    """`map_ids` for raw-id tables whose rows live elsewhere (offloaded: `sparse_embed.tiers` caches the rows
+    this maps ids to): `(batch, id_maps, {stack: IdMapStats}, {stack: (rows, keys)})`, the same map and batch
+    as `map_ids`'. `rows [S * Q]` int32 (replicated): the row on shard `i // Q` each id `keys[i]` (`[S * Q, 2]`
+    words) was given this step, -1 for none; those rows (and slots) start from `initial_rows` of their id."""
+    check_raw_batch(plan, batch, id_maps, None)
+    batch, _, maps, stats, new = _map_jit(plan, train, dict(batch), None, dict(id_maps), jnp.asarray(step, jnp.int32))
+    return batch, maps, stats, new
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _map_jit(plan: EmbeddingPlan, train: bool, batch, tables, id_maps, step):
+    """`(batch, tables, id_maps, stats, new)`: `map_ids`' results, and with `tables` None (`map_rows`) the
+    rows each stack gave its new ids (else {})."""
     axis, dyn = plan.axis_name, dynamic_stacks(plan)
     if not dyn:
-        return batch, tables, id_maps, {}
+        return batch, tables, id_maps, {}, {}
+    rows_only = tables is None
+    tables = {} if rows_only else tables
 
     def body(batch, tables, maps, step):
         coo = {s.name: jax.tree.map(lambda x: x[0], batch[s.name]) for s in dyn}
@@ -437,17 +458,23 @@ def _map_jit(plan: EmbeddingPlan, train: bool, batch, tables, id_maps, step):
                 touched.update({s.name: t for s, t in zip(group, done)})
         out = {}
         for s in dyn:
-            b, v, m, st = _stack_body(s, axis, coo[s.name], tables[s.name], local[s.name], step, train,
-                                      search[s.name], rec[s.name], touched.get(s.name))
-            out[s.name] = (jax.tree.map(lambda x: x[None], b), v, _stacked(m), st)
+            b, v, m, st, new = _stack_body(s, axis, coo[s.name], tables.get(s.name), local[s.name], step, train,
+                                           search[s.name], rec[s.name], touched.get(s.name))
+            new = new if rows_only else ()
+            out[s.name] = (jax.tree.map(lambda x: x[None], b), v, _stacked(m), st, new)
         return out
 
     sub = {s.name: batch[s.name] for s in dyn}
     specs = (P(axis), P(axis), P(axis), P())
-    out_specs = {s.name: (P(axis), P(axis), P(axis), P()) for s in dyn}
+    out_specs = {s.name: (P(axis), P(axis), P(axis), P(), P(axis)) for s in dyn}
     res = jax.shard_map(body, mesh=plan.mesh, in_specs=specs, out_specs=out_specs)(
-        sub, {k: tables[k] for k in sub}, id_maps, step)
-    batch, tables = dict(batch), dict(tables)
-    for name, (b, v, _, _) in res.items():
-        batch[name], tables[name] = b, v
-    return batch, tables, {k: r[2] for k, r in res.items()}, {k: r[3] for k, r in res.items()}
+        sub, {k: tables[k] for k in sub if k in tables}, id_maps, step)
+    batch, tables = dict(batch), None if rows_only else dict(tables)
+    for name, (b, v, _, _, _) in res.items():
+        batch[name] = b
+        if not rows_only:
+            tables[name] = v
+    maps, stats = {k: r[2] for k, r in res.items()}, {k: r[3] for k, r in res.items()}
+    everywhere = NamedSharding(plan.mesh, P())  # the new rows: on every device (and process)
+    return batch, tables, maps, stats, {k: jax.lax.with_sharding_constraint(r[4], everywhere)
+                                        for k, r in res.items() if rows_only}

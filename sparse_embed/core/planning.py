@@ -550,7 +550,8 @@ def _cached_features(feats: dict[str, FeatureSpec]) -> tuple[dict, dict[str, Tab
     tables as declared."""
     declared = _collect_tables(feats)
     tiered = tuple(declared[n] for n in sorted(declared) if declared[n].storage is not None)
-    cached = {t.name: dataclasses.replace(t, vocabulary_size=t.cache_rows) for t in tiered}
+    # a raw-id table's ids are mapped (to rows, then cache rows) before its stack sees them: the cache is static
+    cached = {t.name: dataclasses.replace(t, vocabulary_size=t.cache_rows, dynamic=None) for t in tiered}
     feats = {n: dataclasses.replace(f, table=cached[f.table.name]) if f.table.name in cached else f
              for n, f in feats.items()}
     return feats, {**declared, **cached}, tiered

@@ -53,13 +53,14 @@ def _gathered(x: jax.Array, axis: str) -> jax.Array:
 
 
 def _combined(plan: EmbeddingPlan, fill: dict[str, jax.Array], fresh: jax.Array) -> tuple[dict, jax.Array]:
-    """`fill` and `fresh` given per process (`[S * n, ...]` over the plan's axis: each device's block is its
-    process's rows, or zeros), added up into `[n, ...]` on every device (each entry is non-zero in its row's
-    owner's block only)."""
+    """`fill` and `fresh` (or None) given per process (`[S * n, ...]` over the plan's axis: each device's block
+    is its process's rows, or zeros), added up into `[n, ...]` on every device (each entry is non-zero in its
+    row's owner's block only)."""
     axis = plan.axis_name
 
     def add(fill, fresh):
-        return {k: _gathered(v, axis) for k, v in fill.items()}, jax.lax.psum(fresh.astype(jnp.int32), axis) > 0
+        fresh = None if fresh is None else jax.lax.psum(fresh.astype(jnp.int32), axis) > 0
+        return {k: _gathered(v, axis) for k, v in fill.items()}, fresh
 
     return jax.shard_map(add, mesh=plan.mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P()))(fill, fresh)
 

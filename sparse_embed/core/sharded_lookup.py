@@ -177,7 +177,8 @@ def _lookup_jit(plan: EmbeddingPlan, batch, tables, step) -> dict[str, jax.Array
         defaults = default_gains(batch[s.name])
         for lay, x in zip(s.features, per):
             if defaults is not None:  # raw ids without a row read the table's default vector
-                x = x + lay.take(defaults[..., None]) * jnp.asarray(s.dynamic.default_vector(dim))[None, None]
+                dyn = s.dynamic or plan.tiered_tables[s.first.name].dynamic  # an offloaded one's: as declared
+                x = x + lay.take(defaults[..., None]) * jnp.asarray(dyn.default_vector(dim))[None, None]
             out[lay.feature.name] = x.reshape(lay.feature.output_shape)
     return out
 

@@ -141,8 +141,9 @@ class TableSpec:
       dynamic: a `Dynamic` policy for a table keyed by raw 64-bit ids (its
         `vocabulary_size` is then its row capacity), or None: ids are rows.
       storage: `Offload(path, cache_rows)` keeps the table on disk under a
-        device cache of `cache_rows` hot rows (docs/offload.md); None: the
-        whole table lives in device memory.
+        device cache of `cache_rows` hot rows (docs/offload.md; a raw-id
+        table's ids map to rows as in memory, and those rows are what the
+        cache holds); None: the whole table lives in device memory.
     """
 
     name: str
@@ -205,15 +206,13 @@ class TableSpec:
 
 
 def _check_storage(t: TableSpec) -> None:
-    """What a tiered table needs (docs/offload.md): a row-wise initializer, float32 rows, static ids."""
+    """What a tiered table needs (docs/offload.md): float32 rows; with static ids, a row-wise initializer."""
     if not isinstance(t.storage, Offload):
         raise TypeError(f"Table {t.name!r}: storage must be a sparse_embed.offload.Offload, got {type(t.storage).__name__}.")
-    if t.dynamic is not None:
-        raise ValueError(f"Table {t.name!r}: a raw-id table (dynamic=) cannot be offloaded yet; give it the "
-                         "capacity that fits in memory, or hash its ids into a static table to offload it.")
     if jnp.dtype(t.dtype) != jnp.float32:
         raise ValueError(f"Table {t.name!r}: an offloaded table stores float32 rows, got dtype {t.dtype!r}.")
-    if t.initializer is not None and not isinstance(t.initializer, TruncatedNormal):
+    # a raw-id table's new rows start from their id's values (`id_maps.initial_rows`), any initializer's
+    if t.dynamic is None and t.initializer is not None and not isinstance(t.initializer, TruncatedNormal):
         raise ValueError(f"Table {t.name!r}: an offloaded table's rows are generated when first read, so its "
                          "initializer must be positional: sparse_embed.initializers.truncated_normal(stddev) "
                          f"or the default, got {t.initializer!r}.")

@@ -174,3 +174,81 @@ class CacheMap:
     def map(self, rows: np.ndarray) -> np.ndarray:
         """Cache rows of table rows `rows` (any shape; -1 stays -1). Every row must be cached."""
         return np.where(rows < 0, -1, self.slot_of[np.maximum(rows, 0)])
+
+
+class ShardedCacheMap:
+    """A raw-id table's cache: one `CacheMap` per shard, so that a row stays on the shard its id map put it on.
+
+    The id map gives each id a row on the id's owner shard (`core.id_maps`), and the batch sends each id there;
+    so table row `t` (shard `t % S`'s row `t // S`) is cached in a cache row `c` with `c % S == t % S` (that
+    shard's cache row `c // S`), and the batch's entries keep their shards and their order (only their rows
+    change): the step over the cache is the in-memory step's. Shard `s` caches `len(range(s, cache_rows, S))`
+    rows of its `len(range(s, vocabulary_size, S))`. The same interface as `CacheMap`, over the whole table.
+    """
+
+    def __init__(self, table: str, vocabulary_size: int, cache_rows: int, num_shards: int) -> None:
+        if cache_rows < num_shards:
+            raise ValueError(f"Table {table!r}: a raw-id table's cache is spread over its {num_shards} shards; "
+                             f"give it at least {num_shards} rows (Offload(cache_rows={cache_rows})).")
+        self.table, self.rows, self.num_shards = table, cache_rows, num_shards
+        self.shards = [CacheMap(table, len(range(s, vocabulary_size, num_shards)),
+                                len(range(s, cache_rows, num_shards))) for s in range(num_shards)]
+
+    def _global(self, local: np.ndarray, s: int) -> np.ndarray:
+        return np.where(local >= 0, local * self.num_shards + s, -1)
+
+    def admit(self, rows: np.ndarray, train: bool) -> Admission:
+        """`CacheMap.admit` of table rows `rows`, each on its shard's cache (misses by shard, each sorted)."""
+        rows = np.ascontiguousarray(rows, np.int64)
+        flat, S = rows.reshape(-1), self.num_shards
+        owner = np.where(flat >= 0, flat % S, -1)
+        mapped, parts = np.full(flat.size, -1, np.int32), []
+        try:
+            for s, c in enumerate(self.shards):
+                at = np.flatnonzero(owner == s)
+                try:
+                    a = c.admit(flat[at] // S, train)
+                except ValueError:
+                    need = distinct(flat[at]).size
+                    raise ValueError(f"Table {self.table!r}: a batch reads {need} distinct rows on shard {s} of {S}, "
+                                     f"more than that shard's {c.rows} cache rows (Offload(cache_rows={self.rows}) "
+                                     f"is spread over the shards as the id map spreads its rows); give it at least "
+                                     f"{need * S} rows, and several batches' worth for a useful hit rate.") from None
+                mapped[at] = self._global(a.mapped, s)
+                parts.append(a)
+        except BaseException:
+            for s, a in reversed(list(enumerate(parts))):
+                self.shards[s].restore(a)
+            raise
+        cat = lambda f: np.concatenate([self._global(getattr(a, f), s) for s, a in enumerate(parts)])  # noqa: E731
+        return Admission(cat("misses"), cat("slots").astype(np.int32), cat("evicted"),
+                         np.concatenate([a.dirty for a in parts]), sum(a.hits for a in parts),
+                         sum(a.lookups for a in parts), mapped.reshape(rows.shape),
+                         cat("used").astype(np.int32), tuple(parts))
+
+    def restore(self, admission: Admission) -> None:
+        """Undoes `admission`, the last `admit`'s."""
+        for c, a in zip(self.shards, admission.undo):
+            c.restore(a)
+
+    def map(self, rows: np.ndarray) -> np.ndarray:
+        """Cache rows of table rows `rows` (any shape; -1 stays -1). Every row must be cached."""
+        rows = np.asarray(rows, np.int64)
+        out = np.full(rows.shape, -1, np.int64)
+        for s, c in enumerate(self.shards):
+            at = (rows >= 0) & (rows % self.num_shards == s)
+            out[at] = self._global(c.map(rows[at] // self.num_shards), s)
+        return out
+
+    @property
+    def dirty(self) -> np.ndarray:
+        """bool `[cache_rows]` (a copy; assign to change)."""
+        out = np.zeros(self.rows, bool)
+        for s, c in enumerate(self.shards):
+            out[s::self.num_shards] = c.dirty
+        return out
+
+    @dirty.setter
+    def dirty(self, value: np.ndarray) -> None:
+        for s, c in enumerate(self.shards):
+            c.dirty[:] = value[s::self.num_shards]

@@ -30,10 +30,18 @@ def _columns(table: TableSpec) -> dict[str, int]:
     return {TABLE_KEY: table.embedding_dim, **{k: s.width for k, s in slot_specs(table).items()}}
 
 
+def _static_only(table: TableSpec, what: str) -> None:
+    if table.dynamic is not None:
+        raise ValueError(f"Table {table.name!r} is keyed by raw ids: its store's rows belong to the ids of its id map "
+                         f"(kept with each commit), which {what} does not carry; a raw-id table moves between an "
+                         "offloaded and an in-memory plan only by training (docs/offload.md).")
+
+
 def store_state(table: TableSpec, rng: jax.Array) -> dict[str, np.ndarray]:
     """`{"table": [V, dim], slot: [V, width]}` of an offloaded table's store, in id order; `rng`: the key its
     training used (`Tiers(plan, rng)`), for the rows never stored. A store written by several processes is read
     from all their shards."""
+    _static_only(table, "store_state")
     path = table.storage.path
     count = stored_shards(path) or 1
     stores = []
@@ -63,6 +71,7 @@ def store_state(table: TableSpec, rng: jax.Array) -> dict[str, np.ndarray]:
 
 def write_store(table: TableSpec, state: Mapping[str, np.ndarray], step: int | None = None) -> None:
     """Writes `{"table": [V, dim], slot: [V, width]}` (id order) into the table's store and commits it at `step`."""
+    _static_only(table, "write_store")
     check_layout(table.name, table.storage.path, 1)
     cols = _columns(table)
     for k, w in cols.items():

@@ -109,6 +109,17 @@ class Processes:
         union = {name: (np.concatenate(r), total, hit) for name, (r, total, hit) in out.items()}
         return union, min(int(h[1]) for h in heads)
 
+    def agree(self, failure: BaseException | None) -> None:
+        """Raises `failure` here, and on every other process when one of them has one (a batch no process runs)."""
+        if self.several:
+            bad = [self.processes[i] for i, b in enumerate(self._gather("failed", bytes([failure is not None])))
+                   if b[0]]
+            if bad and failure is None:
+                raise ValueError(f"sparse_embed.offload.Tiers.preprocess failed on process(es) {bad} (see their "
+                                 f"error); this process ({jax.process_index()}) raises too.")
+        if failure is not None:
+            raise failure
+
     def _gap_type(self, table: str) -> type:
         return np.uint32 if self.plan.tiered_tables[table].vocabulary_size <= 1 << 32 else np.int64
 

@@ -14,8 +14,9 @@ What a lookup returns, per id:
 
 - `-1` (padding): zeros;
 - a row the store has written as of its last commit: the row's newest
-  record in the file (a training run writes evicted rows back in place
-  between commits, so this may be newer than the commit);
+  record (a training run appends evicted rows to the store's write log
+  between commits, which `StoreReader` follows: this may be newer than
+  the commit);
 - a row the store never wrote ("not found"): the table's default vector
   (zeros, or the configured value or `[dim]` vector). A row never trained
   still holds its initializer's values on the training side (they are
@@ -206,6 +207,11 @@ class StoreServer:
         self.path, self.table = self.store.path, self.store.table
         self.vocabulary_size, self.embedding_dim = self.store.vocabulary_size, self.store.embedding_dim
         label = f"Table {self.table!r} (store {self.path!r})"
+        if any(n.startswith("idmap.") for n in os.listdir(self.path)):
+            self.store.close()
+            raise ValueError(f"{label} is keyed by raw ids: its rows belong to the ids of its id map, which a "
+                             "StoreServer does not read; serve it from a restored in-memory table "
+                             "(export_serving with its id_maps).")
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, (int, np.integer)) or cache_bytes < 0:
             raise ValueError(f"{label}: cache_bytes must be an int >= 0, got {cache_bytes!r}.")
         self.cache_bytes = int(cache_bytes)

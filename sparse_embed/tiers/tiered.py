@@ -24,6 +24,7 @@ process's ids, and keeps its own rows of the store (`tiers.processes`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import queue
 import threading
@@ -45,7 +46,8 @@ from sparse_embed.host import ids as ids_lib
 from sparse_embed.host import native
 from sparse_embed.host.prefetching import Prefetcher, _check_buffer_size, _split
 from sparse_embed.host.preprocessing import preprocess_cached
-from sparse_embed.tiers.cache import Admission, CacheMap
+from sparse_embed.tiers.cache import Admission, CacheMap, ShardedCacheMap
+from sparse_embed.tiers.id_map import IdMaps, Mapped
 from sparse_embed.tiers.processes import Processes, check_layout
 from sparse_embed.tiers.store import RowStore, shard_path, slot_specs
 
@@ -86,8 +88,8 @@ class _TableSwap(NamedTuple):
     placed: tuple | None  # `(fill, fresh)` as `swap_rows` takes them (prefetched), unless `pending` patches `fill`
     fresh: np.ndarray | None  # bool [n]: several processes: `fill`'s rows this process never stored; else None
     fresh_ids: np.ndarray | None  # uint32 [n] the table rows of `fill` (with `fresh`)
-    new_at: np.ndarray  # int32 [g] cache array rows of the rows never stored (one process)
-    new_ids: np.ndarray  # uint32 [g] their table rows
+    new_at: np.ndarray  # int32 [g] cache array rows of the rows never stored (one process), or given to new ids
+    new_ids: np.ndarray  # uint32 [g] their table rows (a raw-id table: int32 [g, 2] the ids they were given)
     generated: dict | None  # their values on the devices (prefetched), else None
     pending: tuple[tuple[int, np.ndarray, np.ndarray], ...]  # (swap, index in its evicted rows, index in fill)
     misses: np.ndarray  # int64 [m] the table rows it brings in
@@ -105,11 +107,13 @@ class TieredItem(NamedTuple):
 
 
 class Swap(NamedTuple):
-    """What `swap` does before the step of one batch: `{table: _TableSwap}`, in order `index`."""
+    """What `swap` does before the step of one batch: `{table: _TableSwap}`, in order `index`; `id_stats`: each
+    raw-id table's `IdMapStats` of the batch (host ints), as `map_ids` returns them for a table in memory."""
 
     index: int
     tables: dict[str, _TableSwap]
     train: bool
+    id_stats: dict[str, Any]
 
 
 def _bucket(n: int, fine: bool = False) -> int:
@@ -134,8 +138,10 @@ class _Table:
     def __init__(self, plan: EmbeddingPlan, spec: TableSpec, rng: jax.Array, procs: Processes) -> None:
         self.spec, self.stack = spec, plan.stack_of_table(spec.name)[0]
         check_layout(spec.name, spec.storage.path, procs.count)
+        self.raw = spec.dynamic is not None  # its rows are its id map's (`tiers.id_map`), each on its shard
+        self.cache = ShardedCacheMap(spec.name, spec.vocabulary_size, spec.cache_rows, self.stack.num_shards) \
+            if self.raw else CacheMap(spec.name, spec.vocabulary_size, spec.cache_rows)
         self.store = RowStore(spec, path=shard_path(spec.storage.path, procs.index, procs.count))
-        self.cache = CacheMap(spec.name, spec.vocabulary_size, spec.cache_rows)
         self.positions = cache_positions(self.stack)
         self.key = table_key(rng, spec.name)
         self.columns = {TABLE_KEY: spec.embedding_dim, **{k: s.width for k, s in slot_specs(spec).items()}}
@@ -179,8 +185,21 @@ class Tiers:
                              "(TableSpec(storage=sparse_embed.offload.Offload(...))).")
         self.plan = plan
         self._procs = procs = Processes(plan)
-        self.tables = {t.name: _Table(plan, t, rng, procs) for t in plan.tiered}
-        self._features = {n: f for n, f in plan.features.items() if f.table.name in self.tables}
+        self.tables = {}
+        try:
+            for t in plan.tiered:
+                self.tables[t.name] = _Table(plan, t, rng, procs)
+            raw = {n: t.spec for n, t in self.tables.items() if t.raw}
+            self._ids = IdMaps(plan, raw, rng, {n: self.tables[n].store for n in raw}, (procs.index, procs.count)) \
+                if raw else None
+        except BaseException:
+            for t in self.tables.values():
+                t.store.close()
+            raise
+        # the stacks `preprocess_cached` builds (a raw-id table's batch is its map's, `IdMaps`)
+        self._static = dataclasses.replace(plan, stacks=tuple(s for s in plan.stacks if s.first.name not in raw))
+        self._features = {n: f for n, f in plan.features.items() if f.table.name in self.tables
+                          and f.table.name not in raw}
         local = len(procs.local)  # under several processes, each passes its devices' rows
         self._declared = {n: dataclasses.replace(f, table=self.tables[f.table.name].spec,
                                                  batch_size=f.batch_size // plan.num_shards * local)
@@ -203,20 +222,23 @@ class Tiers:
 
     # ------------------------------------------------------------------ the worker's side (in batch order)
     def preprocess(self, ids: Mapping[str, Any], weights: Mapping[str, Any] | None = None, *, train: bool = True,
-                   device_put: bool = True) -> tuple[dict, Any, Swap]:
+                   device_put: bool = True, step: int | None = None) -> tuple[dict, Any, Swap]:
         """`preprocess` of one batch for a plan with offloaded tables: `(batch, stats, swap)`.
 
         Call in batch order (the cache's decisions are sequential); hand `swap` to `Tiers.swap` before the
         step that uses `batch`, in the same order. `train=False` (evaluation): the rows are read, not changed.
+        `step`: the step that trains the batch, which an offloaded raw-id table's map needs (the `step` the
+        table in memory would be given to `map_ids`: its last-use steps and expiry); no other table reads it.
         """
         with self._plan_lock:
-            return self._preprocess(ids, weights, train, device_put)
+            return self._preprocess(ids, weights, train, device_put, step)
 
     def _preprocess(self, ids: Mapping[str, Any], weights: Mapping[str, Any] | None, train: bool,
-                    device_put: bool) -> tuple[dict, Any, Swap]:
+                    device_put: bool, step: int | None) -> tuple[dict, Any, Swap]:
         ids, weights = dict(ids), dict(weights or {})
         index = self._planned
-        canon, used, totals = self._table_rows(ids, weights)
+        raw, raw_stats = self._map_raw(ids, weights, step, train, index)
+        canon, used, totals = self._table_rows(ids, weights, raw)
         # A batch refused below (a cache too small, a damaged store row, the plan's own checks) changes nothing:
         # its admissions are undone, its counters never counted, its index not taken.
         swaps, admitted, failure = {}, {}, None
@@ -224,7 +246,7 @@ class Tiers:
             for name, t in self.tables.items():
                 admitted[name] = t.cache.admit(used[name], train)
                 try:
-                    swaps[name] = self._admit(t, admitted[name], device_put, totals.get(name))
+                    swaps[name] = self._admit(t, admitted[name], device_put, totals.get(name), raw.get(name))
                 except Exception as e:  # noqa: BLE001 - a damaged store row: with several processes, all raise below
                     if not self._procs.several:
                         raise
@@ -234,7 +256,7 @@ class Tiers:
                 ids[name] = mapped if c.dense else (mapped, c.lengths)
                 if c.weights is not None:
                     weights[name] = c.weights if c.dense else (c.weights, c.lengths)
-            batch, stats = preprocess_cached(self.plan, ids, weights or None, device_put=device_put, failure=failure)
+            batch, stats = self._batches(ids, weights, device_put, failure, raw, admitted, raw_stats)
         except BaseException:
             for name, a in admitted.items():
                 self.tables[name].cache.restore(a)
@@ -248,9 +270,42 @@ class Tiers:
                 t.pending[index], t.pending_order[index] = ts.evicted_rows[order], order
             if train:
                 t.trained_at[ts.used] = index
-        swap = self._queued[index] = Swap(index, {name: ts for name, (ts, _) in swaps.items()}, train)
+        if raw:
+            self._ids.keep(index)
+        swap = self._queued[index] = Swap(index, {name: ts for name, (ts, _) in swaps.items()}, train,
+                                          {name: m.id_stats for name, m in raw.items()})
         self._planned += 1
         return batch, stats, swap
+
+    def _map_raw(self, ids: dict, weights: dict, step: int | None, train: bool, index: int) -> tuple[dict, Any]:
+        """Takes the features of the offloaded raw-id tables out of `ids` and `weights` and maps their ids to
+        table rows as in memory (`IdMaps.map`): `({table: Mapped}, their preprocess Stats)`."""
+        if self._ids is None:
+            return {}, None
+        names = self._ids.features()
+        mine = {n: ids.pop(n) for n in list(ids) if n in names}
+        mine_w = {n: weights.pop(n) for n in list(weights) if n in names}
+        if step is None:
+            raise ValueError(f"Tables {sorted(self._ids.stacks)} are keyed by raw ids (dynamic=), and their maps need "
+                             "the step of each batch (its last-use steps, expiry): Tiers.preprocess(..., step=step), "
+                             "or Tiers.prefetch(..., step=first_step).")
+        return self._ids.map(mine, mine_w, step, train, index)
+
+    def _batches(self, ids: dict, weights: dict, device_put: bool, failure: BaseException | None,
+                 raw: dict[str, Mapped], admitted: dict[str, Admission], raw_stats: Any) -> tuple[dict, Any]:
+        """`(batch, stats)` of every stack: the usual preprocess of the ids mapped to cache rows, and each raw-id
+        table's mapped batch reading its cache rows."""
+        if self._static.stacks:
+            batch, stats = preprocess_cached(self._static, ids, weights or None, device_put=device_put,
+                                             failure=failure)
+        else:
+            self._procs.agree(failure)
+            batch, stats = {}, None
+        for name, m in raw.items():
+            t = self.tables[name]
+            rows = t.cache.map(m.rows) if self._procs.several else admitted[name].mapped
+            batch[t.stack.name] = self._ids.cached_batch(name, m, rows, device_put)
+        return batch, raw_stats if stats is None else stats if raw_stats is None else stats.merge(raw_stats)
 
     def _mapped(self, canon: dict, admitted: dict[str, Admission]) -> dict[str, np.ndarray]:
         """`{feature: int32 cache rows of its ids}` (the shape of its canonical ids; -1 stays -1)."""
@@ -265,7 +320,8 @@ class Tiers:
             out[name] = admitted[table].mapped[lo:at[table]].reshape(c.ids.shape)
         return out
 
-    def _table_rows(self, ids: dict, weights: dict) -> tuple[dict, dict[str, np.ndarray], dict]:
+    def _table_rows(self, ids: dict, weights: dict, raw: dict[str, Mapped]) -> tuple[dict, dict[str, np.ndarray],
+                                                                                    dict]:
         """`(canonical ids by feature, {table: the batch's rows}, {table: (lookups, hits)})`.
 
         Under one process, the rows are the features' ids one after another (-1 where a dense feature has
@@ -291,11 +347,13 @@ class Tiers:
             if not self._procs.several:
                 raise
             failure = e
+        for name, m in raw.items():  # its entries' table rows (-1: none)
+            rows[name].append(m.rows[m.rows >= 0] if self._procs.several else m.rows)
         used = {name: (r[0] if len(r) == 1 else np.concatenate(r) if r else np.zeros(0)).astype(np.int64, copy=False)
                 for name, r in rows.items()}
         flushes, totals = len(self._flushes), {}
         if self._procs.several:
-            counts = {n: (u.size, int(np.count_nonzero(self.tables[n].cache.slot_of[u] >= 0))) for n, u in used.items()}
+            counts = {n: (u.size, int(np.count_nonzero(self.tables[n].cache.map(u) >= 0))) for n, u in used.items()}
             union, flushes = self._procs.union({n: np.unique(u) for n, u in used.items()}, counts, flushes,
                                                failure is not None)
             if failure is not None:
@@ -308,21 +366,25 @@ class Tiers:
         self._cleared = max(self._cleared, flushes)
         return canon, used, totals
 
-    def _admit(self, t: _Table, a: Admission, device_put: bool,
-               totals: tuple[int, int] | None) -> tuple[_TableSwap, dict]:
+    def _admit(self, t: _Table, a: Admission, device_put: bool, totals: tuple[int, int] | None,
+               raw: Mapped | None = None) -> tuple[_TableSwap, dict]:
         """One table's swap for admission `a` (reads the store), and the counts it adds to the table's stats.
 
         Under several processes, the values of this process's rows only (the others' are zeros: `swap_rows`
-        adds them up), and the ids' `totals` (lookups, hits) over all processes."""
-        mine = self._procs.owned(a.misses)
+        adds them up), and the ids' `totals` (lookups, hits) over all processes. `raw`: a raw-id table's map of
+        the batch, whose rows given to new ids start from their ids' values (cached or not: never read)."""
+        several = self._procs.several
+        given = np.zeros(a.misses.size, bool) if raw is None else np.isin(a.misses, raw.new_rows)
+        mine = self._procs.owned(a.misses) & ~given
         source, pending = self._sources(t, a.misses, mine)
         stored = mine & (source < 0) & t.store.written[a.misses]
         fresh = mine & (source < 0) & ~stored
-        several = self._procs.several
+        if raw is not None and fresh.any():
+            raise AssertionError(f"Table {t.spec.name!r}: rows {a.misses[fresh][:8]} of its ids are neither cached, "
+                                 "stored, nor on their way to the store.")
         # One process: the fill holds the rows with values (read, or evicted earlier), and the fresh rows are
         # generated apart. Several: every miss (which are fresh differs between the processes' stores).
-        into = np.arange(a.misses.size) if several else np.flatnonzero(~fresh)
-        new = np.zeros(0, np.int64) if several else np.flatnonzero(fresh)
+        into = np.flatnonzero(~given) if several else np.flatnonzero(~fresh & ~given)
         dirty = np.flatnonzero(a.dirty)
         n = _bucket(max(into.size, dirty.size)) if into.size or dirty.size else 0
         at = np.full(a.misses.size, -1, np.int64)  # each miss's entry in the fill
@@ -333,20 +395,32 @@ class Tiers:
             records[at[stored]] = t.store.read(a.misses[stored])
         lookups, hits = totals or (a.lookups, a.hits)
         counts = dict(lookups=lookups, hits=hits, misses=a.misses.size, read_seconds=time.perf_counter() - t0,
-                      fresh=int(fresh.sum()), rows_read=int(stored.sum()),
+                      fresh=int(fresh.sum() + (given & self._procs.owned(a.misses)).sum()), rows_read=int(stored.sum()),
                       bytes_read=int(stored.sum()) * t.store.record_bytes, from_evicted=int((source >= 0).sum()))
-        fill, flags = t.split(records), _padded(fresh, n, False) if several else None
+        fill, flags = t.split(records), _padded(fresh, n, False) if several and raw is None else None
         placed = self._place(fill, flags) if device_put and n and not pending else None
-        g = _bucket(new.size, fine=True) if new.size else 0
-        new_ids = _padded(a.misses[new].astype(np.uint32), g, 0)
-        generated = self._generate(t, new_ids) if device_put and g else None
+        new_at, new_ids = self._new_rows(t, a, fresh, raw)
+        generated = self._generate(t, new_ids) if device_put and new_at.size else None
         return _TableSwap(
             evict_at=_padded(t.positions[a.slots[dirty]], n, -1), evicted_rows=a.evicted[dirty],
             fill_at=_padded(t.positions[a.slots[into]], n, -1), fill=fill, placed=placed, fresh=flags,
-            fresh_ids=_padded(a.misses.astype(np.uint32), n, 0) if several else None,
-            new_at=_padded(t.positions[a.slots[new]], g, -1), new_ids=new_ids, generated=generated,
+            fresh_ids=_padded(a.misses.astype(np.uint32), n, 0) if flags is not None else None,
+            new_at=new_at, new_ids=new_ids, generated=generated,
             pending=tuple((e, src, at[dst]) for e, src, dst in pending), misses=a.misses, slots=a.slots,
             used=a.used), counts
+
+    def _new_rows(self, t: _Table, a: Admission, fresh: np.ndarray, raw: Mapped | None) -> tuple[np.ndarray, Any]:
+        """`(new_at, new_ids)` of `_TableSwap`, padded: the rows generated apart from the fill. A raw-id table's
+        rows given to new ids (by id); under one process, a static table's fresh misses (by row)."""
+        if raw is not None:
+            at, ids = t.positions[t.cache.map(raw.new_rows)], raw.new_keys
+        elif self._procs.several:
+            at, ids = np.zeros(0, np.int32), np.zeros(0, np.uint32)
+        else:
+            new = np.flatnonzero(fresh)
+            at, ids = t.positions[a.slots[new]], a.misses[new].astype(np.uint32)
+        g = _bucket(at.size, fine=True) if at.size else 0
+        return _padded(at, g, -1), _padded(ids, g, 0)
 
     def _sources(self, t: _Table, misses: np.ndarray, mine: np.ndarray) -> tuple[np.ndarray, list]:
         """Where each miss's values come from: `(source [m]`: the newest earlier swap whose eviction of the row
@@ -366,7 +440,10 @@ class Tiers:
         return source, pending
 
     def _generate(self, t: _Table, ids: np.ndarray) -> dict[str, jax.Array]:
-        """The initial values of table rows `ids` (uint32), replicated on the devices (one process)."""
+        """The initial values of table rows `ids` (uint32), replicated on the devices (one process); of a raw-id
+        table, those of the rows of ids `ids` ([n, 2] words)."""
+        if t.raw:
+            return self._ids.generate(t.spec.name, ids, self._replicated)
         return initial_rows(t.stack.tables[0].table, t.key, jax.device_put(ids, self._replicated))
 
     def _place(self, fill: dict[str, np.ndarray], fresh: np.ndarray) -> tuple:
@@ -410,6 +487,8 @@ class Tiers:
             if swap.train:
                 t.changed[ts.used] = True
         self._evicted[swap.index] = evicted
+        if self._ids is not None:
+            self._ids.ran(swap.index)
         self._swapped += 1
         self._writes.put((swap.index, {n: (swap.tables[n].evicted_rows, evicted[n]) for n in evicted}))
         self._forget_evicted()
@@ -495,7 +574,11 @@ class Tiers:
                                                     np.full(n, -1, np.int32), none, None, None)
                 self._write_back(t, t.held[part], rows)
             t.changed[:] = False
+            if t.raw:  # its map as of these rows, durable with the commit
+                self._ids.save(name, t.store, step)
             t.store.commit_step(step)
+            if t.raw:
+                self._ids.prune(t.store)
         self._flushes.append(self._swapped)  # the batches planned from now on evict these rows clean
         return out
 
@@ -515,14 +598,16 @@ class Tiers:
 
     # ------------------------------------------------------------------ conveniences
     def prefetch(self, batches: Iterable[Any], *, inputs: Callable[[Any], Any] | None = None,
-                 buffer_size: int = 2, train: bool = True) -> Prefetcher:
+                 buffer_size: int = 2, train: bool = True, step: int | None = None) -> Prefetcher:
         """`sparse_embed.prefetch` for this plan: items `TieredItem(batch, stats, item, swap)`, their misses read
-        `buffer_size` batches ahead of the loop."""
+        `buffer_size` batches ahead of the loop. `step`: the first batch's step (`preprocess`'s; the next
+        batches' count up from it in training, stay at it in evaluation)."""
         buffer_size = _check_buffer_size(buffer_size)
+        steps = itertools.count(step) if step is not None and train else itertools.repeat(step)
 
         def prepare(item: Any) -> TieredItem:
             ids, weights = _split(item, inputs)
-            batch, stats, swap = self.preprocess(ids, weights, train=train)
+            batch, stats, swap = self.preprocess(ids, weights, train=train, step=next(steps))
             # The rows never stored are still being generated: the worker goes on to the next batch meanwhile.
             jax.block_until_ready((batch, [s.placed for s in swap.tables.values()]))
             return TieredItem(batch, stats, item, swap)
