@@ -47,7 +47,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import environment, measuring  # noqa: E402
-from benchmarks.e2e_data import MODELS, Data, auc  # noqa: E402
+from benchmarks.e2e_data import MODELS, Data, HostBatch, auc  # noqa: E402
 
 SYSTEMS = {  # name: (label, the modules it needs)
     "torchrec": ("TorchRec EBC, fused FBGEMM optimizer (DMP, gloo)", ("torch", "torchrec", "fbgemm_gpu")),
@@ -66,9 +66,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5,
                    help="untimed steps first: the first two compile (the second for the first's output placement)")
     p.add_argument("--block", type=int, default=5, help="steps per timed block")
+    p.add_argument("--pool", type=int, default=16,
+                   help="distinct training batches, made before the loop and cycled (w1: ~8 MiB each)")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the eval AUC")
     p.add_argument("--profile-steps", type=int, default=5, help="repetitions of each profiled part")
     p.add_argument("--threads", type=int, default=environment.cpu_threads(), help="torch's threads")
+    p.add_argument("--rounds", type=int, default=1, help="every system on every model this many times, the order "
+                   "of the systems reversed every other round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
     p.add_argument("--out", help="write the markdown report here")
@@ -119,23 +123,34 @@ def profile(system, data: Data, first: int, reps: int) -> dict[str, float]:
     return out
 
 
-def train(system, data: Data, args: argparse.Namespace) -> tuple[list[float], dict[str, int]]:
-    """Warmup, then `steps` steps in blocks; returns each block's seconds and the RSS of the timed window."""
-    blocks, n, loss, t = [], args.warmup + args.steps, None, 0.0
-    with system.loop(data.batch(i) for i in range(n)) as inputs:
+def batch_pool(data: Data, n: int, size: int) -> tuple[list[HostBatch], int]:
+    """The first `min(n, size)` batches, made now (the synthetic teacher is the benchmark's, not the systems',
+    input cost: made in the loop, it would compete with both for the cores), and their bytes."""
+    pool = [data.batch(i) for i in range(min(n, size))]
+    return pool, sum(hb.nbytes() for hb in pool)
+
+
+def train(system, data: Data, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
+    """Warmup, then `steps` steps in blocks, step i on batch `i % pool` of a pool made before the loop; returns
+    each block's seconds, the RSS of the timed window (the pool included: `pool_bytes`) and the CPU time per
+    timed step of all the process's threads (XLA's idle workers sleep; torch's OpenMP workers spin a while)."""
+    blocks, n, loss, t, cpu = [], args.warmup + args.steps, None, 0.0, 0.0
+    pool, pool_bytes = batch_pool(data, n, args.pool)
+    with system.loop(pool[i % len(pool)] for i in range(n)) as inputs:
         for i, x in enumerate(inputs):
             if i == args.warmup:
                 float(loss) if loss is not None else None
                 measuring.trim_heap()
                 measuring.RSS.reset()
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.process_time()
             loss = system.step(x)
             if i >= args.warmup and (i - args.warmup + 1) % args.block == 0:
                 float(loss)  # the block ends when its last step has
                 now = time.perf_counter()
                 blocks.append(now - t)
                 t = now
-    return blocks, {"rss_peak_steps_bytes": measuring.RSS.peak()}
+    return blocks, {"rss_peak_steps_bytes": measuring.RSS.peak(), "pool_bytes": pool_bytes, "pool": len(pool),
+                    "loop_cpu_ms": 1e3 * (time.process_time() - cpu) / args.steps}
 
 
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,7 +179,7 @@ def run_system(system: str, model: str, args: argparse.Namespace, argv: Sequence
     missing = [m for m in SYSTEMS[system][1] if importlib.util.find_spec(m) is None]
     if missing:
         return {"system": system, "model": model, "status": f"not installed ({', '.join(missing)})"}
-    keep = [a for a in argv if not a.startswith(("--model", "--systems", "--out", "--json"))]
+    keep = [a for a in argv if not a.startswith(("--model", "--systems", "--out", "--json", "--rounds"))]
     cmd = [sys.executable, os.path.abspath(__file__), *keep, "--model", model, "--child", system]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
@@ -199,11 +214,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     results = {"environment": environment.environment(argv, args.threads, "benchmarks/e2e.py"), "runs": []}
     results["environment"]["peers"].update(environment.package_versions(("torchrec",)))
-    for model in args.model.split(","):
-        for system in args.systems.split(","):
-            r = run_system(system, model, args, _argv_pairs(argv))
-            print(e2e_report.line(r), flush=True)
-            results["runs"].append(r)
+    systems = args.systems.split(",")
+    for k in range(args.rounds):
+        for model in args.model.split(","):
+            for system in systems[::-1] if k % 2 else systems:  # each order in turn: load drift falls on all
+                r = {**run_system(system, model, args, _argv_pairs(argv)), "round": k + 1, "loadavg": os.getloadavg()}
+                print(e2e_report.line(r), flush=True)
+                results["runs"].append(r)
     text = e2e_report.format_report(results)
     print(text)
     if args.out:

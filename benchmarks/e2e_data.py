@@ -91,6 +91,10 @@ class HostBatch(NamedTuple):
     dense: np.ndarray  # [B, num_dense] float32
     labels: np.ndarray  # [B] float32
 
+    def nbytes(self) -> int:
+        arrays = [a for pair in self.ids.values() for a in pair] + [*self.gains.values(), self.dense, self.labels]
+        return sum(a.nbytes for a in arrays)
+
 
 def _ragged(values: np.ndarray, lengths: np.ndarray, gains: np.ndarray) -> tuple[tuple, np.ndarray]:
     return (values.astype(np.int64), lengths.astype(np.int32)), gains.astype(np.float32)

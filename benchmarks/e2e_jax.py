@@ -90,6 +90,22 @@ def jit_train(loss: Callable[..., jax.Array], tx: optax.GradientTransformation, 
     return jax.jit(train, donate_argnums=(0, 1))
 
 
+def dense_trainer(model: Model, place: Callable[[Any], Any] = lambda tree: tree) -> tuple[Callable, tuple]:
+    """The dense part alone (the linen head, the same math in both APIs) on fixed activations: a jitted
+    `(params, opt_state, acts, dense, labels) -> (params, opt_state, loss, d_acts)` (params, state donated) and
+    its initial `(params, opt_state)`, placed by `place`."""
+    tx, head = adagrad(model.dense_lr, model.eps), Head(model)
+
+    def step(params, opt_state, acts, dense, labels):
+        loss, (g, g_acts) = jax.value_and_grad(lambda p, a: bce(head.apply({"params": p}, a, dense), labels),
+                                               argnums=(0, 1))(params, acts)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, g_acts
+
+    params = place(head_params(model))
+    return jax.jit(step, donate_argnums=(0, 1)), (params, tx.init(params))
+
+
 @contextlib.contextmanager
 def threaded(items: Iterable[Any], prepare: Callable[[Any], Any], depth: int = 2) -> Iterator[Iterator[Any]]:
     """`prepare(item)` of each item on a background thread, `depth` ahead of the consumer."""
@@ -149,7 +165,7 @@ class SparseEmbed:
         self.features = [f for f, _ in model.features]
         self.count = 0
         (self._build_linen if api == "linen" else self._build_nnx)()
-        self._dense_step = self._make_dense_step()
+        self._dense_step, self._dense_state = dense_trainer(model, lambda tree: replicated(self.plan, tree))
 
     def _build_linen(self) -> None:
         plan, model, features = self.plan, self.model, self.features
@@ -206,20 +222,6 @@ class SparseEmbed:
         self._train = train
         self._predict = nnx.jit(lambda m, sparse, dense: m(sparse, dense, None))
         self._acts = nnx.jit(lambda m, sparse: m.embed(sparse, None))
-
-    def _make_dense_step(self):
-        """The dense part alone (linen head, the same math in both APIs), on fixed activations."""
-        tx, head = adagrad(self.model.dense_lr, self.model.eps), Head(self.model)
-
-        def step(params, opt_state, acts, dense, labels):
-            loss, (g, g_acts) = jax.value_and_grad(lambda p, a: bce(head.apply({"params": p}, a, dense), labels),
-                                                   argnums=(0, 1))(params, acts)
-            updates, opt_state = tx.update(g, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss, g_acts
-
-        params = replicated(self.plan, head_params(self.model))
-        self._dense_state = (params, tx.init(params))
-        return jax.jit(step, donate_argnums=(0, 1))
 
     def host_part(self, hb: HostBatch):
         gains = {f: (hb.gains[f], hb.ids[f][1]) for f in self.features}

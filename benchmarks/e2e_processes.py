@@ -97,8 +97,8 @@ def run(system: str, args: argparse.Namespace) -> dict[str, Any]:
         return {"system": system, "model": args.model, "status": f"not installed ({', '.join(missing)})"}
     coordinator = f"127.0.0.1:{_free_port()}"
     cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--block", str(args.block), "--processes", str(args.processes),
-           "--threads", str(args.threads), "--worker", system]
+           "--warmup", str(args.warmup), "--block", str(args.block), "--pool", str(args.pool),
+           "--processes", str(args.processes), "--threads", str(args.threads), "--worker", system]
     procs = []
     for rank in range(args.processes):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
@@ -122,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--block", type=int, default=5)
+    p.add_argument("--pool", type=int, default=16, help="distinct batches, made before the loop and cycled")
     p.add_argument("--threads", type=int, default=environment.cpu_threads())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600)

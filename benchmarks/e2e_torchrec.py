@@ -53,6 +53,23 @@ def _head_module(torch, model: Model):
     return Head()
 
 
+def dense_trainer(torch, model: Model):
+    """The dense part alone on fixed activations, on a plain copy of the head (no DDP wrapper) with its own
+    Adagrad: `step(acts [B, dim] list, x) -> loss`, `x[1]` the dense features `[B, num_dense]`, `x[2]` the labels."""
+    head = _head_module(torch, model)
+    optimizer = torch.optim.Adagrad(head.parameters(), lr=model.dense_lr, eps=model.eps)
+
+    def step(acts: list, x) -> Any:
+        acts = [a.detach().requires_grad_() for a in acts]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(head(acts, x[1]), x[2])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
 def fused_dmp(torch, module, fused: dict, tables: list[str]):
     """`module` under DistributedModelParallel on this process's group, every table TABLE_WISE with the FUSED kernel
     (FBGEMM's TBE, the optimizer `fused` applied inside the backward): left to itself, the planner makes small
@@ -110,8 +127,7 @@ class TorchRec:
         self._init_tables()
         dense = [p for n, p in self.dmp.named_parameters() if "embedding_bags" not in n]
         self.optimizer = torch.optim.Adagrad(dense, lr=model.dense_lr, eps=model.eps)
-        self.plain_head = _head_module(torch, model)  # for dense_step
-        self.plain_optimizer = torch.optim.Adagrad(self.plain_head.parameters(), lr=model.dense_lr, eps=model.eps)
+        self.dense_step = dense_trainer(torch, model)
 
     def _init_tables(self) -> None:
         """`e2e_data.initial_tables`, written into this process's shards of the fused tables through their state
@@ -149,14 +165,6 @@ class TorchRec:
         with self.torch.no_grad():
             pooled = self.dmp.module.ebc(x[0])
             return [pooled[f].clone() for f in self.features]
-
-    def dense_step(self, acts: list, x) -> Any:
-        acts = [a.detach().requires_grad_() for a in acts]
-        loss = self.torch.nn.functional.binary_cross_entropy_with_logits(self.plain_head(acts, x[1]), x[2])
-        self.plain_optimizer.zero_grad()
-        loss.backward()
-        self.plain_optimizer.step()
-        return loss.detach()
 
     def predict(self, x) -> np.ndarray:
         with self.torch.no_grad():

@@ -60,3 +60,31 @@ def test_two_processes_train_over_jax_distributed():
     assert r["processes"] == 2 and r["examples_per_s"] > 0 and r["rss_peak_steps_bytes"] > 0
     local = e2e_processes.local_rows(e2e_data.Data(e2e_data.MODELS["demo_tiny"]).batch(0), 1, 2)
     assert local.labels.size == 128 and all(v.size == n.sum() for v, n in local.ids.values())
+
+
+def test_the_loop_cycles_a_pool_of_batches_made_before_it():
+    data = e2e_data.Data(e2e_data.MODELS["w1_tiny"])
+    pool, nbytes = e2e.batch_pool(data, n=5, size=3)
+    assert len(pool) == 3 and e2e.batch_pool(data, n=2, size=3)[0].__len__() == 2
+    np.testing.assert_array_equal(pool[2].ids["f0"][0], data.batch(2).ids["f0"][0])
+    b = pool[0]
+    expected = sum(v.nbytes + n.nbytes for v, n in b.ids.values()) + sum(g.nbytes for g in b.gains.values())
+    assert nbytes == 3 * (expected + b.dense.nbytes + b.labels.nbytes)
+
+
+def _run(system: str, rnd: int, eps: float, auc: float, rss: int) -> dict:
+    return {"system": system, "model": "w1", "round": rnd, "examples_per_s": eps, "examples_per_s_p10": eps,
+            "examples_per_s_p90": eps, "eval_auc": auc, "rss_peak_steps_bytes": rss, "rss_peak_process_bytes": rss,
+            "input_host_ms": 1.0, "step_ms": 100.0, "dense_ms": 60.0, "loop_ms": 120.0, "loadavg": (2.0, 2.0, 2.0)}
+
+
+def test_goals_compare_each_round_with_torchrecs_run_of_the_same_round():
+    runs = [_run("torchrec", 1, 1000, 0.60, 100), _run("linen", 1, 2500, 0.601, 90),
+            _run("linen", 2, 1500, 0.61, 90), _run("torchrec", 2, 1000, 0.60, 100)]
+    found = {(g["round"], g["goal"]): g for g in e2e_report.goals(runs)}
+    speed = e2e_report.GOALS[0]
+    assert found[1, speed]["value"] == pytest.approx(2.5) and found[1, speed]["met"]
+    assert found[2, speed]["value"] == pytest.approx(1.5) and not found[2, speed]["met"]
+    assert not found[2, e2e_report.GOALS[1]]["met"]  # AUC +0.01
+    text = e2e_report.format_report({"environment": {}, "runs": runs})
+    assert "| w1 | linen | examples/s >= 2x TorchRec's | 2.00x (1.50x-2.50x) | 1 of 2 |" in text
