@@ -20,17 +20,29 @@ Layout of the store's directory (one table):
   (and any a rollback restored), so that a reader serving the store
   (`tiers.serving`) drops exactly its cached rows that changed; the last
   `KEPT_CHANGES` commits' are kept.
-- `undo.<commit + 1>.log`: the store is written in place, so before a row
-  is first overwritten after a commit, its committed record is appended
-  here (and made durable). Opening the store rolls every row back to the
-  last commit and deletes the log, so a store killed mid-write (a
-  write-back, a flush) always opens as exactly its last commit: never two
-  steps' rows. A commit (`flush`) writes only the rows changed since the
-  last one, then the bitmap, then renames `tier.json` (the commit point).
-  The log then stays, as the way back from that commit to the one before:
-  `tier.json`'s `history` lists the last `KEPT_COMMITS` commits (number,
-  id, step), whose logs and bitmaps are kept, and `rollback_to(id)` makes
-  the store one of them again (a checkpoint's, `io.offload_checkpoint`).
+- `log.bin`: the write log. Rows written back between commits are
+  appended here (each entry: the row number, then its record), not written
+  in place: a tail row's first write into the records file costs a page
+  (`tiers.rows_file`). The store merges the log into the records file at
+  each commit (each row's newest entry, in row order), and between commits
+  once it holds `log_bytes`. The log is never part of a commit: opening the
+  store drops it.
+- `undo.<commit + 1>.log`: the records file is written in place (by a
+  merge), so before a row is first overwritten after a commit, its
+  committed record is appended here (and made durable). Opening the store
+  rolls every row back to the last commit and deletes the log, so a store
+  killed mid-write (a write-back, a merge, a flush) always opens as exactly
+  its last commit: never two steps' rows. A commit (`flush`) merges the
+  write log (the rows changed since the last commit), then writes the
+  bitmap, then renames `tier.json` (the commit point). The undo log then
+  stays, as the way back from that commit to the one before: `tier.json`'s
+  `history` lists the last `KEPT_COMMITS` commits (number, id, step), whose
+  undo logs and bitmaps are kept, and `rollback_to(id)` makes the store one
+  of them again (a checkpoint's, `io.offload_checkpoint`).
+
+The committed state (records file, bitmaps, undo logs, changes) is laid out
+as in the stores of earlier versions (`FORMAT` unchanged): the write log is
+a file they ignore, and a store they left opens here.
 
 A row's checksum covers its values and its row number: a flipped byte, or a
 row written at the wrong place, is a `CorruptStoreError` naming the table
@@ -39,25 +51,27 @@ and the row when it is read.
 `RowStore` is the training side's (it creates, writes, commits and rolls
 back); `StoreReader` opens an existing store read-only for serving: it never
 rolls back, writes, truncates or creates a file, and reads each row's newest
-record (a record caught mid-write fails its checksum: the caller re-reads).
+record, following the write log (a record caught mid-write fails its
+checksum: the caller re-reads).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from sparse_embed.core.specs import TableSpec
+from sparse_embed.tiers.rows_file import LOG_NAME, WriteLog, entries_rows, log_rows, open_mapped
 
 FORMAT = "sparse_embed.offload/1"
 KEPT_CHANGES = 8  # commits whose `changes.<commit>.npy` a store keeps
 KEPT_COMMITS = 8  # commits a store can go back to (`RowStore.rollback_to`): their undo logs and bitmaps are kept
+LOG_BYTES = 1 << 30  # a store's write log is merged once it holds this much or half the records file's size
 _OPEN: dict[str, int] = {}  # real path -> `RowStore`s of this process open on it
 _SHARD = re.compile(r"process(\d+)of(\d+)$")  # a process's store of a table trained by several (`tiers.processes`)
 _K = 0x9E3779B9
@@ -122,46 +136,17 @@ def _zarr_json(shape: tuple[int, int]) -> dict[str, Any]:
             "attributes": {"sparse_embed": "rows, then each optimizer slot, then the row's checksum bits"}}
 
 
-class _Records:
-    """The records file, mapped: a row is read or written by a copy into or out of the mapping.
-
-    Why mapped: a system call per row (pread/pwrite) cost 1-10 us here, a
-    copy into a mapped page 0.2-3 us (the first touch of a page faults it in).
-    The pages a process touches count in its RSS, so every `MAPPED_BYTES`
-    of rows touched the whole mapping is dropped from the process
-    (`madvise(MADV_DONTNEED)`: the data stays in the page cache, and on
-    disk once written back), which bounds the RSS of a store far larger
-    than memory.
-    """
-
-    MAPPED_BYTES = 1 << 30
-
-    def __init__(self, path: str, shape: tuple[int, int], write: bool) -> None:
-        self.map = np.memmap(path, np.float32, "r+" if write else "r", shape=shape)
-        if self.map.size:  # a miss reads one record: no read-around of the pages beside it (a fault of a cold
-            self.map._mmap.madvise(mmap.MADV_RANDOM)  # random row read ~10x the bytes, ~10x slower, `StoreReader`)
-        self.touched = 0
-
-    def move(self, rows: np.ndarray, data: np.ndarray, write: bool) -> None:
-        """Reads (or writes) record i of `data [n, width]` at row `rows[i]`."""
-        rows = np.asarray(rows, np.int64)
-        if self.map is None:
-            raise ValueError("the store is closed")
-        if write:
-            self.map[rows] = data
-        else:
-            np.take(self.map, rows, axis=0, out=data)
-        self.touched += rows.size * max(data.shape[1] * 4, 4096)
-        if self.touched > self.MAPPED_BYTES:
-            self.map._mmap.madvise(mmap.MADV_DONTNEED)
-            self.touched = 0
-
-    def sync(self) -> None:
-        """Makes every write durable (msync: the dirty pages and the blocks they need, as fdatasync)."""
-        self.map.flush()
-
-    def close(self) -> None:
-        self.map = None  # unmapped when the last view goes (closing the mmap under a view would crash it)
+def _read_newest(log: WriteLog | None, read: Callable, rows: np.ndarray, data: np.ndarray) -> None:
+    """Copies the newest record of each of `rows` into `data [n, width]`: the write log's, else the records file's
+    (`read(rows, data, write=False)`)."""
+    logged = log.read(rows, data) if log is not None else None
+    if logged is None or not logged.any():
+        read(rows, data, write=False)
+    elif not logged.all():
+        rest = np.flatnonzero(~logged)
+        part = np.empty((rest.size, data.shape[1]), np.float32)
+        read(rows[rest], part, write=False)
+        data[rest] = part
 
 
 def _failing(data: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -207,19 +192,17 @@ class RowStore:
         self.step, self.commit, self.id = meta.get("step"), int(meta.get("commit", 0)), meta.get("id")
         # the commits it can go back to, oldest first, the last one the state of the last commit (`rollback_to`)
         self.history = list(meta.get("history") or [{"commit": self.commit, "id": self.id, "step": self.step}])
-        data = os.path.join(self.path, "records", "c", "0", "0")
-        fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o644)
-        if os.fstat(fd).st_size < shape[0] * self.record_bytes:
-            os.ftruncate(fd, shape[0] * self.record_bytes)  # sparse: unwritten rows take no disk
-        os.close(fd)
-        self._records = _Records(data, shape, write=True)
+        self._records = open_mapped(os.path.join(self.path, "records", "c", "0", "0"), shape, write=True)
         self.written = self._load_written()
         self._committed = self.written.copy()  # as of the last commit: what the undo log restores
         self._rolled_back = np.zeros(0, np.int64)  # rows the rollback restored: in the next commit's changes
         self._rollback()
         self._logged = np.zeros(self.table.vocabulary_size, bool)  # rows with an undo record since the commit
         self._undo = open(self._undo_path(self.commit + 1), "ab")
-        self._lock = threading.Lock()  # `written` and the counters
+        self._log = WriteLog.create(os.path.join(self.path, LOG_NAME), self.width, table.vocabulary_size)
+        self._lock = threading.Lock()  # `written`, the counters, and `_log` when a merge replaces it
+        # the log is merged at each commit, and before then once it holds this much (disk: at most this on top)
+        self.log_bytes = max(LOG_BYTES, shape[0] * self.record_bytes // 2)
         self.rows_read = self.rows_written = 0
         self._real = os.path.realpath(self.path)
         _OPEN[self._real] = _OPEN.get(self._real, 0) + 1
@@ -264,12 +247,15 @@ class RowStore:
                 os.remove(os.path.join(self.path, name))
 
     def _rollback(self) -> None:
-        """Restores every row written since the last commit from the undo log (then deletes it, and any file no
-        kept commit needs): the store is then exactly its last commit. Idempotent, so a crash here is harmless."""
+        """Restores every row written since the last commit from the undo log and drops the write log (then
+        deletes them, and any file no kept commit needs): the store is then exactly its last commit. Idempotent,
+        so a crash here is harmless."""
+        # a reader may have seen the newer records of the rows in either log: they go in the next commit's changes
+        self._rolled_back = log_rows(os.path.join(self.path, LOG_NAME), self.width, self.table.vocabulary_size)
         path = self._undo_path(self.commit + 1)
         if os.path.exists(path):
             rows, records = _read_log(path, self.record_bytes)
-            self._rolled_back = rows  # a reader may have seen their newer records
+            self._rolled_back = np.union1d(self._rolled_back, rows)
             keep = self._committed[rows]  # rows unwritten at the commit need nothing: the bitmap says so
             if keep.any():
                 self._io(rows[keep], np.ascontiguousarray(records[keep]), write=True)
@@ -321,10 +307,13 @@ class RowStore:
         self._records.move(rows, data, write)
 
     def read(self, rows: np.ndarray) -> np.ndarray:
-        """`[n, width - 1]` float32 records (row, then slots) of stored rows `rows`, checksums verified."""
+        """`[n, width - 1]` float32 records (row, then slots) of stored rows `rows` (the newest: the write log's,
+        else the records file's), checksums verified."""
         rows = np.asarray(rows, np.int64)
         data = np.empty((rows.size, self.width), np.float32)
-        self._io(rows, data, write=False)
+        with self._lock:
+            log = self._log  # a merge may replace it meanwhile: the old one's rows are in the records file by then
+        _read_newest(log, self._io, rows, data)
         bad = _failing(data, rows)
         if bad.any():
             raise _corrupt_row(self.table.name, self.path, int(rows[int(np.argmax(bad))]))
@@ -333,17 +322,34 @@ class RowStore:
         return data[:, :-1]
 
     def write(self, rows: np.ndarray, values: np.ndarray) -> None:
-        """Writes records `values [n, width - 1]` (row, then slots) at distinct rows `rows`, with their checksums."""
+        """Writes records `values [n, width - 1]` (row, then slots) of distinct rows `rows`, with their checksums:
+        appended to the write log, merged into the records file at the next commit (or when the log outgrows
+        `log_bytes`). One writer at a time."""
         rows = np.asarray(rows, np.int64)
         data = np.empty((rows.size, self.width), np.float32)
         data[:, :-1] = values
         words = data.view(np.uint32)
         words[:, -1] = row_checksums(words[:, :-1], rows)
-        self._log_undo(rows)
-        self._io(rows, data, write=True)
+        self._log.append(rows, data)
         with self._lock:
             self.written[rows] = True
             self.rows_written += rows.size
+        if self._log.bytes > self.log_bytes:
+            self._merge()
+
+    def _merge(self) -> None:
+        """Writes each logged row's newest record into the records file (after its committed record goes to the
+        undo log), then starts a new, empty log. The log is read sequentially a chunk at a time, and each chunk's
+        records written in row order (neighbouring rows share a page of the records file)."""
+        log = self._log
+        for lo, entries in log.scan():
+            entries = entries[log.newest(lo, entries)]
+            rows = entries_rows(entries)
+            order = np.argsort(rows)
+            rows, records = rows[order], np.ascontiguousarray(entries[order, 2:]).view(np.float32)
+            self._log_undo(rows)
+            self._io(rows, records, write=True)
+        self._replace_log().close()
 
     def commit_step(self, step: int | None) -> None:
         """Commits every write so far as the store's state at `step` (durably; the rename of `tier.json` is
@@ -353,6 +359,7 @@ class RowStore:
         self._commit(step, new, (self.history + [{"commit": self.commit + 1, "id": new, "step": step}])[-KEPT_COMMITS:])
 
     def _commit(self, step: int | None, commit_id: str, history: list[dict]) -> None:
+        self._merge()
         self._records.sync()
         with self._lock:
             bits = np.packbits(self.written)
@@ -398,17 +405,29 @@ class RowStore:
             raise _corrupt_row(self.table.name, self.path, int(rows[int(np.argmax(bad))]))
         written = self._load_written(self.history[at]["commit"])
         keep = written[rows]
+        log = self._replace_log()  # writes since the last commit, never merged: their rows hold its records
+        dropped = log.logged_rows()
+        log.close()
         self.write(rows[keep], records[keep][:, :-1])
         gone = np.flatnonzero(self.written & ~written)  # rows it no longer holds: a reader drops them too
         with self._lock:
             self.written = written
-        self._rolled_back = np.union1d(rows, gone)
+        self._rolled_back = np.union1d(np.union1d(rows, gone), dropped)
         self._commit(self.history[at]["step"], commit_id, self.history[:at + 1])
 
+    def _replace_log(self) -> WriteLog:
+        """Starts a new, empty write log; the old one, still open (a read that took it before finds its rows)."""
+        log = self._log
+        with self._lock:
+            self._log = WriteLog.create(log.path, self.width, self.table.vocabulary_size)
+        return log
+
     def close(self) -> None:
+        """Closes the files; the write log stays for a reader until the store opens again (and drops it)."""
         if not self._undo.closed:
             _OPEN[self._real] -= 1
         self._undo.close()
+        self._log.close()
         self._records.close()
 
 
@@ -436,9 +455,10 @@ def _read_log(path: str, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
 class StoreReader:
     """An existing store, opened read-only (serving): it never rolls back, writes, truncates or creates a file.
 
-    It needs no `TableSpec`: `tier.json` says what the table is. `read_records` returns each row's newest record
-    in the file, which may be a write-back newer than the last commit (the training side writes rows in place);
-    a record caught in the middle of a write fails its checksum, and the caller reads it again.
+    It needs no `TableSpec`: `tier.json` says what the table is. `read_records` returns each row's newest record,
+    which may be a write-back newer than the last commit (in the training side's write log, which it follows, or
+    merged into the records file); a record caught in the middle of a write fails its checksum, and the caller
+    reads it again.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -462,7 +482,9 @@ class StoreReader:
         if shape != (self.vocabulary_size, self.width):
             raise CorruptStoreError(f"Table {self.table!r}: the records at {self.path!r} have shape {shape}, but "
                                     f"tier.json says {(self.vocabulary_size, self.width)}.")
-        self._records = _Records(os.path.join(self.path, "records", "c", "0", "0"), shape, write=False)
+        self._records = open_mapped(os.path.join(self.path, "records", "c", "0", "0"), shape, write=False)
+        self._log: WriteLog | None = None  # the training side's write log, as far as followed
+        self._follow_lock = threading.Lock()
 
     def meta(self) -> dict[str, Any]:
         """`tier.json` as it is now (replaced whole at each commit, so never read half-written)."""
@@ -495,8 +517,26 @@ class StoreReader:
         now, and which fail their checksum (damaged, never written, or caught mid-write)."""
         rows = np.asarray(rows, np.int64)
         data = np.empty((rows.size, self.width), np.float32)
-        self._records.move(rows, data, write=False)
+        _read_newest(self._follow(), self._records.move, rows, data)
         return data, _failing(data, rows)
+
+    def _follow(self) -> WriteLog | None:
+        """The training side's write log with the entries appended so far indexed (a new log, after a merge or a
+        restart: followed from its start; none: the records file holds every row)."""
+        path = os.path.join(self.path, LOG_NAME)
+        with self._follow_lock:
+            try:
+                ino = os.stat(path).st_ino
+            except FileNotFoundError:
+                ino = None
+            if self._log is not None and self._log.ino != ino:
+                self._log.close()
+                self._log = None
+            if self._log is None and ino is not None:
+                self._log = WriteLog.open(path, self.width, self.vocabulary_size)
+            if self._log is not None:
+                self._log.follow(_failing)
+            return self._log
 
     def read(self, rows: np.ndarray) -> np.ndarray:
         """`[n, width - 1]` float32 records (row, then slots) of rows `rows`, checksums verified (as RowStore.read)."""
@@ -507,3 +547,5 @@ class StoreReader:
 
     def close(self) -> None:
         self._records.close()
+        if self._log is not None:
+            self._log.close()

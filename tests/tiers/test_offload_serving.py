@@ -312,7 +312,7 @@ def test_a_damaged_row_is_a_corrupt_store_error_naming_the_table_and_row(tmp_pat
 def test_serving_opens_the_store_read_only_and_never_rolls_it_back(tmp_path):
     path = str(tmp_path)
     store = _row_store(path, np.arange(10))
-    store.write(np.array([3]), np.full((1, 2 * D), 9.0, np.float32))  # not committed: an undo log is pending
+    store.write(np.array([3]), np.full((1, 2 * D), 9.0, np.float32))  # not committed: in the write log
 
     def snapshot():
         return {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
