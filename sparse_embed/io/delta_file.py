@@ -50,8 +50,11 @@ def decode_ids(blob: bytes) -> np.ndarray:
         raise ValueError(f"the ids do not inflate ({e})") from None
     if len(planes) % 8:
         raise ValueError(f"the ids inflate to {len(planes)} bytes, not a whole number of 8-byte gaps")
-    gaps = np.ascontiguousarray(np.frombuffer(planes, np.uint8).reshape(8, -1).T).view("<u8").ravel()
-    ids = (np.cumsum(gaps, dtype=np.uint64) - np.uint64(1)).astype(np.int64)
+    planes = np.frombuffer(planes, np.uint8).reshape(8, -1)
+    gaps = np.zeros(planes.shape[1], np.uint64)
+    for j in np.flatnonzero(planes.any(axis=1)):  # most gaps are small: their high planes are zeros, skipped
+        gaps |= planes[j].astype(np.uint64) << np.uint64(8 * j)
+    ids = (np.cumsum(gaps, dtype=np.uint64) - np.uint64(1)).view(np.int64)
     if (ids[1:] <= ids[:-1]).any():
         raise ValueError("the ids are not sorted and distinct")
     return ids
