@@ -10,8 +10,10 @@ ids in [0, rows). `--new F` replaces a fraction F of each raw batch's ids
 by ids never seen (every step's batch drawn afresh): the step then admits
 them, and with `--occupancy 1` evicts as many.
 The systems take turns, `--block` steps each, the first of each turn not
-timed (see `_time_steps`); the table prints medians and ratios, and
-`--out` records them as JSON.
+timed (see `_time_steps`); the table prints medians and ratios (of wall
+time, and of the process's CPU time per step: every thread's, which other
+processes' load stretches far less), with the load average at the end,
+and `--out` records them as JSON.
 
 `--malloc tuned` (the default) first calls `se.tuning.configure_cpu_allocator()`,
 as docs/raw_ids.md recommends for CPU training: glibc then reuses XLA's
@@ -104,20 +106,23 @@ def _time_steps(args, plans, batches, state):
     whichever system comes right after the static one), which a training loop never does."""
     fns = {k: _step_fn(p, k != "static") for k, p in plans.items()}
     times = {k: [] for k in plans}
+    cpu = {k: [] for k in plans}
     i = {k: 0 for k in plans}  # each system's step count (its batches and step numbers)
     for _ in range(_turns(args)):
         for k in plans:  # interleaved blocks
             tables, maps = state[k]
             for j in range(args.block):
                 b = batches[k][i[k] % len(batches[k])]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 tables, maps = fns[k](tables, maps, b, i[k])
                 jax.block_until_ready(tables)
                 if i[k] >= args.warmup and j > 0:
                     times[k].append(time.perf_counter() - t0)
+                    cpu[k].append(time.process_time() - c0)
                 i[k] += 1
             state[k] = (tables, maps)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    median_ms = lambda d: {k: statistics.median(v) * 1e3 for k, v in d.items()}
+    return median_ms(times), median_ms(cpu)
 
 
 def _time_preprocess(args, plans, batches):
@@ -143,21 +148,22 @@ def run(args) -> dict:
     key = jax.random.key(0)
     state = {k: _filled_maps(p, pools, key) if k != "static" else (se.init_tables(p, key), {})
              for k, p in plans.items()}
-    step_ms = _time_steps(args, plans, {k: [se.preprocess(plans[k], b)[0] for b in v] for k, v in batches.items()},
-                          state)
+    step_ms, cpu_ms = _time_steps(args, plans, {k: [se.preprocess(plans[k], b)[0] for b in v]
+                                                for k, v in batches.items()}, state)
     mids = _time_preprocess(args, plans, batches)
     raw = [k for k in plans if k != "static"]
     map_bytes = {k: sum(x.nbytes for x in state[k][1]["t0"].rows) / args.rows for k in raw}  # every array of it
-    return dict(workload=vars(args), step_ms=step_ms, preprocess_mids=mids, map_bytes_per_row=map_bytes,
-                step_ratio={k: step_ms[k] / step_ms["static"] for k in raw},
+    return dict(workload=vars(args), step_ms=step_ms, step_cpu_ms=cpu_ms, preprocess_mids=mids,
+                map_bytes_per_row=map_bytes, step_ratio={k: step_ms[k] / step_ms["static"] for k in raw},
+                step_cpu_ratio={k: cpu_ms[k] / cpu_ms["static"] for k in raw}, load_average=os.getloadavg()[0],
                 preprocess_ratio={k: mids[k] / mids["static"] for k in raw},
                 occupancy=args.occupancy, new_ids=args.new, malloc=args.malloc, jax=jax.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M"))
 
 
 def report(r: dict) -> str:
-    s, p, b = r["step_ms"], r["preprocess_mids"], r["map_bytes_per_row"]
-    sr, pr = r["step_ratio"], r["preprocess_ratio"]
+    s, c, p, b = r["step_ms"], r["step_cpu_ms"], r["preprocess_mids"], r["map_bytes_per_row"]
+    sr, cr, pr = r["step_ratio"], r["step_cpu_ratio"], r["preprocess_ratio"]
     return "\n".join([
         f"malloc: {r['malloc']}; occupancy {r['occupancy']}, new ids per step {r.get('new_ids', 0)}; "
         "raw ids from a 2**40 space, their map with 8-byte keys (Dynamic()) and 4-byte ones (Dynamic(id_bits=40))",
@@ -165,9 +171,12 @@ def report(r: dict) -> str:
         "|---|---|---|---|---|---|---|",
         f"| train step (SGD), ms | {s['static']:.1f} | {s['raw']:.1f} | {s['raw40']:.1f} | {sr['raw']:.2f} | "
         f"{sr['raw40']:.2f} | <= 1.2 |",
+        f"| train step, process CPU ms | {c['static']:.1f} | {c['raw']:.1f} | {c['raw40']:.1f} | {cr['raw']:.2f} | "
+        f"{cr['raw40']:.2f} | - |",
         f"| preprocess, M ids/s | {p['static']:.2f} | {p['raw']:.2f} | {p['raw40']:.2f} | {pr['raw']:.2f} | "
         f"{pr['raw40']:.2f} | >= 0.6 |",
         f"| map bytes per row | - | {b['raw']:.2f} | {b['raw40']:.2f} | - | - | <= 16.25, 12.25 |",
+        f"load average (1 min) at the end: {r['load_average']:.2f}",
     ])
 
 

@@ -111,9 +111,11 @@ def test_raw_ids_benchmark_smoke(tmp_path, extra):
                         "--preprocess_reps", "1", "--malloc", "glibc", "--out", str(tmp_path / "r.json"), *extra])
     # 16 + the directory; with id_bits=40 (4096 rows: 256 buckets, so up to 40 bits) 4-byte keys
     assert "| train step (SGD), ms |" in out and "| map bytes per row | - | 16.25 | 12.25 |" in out
+    assert "| train step, process CPU ms |" in out and "load average" in out
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["new_ids"] == (0.2 if extra else 0.0)
-    assert all(r[k][raw] > 0 for k in ("step_ratio", "preprocess_ratio") for raw in ("raw", "raw40"))
+    assert all(r[k][raw] > 0 for k in ("step_ratio", "step_cpu_ratio", "preprocess_ratio") for raw in ("raw", "raw40"))
+    assert all(r["step_cpu_ms"][k] > 0 for k in ("static", "raw", "raw40")) and r["load_average"] >= 0
 
 
 def test_placement_benchmark_smoke(tmp_path):
