@@ -2,6 +2,9 @@
 
 import gc
 import json
+import pathlib
+import shutil
+import subprocess
 
 import pytest
 
@@ -116,6 +119,23 @@ def test_raw_ids_benchmark_smoke(tmp_path, extra):
     assert r["new_ids"] == (0.2 if extra else 0.0)
     assert all(r[k][raw] > 0 for k in ("step_ratio", "step_cpu_ratio", "preprocess_ratio") for raw in ("raw", "raw40"))
     assert all(r["step_cpu_ms"][k] > 0 for k in ("static", "raw", "raw40")) and r["load_average"] >= 0
+
+
+def _avx512() -> bool:
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    return cpuinfo.exists() and " avx512f" in cpuinfo.read_text()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or not _avx512(), reason="needs g++ and an AVX-512 CPU")
+def test_raw_ids_layouts_benchmark_smoke(tmp_path):
+    """The C++ layout benchmark builds and runs at a small size; it checks every row each layout finds against
+    the ids' rows itself (exit 1 on a wrong one), with rows in key order and shuffled."""
+    src = pathlib.Path(__file__).parents[1] / "benchmarks" / "raw_ids_layouts.cc"
+    exe = tmp_path / "layouts"
+    subprocess.run(["g++", "-O1", "-march=native", "-std=c++17", str(src), "-o", str(exe)], check=True)
+    for extra in ([], ["shuffled"]):
+        out = subprocess.run([str(exe), "12", *extra], check=True, capture_output=True, text=True).stdout
+        assert "2^12 slots, 3276 ids, 3276 queries" in out and "one line: touch" in out, out
 
 
 def test_placement_benchmark_smoke(tmp_path):
