@@ -136,20 +136,21 @@ def _raw_rows(plan: EmbeddingPlan, tables, id_maps, changes: Changes) -> dict:
 
 def _in_order(table: str, what: str, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`(ids, values)` sorted by id (int64; a delta stores sorted ids as gaps); ValueError if an id repeats."""
-    ids = np.asarray(ids, np.int64).ravel()
-    order = np.argsort(ids, kind="stable")
-    ids = ids[order]
+    ids, values = np.asarray(ids, np.int64).ravel(), np.asarray(values)
+    if (ids[1:] < ids[:-1]).any():  # export_delta's are sorted already: no copy of their values
+        order = np.argsort(ids, kind="stable")
+        ids, values = ids[order], values[order]
     twice = ids[1:][ids[1:] == ids[:-1]]
     if twice.size:
         raise ValueError(f"Table {table!r}: {what} {int(twice[0])} is given twice; a delta holds each once.")
-    return ids, np.asarray(values)[order]
+    return ids, values
 
 
 def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
                 raw: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None) -> tuple[str, Changes]:
     """Writes the next delta after `changes` from host rows: `rows[table] = (rows [n], float values [n, dim])`,
-    `raw[table] = (upserted ids [n], float values [n, dim], evicted ids [m])`; returns `(its path, the tracker
-    for the next delta)`. `export_delta` gathers these from the live tables."""
+    `raw[table] = (upserted ids [n], float values [n, dim], evicted ids [m])`, ids in any order, each once;
+    returns `(its path, the tracker for the next delta)`. `export_delta` gathers these from the live tables."""
     header: dict[str, Any] = {"base": changes.base, "seq": changes.seq + 1, "tables": {}}
     arrays: dict[str, np.ndarray] = {}
     served = dict(changes.served_ids)
