@@ -11,6 +11,7 @@ import pytest
 import sparse_embed as se
 from sparse_embed import optimizers as opt
 from sparse_embed.core.relayout import from_shard_major
+from cases import Failures, merged_plan, renamed
 import reference as ref
 
 pytestmark = pytest.mark.usefixtures("each_kernel")  # every test on the generic and the native kernel
@@ -24,14 +25,20 @@ def _run_forward(plan, tables, ids, weights=None):
     return {k: np.asarray(v) for k, v in acts.items()}, stats
 
 
-def _check_forward(plan, tables, feats, samples, ids, weights):
+def _check_forward(plan, tables, cases, samples, ids, weights):
+    """One lookup of `plan`; each case's features (`cases`: case -> {feature: spec}) against the reference, every
+    failing case named."""
     acts, _ = _run_forward(plan, tables, ids, weights)
     W = se.unstack_tables(plan, tables)
-    for name, f in feats.items():
-        want = ref.lookup(W[f.table.name], samples[name], combiner=f.table.combiner,
-                          seq_len=f.max_sequence_length, max_norm=f.table.max_norm)
-        assert acts[name].shape == f.output_shape
-        np.testing.assert_allclose(acts[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+    failures = Failures()
+    for case, feats in cases.items():
+        with failures.case(case):
+            for name, f in feats.items():
+                want = ref.lookup(W[f.table.name], samples[name], combiner=f.table.combiner,
+                                  seq_len=f.max_sequence_length, max_norm=f.table.max_norm)
+                assert acts[name].shape == f.output_shape
+                np.testing.assert_allclose(acts[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+    failures.check()
 
 
 @pytest.mark.parametrize("fmt", ["dense", "list", "pair", "1d"])
@@ -49,7 +56,7 @@ def test_forward_every_combiner_and_format(mesh, fmt, weighted):
         ids[name], weights[name] = ref.render(samples[name], fmt)
     plan = se.plan(feats, mesh)
     tables = se.init_tables(plan, jax.random.key(1))
-    _check_forward(plan, tables, feats, samples, ids, weights if weighted else None)
+    _check_forward(plan, tables, {fmt: feats}, samples, ids, weights if weighted else None)
 
 
 def _mixed_features():
@@ -66,18 +73,24 @@ def _mixed_features():
     }
 
 
-@pytest.mark.parametrize("stacking", ["auto", None, [["a", "b"]], [["b"], ["a"]]],
-                         ids=["auto", "none", "explicit_ab", "explicit_single"])
-def test_forward_stacking_shared_tables_sequence_max_norm(mesh, stacking):
-    rng = np.random.default_rng(1)
-    feats = _mixed_features()
-    samples = {n: ref.random_samples(rng, f.batch_size, f.table.vocabulary_size, 6, weighted=True)
-               for n, f in feats.items()}
-    ids = {n: ref.render(s, "list")[0] for n, s in samples.items()}
-    weights = {n: ref.render(s, "list")[1] for n, s in samples.items()}
-    plan = se.plan(feats, mesh, stacking=stacking)
+STACKINGS = {"auto": "auto", "none": None, "explicit_ab": [["a", "b"]], "explicit_single": [["b"], ["a"]]}
+
+
+def test_forward_stacking_shared_tables_sequence_max_norm(mesh):
+    """Each stacking (a case each, in one plan: the stacks each makes alone)."""
+    cases, samples, ids, weights = {}, {}, {}, {}
+    for case, stacking in STACKINGS.items():
+        rng = np.random.default_rng(1)
+        feats = _mixed_features()
+        for n, f in feats.items():
+            s = samples[f"{case}_{n}"] = ref.random_samples(rng, f.batch_size, f.table.vocabulary_size, 6,
+                                                            weighted=True)
+            ids[f"{case}_{n}"], weights[f"{case}_{n}"] = ref.render(s, "list")
+        cases[case] = (feats, stacking)
+    plan = merged_plan(cases, mesh)
     tables = se.init_tables(plan, jax.random.key(2))
-    _check_forward(plan, tables, feats, samples, ids, weights)
+    _check_forward(plan, tables, {case: renamed(case, feats) for case, (feats, _) in cases.items()}, samples, ids,
+                   weights)
 
 
 def test_auto_stacking_groups_compatible_tables(mesh8):
@@ -124,12 +137,7 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("stacking", ["auto", None])
-def test_multi_step_training_matches_reference(mesh, name, stacking, kernel="auto"):
-    make_opt, update = OPTIMIZERS[name]
-    rng = np.random.default_rng(3)
-    o = make_opt()
+def _training_case(o, rng):
     a = se.TableSpec("a", 61, 8, combiner="sum", optimizer=o)
     b = se.TableSpec("b", 26, 8, combiner="sum", optimizer=o)
     c = se.TableSpec("c", 19, 4, combiner="sqrtn", optimizer=o, max_norm=0.4)
@@ -139,33 +147,57 @@ def test_multi_step_training_matches_reference(mesh, name, stacking, kernel="aut
         "b_seq": se.FeatureSpec("b_seq", b, B, max_sequence_length=2),
         "c1": se.FeatureSpec("c1", c, B),
     }
-    plan = se.plan(feats, mesh, stacking=stacking, kernel=kernel)
+    return feats, {n: rng.normal(size=f.output_shape).astype(np.float32) for n, f in feats.items()}
+
+
+def _reference_step(state, update, lr, feats, samples, cts, step):
+    """One step of the reference on a case's tables `state` (`{table: {array: float64}}`), in place."""
+    for tname in state:
+        W, grads = state[tname]["table"], {}
+        for n, f in feats.items():
+            if f.table.name == tname:
+                for r, g in ref.row_grads(W, samples[n], cts[n], combiner=f.table.combiner,
+                                          seq_len=f.max_sequence_length, max_norm=f.table.max_norm).items():
+                    grads[r] = grads.get(r, 0.0) + g
+        ref.apply(update, state[tname], grads, lr, step)
+
+
+def test_multi_step_training_matches_reference(mesh, name=None, stacking="auto", kernel="auto"):
+    """Every optimizer with stacking "auto" and None (a case each, in one plan), four steps; test_kernels passes
+    `name` (then that case alone, stacked by `stacking`) and its own `kernel`."""
+    chosen = [(n, s) for n in OPTIMIZERS for s in ("auto", None)] if name is None else [(name, stacking)]
+    cases, feats, rules, rngs, cts = {}, {}, {}, {}, {}
+    for n, s in chosen:
+        case, o = f"{n}_{s}", OPTIMIZERS[n][0]()
+        rules[case], rngs[case] = (OPTIMIZERS[n][1], o.learning_rate), np.random.default_rng(3)
+        case_feats, case_cts = _training_case(o, rngs[case])
+        cases[case], feats[case] = (case_feats, s), renamed(case, case_feats)
+        cts |= {f"{case}_{f}": ct for f, ct in case_cts.items()}
+    plan = merged_plan(cases, mesh, kernel=kernel)
     tables = se.init_tables(plan, jax.random.key(4))
     state = {n: {k: v.astype(np.float64) for k, v in s.items()} for n, s in se.unstack_state(plan, tables).items()}
-    cts = {n: rng.normal(size=f.output_shape).astype(np.float32) for n, f in feats.items()}
     train = _loss_and_train(plan, cts)
     for step in range(4):
         # step 2 is full of duplicates (ids from a pool of 3), also across features sharing a table
         pool = 3 if step == 2 else None
-        samples = {n: ref.random_samples(rng, f.batch_size, f.table.vocabulary_size, 5, weighted=True, id_pool=pool)
-                   for n, f in feats.items()}
-        ids = {n: ref.render(s, "list")[0] for n, s in samples.items()}
-        w = {n: ref.render(s, "list")[1] for n, s in samples.items()}
+        samples, ids, w = {}, {}, {}
+        for case, case_feats in feats.items():
+            for n, f in case_feats.items():
+                samples[n] = ref.random_samples(rngs[case], f.batch_size, f.table.vocabulary_size, 5, weighted=True,
+                                                id_pool=pool)
+                ids[n], w[n] = ref.render(samples[n], "list")
+            mine = {t: state[t] for t in {f.table.name for f in case_feats.values()}}
+            _reference_step(mine, *rules[case], case_feats, samples, cts, step)
         batch, _ = se.preprocess(plan, ids, w)
-        for tname in ("a", "b", "c"):
-            W = state[tname]["table"]
-            grads: dict[int, np.ndarray] = {}
-            for n, f in feats.items():
-                if f.table.name == tname:
-                    for r, g in ref.row_grads(W, samples[n], cts[n], combiner=f.table.combiner,
-                                              seq_len=f.max_sequence_length, max_norm=f.table.max_norm).items():
-                        grads[r] = grads.get(r, 0.0) + g
-            ref.apply(update, state[tname], grads, o.learning_rate, step)
         tables = train(tables, batch, jnp.int32(step))
-    got = se.unstack_state(plan, tables)
-    for tname in state:
-        for k in state[tname]:
-            np.testing.assert_allclose(got[tname][k], state[tname][k], rtol=1e-4, atol=1e-5, err_msg=f"{tname}/{k}")
+    got, failures = se.unstack_state(plan, tables), Failures()
+    for case in cases:
+        with failures.case(case):
+            for tname in ("a", "b", "c"):
+                for k, want in state[f"{case}_{tname}"].items():
+                    np.testing.assert_allclose(got[f"{case}_{tname}"][k], want, rtol=1e-4, atol=1e-5,
+                                               err_msg=f"{case}: {tname}/{k}")
+    failures.check()
 
 
 def test_schedule_learning_rate_uses_step(mesh8):
@@ -224,22 +256,31 @@ def test_donated_tables_are_consumed(mesh8):
     assert new["t"].table.sharding == plan.table_sharding()
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_bf16_table_trains_like_the_reference(mesh8, name):
-    make_opt, update = OPTIMIZERS[name]
-    o = make_opt()
-    t = se.TableSpec("t", 40, 8, combiner="sum", optimizer=o, dtype=jnp.bfloat16)
-    plan = se.plan({"f": se.FeatureSpec("f", t, B)}, mesh8)
+def test_bf16_table_trains_like_the_reference(mesh8):
+    """A bf16 table per optimizer (a case each, in one plan), one step on many duplicates."""
+    cases, opts = {}, {}
+    for name, (make_opt, _) in OPTIMIZERS.items():
+        opts[name] = make_opt()
+        t = se.TableSpec("t", 40, 8, combiner="sum", optimizer=opts[name], dtype=jnp.bfloat16)
+        cases[name] = ({"f": se.FeatureSpec("f", t, B)}, "auto")
+    plan = merged_plan(cases, mesh8)
     tables = se.init_tables(plan, jax.random.key(1))
-    assert tables["t"].table.dtype == jnp.bfloat16
-    state = {k: np.asarray(v, np.float64) for k, v in se.unstack_state(plan, tables)["t"].items()}
-    rng = np.random.default_rng(5)
-    samples = ref.random_samples(rng, B, 40, 4, weighted=False, id_pool=6)  # many duplicates
-    ids = ref.render(samples, "list")[0]
-    cts = {"f": rng.normal(size=(B, 8)).astype(np.float32)}
-    grads = ref.row_grads(state["table"], samples, cts["f"], combiner="sum")
-    ref.apply(update, state, grads, o.learning_rate, 0)
-    batch, _ = se.preprocess(plan, {"f": ids})
-    got = se.unstack_state(plan, _loss_and_train(plan, cts)(tables, batch, jnp.int32(0)))["t"]
-    # bf16 keeps 8 bits of mantissa: the stored rows are the reference rounded to bf16.
-    np.testing.assert_allclose(np.asarray(got["table"], np.float64), state["table"], rtol=1e-2, atol=1e-2)
+    ids, cts, want = {}, {}, {}
+    for name, (_, update) in OPTIMIZERS.items():
+        assert tables[f"{name}_t"].table.dtype == jnp.bfloat16
+        state = {k: np.asarray(v, np.float64) for k, v in se.unstack_state(plan, tables)[f"{name}_t"].items()}
+        rng = np.random.default_rng(5)
+        samples = ref.random_samples(rng, B, 40, 4, weighted=False, id_pool=6)  # many duplicates
+        ids[f"{name}_f"] = ref.render(samples, "list")[0]
+        cts[f"{name}_f"] = rng.normal(size=(B, 8)).astype(np.float32)
+        grads = ref.row_grads(state["table"], samples, cts[f"{name}_f"], combiner="sum")
+        ref.apply(update, state, grads, opts[name].learning_rate, 0)
+        want[name] = state
+    batch, _ = se.preprocess(plan, ids)
+    got, failures = se.unstack_state(plan, _loss_and_train(plan, cts)(tables, batch, jnp.int32(0))), Failures()
+    for name, state in want.items():
+        with failures.case(name):
+            # bf16 keeps 8 bits of mantissa: the stored rows are the reference rounded to bf16.
+            np.testing.assert_allclose(np.asarray(got[f"{name}_t"]["table"], np.float64), state["table"], rtol=1e-2,
+                                       atol=1e-2)
+    failures.check()
