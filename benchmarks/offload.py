@@ -16,9 +16,9 @@ step, the loop's wait, and each system's process CPU time per step (every
 thread; the offloaded one's write-backs waited for at the end of each of
 its blocks), which other processes' load does not stretch, the
 write-backs' CPU time, and the load average. After the timed blocks the
-offloaded table is flushed (a commit: the cache's changed rows and the
-store's write log merged into its records), timed. `--uniform` adds the
-same with uniform ids.
+offloaded table is flushed with `--flush` (a commit: the cache's changed
+rows and the store's write log merged into its records), timed.
+`--uniform` adds the same with uniform ids.
 
 `--huge` trains a 10^8 x 64 table (25.6 GB with its slots: more than this
 machine's memory) for `--huge-steps` (1000) Zipf steps in a fresh process
@@ -68,6 +68,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100, help="offloaded steps before timing (fills the cache)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--buffer", type=int, default=2, help="prefetch buffer_size (look-ahead in batches)")
+    p.add_argument("--flush", action="store_true", help="flush (commit) the offloaded table after the blocks, timed")
     p.add_argument("--huge", action="store_true", help="the 10^8-row run (its own process)")
     p.add_argument("--huge-rows", type=int, default=100_000_000)
     p.add_argument("--huge-steps", type=int, default=1000)
@@ -181,9 +182,11 @@ def side_by_side(args: argparse.Namespace, zipf: float | None, where: str) -> di
             system.settle()
             cpu[name] += time.process_time() - c0
     numbers = _tier_numbers(before, tiered.tiers.stats()["t"], len(times["offloaded"]))
-    t0, c0 = time.perf_counter(), time.process_time()
-    tiered.flush()
-    flush = {"flush_seconds": time.perf_counter() - t0, "flush_cpu_seconds": time.process_time() - c0}
+    flush = {}
+    if args.flush:
+        t0, c0 = time.perf_counter(), time.process_time()
+        tiered.flush()
+        flush = {"flush_seconds": time.perf_counter() - t0, "flush_cpu_seconds": time.process_time() - c0}
     memory.close()
     tiered.close()
     out = {k: _ms(v) for k, v in times.items()}
@@ -238,8 +241,10 @@ def report(results: dict[str, Any]) -> None:
                   f"{o['bytes_read_per_step'] / 2**20:.2f} MiB read, {o['bytes_written_per_step'] / 2**20:.2f} MiB "
                   f"written; store reads {o['read_ms_per_step']:.2f} ms (worker), loop's wait "
                   f"{o['wait_ms_per_step']:.2f} ms; write-backs' CPU {o['write_cpu_ms_per_step']:.2f} ms (writer)")
-            print(f"  then a flush (commit: the cache's changed rows and the write log into the store): "
-                  f"{o['flush_seconds']:.2f} s ({o['flush_cpu_seconds']:.2f} s CPU); load average before, after: "
+            if "flush_seconds" in o:
+                print(f"  then a flush (commit: the cache's changed rows and the write log into the store): "
+                      f"{o['flush_seconds']:.2f} s ({o['flush_cpu_seconds']:.2f} s CPU)")
+            print(f"  load average (1/5/15 min) before, after: "
                   f"{', '.join('/'.join(f'{x:.1f}' for x in la) for la in r['load_average'])}")
             print(f"  process CPU per step (every thread; other processes' load stretches wall time, not this): in "
                   f"memory {m['cpu_ms_per_step']:.2f} ms, offloaded {o['cpu_ms_per_step']:.2f} ms, ratio "
