@@ -8,7 +8,7 @@ page, a block allocated and a whole 4 KiB page written back by the kernel,
 for a record of a few hundred bytes (docs/offload.md measures it). Appended
 to the log, the same records are one sequential write. The store merges the
 log into the records file when it commits (and when the log outgrows its
-cap), sorted by row and each row once: see `RowStore._merge`.
+cap), in row order and each row once: see `RowStore._merge`.
 """
 
 from __future__ import annotations
@@ -59,6 +59,11 @@ class MappedRows:
         if self.touched > self.MAPPED_BYTES and self._mmap is not None:
             self._mmap.madvise(mmap.MADV_DONTNEED)
             self.touched = 0
+
+    def advise_sequential(self, on: bool) -> None:
+        """Pages faulted in with the pages after them (`on`: a pass in file order), or one at a time (random rows)."""
+        if self._mmap is not None:
+            self._mmap.madvise(mmap.MADV_SEQUENTIAL if on else mmap.MADV_RANDOM)
 
     def sync(self) -> None:
         """Makes every write durable (msync: the dirty pages and the blocks they need, as fdatasync)."""
@@ -173,10 +178,6 @@ class WriteLog:
                 self.rows.append(rows)
                 if whole < entries.shape[0]:
                     return
-
-    def newest(self, lo: int, entries: np.ndarray) -> np.ndarray:
-        """bool `[k]`: which of `entries` (from entry `lo` on) are their row's newest."""
-        return self.at[entries_rows(entries)] == np.arange(lo + 1, lo + 1 + entries.shape[0], dtype=np.uint32)
 
     def logged_rows(self) -> np.ndarray:
         """The distinct rows with an entry (int64, sorted)."""

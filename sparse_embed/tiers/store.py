@@ -66,12 +66,13 @@ from typing import Any, Callable
 import numpy as np
 
 from sparse_embed.core.specs import TableSpec
-from sparse_embed.tiers.rows_file import LOG_NAME, WriteLog, entries_rows, log_rows, open_mapped
+from sparse_embed.tiers.rows_file import LOG_NAME, WriteLog, log_rows, open_mapped
 
 FORMAT = "sparse_embed.offload/1"
 KEPT_CHANGES = 8  # commits whose `changes.<commit>.npy` a store keeps
 KEPT_COMMITS = 8  # commits a store can go back to (`RowStore.rollback_to`): their undo logs and bitmaps are kept
 LOG_BYTES = 1 << 30  # a store's write log is merged once it holds this much or half the records file's size
+_MERGE_ROWS = 1 << 18  # rows a merge of the write log copies at a time
 _OPEN: dict[str, int] = {}  # real path -> `RowStore`s of this process open on it
 _SHARD = re.compile(r"process(\d+)of(\d+)$")  # a process's store of a table trained by several (`tiers.processes`)
 _K = 0x9E3779B9
@@ -339,16 +340,20 @@ class RowStore:
 
     def _merge(self) -> None:
         """Writes each logged row's newest record into the records file (after its committed record goes to the
-        undo log), then starts a new, empty log. The log is read sequentially a chunk at a time, and each chunk's
-        records written in row order (neighbouring rows share a page of the records file)."""
+        undo log), then starts a new, empty log. All rows in row order, so that each page of the records file is
+        written once and in file order (read ahead when it holds data)."""
         log = self._log
-        for lo, entries in log.scan():
-            entries = entries[log.newest(lo, entries)]
-            rows = entries_rows(entries)
-            order = np.argsort(rows)
-            rows, records = rows[order], np.ascontiguousarray(entries[order, 2:]).view(np.float32)
-            self._log_undo(rows)
-            self._io(rows, records, write=True)
+        rows = log.logged_rows()
+        self._records.advise_sequential(True)
+        try:
+            for lo in range(0, rows.size, _MERGE_ROWS):
+                part = rows[lo:lo + _MERGE_ROWS]
+                records = np.empty((part.size, self.width), np.float32)
+                log.read(part, records)
+                self._log_undo(part)
+                self._io(part, records, write=True)
+        finally:
+            self._records.advise_sequential(False)
         self._replace_log().close()
 
     def commit_step(self, step: int | None) -> None:
