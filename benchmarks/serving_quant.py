@@ -16,9 +16,10 @@ dtype (float32, bfloat16, int8, int4):
 Live updates (int8): after the export, training goes on (SGD on Zipf ids
 for W1, the demo's own loop), tracked by `sparse_embed.serving.Changes`; after
 each of `--delta-steps` (1, 10, 100) steps a delta of every step since the
-export is written, and its bytes and apply time (`apply_delta`, median of
-3) are set against the full export's bytes and a full re-export + reload of
-the last step. Under load: `--threads` threads look up the W1-sized int8
+export is written, and its bytes (and what they were in format 1, ids
+stored raw) and apply time (`apply_delta`, median of 3) are set against
+the full export's bytes and a full re-export + reload of the last step.
+Under load: `--threads` threads look up the W1-sized int8
 tables while `--deltas` deltas apply, spread over `--load-seconds`; each
 delta sets 1% of the rows (the ones looked up) to its version number, exact
 in int8 (a constant row), so a lookup whose values are not all its
@@ -51,6 +52,7 @@ import sparse_embed as se  # noqa: E402
 import sparse_embed.serving as ss  # noqa: E402
 from benchmarks import measuring  # noqa: E402
 from benchmarks.workload import id_sampler  # noqa: E402
+from sparse_embed.io import delta_file  # noqa: E402
 from sparse_embed.io.restoring import static_part  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "int8", "int4")
@@ -97,13 +99,25 @@ def _lookup_rates(features: dict, served: dict, ids: dict, reps: int) -> tuple[d
             {d: statistics.median(t) * 1e3 for d, t in cpu.items()})
 
 
+def _format1_bytes(delta: str) -> int:
+    """The bytes the same delta took in format 1, which stored its ids raw (a static table's rows as int32), to
+    within a few bytes of header."""
+    header, arrays = delta_file.read(delta)
+    out = _disk_bytes(delta)
+    for name, a in arrays.items():
+        if a.dtype == np.int64:  # the ids, stored as gaps now
+            raw = a.size * (4 if header["tables"][name.split("/")[0]] == "rows" else 8)
+            out += raw - len(delta_file.encode_ids(a))
+    return out
+
+
 def _delta_vs_full(base: str, delta: str, full: str, export_s: float) -> dict:
     """Bytes and seconds of applying `delta` to `base`'s snapshot, against the full export `full`."""
     snap = ss.load_snapshot(base)
     applies = [_timed(ss.apply_delta, snap, delta)[1] for _ in range(3)]
     _, reload_s = _timed(se.load_serving, full)
     out = {"delta_bytes": _disk_bytes(delta), "full_bytes": _disk_bytes(full), "apply_s": statistics.median(applies),
-           "export_s": export_s, "reload_s": reload_s}
+           "export_s": export_s, "reload_s": reload_s, "format1_bytes": _format1_bytes(delta)}
     out["bytes_ratio"] = out["delta_bytes"] / out["full_bytes"]
     out["time_ratio"] = out["apply_s"] / (export_s + reload_s)
     return out
@@ -321,12 +335,13 @@ def report(r: dict) -> str:
                      f"{d['memory'][t] / 2**20:,.2f} | {d['auc'][t]:.4f} | {d['auc'][t] - auc32:+.4f} ({acc}) |")
     lines += ["", "A delta (int8) after N more training steps, against a full re-export and reload "
               "(goal after 100 steps: <= 0.1x both):", "",
-              "| model | steps | rows touched | delta MiB | full MiB | bytes ratio | apply s | re-export + reload s | "
-              "time ratio |", "|---|---|---|---|---|---|---|---|---|"]
+              "| model | steps | rows touched | delta MiB | full MiB | bytes ratio | ratio in format 1 | apply s | "
+              "re-export + reload s | time ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, x in (("W1-sized", w), ("demo", d)):
         for h, dl in x["delta"].items():
             lines.append(f"| {name} | {h} | {dl['touched_fraction']:.1%} | {dl['delta_bytes'] / 2**20:,.2f} | "
-                         f"{dl['full_bytes'] / 2**20:,.2f} | {dl['bytes_ratio']:.3f} | {dl['apply_s']:.3f} | "
+                         f"{dl['full_bytes'] / 2**20:,.2f} | {dl['bytes_ratio']:.3f} | "
+                         f"{dl['format1_bytes'] / dl['full_bytes']:.3f} | {dl['apply_s']:.3f} | "
                          f"{dl['export_s']:.2f} + {dl['reload_s']:.2f} | {dl['time_ratio']:.3f} |")
     lines += ["", f"Lookups under load: {ld['threads']} threads, batches of {r['load_batch']} samples, while "
               f"{ld['deltas']} deltas (1% of the rows each) apply to the W1-sized int8 tables "
