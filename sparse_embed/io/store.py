@@ -105,12 +105,14 @@ def _context() -> ts.Context:
     return ts.Context({"data_copy_concurrency": {"limit": os.cpu_count() or 1}, "file_io_concurrency": {"limit": 8}})
 
 
-def _create(path: str, shape: tuple[int, int], dtype: np.dtype, chunk: int, context: ts.Context) -> ts.TensorStore:
-    """A new zarr3 array in chunks of `chunk` rows (at most the array's): a device's piece of a streamed chunk
-    is one stored chunk, so no two processes ever write the same file."""
+def _create(path: str, shape: tuple[int, int], dtype: np.dtype, chunk: int, context: ts.Context) -> ts.Future:
+    """Starts creating a new zarr3 array in chunks of `chunk` rows (at most the array's): a device's piece of a
+    streamed chunk is one stored chunk, so no two processes ever write the same file. A future: a checkpoint
+    creates every array at once, so that the file system's round trips (a few ms each) overlap instead of adding
+    up over hundreds of arrays (tables x slots, id maps)."""
     metadata = _metadata(shape, dtype, chunk)
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "metadata": metadata}
-    return ts.open(spec, create=True, delete_existing=True, context=context).result()
+    return ts.open(spec, create=True, delete_existing=True, context=context)
 
 
 def open_array(directory: str, table: str, key: str, context: ts.Context | None = None, *,
@@ -165,8 +167,9 @@ def write_state(directory: str, plan: EmbeddingPlan, tables: Mapping[str, Embedd
     arrays = [(s, i, p.table.name, key, a, chunk_rows(s, natural_width(s, key) * a.dtype.itemsize, CHUNK_BYTES))
               for s in plan.stacks for key, a in _keys(tables[s.name]).items() for i, p in enumerate(s.tables)]
     if jax.process_index() == 0:
-        stores = {(name, key): _create(array_path(directory, name, key), (s.tables[i].table.vocabulary_size,
-                                       natural_width(s, key)), a.dtype, m, context) for s, i, name, key, a, m in arrays}
+        creating = {(name, key): _create(array_path(directory, name, key), (s.tables[i].table.vocabulary_size,
+                                         natural_width(s, key)), a.dtype, m, context) for s, i, name, key, a, m in arrays}
+        stores = {k: f.result() for k, f in creating.items()}
     if multi:
         from jax.experimental import multihost_utils
 
@@ -211,15 +214,14 @@ def _write_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store:
 def write_host(directory: str, arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, str]:
     """Writes host arrays `{table: {key: [vocab, w]}}` into the store (one process); returns their checksums
     (`host_checksum`)."""
-    context, sums = _context(), {}
-    for name, keys in arrays.items():
-        for key, a in keys.items():
-            a = np.ascontiguousarray(a)
-            m = max(1, CHUNK_BYTES // max(1, a.shape[1] * a.dtype.itemsize))
-            store = _create(array_path(directory, name, key), a.shape, a.dtype, m, context)
-            store.write(a).result()
-            sums[f"{name}/{key}"] = host_checksum(a)
-    return sums
+    context = _context()
+    items = [(name, key, np.ascontiguousarray(a)) for name, keys in arrays.items() for key, a in keys.items()]
+    creating = [_create(array_path(directory, name, key), a.shape, a.dtype,
+                        max(1, CHUNK_BYTES // max(1, a.shape[1] * a.dtype.itemsize)), context) for name, key, a in items]
+    writes = [f.result().write(a) for f, (_, _, a) in zip(creating, items)]  # every array in flight at once
+    for w in writes:
+        w.result()
+    return {f"{name}/{key}": host_checksum(a) for name, key, a in items}
 
 
 def host_checksum(a: np.ndarray) -> str:
