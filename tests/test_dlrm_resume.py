@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -17,7 +16,10 @@ from conftest import make_mesh
 from sparse_embed.examples import criteo_dlrm
 from sparse_embed.examples.criteo_data import write_criteo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "host", "multiprocess"))
+
+import launch  # noqa: E402
+
 STEPS, KILLS = 10, 2
 FLAGS = ["--steps", str(STEPS), "--batch-size", "64", "--eval-batches", "2", "--table-rows", "64",
          "--embedding-dim", "4", "--checkpoint-every", "1", "--no-progress"]
@@ -25,29 +27,23 @@ FLAGS = ["--steps", str(STEPS), "--batch-size", "64", "--eval-batches", "2", "--
 
 def demo(data: str, ckpt: str, kill_at: int | None = None) -> bool:
     """Runs the demo (4 CPU devices); True if it ended, False if killed once it saved step `kill_at` or later."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONUNBUFFERED="1",
-               # every run compiles the same step: from a shared cache after the first
-               JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(ckpt), "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    p = subprocess.Popen([sys.executable, "-m", "sparse_embed.examples.dlrm", "--data", data,
-                          "--checkpoint-dir", ckpt, *FLAGS], env=env, text=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, start_new_session=True)
-    seen = []
-    try:
-        for line in p.stdout:
-            seen.append(line)
-            if kill_at is not None and line.startswith("checkpoint of step ") and int(line.split()[3]) >= kill_at:
-                p.send_signal(signal.SIGKILL)
-                p.wait(60)
-                return False
-        assert p.wait(300) == 0, "".join(seen)[-6000:]
-    finally:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-        p.stdout.close()
+    # every run compiles the same step: from a shared cache after the first
+    env = launch.worker_env(4, JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(ckpt), "jax_cache"),
+                            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    with tempfile.TemporaryDirectory(prefix="demo_") as logs:
+        p = launch.start("-m sparse_embed.examples.dlrm", ["--data", data, "--checkpoint-dir", ckpt, *FLAGS], env,
+                         os.path.join(logs, "demo.log"))
+        try:
+            for line in p.lines():
+                if kill_at is not None and line.startswith("checkpoint of step ") and int(line.split()[3]) >= kill_at:
+                    p.kill()
+                    p.wait(60)
+                    return False
+            assert p.wait(300) == 0, p.output()[-6000:]
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
     return True
 
 

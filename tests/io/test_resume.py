@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 
@@ -27,55 +25,38 @@ import launch  # noqa: E402
 import resume_run  # noqa: E402
 
 STEPS, KILLS = 14, 10
-SRC = os.path.dirname(os.path.dirname(HERE))
-
-
-def _env(devices: int, cache: str, process: int = 0, processes: int = 1, port: int = 0) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SE_"))}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-                         "--xla_cpu_copy_insertion_use_region_analysis=true",
-               # recompiling the same step after each kill would be most of the test's time
-               JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(SRC), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    if processes > 1:
-        env.update(SE_COORDINATOR=f"127.0.0.1:{port}", SE_NUM_PROCESSES=str(processes), SE_PROCESS_ID=str(process))
-    return env
 
 
 def run(args: list[str], *, devices: int, cache: str, processes: int = 1, kill_at: int | None = None,
         timeout: float = 240) -> bool:
     """Runs resume_run.py (`processes` processes of `devices` devices each) to its end (True), or until process 0
     prints `step k` with k >= kill_at, then SIGKILLs every process (False)."""
-    port, procs, logs = launch.free_port(), [], []
-    for i in range(processes):
-        logs.append(tempfile.TemporaryFile(mode="w+"))
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "resume_run.py"), *args],
-            env=_env(devices, cache, i, processes, port), text=True, start_new_session=True,
-            stdout=subprocess.PIPE if i == 0 else logs[i], stderr=subprocess.STDOUT))
-    killed, seen = False, []
+    port, logs = launch.free_port(), tempfile.TemporaryDirectory(prefix="resume_")
+    # recompiling the same step after each kill would be most of the test's time: one cache for the module's runs
+    cache_env = dict(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    distributed = [dict(SE_COORDINATOR=f"127.0.0.1:{port}", SE_NUM_PROCESSES=str(processes), SE_PROCESS_ID=str(i))
+                   if processes > 1 else {} for i in range(processes)]
+    procs = [launch.start(os.path.join(HERE, "resume_run.py"), args,
+                          launch.worker_env(devices, **cache_env, **distributed[i]),
+                          os.path.join(logs.name, f"process{i}.log")) for i in range(processes)]
+    killed = False
     try:
-        for line in procs[0].stdout:
-            seen.append(line)
+        for line in procs[0].lines():
             if kill_at is not None and line.startswith("step ") and int(line.split()[1]) >= kill_at:
                 for p in procs:
-                    p.send_signal(signal.SIGKILL)
+                    p.kill()
                 killed = True
                 break
         codes = [p.wait(timeout) for p in procs]
-        others = "".join(f"\n--- process {i} ---\n" + (log.seek(0) or log.read())[-3000:]
-                         for i, log in enumerate(logs[1:], 1))
+        outputs = "".join(f"\n--- process {i} ---\n" + p.output()[-6000:] for i, p in enumerate(procs))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
-        procs[0].stdout.close()
-        for log in logs:
-            log.close()
+        logs.cleanup()
     if not killed and any(codes):
-        raise AssertionError(f"resume_run exited with {codes}:\n{''.join(seen)[-6000:]}{others}")
+        raise AssertionError(f"resume_run exited with {codes}:{outputs}")
     return not killed
 
 
@@ -159,9 +140,10 @@ def test_killed_on_another_device_count_resumes_to_float32_tolerance(data_file, 
     assert_same(got, reference, exact=False)
 
 
-def test_two_processes_killed_resume_bitwise(data_file, tmp_path):
+def test_two_processes_killed_ten_times_resume_bitwise(data_file, tmp_path):
+    """2 processes x 2 devices against their own uninterrupted run (the 4-device reference sums in another order)."""
     want = train(str(tmp_path / "reference"), data_file, devices=2, processes=2)
-    kills = sorted(np.random.default_rng().choice(np.arange(1, STEPS - 1), 3, replace=False).tolist())
+    kills = sorted(np.random.default_rng().choice(np.arange(1, STEPS - 1), KILLS, replace=False).tolist())
     got = train(str(tmp_path / "killed"), data_file, devices=2, processes=2, kills=kills)
     assert_same(got, want, exact=True)
 

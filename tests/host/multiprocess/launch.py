@@ -1,6 +1,15 @@
-"""Starts N local worker processes under jax.distributed and waits for them (bounded, kills all on failure).
+"""Starts test scripts as separate processes, and N local workers under jax.distributed (bounded, kills all on
+failure).
 
-Each worker runs `python <script> <args...>` with the environment variables
+`start` runs a script (`runpy`, as `python <script> <args...>` would) in a process forked from a server that has
+already imported jax, grain, orbax, optax and sparse_embed but started no backend (multiprocessing's "forkserver"):
+a fresh process without a second or more of imports each time, which is most of what the kill-and-resume tests'
+many restarts cost. The environment is the script's own (XLA flags are read when the backend starts, after the
+fork; the few `JAX_*` settings jax reads at import are applied as config), stdout and stderr go to a log file,
+and SIGKILL kills it like any process. A test that needs a truly fresh interpreter (what importing loads, flags
+read at import) must use subprocess instead.
+
+Each worker of `run_workers` runs `<script> <args...>` that way with the environment variables
 SE_COORDINATOR (127.0.0.1:<free port>), SE_NUM_PROCESSES and SE_PROCESS_ID,
 `JAX_PLATFORMS=cpu` and `XLA_FLAGS` with `--xla_force_host_platform_device_count=<devices_per_process>`;
 it calls `worker_init()` (below) first.
@@ -8,14 +17,27 @@ it calls `worker_init()` (below) first.
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
+import multiprocessing
 import os
+import runpy
+import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository: tests/host/multiprocess/..
+# imported once by the fork server; nothing in them starts a backend or a thread that a fork would lose
+PRELOAD = ["numpy", "jax", "jax.numpy", "optax", "grain", "orbax.checkpoint", "sparse_embed", "sparse_embed.data",
+           "sparse_embed.io.checkpoint", "sparse_embed.offload"]
+# settings jax reads from the environment at import (already done by the server): applied as config instead
+_JAX_ENV = {"JAX_PLATFORMS": ("jax_platforms", str), "JAX_COMPILATION_CACHE_DIR": ("jax_compilation_cache_dir", str),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": ("jax_persistent_cache_min_compile_time_secs", float),
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": ("jax_persistent_cache_min_entry_size_bytes", int)}
 
 
 def free_port() -> int:
@@ -28,28 +50,110 @@ class WorkersFailed(AssertionError):
     pass
 
 
+def worker_env(devices: int, **extra: str) -> dict[str, str]:
+    """This process's environment without its XLA/JAX/SE settings, for a script on `devices` CPU devices."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SE_"))}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+                         "--xla_cpu_copy_insertion_use_region_analysis=true",
+               PYTHONPATH=os.pathsep.join([HERE, SRC, env.get("PYTHONPATH", "")]).rstrip(os.pathsep), **extra)
+    return env
+
+
+def _forked_main(script: str, args: list[str], env: dict[str, str], log: str) -> None:
+    """In the forked process: the script's environment, output and argv, then the script as `__main__`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for std in (1, 2):
+        os.dup2(fd, std)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `Child.dump_stacks`: where a hung script waits
+    os.environ.clear()
+    os.environ.update(env)
+    import jax
+
+    for key, value in env.items():
+        if key.startswith("JAX_"):
+            if key not in _JAX_ENV:
+                raise ValueError(f"{key} is read by jax at import: the fork server cannot apply it; add it to _JAX_ENV")
+            name, kind = _JAX_ENV[key]
+            jax.config.update(name, kind(value))
+    sys.path[:0] = [os.path.dirname(os.path.abspath(script)), *env.get("PYTHONPATH", "").split(os.pathsep)]
+    sys.argv = [script, *args]
+    try:
+        if script.startswith("-m "):
+            runpy.run_module(script[3:], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # a forked process ends with os._exit: jax.distributed's shutdown, open files
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class Child:
+    """A script running in a forked process (`start`); its output is the log file."""
+
+    def __init__(self, script: str, args: list[str], env: dict[str, str], log: str) -> None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first Child of a process)
+        self.log = log
+        self.process = ctx.Process(target=_forked_main, args=(script, args, env, log), daemon=True)
+        self.process.start()
+
+    def lines(self, poll: float = 0.02) -> Iterator[str]:
+        """Every line of the output as it is written, until the process has ended and all is read."""
+        with open(self.log, "a+") as f:
+            f.seek(0)
+            partial = ""
+            while True:
+                ended = not self.process.is_alive()
+                chunk = f.read()
+                partial += chunk
+                *whole, partial = partial.split("\n")
+                yield from (line + "\n" for line in whole)
+                if ended and not chunk:
+                    if partial:
+                        yield partial
+                    return
+                if not chunk:
+                    time.sleep(poll)
+
+    def output(self) -> str:
+        with open(self.log) as f:
+            return f.read()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def dump_stacks(self) -> None:
+        """Every thread's Python stack into the log (a script that timed out: where it waits)."""
+        if self.poll() is None:
+            os.kill(self.process.pid, signal.SIGUSR1)
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self.process.join(timeout)
+        return self.process.exitcode
+
+
+def start(script: str, args: list[str], env: dict[str, str], log: str) -> Child:
+    """Runs `script` (a path, or "-m module") with `args` in a forked process; output appended to `log`."""
+    return Child(script, args, env, log)
+
+
 def run_workers(script: str, num_processes: int, args: list[str], *, devices_per_process: int,
                 timeout: float = 120.0) -> list[str]:
     """Runs the workers; returns their outputs. Raises WorkersFailed (with every output) on failure or timeout."""
     port = free_port()
-    logs, procs = [], []
-    src = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository: tests/host/multiprocess/..
-    for i in range(num_processes):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SE_"))}
-        env.update(
-            JAX_PLATFORMS="cpu",
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process} "
-                      "--xla_cpu_copy_insertion_use_region_analysis=true",
-            SE_COORDINATOR=f"127.0.0.1:{port}",
-            SE_NUM_PROCESSES=str(num_processes),
-            SE_PROCESS_ID=str(i),
-            PYTHONPATH=os.pathsep.join([HERE, src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-            PYTHONUNBUFFERED="1",
-        )
-        log = tempfile.TemporaryFile(mode="w+")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+    logs = tempfile.TemporaryDirectory(prefix="workers_")
+    procs = [start(script, args, worker_env(devices_per_process, SE_COORDINATOR=f"127.0.0.1:{port}",
+                                            SE_NUM_PROCESSES=str(num_processes), SE_PROCESS_ID=str(i)),
+                   os.path.join(logs.name, f"worker{i}.log"))
+             for i in range(num_processes)]
     deadline, why = time.monotonic() + timeout, None
     try:
         while why is None:
@@ -61,6 +165,9 @@ def run_workers(script: str, num_processes: int, args: list[str], *, devices_per
                 break
             elif time.monotonic() > deadline:
                 why = f"timed out after {timeout:g} s (still running: {[i for i, c in enumerate(codes) if c is None]})"
+                for p in procs:
+                    p.dump_stacks()
+                time.sleep(1)
             else:
                 time.sleep(0.1)
     finally:
@@ -69,13 +176,10 @@ def run_workers(script: str, num_processes: int, args: list[str], *, devices_per
                 p.kill()
         for p in procs:
             p.wait()
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
+    outputs = [p.output() for p in procs]
+    logs.cleanup()
     if why is not None:
-        text = "\n".join(f"----- worker {i} (exit {p.returncode}) -----\n{o[-6000:]}"
+        text = "\n".join(f"----- worker {i} (exit {p.poll()}) -----\n{o[-6000:]}"
                          for i, (p, o) in enumerate(zip(procs, outputs)))
         raise WorkersFailed(f"{num_processes} workers: {why}\n{text}")
     return outputs
