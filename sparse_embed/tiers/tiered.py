@@ -29,7 +29,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import jax
 import numpy as np
@@ -601,7 +601,8 @@ class Tiers:
                  buffer_size: int = 2, train: bool = True, step: int | None = None) -> Prefetcher:
         """`sparse_embed.prefetch` for this plan: items `TieredItem(batch, stats, item, swap)`, their misses read
         `buffer_size` batches ahead of the loop. `step`: the first batch's step (`preprocess`'s; the next
-        batches' count up from it in training, stay at it in evaluation)."""
+        batches' count up from it in training, stay at it in evaluation). Under several processes with a raw-id
+        table, each batch is prepared in the loop when asked for (`_InLoop`: no look-ahead)."""
         buffer_size = _check_buffer_size(buffer_size)
         steps = itertools.count(step) if step is not None and train else itertools.repeat(step)
 
@@ -612,6 +613,8 @@ class Tiers:
             jax.block_until_ready((batch, [s.placed for s in swap.tables.values()]))
             return TieredItem(batch, stats, item, swap)
 
+        if self._ids is not None and self._procs.several:
+            return _InLoop(prepare, iter(batches))
         return _TimedPrefetcher(self, prepare, iter(batches), buffer_size)
 
     def stats(self) -> dict[str, TierStats]:
@@ -626,6 +629,30 @@ class Tiers:
             self._writer.join()
         for t in self.tables.values():
             t.store.close()
+
+
+class _InLoop:
+    """`prefetch`'s items prepared in the loop's thread, each when asked for: under several processes with a raw-id
+    table, whose map is a program over every process's devices, which every process must start in the same order
+    (a worker thread beside the step would interleave them differently on each)."""
+
+    def __init__(self, prepare: Callable[[Any], TieredItem], source: Iterator[Any]) -> None:
+        self._prepare, self._source = prepare, source
+
+    def __iter__(self) -> "_InLoop":
+        return self
+
+    def __next__(self) -> TieredItem:
+        return self._prepare(next(self._source))
+
+    def __enter__(self) -> "_InLoop":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._source = iter(())
 
 
 class _TimedPrefetcher(Prefetcher):

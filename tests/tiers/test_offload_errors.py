@@ -177,13 +177,13 @@ def test_a_store_of_another_table(tmp_path, change):
 
 # ------------------------------------------------------------------------------ specs
 @pytest.mark.parametrize("kw, match", [
-    (dict(dynamic=se.Dynamic()), r"Table 't': a raw-id table \(dynamic=\) cannot be offloaded"),
+    (dict(dynamic=se.Dynamic(), dtype=jnp.bfloat16), r"Table 't': an offloaded table stores float32 rows"),
     (dict(dtype=jnp.bfloat16), r"Table 't': an offloaded table stores float32 rows, got dtype"),
     (dict(dtype=jnp.float16), r"Table 't': an offloaded table stores float32 rows"),
     (dict(initializer=jax.nn.initializers.zeros), r"Table 't': an offloaded table's rows are generated when first "
                                                   r"read, so its initializer must be positional"),
     (dict(initializer=jax.nn.initializers.truncated_normal(0.1)), r"Table 't': .* initializer must be positional"),
-], ids=["dynamic", "bfloat16", "float16", "zeros", "jax-truncated-normal"])
+], ids=["raw-ids-bfloat16", "bfloat16", "float16", "zeros", "jax-truncated-normal"])
 def test_table_spec_validation(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         se.TableSpec("t", V, D, storage=se.offload.Offload(str(tmp_path), 64), **kw)
@@ -194,6 +194,10 @@ def test_positional_initializer_is_accepted(tmp_path):
                         storage=se.offload.Offload(str(tmp_path), 64))
     assert spec.cache_rows == 64
     assert se.TableSpec("t", V, D, storage=se.offload.Offload(str(tmp_path), 10 * V)).cache_rows == V
+    # a raw-id table's new rows start from their ids' values (tests/tiers/test_offload_raw_ids.py): any initializer
+    raw = se.TableSpec("t", V, D, initializer=jax.nn.initializers.zeros, dynamic=se.Dynamic(),
+                       storage=se.offload.Offload(str(tmp_path), 64))
+    assert raw.cache_rows == 64 and raw.dynamic == se.Dynamic()
 
 
 @pytest.mark.parametrize("cache_rows", [0, -1, 1.5, "64", True])

@@ -1,7 +1,8 @@
 """Offloaded tables under jax.distributed: two processes (4 CPU devices each) train as the same tables in memory.
 
 The workers (tests/tiers/multiprocess/offload_worker.py) train the run of `offload_scenario` twice on the
-8-device mesh of both processes: in memory, and with three tables offloaded (by hand two batches ahead, a
+8-device mesh of both processes: in memory, and with four tables offloaded, one keyed by raw ids (its map run
+by `Tiers` as in memory, its rows cached and stored like the others') (by hand two batches ahead, a
 flush and a checkpoint, a batch refused on one process, then `prefetch`, a flush, a batch that reads rows
 damaged in one process's store; then the checkpoint restored, its stores a commit back, and the last steps
 trained again through a new Tiers). Each process keeps its rows (r % 2) in its own
@@ -21,6 +22,7 @@ import pytest
 
 import sparse_embed as se
 from conftest import make_mesh
+from sparse_embed.tiers import store as tier_store
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "multiprocess"), os.path.join(HERE, "..", "host", "multiprocess")]
@@ -44,6 +46,9 @@ def test_two_processes_train_offloaded_tables_as_in_memory(run):
     one = sc.train_in_memory(se.plan(sc.features(None), make_mesh(8)))
     for spec in se.plan(sc.features(root), make_mesh(8)).tiered:
         assert sorted(os.listdir(spec.storage.path)) == ["process0of2", "process1of2"]
+        if spec.dynamic:
+            _check_raw_stores(spec, got, one)
+            continue
         state = se.offload.store_state(spec, rng)
         for k, v in state.items():
             np.testing.assert_array_equal(v, got[f"memory/{spec.name}/{k}"], err_msg=f"{spec.name}/{k}")
@@ -59,6 +64,23 @@ def test_two_processes_train_offloaded_tables_as_in_memory(run):
         # each process reads, generates and writes back only its own rows
         assert s0["misses"] == sum(s[k] for s in (s0, s1) for k in ("fresh", "rows_read", "from_evicted")), (s0, s1)
         assert s0["rows_written"] > 0 and s1["rows_written"] > 0 and s0["rows_read"] + s1["rows_read"] > 0
+
+
+def _check_raw_stores(spec, got, one):
+    """The raw-id table's stores: each process's holds rows r % 2 == its index, the rows its map gave ids, each
+    equal to the in-memory row bitwise (two processes) and to float32 rounding (one)."""
+    cols = ["table", *spec.resolved_optimizer.slots(spec.embedding_dim)]
+    want = np.concatenate([got[f"memory/{spec.name}/{k}"] for k in cols], 1)
+    single = np.concatenate([one[spec.name][k] for k in cols], 1)
+    for i in range(2):
+        store = tier_store.RowStore(spec, path=tier_store.shard_path(spec.storage.path, i, 2))
+        try:
+            rows = np.flatnonzero(store.written)
+            assert rows.size > sc.RAW_V // 4 and (rows % 2 == i).all(), rows
+            np.testing.assert_array_equal(store.read(rows), want[rows], err_msg=f"{spec.name}: process {i}'s rows")
+            np.testing.assert_allclose(store.read(rows), single[rows], rtol=1e-5, atol=1e-6)
+        finally:
+            store.close()
 
 
 def test_bad_input_on_one_process_raises_on_every_process(run):

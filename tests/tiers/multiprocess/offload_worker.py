@@ -32,10 +32,10 @@ tiers = se.offload.Tiers(plan, rng)
 step, tables, planned = sc.step_fn(plan), se.init_tables(plan, rng), collections.deque()
 data = [(sd.process_slice(plan, ids), sd.process_slice(plan, w)) for ids, w in sc.batches()]
 for i, (ids, weights) in enumerate(data[:sc.FLUSH_AT]):  # by hand, two batches ahead of the swaps
-    planned.append((i, *tiers.preprocess(ids, weights)))
+    planned.append((i, *tiers.preprocess(ids, weights, step=i)))
     while len(planned) > 2 or (planned and i == sc.FLUSH_AT - 1):
         j, batch, _, swap = planned.popleft()
-        _, tables = step(tiers.swap(tables, swap), batch, j)
+        _, tables, _ = step(tiers.swap(tables, swap), {}, batch, j)
 tables = tiers.flush(tables, sc.FLUSH_AT)
 ckpt = se.CheckpointManager(os.path.join(out_dir, "ckpt"))
 ckpt.save(sc.FLUSH_AT, plan, tables, tiers=tiers)
@@ -47,12 +47,13 @@ if pid == nproc - 1:  # bad input on the last process only: every process raises
     bad["f"] = bad["f"].copy()
     bad["f"][0, 0] = sc.V + 5
 try:
-    tiers.preprocess(bad, data[sc.FLUSH_AT][1])
+    tiers.preprocess(bad, data[sc.FLUSH_AT][1], step=sc.FLUSH_AT)
 except ValueError as e:
     messages["bad_id"] = str(e)
 
-for i, item in enumerate(tiers.prefetch(data[sc.FLUSH_AT:], inputs=lambda b: b, buffer_size=2), sc.FLUSH_AT):
-    _, tables = step(tiers.swap(tables, item.swap), item.batch, i)
+for i, item in enumerate(tiers.prefetch(data[sc.FLUSH_AT:], inputs=lambda b: b, buffer_size=2, step=sc.FLUSH_AT),
+                         sc.FLUSH_AT):
+    _, tables, _ = step(tiers.swap(tables, item.swap), {}, item.batch, i)
 tables = tiers.flush(tables, sc.STEPS)
 results.update({f"tiered/plain/{k}": v for k, v in se.unstack_state(plan, tables)["plain"].items()})
 stats = {n: dataclasses.asdict(s) for n, s in tiers.stats().items()}
@@ -69,7 +70,7 @@ ids, weights = data[0]
 ids = {**ids, "f": np.full((sc.B // nproc, sc.L), -1, np.int64)}
 ids["f"][:, 0] = sd.process_slice(plan, {"f": np.resize(rows, sc.B)})["f"]
 try:
-    tiers.preprocess(ids, weights, train=False)
+    tiers.preprocess(ids, weights, train=False, step=0)
 except ValueError as e:
     messages["damaged"] = f"{type(e).__name__}: {e}"
 t.store._records.map[rows, 0] = first_words  # undamaged again
@@ -80,8 +81,9 @@ restored = ckpt.restore(plan)
 ckpt.close()
 tiers = se.offload.Tiers(plan, rng)
 tables = restored.tables
-for i, item in enumerate(tiers.prefetch(data[sc.FLUSH_AT:], inputs=lambda b: b, buffer_size=2), sc.FLUSH_AT):
-    _, tables = step(tiers.swap(tables, item.swap), item.batch, i)
+for i, item in enumerate(tiers.prefetch(data[sc.FLUSH_AT:], inputs=lambda b: b, buffer_size=2, step=sc.FLUSH_AT),
+                         sc.FLUSH_AT):
+    _, tables, _ = step(tiers.swap(tables, item.swap), {}, item.batch, i)
 tables = tiers.flush(tables, sc.STEPS)
 results.update({f"resumed/plain/{k}": v for k, v in se.unstack_state(plan, tables)["plain"].items()})
 tiers.close()
