@@ -9,6 +9,7 @@ documented initial value of a new row (`initial_rows`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -19,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 import sparse_embed as se
 from sparse_embed.raw_ids import IdTable, id_table_contents, load_id_tables
+from tests.cases import Failures
 from tests.conftest import make_mesh, require_native
 
 M64 = (1 << 64) - 1
@@ -115,15 +117,17 @@ class Reference:
         return self.vec.get(i, none)
 
 
-def _init_fn(plan, rng):
+def _init_fn(plan, rng, name: str, space: list[int]):
+    """The documented initial row of a new id of `space` in raw-id table `name` (all computed in one call)."""
     from sparse_embed.core.id_maps import initial_rows
     from sparse_embed.core.initializers import seeds
     from sparse_embed.core.tables import table_key
     from sparse_embed.core.raw_keys import split_words
 
-    s = plan.stacks[0]
+    s = plan.stack(name)
     seed = seeds(table_key(rng, s.first.name))
-    return lambda i: np.asarray(initial_rows(s, seed, jnp.asarray(split_words(np.array([i], np.int64)))))[0]
+    rows = np.asarray(initial_rows(s, seed, jnp.asarray(split_words(np.array(space, np.int64)))))
+    return dict(zip(space, rows)).__getitem__
 
 
 def _stream(rng, steps: int, batch: int, width: int, space: list[int]):
@@ -145,80 +149,106 @@ POLICIES = {
 }
 
 
-def _check_against_reference(n_dev: int, dyn: se.Dynamic, vocab: int, space: list[int], steps: int, seed: int,
+def _check_against_reference(n_dev: int, cases: dict[str, tuple[se.Dynamic, int, list[int], int]], steps: int,
                              kernel: str = "auto"):
-    """Trains a raw-id table (SGD, sum) on random batches; every step's stats, activations and final rows
-    must equal the dict reference's."""
+    """Trains raw-id tables (SGD, sum), one per case (`cases`: name -> (policy, vocabulary, id space, seed)), in
+    one plan, each on its own random batches; every step's stats, activations and final rows of each must equal
+    its dict reference's. All failing cases are reported, by name."""
     mesh = make_mesh(n_dev)
     dim, batch, lr = 4, 16, 0.5
-    table = se.TableSpec("users", vocab, dim, combiner="sum", dynamic=dyn, optimizer=se.optimizers.SGD(lr))
-    plan = se.plan([se.FeatureSpec("u", table, batch)], mesh, kernel=kernel)
-    rng = jax.random.key(seed)
+    feats = [se.FeatureSpec(f"u_{name}", se.TableSpec(name, vocab, dim, combiner="sum", dynamic=dyn,
+                                                      optimizer=se.optimizers.SGD(lr)), batch)
+             for name, (dyn, vocab, _, _) in cases.items()]
+    plan = se.plan(feats, mesh, kernel=kernel)
+    rng = jax.random.key(0)  # each table's initial rows come from its own key (by its name)
     tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
-    gen = np.random.default_rng(seed)
-    ref = Reference(vocab, n_dev, dyn.admit_after, dyn.expire_after, dyn.pending_capacity, _init_fn(plan, rng))
-    ref.default = dyn.default
+    gens, streams, refs = {}, {}, {}
+    for name, (dyn, vocab, space, seed) in cases.items():
+        gens[name] = np.random.default_rng(seed)
+        streams[name] = _stream(gens[name], steps, batch, 3, space)
+        refs[name] = Reference(vocab, n_dev, dyn.admit_after, dyn.expire_after, dyn.pending_capacity,
+                               _init_fn(plan, rng, name, space))
+        refs[name].default = dyn.default
+    train = _reference_train_step(plan)
+    failures = Failures()
+    for step in range(steps):
+        g = {f"u_{name}": gens[name].normal(size=(batch, dim)).astype(np.float32) for name in cases}
+        b, _ = se.preprocess(plan, {f"u_{name}": streams[name][step] for name in cases})
+        acts, tables, maps, stats = train(tables, maps, b, g, step)
+        for name, ref in refs.items():
+            with failures.case(name):
+                if not failures.failed(name):
+                    _check_step(ref, streams[name][step], stats[name], acts[f"u_{name}"], step, dim)
+            ids = streams[name][step]
+            for bi, row in enumerate(ids):  # SGD on the rows that exist
+                for i in row:
+                    if i >= 0 and int(i) in ref.vec:
+                        ref.vec[int(i)] = ref.vec[int(i)] - lr * g[f"u_{name}"][bi]
+    contents = id_table_contents(plan, tables, maps)
+    for name, ref in refs.items():
+        with failures.case(name):
+            assert sorted(contents[name].ids.tolist()) == sorted(ref.vec)
+            for i, v in zip(contents[name].ids.tolist(), contents[name].vectors):
+                np.testing.assert_allclose(v, ref.vec[i], rtol=1e-5, atol=1e-5)
+    failures.check()
 
+
+def _reference_train_step(plan):
+    """map_ids, then each feature's activations and the gradient of sum(activations * g) (SGD: the new tables)."""
     @jax.jit
     def train(tables, maps, batch, g, step):
         b, tables, maps, stats = se.map_ids(plan, batch, tables, maps, step)
-        loss = lambda t: jnp.sum(se.lookup(plan, b, t, step)["u"] * g)
-        acts = se.lookup(plan, b, tables, step)["u"]
-        return acts, jax.grad(loss)(tables), maps, stats
+        loss = lambda t: sum(jnp.sum(a * g[n]) for n, a in se.lookup(plan, b, t, step).items())
+        return se.lookup(plan, b, tables, step), jax.grad(loss)(tables), maps, stats
 
-    for step, ids in enumerate(_stream(gen, steps, batch, 3, space)):
-        occ: dict[int, int] = {}
-        for i in ids[ids >= 0].tolist():
-            occ[i] = occ.get(i, 0) + 1
-        want = ref.step(occ, step)
-        g = gen.normal(size=(batch, dim)).astype(np.float32)
-        b, _ = se.preprocess(plan, {"u": ids})
-        acts, tables, maps, stats = train(tables, maps, b, g, step)
-        got = {k: int(v) for k, v in stats["users"]._asdict().items()}
-        assert got == want, f"step {step}"
-        expect = np.stack([sum((ref.read(i, dim) for i in row if i >= 0), np.zeros(dim, np.float32)) for row in ids])
-        # atol 1e-5: rows are sums of SGD steps of size ~1 (a duplicate id's gradients are summed before the
-        # step here, applied one by one in the reference: float32 rounding of ~1e-6); a wrong row is off by ~1
-        np.testing.assert_allclose(np.asarray(acts), expect, rtol=1e-5, atol=1e-5)
-        for bi, row in enumerate(ids):  # SGD on the rows that exist
-            for i in row:
-                if i >= 0 and int(i) in ref.vec:
-                    ref.vec[int(i)] = ref.vec[int(i)] - lr * g[bi]
-    got = id_table_contents(plan, tables, maps)["users"]
-    assert sorted(got.ids.tolist()) == sorted(ref.vec)
-    for i, v in zip(got.ids.tolist(), got.vectors):
-        np.testing.assert_allclose(v, ref.vec[i], rtol=1e-5, atol=1e-5)
+    return train
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
+def _check_step(ref: Reference, ids: np.ndarray, stats, acts, step: int, dim: int) -> None:
+    """One step of the reference: the stats of the map and the activations it gives (before the step's SGD)."""
+    occ: dict[int, int] = {}
+    for i in ids[ids >= 0].tolist():
+        occ[i] = occ.get(i, 0) + 1
+    want = ref.step(occ, step)
+    got = {k: int(v) for k, v in stats._asdict().items()}
+    assert got == want, f"step {step}"
+    expect = np.stack([sum((ref.read(i, dim) for i in row if i >= 0), np.zeros(dim, np.float32)) for row in ids])
+    # atol 1e-5: rows are sums of SGD steps of size ~1 (a duplicate id's gradients are summed before the
+    # step here, applied one by one in the reference: float32 rounding of ~1e-6); a wrong row is off by ~1
+    np.testing.assert_allclose(np.asarray(acts), expect, rtol=1e-5, atol=1e-5, err_msg=f"step {step}")
+
+
 @pytest.mark.parametrize("n_dev", [1, 2, 8])
-def test_map_ids_and_training_match_the_dict_reference(policy, n_dev):
+def test_map_ids_and_training_match_the_dict_reference(n_dev):
+    """Every policy (a table each, in one plan)."""
     gen = np.random.default_rng(n_dev)
     space = [int(x) for x in gen.integers(0, 2**63 - 1, 40, dtype=np.int64)] + [0, 2**63 - 1]
-    _check_against_reference(n_dev, se.Dynamic(**POLICIES[policy]), 24, space, 12, n_dev)
+    _check_against_reference(n_dev, {p: (se.Dynamic(**kw), 24, space, n_dev) for p, kw in POLICIES.items()}, 12)
 
 
 @pytest.mark.parametrize("kernel", ["auto", "generic"])
-@pytest.mark.parametrize("policy", ["admit1", "admit2_expire3", "admit3_small_pending", "expire1"])
 @pytest.mark.parametrize("n_dev", [1, 2, 8])
-def test_compact_maps_match_the_dict_reference(policy, n_dev, kernel):
+def test_compact_maps_match_the_dict_reference(n_dev, kernel):
     """`Dynamic(id_bits=32)`: the map keeps 4-byte keys (a tiny table: 32 bits is its most); ids over the whole
-    range, the ends included."""
+    range, the ends included; four policies (a table each, in one plan)."""
     gen = np.random.default_rng(n_dev + 10)
     space = [int(x) for x in gen.integers(0, 2**32, 40, dtype=np.int64)] + [0, 2**32 - 1, 2**31, 2**31 - 1]
-    dyn = se.Dynamic(**POLICIES[policy], id_bits=32)
-    plan = se.plan([se.FeatureSpec("u", se.TableSpec("users", 24, 4, dynamic=dyn), 16)], make_mesh(n_dev))
-    assert se.init_id_maps(plan, jax.random.key(0))["users"].rows.sorted_keys.ndim == 1  # compact
-    _check_against_reference(n_dev, dyn, 24, space, 12, n_dev, kernel=kernel)
+    cases = {p: (se.Dynamic(**POLICIES[p], id_bits=32), 24, space, n_dev)
+             for p in ["admit1", "admit2_expire3", "admit3_small_pending", "expire1"]}
+    plan = se.plan([se.FeatureSpec(p, se.TableSpec(p, 24, 4, dynamic=c[0]), 16) for p, c in cases.items()],
+                   make_mesh(n_dev))
+    for p, m in se.init_id_maps(plan, jax.random.key(0)).items():
+        assert m.rows.sorted_keys.ndim == 1, p  # compact
+    _check_against_reference(n_dev, cases, 12, kernel=kernel)
 
 
-@pytest.mark.parametrize("policy", ["admit1", "admit2_expire3", "admit3_small_pending"])
-def test_the_generic_kernel_maps_as_the_dict_reference(policy):
+def test_the_generic_kernel_maps_as_the_dict_reference():
     """The same reference through the generic kernel (its key search and its lookup; the tests above run the
-    native ones where they are built)."""
+    native ones where they are built), three policies (a table each, in one plan)."""
     gen = np.random.default_rng(5)
     space = [int(x) for x in gen.integers(0, 2**63 - 1, 40, dtype=np.int64)]
-    _check_against_reference(2, se.Dynamic(**POLICIES[policy]), 24, space, 12, 5, kernel="generic")
+    _check_against_reference(2, {p: (se.Dynamic(**POLICIES[p]), 24, space, 5)
+                                 for p in ["admit1", "admit2_expire3", "admit3_small_pending"]}, 12, kernel="generic")
 
 
 @settings(max_examples=6, deadline=None)
@@ -226,7 +256,7 @@ def test_the_generic_kernel_maps_as_the_dict_reference(policy):
        pending=st.one_of(st.none(), st.integers(1, 6)), vocab=st.integers(1, 40),
        space=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=60, unique=True), seed=st.integers(0, 99))
 def test_random_id_streams_and_policies_match_the_dict_reference(admit, expire, pending, vocab, space, seed):
-    _check_against_reference(2, se.Dynamic(admit, expire, pending), vocab, space, 6, seed)
+    _check_against_reference(2, {"users": (se.Dynamic(admit, expire, pending), vocab, space, seed)}, 6)
 
 
 def _train_plan(mesh, vocab=1000, dyn=None, optimizer=None, batch=16):
@@ -235,13 +265,20 @@ def _train_plan(mesh, vocab=1000, dyn=None, optimizer=None, batch=16):
     return se.plan([se.FeatureSpec("u", table, batch)], mesh)
 
 
-def _run(plan, tables, maps, stream, first_step=0):
+@functools.lru_cache(maxsize=None)
+def _train_step(plan):
+    """map_ids, then the gradient of sum(sin(activations)) (the tables' optimizer applies it): one jit a plan."""
     @jax.jit
     def train(tables, maps, batch, step):
         b, tables, maps, stats = se.map_ids(plan, batch, tables, maps, step)
         loss = lambda t: jnp.sum(jnp.sin(se.lookup(plan, b, t, step)["u"]))
         return jax.grad(loss)(tables), maps
 
+    return train
+
+
+def _run(plan, tables, maps, stream, first_step=0):
+    train = _train_step(plan)
     for step, ids in enumerate(stream, first_step):
         tables, maps = train(tables, maps, se.preprocess(plan, {"u": ids})[0], step)
     return tables, maps
@@ -256,23 +293,35 @@ def _assert_same_contents(a: IdTable, b: IdTable):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("src,dst", [(8, 1), (1, 2), (2, 8)])
-def test_the_mapping_is_mesh_independent_and_restores_onto_another_mesh(src, dst):
+@pytest.fixture(scope="module")
+def mesh_runs():
+    """The stream of the mesh tests, and per mesh size (trained once for all their cases): the plan, its tables
+    and maps after the stream's first 4 steps and after all 6."""
     gen = np.random.default_rng(7)
     space = [int(x) for x in gen.integers(0, 2**62, 60, dtype=np.int64)]
-    stream = _stream(gen, 6, 16, 3, space)
-    rng = jax.random.key(1)
-    a, b = _train_plan(make_mesh(src)), _train_plan(make_mesh(dst))
-    ta, ma = _run(a, se.init_tables(a, rng), se.init_id_maps(a, rng), stream[:4])
-    tb, mb = _run(b, se.init_tables(b, rng), se.init_id_maps(b, rng), stream[:4])
+    stream, runs = _stream(gen, 6, 16, 3, space), {}
+
+    def run(n: int):
+        if n not in runs:
+            plan, rng = _train_plan(make_mesh(n)), jax.random.key(1)
+            four = _run(plan, se.init_tables(plan, rng), se.init_id_maps(plan, rng), stream[:4])
+            runs[n] = plan, four, _run(plan, *four, stream[4:], 4)
+        return runs[n]
+
+    return stream, run
+
+
+@pytest.mark.parametrize("src,dst", [(8, 1), (1, 2), (2, 8)])
+def test_the_mapping_is_mesh_independent_and_restores_onto_another_mesh(mesh_runs, src, dst):
+    stream, run = mesh_runs
+    (a, (ta, ma), six_a), (b, (tb, mb), _) = run(src), run(dst)
     got_a, got_b = id_table_contents(a, ta, ma)["users"], id_table_contents(b, tb, mb)["users"]
     assert got_a.ids.size > 10 and got_a.pending_ids.size > 0
     _assert_same_contents(got_a, got_b)  # trained on either mesh: the same ids, vectors, slots and counts
     moved_t, moved_m = load_id_tables(b, id_table_contents(a, ta, ma))
     _assert_same_contents(id_table_contents(b, moved_t, moved_m)["users"], got_a)
-    ta, ma = _run(a, ta, ma, stream[4:], 4)  # and training goes on alike
-    moved_t, moved_m = _run(b, moved_t, moved_m, stream[4:], 4)
-    _assert_same_contents(id_table_contents(b, moved_t, moved_m)["users"], id_table_contents(a, ta, ma)["users"])
+    moved_t, moved_m = _run(b, moved_t, moved_m, stream[4:], 4)  # and training goes on alike
+    _assert_same_contents(id_table_contents(b, moved_t, moved_m)["users"], id_table_contents(a, *six_a)["users"])
 
 
 def test_restoring_onto_fewer_rows_keeps_the_most_recent_ids_and_warns():
@@ -792,42 +841,46 @@ def test_take_rows_equals_numpy_on_each_kernel(q, e):
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=type(k).__name__)
 
 
-@pytest.mark.parametrize("e", [0, 7, 5000])
-def test_touch_hands_entries_their_rows_on_each_kernel(e):
+def test_touch_hands_entries_their_rows_on_each_kernel():
     """`touch_keys_many` with entries `(slot_of, values)` per set (what `map_ids` passes with one source): besides
     the touch, each entry's row `slots[slot_of]` (N, the set's size, where the index is outside `[0, Q)` or the
-    key is absent) and its value (0 there), against numpy, for two sets in one call, on the generic kernel and
-    the native one (one thread and all); the touch's own results as without entries."""
+    key is absent) and its value (0 there), against numpy, for 0, 7 and 5000 entries on a wide and a compact set
+    (six sets in one call, each checked and named), on the generic kernel and the native one (one thread and
+    all); the touch's own results as without entries."""
     from sparse_embed.core import key_set
     from sparse_embed.core.kernels import GENERIC, native_cpu
 
-    gen = np.random.default_rng(e)
     n, q = 512, 300
-    sets, calls = [], []
-    for compact in (False, True):
-        held = np.unique(gen.integers(0, 2**36, 400))
-        s = key_set.insert(key_set.empty(n, compact), jnp.int32(n), _padded_words(held, 400),
-                           jnp.ones(400, bool).at[held.size:].set(False), None, jnp.int32(0)).set
-        ids = np.unique(np.concatenate([gen.choice(held, 200), gen.integers(0, 2**36, 60)]))
-        slot_of = gen.integers(-2, q + 2, e).astype(np.int32)
-        values = gen.normal(size=e).astype(np.float32)
-        sets.append((s, _padded_words(ids, q), jnp.int32(-5), (jnp.asarray(slot_of), jnp.asarray(values))))
-        calls.append((slot_of, values))
+    sets, calls = [], {}
+    for e in (0, 7, 5000):
+        gen = np.random.default_rng(e)
+        for compact in (False, True):
+            held = np.unique(gen.integers(0, 2**36, 400))
+            s = key_set.insert(key_set.empty(n, compact), jnp.int32(n), _padded_words(held, 400),
+                               jnp.ones(400, bool).at[held.size:].set(False), None, jnp.int32(0)).set
+            ids = np.unique(np.concatenate([gen.choice(held, 200), gen.integers(0, 2**36, 60)]))
+            slot_of = gen.integers(-2, q + 2, e).astype(np.int32)
+            values = gen.normal(size=e).astype(np.float32)
+            sets.append((s, _padded_words(ids, q), jnp.int32(-5), (jnp.asarray(slot_of), jnp.asarray(values))))
+            calls[f"{e} entries, {'compact' if compact else 'wide'}"] = (slot_of, values)
     kernels = [GENERIC] + ([native_cpu.NativeCpuKernel(), native_cpu.NativeCpuKernel(threads=1)]
                            if _native_here() else [])
+    failures = Failures()
     for k in kernels:
         got = jax.jit(k.touch_keys_many)(sets, jnp.int32(3))
         plain = jax.jit(k.touch_keys_many)([t[:3] for t in sets], jnp.int32(3))
-        for (slots, last, missing, rows, gains), bare, (slot_of, values) in zip(got, plain, calls):
-            for a, b in zip((slots, last, missing), bare):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-            slots = np.asarray(slots)
-            inside = (slot_of >= 0) & (slot_of < q)
-            want = np.where(inside, slots[np.clip(slot_of, 0, q - 1)], -1)
-            want = np.where(want >= 0, want, n)
-            np.testing.assert_array_equal(np.asarray(rows), want, err_msg=type(k).__name__)
-            np.testing.assert_array_equal(np.asarray(gains), np.where(want < n, values, 0.0), err_msg=type(k).__name__)
-            assert e == 0 or (want < n).any() and (want == n).any()  # rows and misses among the entries
+        for (slots, last, missing, rows, gains), bare, (case, (slot_of, values)) in zip(got, plain, calls.items()):
+            with failures.case(f"{'generic' if k is GENERIC else f'native, threads={k.threads}'}: {case}"):
+                for a, b in zip((slots, last, missing), bare):
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+                slots = np.asarray(slots)
+                inside = (slot_of >= 0) & (slot_of < q)
+                want = np.where(inside, slots[np.clip(slot_of, 0, q - 1)], -1)
+                want = np.where(want >= 0, want, n)
+                np.testing.assert_array_equal(np.asarray(rows), want, err_msg="rows")
+                np.testing.assert_array_equal(np.asarray(gains), np.where(want < n, values, 0.0), err_msg="gains")
+                assert len(values) == 0 or (want < n).any() and (want == n).any()  # rows and misses among them
+    failures.check()
     mixed = [sets[0], sets[1][:3]]
     if _native_here():
         with pytest.raises(ValueError, match="entries for every set or for none"):
