@@ -7,7 +7,8 @@ interaction, top 512-256-1, Adagrad, batch 4096, on fixed embedding
 activations), and one layer's three GEMMs (forward, input gradient, weight
 gradient of `[B, 512] x [512, 256]`), in float32 and with bfloat16
 operands (float32 accumulation). XLA reads `XLA_FLAGS` once, so each flag set
-(`--variants`, see VARIANTS) runs in a process of its own, the variants in
+(`--variants`: VARIANTS, and ENVS for other environment variables) runs in
+a process of its own, the variants in
 turn, `--rounds` times, the order rotated every round. Torch in the same
 process is the yardstick: its time moves with the machine's load as much as
 XLA's, so the ratio jax/torch compares across processes better than the

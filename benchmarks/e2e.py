@@ -6,9 +6,11 @@ features, and w1: 8 tables of 10^6 x 64, 20 ids per sample; bottom MLP
 13-512-256-64, dot interaction, top MLP 512-256-1, batch 4096; row-wise
 Adagrad tables, Adagrad dense, the same learning rates and eps, the same
 initial dense weights, the demo's teacher). Every system trains on the
-same batches, in a process of its own (so that each one's peak RSS is its
-own), its input pipeline on a background thread (sparse_embed's:
-`se.prefetch`, which preprocesses; TorchRec's builds the KeyedJaggedTensor;
+same batches (a pool of `--pool` made before the timed loop and cycled, so
+that the benchmark's synthetic teacher does not compete with the systems
+for the cores), in a process of its own (so that each one's peak RSS is its
+own), `--rounds` times in alternating order, its input pipeline on a
+background thread (sparse_embed's: `se.prefetch`, which preprocesses; TorchRec's builds the KeyedJaggedTensor;
 `flax.linen.Embed`'s pads the ids), and reports:
 
 - examples/s: median and p10-p90 over blocks of `--block` steps (each
@@ -28,7 +30,8 @@ own), its input pipeline on a background thread (sparse_embed's:
 
     python benchmarks/e2e.py                              # demo and w1, full size (tens of minutes)
     python benchmarks/e2e.py --model demo_tiny --steps 4  # a smoke run
-    python benchmarks/e2e.py --out benchmarks/results/e2e_2026-11-28.md --json e2e.json
+    python benchmarks/e2e.py --model w1 --rounds 3 --out e2e.md --json e2e.json
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/e2e.py ...  # torch's OpenMP workers sleep: fairer on a loaded machine
 """
 
 from __future__ import annotations
@@ -221,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 r = {**run_system(system, model, args, _argv_pairs(argv)), "round": k + 1, "loadavg": os.getloadavg()}
                 print(e2e_report.line(r), flush=True)
                 results["runs"].append(r)
+                if args.json:  # so far: a long run stopped early keeps what it measured
+                    measuring.write_json(args.json, results)
     text = e2e_report.format_report(results)
     print(text)
     if args.out:
