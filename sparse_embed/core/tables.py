@@ -127,7 +127,7 @@ def _host_array(name: str, what: str, a, shape: tuple[int, int]) -> np.ndarray:
     a = np.asarray(a)
     if a.shape != shape:
         raise ValueError(f"Table {name!r}: {what} has shape {a.shape}, expected {shape}.")
-    if not np.issubdtype(a.dtype, np.number):
+    if not jnp.issubdtype(a.dtype, jnp.number):  # numpy's own check calls bfloat16 (ml_dtypes) not numeric
         raise ValueError(f"Table {name!r}: {what} dtype {a.dtype} is not numeric.")
     return a
 

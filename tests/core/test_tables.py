@@ -106,6 +106,22 @@ def test_stack_unstack_round_trip_with_slots(mesh, stacking):
     assert set(back) == set(arrays)
 
 
+def test_a_bf16_tables_unstacked_state_stacks_back(mesh8):
+    """unstack_state's bfloat16 arrays (ml_dtypes) go back through stack_tables unchanged; strings do not."""
+    t = se.TableSpec("h", 20, 4, dtype=jnp.bfloat16, optimizer=se.optimizers.Adagrad(0.1))
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    w = np.random.default_rng(0).normal(size=(20, 4)).astype(jnp.bfloat16)
+    acc = np.full((20, 4), 0.5, np.float32)
+    state = se.unstack_state(plan, se.stack_tables(plan, {"h": w}, {"h": {"accumulator": acc}}))
+    assert state["h"]["table"].dtype == jnp.bfloat16
+    again = se.unstack_state(plan, se.stack_tables(plan, {"h": state["h"]["table"]},
+                                                   {"h": {"accumulator": state["h"]["accumulator"]}}))
+    np.testing.assert_array_equal(again["h"]["table"].view(np.uint16), w.view(np.uint16))
+    np.testing.assert_array_equal(again["h"]["accumulator"], acc)
+    with pytest.raises(ValueError, match="Table 'h': array dtype <U1 is not numeric"):
+        se.stack_tables(plan, {"h": np.full((20, 4), "x")})
+
+
 def test_stacked_layout_is_mod_sharding(mesh8):
     """Row r of a table lives on shard r % 8 (in a single-table stack)."""
     t = se.TableSpec("t", 64, 2)
