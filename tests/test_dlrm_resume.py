@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "hos
 
 import launch  # noqa: E402
 
-STEPS, KILLS = 10, 2
+STEPS, KILLS = 14, 10
 FLAGS = ["--steps", str(STEPS), "--batch-size", "64", "--eval-batches", "2", "--table-rows", "64",
          "--embedding-dim", "4", "--checkpoint-every", "1", "--no-progress"]
 
@@ -69,7 +69,7 @@ def final(ckpt: str) -> dict[str, np.ndarray]:
 
 
 def test_demo_with_data_killed_and_resumed_is_bitwise_the_uninterrupted_run(tmp_path):
-    data = write_criteo(str(tmp_path / "day_0.txt"), 64 * 20, vocabulary=200)
+    data = write_criteo(str(tmp_path / "day_0.txt"), 64 * 24, vocabulary=200)
     assert demo(data, str(tmp_path / "whole"))
     kills = sorted(np.random.default_rng().choice(np.arange(1, STEPS - 1), KILLS, replace=False).tolist())
     for k in kills:
