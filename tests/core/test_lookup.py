@@ -217,6 +217,31 @@ def test_schedule_learning_rate_uses_step(mesh8):
         jax.grad(lambda t: se.lookup(plan, batch, t)["f"].sum())(tables)
 
 
+def test_a_second_differentiated_lookup_of_the_same_tables_is_refused(mesh8):
+    """The gradient is the updated state: a second lookup under jax.grad would double every row. It raises (eager
+    and under jit, naming the stack); a forward-only second lookup and a stop_gradient one are allowed, and the
+    stop_gradient one leaves the update exactly that of one lookup (SGD 0.5 against numpy)."""
+    t = se.TableSpec("t", 16, 4, combiner="sum", optimizer=opt.SGD(0.5))
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8)
+    tables = se.init_tables(plan, jax.random.key(0))
+    W0 = se.unstack_tables(plan, tables)["t"].copy()
+    batch, _ = se.preprocess(plan, {"f": np.arange(8)})
+    twice = lambda t: se.lookup(plan, batch, t)["f"].sum() + se.lookup(plan, batch, t)["f"].sum()
+    for grad in (jax.grad(twice), jax.jit(jax.grad(twice))):
+        with pytest.raises(ValueError, match="'t'.*second time.*double every row"):
+            grad(tables)
+    a, b = jax.jit(lambda t: (se.lookup(plan, batch, t)["f"], se.lookup(plan, batch, t)["f"]))(tables)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, W0[:8], rtol=1e-6)
+    frozen = lambda t: se.lookup(plan, batch, t)["f"].sum() + se.lookup(plan, batch, jax.lax.stop_gradient(t))[
+        "f"].sum()
+    W1 = se.unstack_tables(plan, jax.jit(jax.grad(frozen))(tables))["t"]
+    np.testing.assert_allclose(W1[:8], W0[:8] - 0.5, rtol=1e-6)
+    np.testing.assert_array_equal(W1[8:], W0[8:])
+    W2 = se.unstack_tables(plan, jax.grad(lambda t: se.lookup(plan, batch, t)["f"].sum())(tables))["t"]
+    np.testing.assert_allclose(W2[:8], W0[:8] - 0.5, rtol=1e-6)  # a new trace looks the same tables up again
+
+
 def test_untouched_rows_and_padding_rows_never_change(mesh8):
     t = se.TableSpec("t", 21, 4, combiner="mean", optimizer=opt.Adagrad(0.5))  # padded to 24 rows
     plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, mesh8, capacity=16)
