@@ -27,7 +27,6 @@ exchange (SparseCore) does it its own way.
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Mapping
 
 import jax
@@ -37,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from sparse_embed.core import kernels
 from sparse_embed.core.batch import ShardedCooMatrix, coo, default_gains, is_batch
 from sparse_embed.core.planning import EmbeddingPlan
-from sparse_embed.core.state import EmbeddingVariables, check_state, check_trainable
+from sparse_embed.core.state import EmbeddingVariables, check_once_per_trace, check_state, check_trainable
 
 
 def _local(tree):
@@ -131,42 +130,6 @@ def _check_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix]) -> 
                 raise ValueError(f"Stack {name!r}: col_ids, row_ids and values must have equal shapes.")
 
 
-# id(tracer) -> weakref of every differentiated table array looked up in a trace still alive
-_looked_up: dict[int, weakref.ref] = {}
-
-
-def _ad_tracer_types() -> tuple[type, ...]:
-    # jax.grad traces with LinearizeTracer, which jax (0.10) does not export; test_lookup fails if this misses it.
-    from jax._src.interpreters import ad
-
-    return tuple(getattr(ad, n) for n in ("JVPTracer", "LinearizeTracer") if hasattr(ad, n))
-
-
-def _refuse_second_lookup(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> None:
-    """Raises when a differentiated table array reaches `lookup` a second time in one trace.
-
-    Its "gradient" is the updated state, and `jax.grad` adds the cotangents of
-    every use: two lookups would return every row doubled. A table array that
-    is not being differentiated (a jit forward, an eval step) may be looked up
-    any number of times.
-    """
-    ad_types = _ad_tracer_types()
-    for name, state in tables.items():
-        for leaf in jax.tree.leaves(state):
-            if not isinstance(leaf, ad_types):
-                continue
-            key, ref = id(leaf), _looked_up.get(id(leaf))
-            if ref is not None and ref() is leaf:
-                feats = sorted(lay.feature.name for lay in plan.stack(name).features)
-                raise ValueError(
-                    f"Stack {name!r} (features {feats}) is looked up a second time in one differentiated function. "
-                    "The gradient lookup returns for the tables is their updated state, so jax.grad would add the "
-                    "two updated states and double every row. Put every feature in one batch and call lookup once "
-                    "per loss; for a lookup that must not train the tables, pass jax.lax.stop_gradient(tables).")
-            _looked_up[key] = weakref.ref(leaf, lambda r, key=key: _looked_up.pop(key) if _looked_up.get(key) is r
-                                          else None)
-
-
 def lookup(
     plan: EmbeddingPlan,
     batch: Mapping[str, ShardedCooMatrix],
@@ -195,7 +158,7 @@ def lookup(
     """
     _check_batch(plan, batch)
     check_state(plan, tables)
-    _refuse_second_lookup(plan, tables)
+    check_once_per_trace(plan, tables)
     if step is not None:
         step = jnp.asarray(step)
     return _lookup_jit(plan, dict(batch), dict(tables), step)

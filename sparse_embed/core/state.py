@@ -1,7 +1,9 @@
-"""A stack's trainable state, `EmbeddingVariables(table, slots)`, and the check that it fits a plan."""
+"""A stack's trainable state, `EmbeddingVariables(table, slots)`, and the checks that it fits a plan and is
+looked up once per differentiated function."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Mapping, NamedTuple
 
 import jax
@@ -10,6 +12,17 @@ import jax.numpy as jnp
 from sparse_embed.core.planning import EmbeddingPlan
 
 SLOT_DTYPE = jnp.float32
+
+try:  # jax.grad traces with LinearizeTracer, which jax (0.10) does not export; test_lookup fails if this misses it
+    from jax._src.interpreters.ad import JVPTracer, LinearizeTracer
+
+    _AD_TRACERS: tuple[type, ...] = (JVPTracer, LinearizeTracer)
+except ImportError:  # another jax: its public JVP tracer
+    from jax.interpreters.ad import JVPTracer
+
+    _AD_TRACERS = (JVPTracer,)
+# id(tracer) -> weakref, for every differentiated table array looked up in a trace still alive
+_looked_up: dict[int, weakref.ref] = {}
 
 
 class EmbeddingVariables(NamedTuple):
@@ -56,3 +69,27 @@ def check_trainable(stack, variables: EmbeddingVariables) -> None:
             f"slots {want} but the tables have {sorted(variables.slots)} (created with with_slots=False for "
             "inference?). Create them with slots, e.g. init_tables(plan, rng) or stack_tables(plan, arrays)."
         )
+
+
+def check_once_per_trace(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> None:
+    """Raises when a differentiated table array reaches `lookup` a second time in one trace.
+
+    Its "gradient" is the updated state, and `jax.grad` adds the cotangents of
+    every use: two lookups would return every row doubled. A table array that
+    is not being differentiated (a jit forward, an eval step) may be looked up
+    any number of times.
+    """
+    for name, state in tables.items():
+        for leaf in jax.tree.leaves(state):
+            if not isinstance(leaf, _AD_TRACERS):
+                continue
+            key, ref = id(leaf), _looked_up.get(id(leaf))
+            if ref is not None and ref() is leaf:
+                feats = sorted(lay.feature.name for lay in plan.stack(name).features)
+                raise ValueError(
+                    f"Stack {name!r} (features {feats}) is looked up a second time in one differentiated function. "
+                    "The gradient lookup returns for the tables is their updated state, so jax.grad would add the "
+                    "two updated states and double every row. Put every feature in one batch and call lookup once "
+                    "per loss; for a lookup that must not train the tables, pass jax.lax.stop_gradient(tables).")
+            _looked_up[key] = weakref.ref(leaf, lambda r, key=key: _looked_up.pop(key) if _looked_up.get(key) is r
+                                          else None)
