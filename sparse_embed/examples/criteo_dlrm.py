@@ -138,7 +138,7 @@ def _restore(args, plan, tables, id_maps, state: State):
 
 def _save(ckpt, step: int, plan, tables, id_maps, state: State, loader: sed.Loader) -> None:
     """Step `step`: tables, id maps, dense state; the loader's state and the losses so far as `data`."""
-    losses = [float(x).hex() for x in np.asarray(state.losses[:step])]
+    losses = [float(x).hex() for x in np.asarray(state.losses)[:step]]
     ckpt.save(step, plan, tables, id_maps=id_maps or None, user={"params": state.params, "opt": state.opt},
               data={"loader": loader.get_state(), "losses": losses})
     ckpt.wait()
@@ -154,9 +154,13 @@ def train(args, plan, source, train_batches: int):
     """The loop: grain batches, preprocessed ahead; a checkpoint every `--checkpoint-every` steps (and the last)."""
     key = jax.random.key(args.seed)
     tx = optax.adam(args.dense_lr)
-    params = init_params(key, args.embedding_dim)
-    state = jax.device_put(State(params, tx.init(params), jnp.zeros(args.steps, jnp.float32)),
-                           NamedSharding(plan.mesh, P()))  # replicated: a restore puts it back the same way
+
+    def initial(key):  # one program, not an eager op (and a compile) per layer and slot
+        params = init_params(key, args.embedding_dim)
+        return State(params, tx.init(params), jnp.zeros(args.steps, jnp.float32))
+
+    # replicated: a restore puts it back the same way
+    state = jax.jit(initial, out_shardings=NamedSharding(plan.mesh, P()))(key)
     tables, id_maps, state, start, data = _restore(args, plan, se.init_tables(plan, key), se.init_id_maps(plan, key),
                                                    state)
     train_step = make_train_step(plan, tx)
