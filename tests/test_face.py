@@ -99,6 +99,18 @@ def test_each_namespace_resolves_its_names_to_the_implementation(namespace):
         module.nothing
 
 
+@pytest.mark.parametrize("namespace", se._SUBMODULES)
+def test_every_name_a_namespace_lists_is_there(namespace):
+    """Each namespace (`se.serving`, `se.offload`, `se.data`, ...) is its module, and each name its `__all__` lists
+    loads (a lazy entry that names a missing module or attribute fails here), without a warning."""
+    module = importlib.import_module(f"sparse_embed.{namespace}")
+    assert getattr(se, namespace) is module and module.__all__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        missing = [name for name in module.__all__ if getattr(module, name, None) is None]
+    assert not missing, f"sparse_embed.{namespace} lists {missing} but has none of them"
+
+
 @pytest.mark.parametrize("name", sorted(OLD_NAMES))
 def test_each_old_name_still_resolves_with_a_warning_naming_the_new_spelling(name):
     new = f"{OLD_NAMES[name]}.{name}"
