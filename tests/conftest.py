@@ -23,17 +23,16 @@ from jax.sharding import Mesh  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # One XLA compilation cache for the session, in a fresh directory: many tests build the same programs from
-# fresh closures, and a hit skips XLA's compile (never the tracing). Fresh per run, so no stale entries. The
-# process that imports this first (pytest's, or xdist's controller) makes it and exports it (XLA_CACHE_ENV), so
-# xdist's workers, and pytest run in a subprocess by a test, share it. That is safe because a size limit is set:
-# jax then takes a file lock (filelock) around every read and write of the directory; without one, its files
-# are written in place and a reader in another process could read half an entry.
+# fresh closures, and a hit skips XLA's compile (never the tracing). Fresh per run, so no stale entries; this
+# process only (subprocesses compile for themselves: jax's cache files are not written atomically), except
+# that a test running pytest in subprocesses one after another, waiting for each, may hand them its own
+# (XLA_CACHE_ENV): one writer at a time.
 XLA_CACHE_ENV = "SPARSE_EMBED_TESTS_XLA_CACHE"
 
 
 def _made_cache_dir() -> str:
     """A fresh directory, or the one this file made when it was imported under its other name (pytest imports it
-    as `conftest`, some tests as `tests.conftest`): one cache per session, the one `XLA_CACHE_DIR` names."""
+    as `conftest`, some tests as `tests.conftest`): one cache per process, the one `XLA_CACHE_DIR` names."""
     for name in ("conftest", "tests.conftest"):
         made = getattr(sys.modules.get(name), "XLA_CACHE_DIR", None)
         if made:
@@ -44,9 +43,7 @@ def _made_cache_dir() -> str:
 
 
 XLA_CACHE_DIR = os.environ.get(XLA_CACHE_ENV) or _made_cache_dir()
-os.environ[XLA_CACHE_ENV] = XLA_CACHE_DIR  # before xdist starts its workers: they inherit it
 jax.config.update("jax_compilation_cache_dir", XLA_CACHE_DIR)
-jax.config.update("jax_compilation_cache_max_size", 64 << 30)  # never reached: set for jax's file lock
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
