@@ -125,6 +125,24 @@ def pytest_sessionstart(session) -> None:
                     + "\n- ".join(missing), returncode=pytest.ExitCode.TESTS_FAILED)
 
 
+# The slowest files (by `--durations`), slowest first, run before the rest: xdist (`--dist loadfile`) hands out
+# files in collection order, and one of these left for the end keeps one worker busy while the others are done.
+SLOW_FILES_FIRST = ("core/test_id_maps.py", "tiers/test_offload_raw_ids.py", "io/test_resume.py",
+                    "test_dlrm_resume.py", "core/test_placement.py", "core/test_kernels.py", "core/test_sparsecore.py",
+                    "host/test_multiprocess.py", "test_benchmarks.py")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The slow files first (SLOW_FILES_FIRST's order), then every other file as collected."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+
+    def rank(item) -> int:
+        path = os.path.relpath(str(item.path), tests)
+        return SLOW_FILES_FIRST.index(path) if path in SLOW_FILES_FIRST else len(SLOW_FILES_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
+
 @pytest.fixture(params=LOOKUP_KERNELS)
 def each_kernel(request, monkeypatch) -> str:
     """Runs a test once per implementation of the lookup's per-shard work (native: `require_native`).

@@ -86,3 +86,20 @@ def test_a_checkout_without_its_extensions_skips_elsewhere(checkout_without_exte
     out = _pytest_in(checkout_without_extensions, None)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 passed, 2 skipped" in out.stdout and "is not built" in out.stdout, out.stdout
+
+
+def test_the_slow_files_run_first_and_each_is_there():
+    """conftest's SLOW_FILES_FIRST names test files that exist (a renamed one would silently go back to the end),
+    and the collection puts them first, in that order."""
+    tests = pathlib.Path(conftest.__file__).parent
+    assert [f for f in conftest.SLOW_FILES_FIRST if not (tests / f).is_file()] == []
+
+    class Item:
+        def __init__(self, path):
+            self.path = tests / path
+
+    items = [Item(p) for p in ("core/test_tables.py", "test_benchmarks.py", "core/test_id_maps.py",
+                               "core/test_tables.py")]
+    conftest.pytest_collection_modifyitems(None, None, items)
+    assert [str(i.path.relative_to(tests)) for i in items] == [
+        "core/test_id_maps.py", "test_benchmarks.py", "core/test_tables.py", "core/test_tables.py"]
