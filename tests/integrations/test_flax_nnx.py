@@ -230,3 +230,19 @@ def test_map_ids_trains_a_raw_id_table_as_the_functional_api_does(mesh8):
     assert_trees_equal(model.embed.embedding_variables(), before)
     assert_trees_equal(same_maps, maps)
     assert int(stats["users"].admitted) == 0 and type(batch["users"]) is se.ShardedCooMatrix  # mapped: rows
+
+
+def test_a_model_calling_its_embed_twice_under_grad_is_refused(mesh8):
+    """Two calls of one `Embed` in a loss would add two updated states (every row doubled): nnx.grad raises,
+    naming the stack; two calls in a forward-only (eval) step are fine and equal."""
+    plan = make_plan(mesh8, "adagrad")
+    batch = make_batch(plan, 0)
+    model = Tower(plan, nnx.Rngs(0))
+
+    def twice(model, batch):
+        return sum(jnp.sum(a) for a in model.embed(batch).values()) + jnp.sum(model(batch)[0])
+
+    with pytest.raises(ValueError, match=rf"Stack '({'|'.join(plan.stack_names)})'.*second time"):
+        nnx.grad(twice)(model, batch)
+    first, second = nnx.jit(lambda m, b: (m.embed(b), m.embed(b)))(model, batch)
+    assert_trees_equal(first, second)
