@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import numpy as np
+
 import sparse_embed as se
 
 
@@ -58,3 +60,21 @@ class Failures:
         if self.messages:
             raise AssertionError(f"{len(self.messages)} case(s) failed: {sorted(self.messages)}\n\n"
                                  + "\n\n".join(self.messages.values()))
+
+
+def assert_states_close(got: dict, want: dict, *, rtol: float, atol: float, atol_relative: bool = False,
+                        name=str) -> None:
+    """Every table's arrays (`{table: {"table" or slot: array}}`) against the reference, all of them: one
+    AssertionError listing each table whose slots differ and each array that differs, named by `name(table)`.
+    `atol_relative`: atol times the largest magnitude of the wanted array (f32 cancellation near zero)."""
+    failures = Failures()
+    for t, arrays in want.items():
+        with failures.case(name(t)):
+            assert set(got[t]) == set(arrays), f"arrays {sorted(got[t])}, want {sorted(arrays)}"
+        if failures.failed(name(t)):
+            continue
+        for k, w in arrays.items():
+            with failures.case(f"{name(t)}: {k}"):
+                tol = atol * np.abs(w).max() if atol_relative else atol
+                np.testing.assert_allclose(got[t][k], w, rtol=rtol, atol=tol, err_msg=f"{name(t)}: {k}")
+    failures.check()

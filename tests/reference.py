@@ -208,22 +208,3 @@ def apply(update, state: dict[str, np.ndarray], grads: dict[int, np.ndarray], lr
         for k, v in slots.items():
             state[k][r] = v
 
-
-def assert_states_close(got: dict, want: dict, *, rtol: float, atol: float, atol_relative: bool = False,
-                        name=str) -> None:
-    """Every table's arrays (`{table: {"table" or slot: array}}`) against the reference, all of them: one
-    AssertionError listing each table whose slots differ and each array that differs, named by `name(table)`.
-    `atol_relative`: atol times the largest magnitude of the wanted array (f32 cancellation near zero)."""
-    failures = []
-    for t, arrays in want.items():
-        if set(got[t]) != set(arrays):
-            failures.append(f"{name(t)}: arrays {sorted(got[t])}, want {sorted(arrays)}")
-            continue
-        for k, w in arrays.items():
-            tol = atol * np.abs(w).max() if atol_relative else atol
-            try:
-                np.testing.assert_allclose(got[t][k], w, rtol=rtol, atol=tol, err_msg=f"{name(t)}: {k}")
-            except AssertionError as e:
-                failures.append(str(e).strip())
-    if failures:
-        raise AssertionError(f"{len(failures)} array(s) differ from the reference:\n\n" + "\n\n".join(failures))

@@ -11,6 +11,7 @@ import pytest
 import sparse_embed as se
 from sparse_embed import optimizers as opt
 import reference as ref
+from cases import assert_states_close
 
 pytestmark = pytest.mark.usefixtures("each_kernel")  # every test on the generic and the native kernel
 
@@ -143,8 +144,8 @@ def test_training_matches_numpy(mesh8, placement, each_kernel):
         _reference_step(state, feats, samples, cts, step)
         tables = train(tables, batch, jnp.int32(step))
     # rtol 1e-5, plus an atol of 1e-5 of the array's scale for f32 cancellation near zero
-    ref.assert_states_close(se.unstack_state(plan, tables), state, rtol=1e-5, atol=1e-5, atol_relative=True,
-                            name=lambda t: f"optimizer case {_case_of(t)!r}, table {t!r}")
+    assert_states_close(se.unstack_state(plan, tables), state, rtol=1e-5, atol=1e-5, atol_relative=True,
+                        name=lambda t: f"optimizer case {_case_of(t)!r}, table {t!r}")
 
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])
