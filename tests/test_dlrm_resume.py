@@ -33,18 +33,9 @@ def demo(data: str, ckpt: str, kill_at: int | None = None) -> bool:
     with tempfile.TemporaryDirectory(prefix="demo_") as logs:
         p = launch.start("-m sparse_embed.examples.dlrm", ["--data", data, "--checkpoint-dir", ckpt, *FLAGS], env,
                          os.path.join(logs, "demo.log"))
-        try:
-            for line in p.lines():
-                if kill_at is not None and line.startswith("checkpoint of step ") and int(line.split()[3]) >= kill_at:
-                    p.kill()
-                    p.wait(60)
-                    return False
-            assert p.wait(300) == 0, p.output()[-6000:]
-        finally:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    return True
+        stop = None if kill_at is None else (
+            lambda line: line.startswith("checkpoint of step ") and int(line.split()[3]) >= kill_at)
+        return launch.run_until([p], stop, timeout=300)
 
 
 def final(ckpt: str) -> dict[str, np.ndarray]:

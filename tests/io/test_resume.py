@@ -39,25 +39,11 @@ def run(args: list[str], *, devices: int, cache: str, processes: int = 1, kill_a
     procs = [launch.start(os.path.join(HERE, "resume_run.py"), args,
                           launch.worker_env(devices, **cache_env, **distributed[i]),
                           os.path.join(logs.name, f"process{i}.log")) for i in range(processes)]
-    killed = False
     try:
-        for line in procs[0].lines():
-            if kill_at is not None and line.startswith("step ") and int(line.split()[1]) >= kill_at:
-                for p in procs:
-                    p.kill()
-                killed = True
-                break
-        codes = [p.wait(timeout) for p in procs]
-        outputs = "".join(f"\n--- process {i} ---\n" + p.output()[-6000:] for i, p in enumerate(procs))
+        return launch.run_until(procs, None if kill_at is None else
+                                lambda line: line.startswith("step ") and int(line.split()[1]) >= kill_at, timeout)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
         logs.cleanup()
-    if not killed and any(codes):
-        raise AssertionError(f"resume_run exited with {codes}:{outputs}")
-    return not killed
 
 
 def losses(path: str) -> dict[int, list[str]]:

@@ -27,7 +27,7 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository: tests/host/multiprocess/..
@@ -143,6 +143,30 @@ class Child:
 def start(script: str, args: list[str], env: dict[str, str], log: str) -> Child:
     """Runs `script` (a path, or "-m module") with `args` in a forked process; output appended to `log`."""
     return Child(script, args, env, log)
+
+
+def run_until(procs: list[Child], stop: Callable[[str], bool] | None = None, timeout: float = 240.0) -> bool:
+    """Follows process 0's output: True once every process has ended with exit code 0 (an AssertionError with
+    their outputs if one did not, or is still running after `timeout`), or False as soon as `stop(line)` holds,
+    after SIGKILLing every process. No process is left running either way."""
+    killed = False
+    try:
+        for line in procs[0].lines():
+            if stop is not None and stop(line):
+                for p in procs:
+                    p.kill()
+                killed = True
+                break
+        codes = [p.wait(timeout) for p in procs]
+        if not killed and any(c != 0 for c in codes):
+            raise AssertionError(f"exit codes {codes}:" + "".join(f"\n--- process {i} ---\n" + p.output()[-6000:]
+                                                                  for i, p in enumerate(procs)))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return not killed
 
 
 def run_workers(script: str, num_processes: int, args: list[str], *, devices_per_process: int,
