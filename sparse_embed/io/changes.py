@@ -146,11 +146,27 @@ def _in_order(table: str, what: str, ids: np.ndarray, values: np.ndarray) -> tup
     return ids, values
 
 
+def _next_path(directory: str | os.PathLike, changes: Changes) -> str:
+    """The path of the delta after `changes`; FileExistsError if it exists (see `write_delta`)."""
+    path = os.path.join(os.fspath(directory), delta_name(changes.base, changes.seq + 1))
+    if os.path.exists(path):
+        raise FileExistsError(f"The delta {path} exists already: this tracker (sequence {changes.seq}) wrote its "
+                              "next delta before, so it is an old one (carry on with the tracker write_delta/"
+                              "export_delta returned), or another run exports the same tables into this directory. "
+                              "A server that applied that delta would never apply this one; after a restore, "
+                              "export in full (export_serving) and track from there (Changes.since).")
+    return path
+
+
 def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
                 raw: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None) -> tuple[str, Changes]:
     """Writes the next delta after `changes` from host rows: `rows[table] = (rows [n], float values [n, dim])`,
     `raw[table] = (upserted ids [n], float values [n, dim], evicted ids [m])`, ids in any order, each once;
-    returns `(its path, the tracker for the next delta)`. `export_delta` gathers these from the live tables."""
+    returns `(its path, the tracker for the next delta)`. `export_delta` gathers these from the live tables.
+
+    A delta is never overwritten (FileExistsError): a server may have applied the one there, and it takes each
+    sequence number once, so other content under the same name would never reach it."""
+    path = _next_path(directory, changes)
     header: dict[str, Any] = {"base": changes.base, "seq": changes.seq + 1, "tables": {}}
     arrays: dict[str, np.ndarray] = {}
     served = dict(changes.served_ids)
@@ -166,7 +182,6 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
                        f"{name}/evicted": evicted})
         served[name] = np.union1d(np.setdiff1d(served[name], evicted), upsert)
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(os.fspath(directory), delta_name(changes.base, changes.seq + 1))
     delta_file.write(path, header, arrays, ids=[k for k in arrays if not k.endswith("/values")])
     return path, Changes(changes.base, changes.seq + 1, changes.dtypes, {}, served)
 
@@ -184,5 +199,6 @@ def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapp
     if set(raw_names) != set(changes.served_ids):
         raise ValueError(f"The export has raw-id tables {sorted(changes.served_ids)}, the plan {raw_names}: "
                          "the tracker started at an export of another model.")
+    _next_path(directory, changes)  # before gathering the tables
     raw = _raw_rows(plan, tables, id_maps, changes) if raw_names else {}
     return write_delta(directory, changes, _static_rows(plan, tables, changes), raw)

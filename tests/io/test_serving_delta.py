@@ -283,3 +283,25 @@ def test_write_delta_sorts_the_rows_it_is_given_and_refuses_a_row_given_twice(tm
     with pytest.raises(ValueError, match="Table 'a': row 5 is given twice; a delta holds each once"):
         ss.write_delta(tmp_path / "e", changes, {"a": (np.array([5, 1, 5]), np.zeros((3, 4), np.float32))})
     assert not (tmp_path / "e").exists()
+
+
+def test_a_delta_is_never_overwritten_by_an_old_tracker(tmp_path):
+    """A server applies each sequence number once: a second delta under the same name (a tracker used twice) would
+    never reach it, so it is refused and the first stays byte for byte."""
+    a = se.TableSpec("a", 10, 4, combiner="sum")
+    plan = se.plan([se.FeatureSpec("fa", a, B)], make_mesh(1))
+    tables = se.init_tables(plan, jax.random.key(0))
+    se.export_serving(tmp_path / "base", plan, tables)
+    old = ss.Changes.since(tmp_path / "base").touched_ids(plan, {"fa": np.array([[1], [2]] * (B // 2))})
+    path, new = ss.export_delta(tmp_path / "d", plan, tables, old)
+    first = pathlib.Path(path).read_bytes()
+    for write in (lambda: ss.export_delta(tmp_path / "d", plan, tables, old),
+                  lambda: ss.write_delta(tmp_path / "d", old, {"a": (np.array([3]), np.ones((1, 4), np.float32))})):
+        with pytest.raises(FileExistsError, match=re.escape(f"The delta {path} exists already: this tracker "
+                                                            "(sequence 0)")):
+            write()
+    assert pathlib.Path(path).read_bytes() == first and sorted(os.listdir(tmp_path / "d")) == [os.path.basename(path)]
+    path2, _ = ss.export_delta(tmp_path / "d", plan, tables, new)  # the returned tracker goes on
+    assert delta_file.read(path2)[0]["seq"] == 2
+    snapshot = ss.apply_delta(ss.apply_delta(ss.load_snapshot(tmp_path / "base"), path), path2)
+    np.testing.assert_array_equal(np.asarray(snapshot.tables["a"]), np.asarray(se.unstack_tables(plan, tables)["a"]))
