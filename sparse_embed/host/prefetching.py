@@ -186,17 +186,22 @@ class Prefetcher(Iterator[Prefetched]):
         """
         if self._done:
             raise StopIteration
-        result = self._slots.take()
+        result = self._take()
         if result is _END:
             self.close()
             raise StopIteration
         if isinstance(result, _Failure):
             self.close()
             if hasattr(result.error, "add_note"):  # Python >= 3.11
-                result.error.add_note(f"(raised in sparse_embed.prefetch's worker thread, on item {result.index} "
-                                      "of the input)")
+                result.error.add_note(f"(raised in {self._where}, on item {result.index} of the input)")
             raise result.error
         return result
+
+    _where = "sparse_embed.prefetch's worker thread"
+
+    def _take(self) -> Any:
+        """The next prepared item, `_END` or a `_Failure`."""
+        return self._slots.take()
 
     @property
     def running(self) -> bool:
@@ -229,6 +234,43 @@ class Prefetcher(Iterator[Prefetched]):
             slots.close()
         if hook is not None:
             self._unregister(hook)
+
+
+
+class InLoop(Prefetcher):
+    """A `Prefetcher` without a worker: each item is prepared in the loop's thread when asked for (no look-ahead).
+
+    For work that must run in the same order on every process (a program over every process's devices, such as a
+    raw-id map under `jax.distributed`): a worker thread beside the step would interleave the two differently on
+    each process. Same interface: an error is raised at its item (then exhausted), `close()` closes the input.
+    """
+
+    _where = "the loop's thread, preparing"
+
+    def __init__(self, prepare: Callable[[Any], Any], source: Iterator[Any]) -> None:
+        self._prepare, self._source, self._index, self._done = prepare, source, 0, False
+
+    def _take(self) -> Any:
+        try:
+            item = next(self._source, _END)
+            result = item if item is _END else self._prepare(item)
+        except BaseException as e:  # noqa: BLE001 - raised by __next__ with the item's index
+            result = _Failure(e, self._index)
+        self._index += 1
+        return result
+
+    @property
+    def running(self) -> bool:
+        """Whether items may still come (False once the input ended, an item failed, or after `close`)."""
+        return not self._done
+
+    def close(self) -> None:
+        """Closes the input iterator (idempotent); no `prepare` runs after it."""
+        if not self._done:
+            self._done = True
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()
 
 
 def _split(item: Any, inputs: Callable[[Any], Any] | None) -> tuple[Mapping[str, Any], Mapping[str, Any] | None]:

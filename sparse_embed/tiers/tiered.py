@@ -44,7 +44,7 @@ from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import table_key
 from sparse_embed.host import ids as ids_lib
 from sparse_embed.host import native
-from sparse_embed.host.prefetching import Prefetcher, _check_buffer_size, _split
+from sparse_embed.host.prefetching import InLoop, Prefetcher, _check_buffer_size, _split
 from sparse_embed.host.preprocessing import preprocess_cached
 from sparse_embed.tiers.cache import Admission, CacheMap, ShardedCacheMap
 from sparse_embed.tiers.id_map import IdMaps, Mapped
@@ -602,7 +602,7 @@ class Tiers:
         """`sparse_embed.prefetch` for this plan: items `TieredItem(batch, stats, item, swap)`, their misses read
         `buffer_size` batches ahead of the loop. `step`: the first batch's step (`preprocess`'s; the next
         batches' count up from it in training, stay at it in evaluation). Under several processes with a raw-id
-        table, each batch is prepared in the loop when asked for (`_InLoop`: no look-ahead)."""
+        table, each batch is prepared in the loop when asked for (an `InLoop` prefetcher: no look-ahead)."""
         buffer_size = _check_buffer_size(buffer_size)
         steps = itertools.count(step) if step is not None and train else itertools.repeat(step)
 
@@ -614,7 +614,7 @@ class Tiers:
             return TieredItem(batch, stats, item, swap)
 
         if self._ids is not None and self._procs.several:
-            return _InLoop(prepare, iter(batches))
+            return _TimedInLoop(self, prepare, iter(batches))
         return _TimedPrefetcher(self, prepare, iter(batches), buffer_size)
 
     def stats(self) -> dict[str, TierStats]:
@@ -631,36 +631,11 @@ class Tiers:
             t.store.close()
 
 
-class _InLoop:
-    """`prefetch`'s items prepared in the loop's thread, each when asked for: under several processes with a raw-id
-    table, whose map is a program over every process's devices, which every process must start in the same order
-    (a worker thread beside the step would interleave them differently on each)."""
+class _Timed:
+    """Mixed into a `Prefetcher`: counts the loop's waits in every offloaded table's `wait_seconds` (for `InLoop`,
+    all of each batch's preparation: the loop waits for it)."""
 
-    def __init__(self, prepare: Callable[[Any], TieredItem], source: Iterator[Any]) -> None:
-        self._prepare, self._source = prepare, source
-
-    def __iter__(self) -> "_InLoop":
-        return self
-
-    def __next__(self) -> TieredItem:
-        return self._prepare(next(self._source))
-
-    def __enter__(self) -> "_InLoop":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._source = iter(())
-
-
-class _TimedPrefetcher(Prefetcher):
-    """A `Prefetcher` that counts the loop's waits in every offloaded table's `wait_seconds`."""
-
-    def __init__(self, tiers: Tiers, prepare, source, buffer_size: int) -> None:
-        super().__init__(prepare, source, buffer_size)
-        self._tiers = tiers
+    _tiers: Tiers
 
     def __next__(self) -> TieredItem:
         t0 = time.perf_counter()
@@ -669,3 +644,15 @@ class _TimedPrefetcher(Prefetcher):
         for t in self._tiers.tables.values():
             t.stats.wait_seconds += waited
         return item
+
+
+class _TimedPrefetcher(_Timed, Prefetcher):
+    def __init__(self, tiers: Tiers, prepare, source, buffer_size: int) -> None:
+        super().__init__(prepare, source, buffer_size)
+        self._tiers = tiers
+
+
+class _TimedInLoop(_Timed, InLoop):
+    def __init__(self, tiers: Tiers, prepare, source) -> None:
+        super().__init__(prepare, source)
+        self._tiers = tiers

@@ -252,3 +252,35 @@ def test_interpreter_exits_with_a_running_worker():
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "consumed" and "Traceback" not in done.stderr
+
+
+def test_in_loop_prepares_each_item_when_asked_with_the_prefetcher_interface(mesh8):
+    """`InLoop` (Tiers.prefetch under several processes with a raw-id table): no worker; each item prepared in the
+    loop's thread as it is taken, equal to serial `preprocess`; an error at its item, then exhausted; close()
+    closes the input."""
+    from sparse_embed.host.prefetching import InLoop
+
+    plan = _plan(mesh8)
+    source, threads = _Source(plan), []
+
+    def prepare(ids):
+        threads.append(threading.current_thread())
+        return se.preprocess(plan, ids)
+
+    with InLoop(prepare, source.items) as batches:
+        assert isinstance(batches, se.Prefetcher) and batches.running and source.pulled == 0 and not _workers()
+        for i in range(3):
+            got = next(batches)
+            assert source.pulled == i + 1  # nothing read ahead
+            chex.assert_trees_all_equal(_host(got), _host(se.preprocess(plan, _ids_and_weights(plan, 0)[0])))
+    assert threads == [threading.current_thread()] * 3
+    assert source.closed and not batches.running and next(batches, None) is None
+
+    failing = InLoop(lambda ids: se.preprocess(plan, ids), (_bad_id(plan, i) for i in itertools.count()))
+    got = [next(failing) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"Feature 'fb' \(table 'b'\).*out of range") as info:
+        next(failing)
+    assert len(got) == 3 and any("the loop's thread, preparing, on item 3 of the input" in n
+                                 for n in info.value.__notes__)
+    assert not failing.running and next(failing, None) is None
+    assert list(InLoop(prepare, iter([]))) == []

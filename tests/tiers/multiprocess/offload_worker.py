@@ -51,9 +51,11 @@ try:
 except ValueError as e:
     messages["bad_id"] = str(e)
 
-for i, item in enumerate(tiers.prefetch(data[sc.FLUSH_AT:], inputs=lambda b: b, buffer_size=2, step=sc.FLUSH_AT),
-                         sc.FLUSH_AT):
+batches = tiers.prefetch(data[sc.FLUSH_AT:], inputs=lambda b: b, buffer_size=2, step=sc.FLUSH_AT)
+assert isinstance(batches, se.Prefetcher) and batches.running  # prepared in the loop here (a raw-id table)
+for i, item in enumerate(batches, sc.FLUSH_AT):
     _, tables, _ = step(tiers.swap(tables, item.swap), {}, item.batch, i)
+assert not batches.running and all(s.wait_seconds > 0 for s in tiers.stats().values())
 tables = tiers.flush(tables, sc.STEPS)
 results.update({f"tiered/plain/{k}": v for k, v in se.unstack_state(plan, tables)["plain"].items()})
 stats = {n: dataclasses.asdict(s) for n, s in tiers.stats().items()}
