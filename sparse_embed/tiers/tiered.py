@@ -29,17 +29,17 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparse_embed.core.planning import EmbeddingPlan, StackPlan
+from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.relayout import TABLE_KEY
 from sparse_embed.core.row_swap import cache_positions, initial_rows, swap_rows, write_rows
-from sparse_embed.core.specs import FeatureSpec, TableSpec
+from sparse_embed.core.specs import TableSpec
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import table_key
 from sparse_embed.host import ids as ids_lib

@@ -18,7 +18,6 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -26,6 +25,7 @@ import sparse_embed as se
 from sparse_embed.core.id_maps import IdMapStats
 from sparse_embed.io.id_tables import _live
 from tests.conftest import make_mesh
+from tests.tiers.multiprocess.offload_scenario import linear_step
 
 V, D, B, L = 240, 8, 16, 4  # a raw-id table's rows (its map's capacity), row width, batch, ids per sample
 VS = 400  # rows of the static tables
@@ -87,24 +87,8 @@ def batches(steps: int = STEPS, seed: int = 1, tables=TABLES) -> list[tuple[dict
 
 @functools.lru_cache(maxsize=None)
 def step_fn(plan: se.EmbeddingPlan):
-    """`(tables, id_maps, batch, step) -> (loss, tables, id_maps, id_stats)`: `map_ids` for the raw-id tables in
-    memory, then a loss linear in the activations."""
-    g = np.random.default_rng(2)
-    cts = {f: jnp.asarray(g.standard_normal((B, seq, D) if seq else (B, D)).astype(np.float32))
-           for f, _, seq, _ in FEATS}
-
-    def loss(tables, batch, step):
-        acts = se.lookup(plan, batch, tables, step)
-        return sum(jnp.sum(acts[k] * cts[k]) for k in sorted(acts))
-
-    def step(tables, id_maps, batch, i):
-        stats = {}
-        if id_maps:
-            batch, tables, id_maps, stats = se.map_ids(plan, batch, tables, id_maps, i)
-        value, tables = jax.value_and_grad(loss)(tables, batch, i)
-        return value, tables, id_maps, stats
-
-    return jax.jit(step, donate_argnums=(0, 1))
+    """`(tables, id_maps, batch, step) -> (loss, tables, id_maps, id_stats)`, one per plan."""
+    return linear_step(plan, FEATS, B, D)
 
 
 def host_stats(stats) -> dict:

@@ -57,22 +57,24 @@ def batches(steps: int = STEPS) -> list[tuple[dict, dict]]:
     return out
 
 
-def step_fn(plan: se.EmbeddingPlan):
-    """`(tables, id_maps, batch, step) -> (loss, tables', id_maps')` for a loss linear in the activations (`map_ids`
-    first for a raw-id table in memory)."""
+def linear_step(plan: se.EmbeddingPlan, features=None, batch_size: int = B, dim: int = D):
+    """`(tables, id_maps, batch, step) -> (loss, tables', id_maps', id_stats)` for a loss linear in the activations
+    (`map_ids` first for raw-id tables in memory); `features`: `(name, table, sequence length, weighted)` rows
+    (default FEATURES), each activation's fixed cotangent drawn from them. Also tests/tiers/test_offload_raw_ids.py's."""
     g = np.random.default_rng(2)
-    cts = {f: jnp.asarray(g.standard_normal((B, seq, D) if seq else (B, D)).astype(np.float32))
-           for f, _, seq, _ in FEATURES}
+    cts = {f: jnp.asarray(g.standard_normal((batch_size, seq, dim) if seq else (batch_size, dim)).astype(np.float32))
+           for f, _, seq, _ in (FEATURES if features is None else features)}
 
     def loss(tables, batch, step):
         acts = se.lookup(plan, batch, tables, step)
         return sum(jnp.sum(acts[k] * cts[k]) for k in sorted(acts))
 
     def step(tables, id_maps, batch, i):
+        stats = {}
         if id_maps:
-            batch, tables, id_maps, _ = se.map_ids(plan, batch, tables, id_maps, i)
+            batch, tables, id_maps, stats = se.map_ids(plan, batch, tables, id_maps, i)
         value, tables = jax.value_and_grad(loss)(tables, batch, i)
-        return value, tables, id_maps
+        return value, tables, id_maps, stats
 
     return jax.jit(step, donate_argnums=(0, 1))
 
@@ -80,8 +82,8 @@ def step_fn(plan: se.EmbeddingPlan):
 def train_in_memory(plan, feed=lambda plan, x: x):
     """The state of every table after STEPS steps of plain training."""
     rng = jax.random.key(0)
-    tables, id_maps, step = se.init_tables(plan, rng), se.init_id_maps(plan, rng), step_fn(plan)
+    tables, id_maps, step = se.init_tables(plan, rng), se.init_id_maps(plan, rng), linear_step(plan)
     for i, (ids, weights) in enumerate(batches()):
         batch, _ = se.preprocess(plan, feed(plan, ids), feed(plan, weights))
-        _, tables, id_maps = step(tables, id_maps, batch, i)
+        _, tables, id_maps, _ = step(tables, id_maps, batch, i)
     return se.unstack_state(plan, tables)

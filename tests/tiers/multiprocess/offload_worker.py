@@ -29,13 +29,13 @@ results = {f"memory/{t}/{k}": v for t, s in memory.items() for k, v in s.items()
 plan = se.plan(sc.features(root), mesh)
 rng = jax.random.key(0)
 tiers = se.offload.Tiers(plan, rng)
-step, tables, planned = sc.step_fn(plan), se.init_tables(plan, rng), collections.deque()
+step, tables, planned = sc.linear_step(plan), se.init_tables(plan, rng), collections.deque()
 data = [(sd.process_slice(plan, ids), sd.process_slice(plan, w)) for ids, w in sc.batches()]
 for i, (ids, weights) in enumerate(data[:sc.FLUSH_AT]):  # by hand, two batches ahead of the swaps
     planned.append((i, *tiers.preprocess(ids, weights, step=i)))
     while len(planned) > 2 or (planned and i == sc.FLUSH_AT - 1):
         j, batch, _, swap = planned.popleft()
-        _, tables, _ = step(tiers.swap(tables, swap), {}, batch, j)
+        _, tables, _, _ = step(tiers.swap(tables, swap), {}, batch, j)
 tables = tiers.flush(tables, sc.FLUSH_AT)
 ckpt = se.CheckpointManager(os.path.join(out_dir, "ckpt"))
 ckpt.save(sc.FLUSH_AT, plan, tables, tiers=tiers)
@@ -54,7 +54,7 @@ except ValueError as e:
 batches = tiers.prefetch(data[sc.FLUSH_AT:], inputs=lambda b: b, buffer_size=2, step=sc.FLUSH_AT)
 assert isinstance(batches, se.Prefetcher) and batches.running  # prepared in the loop here (a raw-id table)
 for i, item in enumerate(batches, sc.FLUSH_AT):
-    _, tables, _ = step(tiers.swap(tables, item.swap), {}, item.batch, i)
+    _, tables, _, _ = step(tiers.swap(tables, item.swap), {}, item.batch, i)
 assert not batches.running and all(s.wait_seconds > 0 for s in tiers.stats().values())
 tables = tiers.flush(tables, sc.STEPS)
 results.update({f"tiered/plain/{k}": v for k, v in se.unstack_state(plan, tables)["plain"].items()})
@@ -85,7 +85,7 @@ tiers = se.offload.Tiers(plan, rng)
 tables = restored.tables
 for i, item in enumerate(tiers.prefetch(data[sc.FLUSH_AT:], inputs=lambda b: b, buffer_size=2, step=sc.FLUSH_AT),
                          sc.FLUSH_AT):
-    _, tables, _ = step(tiers.swap(tables, item.swap), {}, item.batch, i)
+    _, tables, _, _ = step(tiers.swap(tables, item.swap), {}, item.batch, i)
 tables = tiers.flush(tables, sc.STEPS)
 results.update({f"resumed/plain/{k}": v for k, v in se.unstack_state(plan, tables)["plain"].items()})
 tiers.close()
