@@ -167,6 +167,7 @@ def write_state(directory: str, plan: EmbeddingPlan, tables: Mapping[str, Embedd
     arrays = [(s, i, p.table.name, key, a, chunk_rows(s, natural_width(s, key) * a.dtype.itemsize, CHUNK_BYTES))
               for s in plan.stacks for key, a in _keys(tables[s.name]).items() for i, p in enumerate(s.tables)]
     if jax.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)  # also with no array to write: the caller adds files of its own
         creating = {(name, key): _create(array_path(directory, name, key), (s.tables[i].table.vocabulary_size,
                                          natural_width(s, key)), a.dtype, m, context) for s, i, name, key, a, m in arrays}
         stores = {k: f.result() for k, f in creating.items()}
