@@ -7,6 +7,7 @@
   makes the store hold every row; `TierStats` are its counts, `Swap` one
   batch's swap;
 - `CorruptStoreError`: a store row fails its checksum, or the store belongs to another table;
+  `StoreInUseError`: a store is open for training already (one `Tiers`, `store_state` or `write_store` at a time);
 - `StoreServer(path, cache_bytes)`: serving lookups of one store (read-only) through a bounded RAM cache,
   picking up what a training run commits; `load_parameter_server(config)`: a `ParameterServer` of the stores
   a JSON config names, `lookup(model, table, ids)`; `ServingStats` are their counts.
@@ -22,6 +23,7 @@ __all__ = [
     "Offload",
     "ParameterServer",
     "ServingStats",
+    "StoreInUseError",
     "StoreServer",
     "Swap",
     "TierStats",
@@ -34,7 +36,7 @@ __all__ = [
 
 __getattr__, __dir__ = _lazy.attach(__name__, {
     "sparse_embed.core.specs": ("Offload",),
-    "sparse_embed.tiers.store": ("CorruptStoreError",),
+    "sparse_embed.tiers.store": ("CorruptStoreError", "StoreInUseError"),
     "sparse_embed.tiers.tiered": ("Swap", "TierStats", "TieredItem", "Tiers"),
     "sparse_embed.tiers.convert": ("store_state", "write_store"),
     "sparse_embed.tiers.serving": ("ParameterServer", "ServingStats", "StoreServer", "load_parameter_server"),

@@ -180,7 +180,7 @@ def _checked_store(plan: EmbeddingPlan, spec, commit: dict | None, step_dir: str
         raise CheckpointError(f"Table {name!r}: its store at {path!r} is open (a Tiers of this process); close it "
                               "(tiers.close()) before restoring, then make a new Tiers.")
     check_layout(name, spec.storage.path, count)
-    store = tier_store.RowStore(spec, path=path)
+    store = tier_store.RowStore(spec, path=path, create=False)
     if commit["id"] not in [h["id"] for h in store.history]:
         store.close()
         raise CheckpointError(

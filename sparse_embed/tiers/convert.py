@@ -47,7 +47,7 @@ def store_state(table: TableSpec, rng: jax.Array) -> dict[str, np.ndarray]:
     stores = []
     try:
         for i in range(count):
-            stores.append(RowStore(table, path=shard_path(path, i, count)))
+            stores.append(RowStore(table, path=shard_path(path, i, count), create=False))
         cols = _columns(table)
         out = {k: np.empty((table.vocabulary_size, w), np.float32) for k, w in cols.items()}
         key = table_key(rng, table.name)

@@ -57,6 +57,8 @@ checksum: the caller re-reads).
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
@@ -76,6 +78,10 @@ _MERGE_ROWS = 1 << 18  # rows a merge of the write log copies at a time
 _OPEN: dict[str, int] = {}  # real path -> `RowStore`s of this process open on it
 _SHARD = re.compile(r"process(\d+)of(\d+)$")  # a process's store of a table trained by several (`tiers.processes`)
 _K = 0x9E3779B9
+
+
+class StoreInUseError(RuntimeError):
+    """An offloaded table's store is already open for training (`RowStore`), in this process or another."""
 
 
 class CorruptStoreError(ValueError):
@@ -181,10 +187,26 @@ class RowStore:
     """One offloaded table's rows and slots on disk (the module doc has the layout). Thread-safe for reads
     and writes of distinct rows (copies into and out of one mapping)."""
 
-    def __init__(self, table: TableSpec, path: str | None = None) -> None:
+    def __init__(self, table: TableSpec, path: str | None = None, *, create: bool = True) -> None:
+        """Opens (`create`: or creates) the store of `table` at `path` (default: its `Offload` path), rolled back
+        to its last commit. One `RowStore` at a time may have a store open, in any process (a lock file): a second
+        would roll it back under the first."""
         if table.storage is None:
             raise ValueError(f"Table {table.name!r} has no storage=Offload(...).")
         self.table, self.path = table, table.storage.path if path is None else path  # path: a process's shard
+        if not create and not os.path.exists(os.path.join(self.path, "tier.json")):
+            raise FileNotFoundError(f"Table {table.name!r}: there is no store at {self.path!r} (no tier.json): "
+                                    "check the path of its Offload(...).")
+        os.makedirs(self.path, exist_ok=True)
+        self._lock_file = _lock(table.name, self.path)
+        try:
+            self._open(table)
+        except BaseException:
+            if self._lock_file is not None:
+                self._lock_file.close()
+            raise
+
+    def _open(self, table: TableSpec) -> None:
         self.width = record_width(table)
         self.record_bytes = 4 * self.width
         shape = (table.vocabulary_size, self.width)
@@ -360,6 +382,7 @@ class RowStore:
         """Commits every write so far as the store's state at `step` (durably; the rename of `tier.json` is
         the commit point, after the bitmap and `changes.<commit>.npy`), and starts a new undo log. Call with no
         write in flight."""
+        step = step_number(step)
         new = _new_id()
         self._commit(step, new, (self.history + [{"commit": self.commit + 1, "id": new, "step": step}])[-KEPT_COMMITS:])
 
@@ -434,6 +457,39 @@ class RowStore:
         self._undo.close()
         self._log.close()
         self._records.close()
+        if self._lock_file is not None:
+            self._lock_file.close()  # (and its lock)
+
+
+def _lock(name: str, path: str):
+    """The store's lock file, locked for the caller's lifetime (closing it unlocks); StoreInUseError naming the
+    table if another `RowStore`, of this process or another, has the store open. A POSIX lock (`lockf`): a process
+    forked meanwhile (a data loader's workers) does not inherit it, so it never outlives the store's close. It does
+    not tell the RowStores of one process apart: `_OPEN` does. A file system without locks: not locked."""
+    f = None if is_open(path) else open(os.path.join(path, "lock"), "a")
+    try:
+        if f is not None:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return f
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # no locks on this file system (ENOLCK, EOPNOTSUPP)
+            return f
+        f.close()
+    raise StoreInUseError(f"Table {name!r}: the store at {path!r} is open for training elsewhere (a Tiers, "
+                          "store_state or write_store, in this process or another). Opening it again would roll it "
+                          "back under that one: close it first (tiers.close()), or read it while it trains with "
+                          "StoreServer.")
+
+
+def step_number(step: Any) -> int | None:
+    """A commit's step as a Python int (from a Python, numpy or jax integer scalar; None: none); TypeError else,
+    before anything is written."""
+    if step is None:
+        return None
+    a = np.asarray(step)
+    if a.shape != () or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"A commit's step must be an integer (int, or a numpy/jax integer scalar), got {step!r}.")
+    return int(a)
 
 
 def is_open(path: str) -> bool:

@@ -49,7 +49,7 @@ from sparse_embed.host.preprocessing import preprocess_cached
 from sparse_embed.tiers.cache import Admission, CacheMap, ShardedCacheMap
 from sparse_embed.tiers.id_map import IdMaps, Mapped
 from sparse_embed.tiers.processes import Processes, check_layout
-from sparse_embed.tiers.store import RowStore, shard_path, slot_specs
+from sparse_embed.tiers.store import RowStore, shard_path, slot_specs, step_number
 
 _MIN_BUCKET = 256
 _FLUSH_ROWS = 1 << 16  # cache rows read out per jit when flushing
@@ -561,6 +561,7 @@ class Tiers:
         already preprocessed for later steps (by hand, or by a `prefetch` still running) are not affected:
         their swaps run as usual, and what their steps change is written back later.
         """
+        step = step_number(step)
         self.wait()
         out = dict(tables)
         for name, t in self.tables.items():

@@ -109,6 +109,7 @@ def test_a_store_that_is_not_the_checkpoints_is_refused(setup, monkeypatch):
     before = _commit_of(plan.tiered_tables["adagrad"])
 
     shutil.rmtree(adam.storage.path)  # another run's store at the same path
+    tier_store.RowStore(adam).close()
     se.offload.write_store(adam, se.offload.store_state(adam, jax.random.key(1)), step=6)
     with se.CheckpointManager(ckpt) as m, pytest.raises(se.CheckpointError,
                                                         match=r"Table 'adam': the checkpoint .* needs commit \d+ "

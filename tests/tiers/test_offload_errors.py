@@ -3,7 +3,10 @@ store is a `CorruptStoreError`, never a silently wrong row; a rejected batch lea
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -283,3 +286,64 @@ def test_a_rejected_batch_leaves_tiers_as_it_was(tmp_path):
             assert (c.lookups, c.hits, c.misses, c.fresh) == (s.lookups, s.hits, s.misses, s.fresh), (name, c, s)
     finally:
         tiers.close()
+
+
+# ------------------------------------------------------------------------------ opening a store
+def test_a_store_open_for_training_is_not_opened_again(tmp_path):
+    """A second opener would roll the store back to its last commit under the first (whose merged write-backs
+    would be lost): refused, in this process and in another, until the first closes; then it opens as usual."""
+    spec = _spec(tmp_path / "t")
+    plan, rng = _plan(spec), jax.random.key(0)
+    tiers = se.offload.Tiers(plan, rng)
+    other = ["import sys, jax, sparse_embed as se",
+             f"spec = se.TableSpec('t', {V}, {D}, optimizer=se.optimizers.SGD(0.1), "
+             f"storage=se.offload.Offload({str(tmp_path / 't')!r}, 64))",
+             "try:", "    se.offload.store_state(spec, jax.random.key(0))",
+             "except se.offload.StoreInUseError as e:", "    print('IN USE', e); sys.exit(3)"]
+    run = lambda: subprocess.run([sys.executable, "-c", "\n".join(other)], capture_output=True, text=True,
+                                 env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    try:
+        tables = tiers.swap(se.init_tables(plan, rng), tiers.preprocess({"f_t": _ids(1, 2)})[2])
+        tables = tiers.flush(tables, 1)
+        match = rf"Table 't': the store at '{tmp_path / 't'}' is open for training elsewhere"
+        for open_again in (lambda: se.offload.Tiers(plan, rng), lambda: se.offload.store_state(spec, rng),
+                           lambda: se.offload.write_store(spec, {"table": np.zeros((V, D), np.float32)}, 1)):
+            with pytest.raises(se.offload.StoreInUseError, match=match):
+                open_again()
+        got = run()
+        assert got.returncode == 3 and "IN USE Table 't'" in got.stdout, got.stdout + got.stderr
+        assert tiers.tables["t"].store.step == 1  # the first is untouched, and goes on
+        tiers.flush(tables, 2)
+    finally:
+        tiers.close()
+    assert run().returncode == 0
+    assert se.offload.store_state(spec, rng)["table"].shape == (V, D)
+    tiers = se.offload.Tiers(plan, rng)
+    assert tiers.tables["t"].store.step == 2
+    tiers.close()
+
+
+def test_reading_or_restoring_a_store_that_is_not_there_creates_nothing(tmp_path):
+    spec = _spec(tmp_path / "typo")
+    with pytest.raises(FileNotFoundError, match=rf"Table 't': there is no store at '{tmp_path / 'typo'}' \(no "
+                                                r"tier.json\): check the path of its Offload"):
+        se.offload.store_state(spec, jax.random.key(0))
+    assert not (tmp_path / "typo").exists()
+
+
+@pytest.mark.parametrize("step", [np.int64(4), jnp.int32(4), 4])
+def test_flush_takes_the_step_as_any_integer_scalar(tmp_path, step):
+    plan = _plan(_spec(tmp_path / "t"))
+    rng = jax.random.key(0)
+    tiers = se.offload.Tiers(plan, rng)
+    try:
+        tables = tiers.swap(se.init_tables(plan, rng), tiers.preprocess({"f_t": _ids(1, 2)})[2])
+        with pytest.raises(TypeError, match=r"A commit's step must be an integer .*got 4.0"):
+            tiers.flush(tables, 4.0)
+        assert tiers.tables["t"].store.commit == 0 and not (tmp_path / "t" / "tier.json.tmp").exists()
+        tables = tiers.flush(tables, step)
+        assert tiers.tables["t"].store.step == 4 and type(tiers.tables["t"].store.step) is int
+    finally:
+        tiers.close()
+    with open(tmp_path / "t" / "tier.json") as f:
+        assert json.load(f)["step"] == 4
