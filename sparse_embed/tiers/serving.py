@@ -284,11 +284,14 @@ class StoreServer:
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise ValueError(f"{label}: ids must be integers, got dtype {ids.dtype}.")
-        flat = ids.reshape(-1).astype(np.int64, copy=False)
+        given = ids.reshape(-1)
+        flat = given.astype(np.int64, copy=False)
         bad = (flat < PADDING_ID) | (flat >= self.vocabulary_size)
+        if ids.dtype.kind == "u":  # (a uint64 past int64's range would wrap to -1, padding)
+            bad |= given >= self.vocabulary_size
         if bad.any():
             i = int(np.argmax(bad))
-            raise ValueError(f"{label}: id {int(flat[i])} (at {i}) is outside [0, {self.vocabulary_size}) of the "
+            raise ValueError(f"{label}: id {int(given[i])} (at {i}) is outside [0, {self.vocabulary_size}) of the "
                              f"store at {self.path!r} (-1 is padding).")
         return flat
 

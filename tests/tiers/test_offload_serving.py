@@ -356,6 +356,9 @@ def test_a_config_file_names_models_tables_and_stores_and_models_share_a_store(t
             ps.lookup("ranker", "items", np.array([1.0]))
     with pytest.raises(ValueError, match=r"Table 'items': id -2 \(at 1\) is outside"):
         se.offload.StoreServer(a).lookup(np.array([0, -2]))
+    for big in (2**64 - 1, 2**63, 200):  # unsigned ids past the table, not wrapped to padding or a row
+        with pytest.raises(ValueError, match=rf"Table 'items': id {big} \(at 1\) is outside \[0, 200\)"):
+            se.offload.StoreServer(a).lookup(np.array([0, big], np.uint64))
     sa.close()
     sb.close()
 
