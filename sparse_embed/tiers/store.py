@@ -14,8 +14,9 @@ Layout of the store's directory (one table):
 - `tier.json`: what the table is (so a store never opens under another
   table's spec), and the last commit: its number and step.
 - `written.<commit>.bin`: which rows the store holds as of that commit (a
-  bit per row). A row never written holds the table initializer's values
-  and the slots' initial values; it is generated, not read.
+  bit per row; its CRC32 in `tier.json`, for the commit and each kept one).
+  A row never written holds the table initializer's values and the slots'
+  initial values; it is generated, not read.
 - `changes.<commit>.npy`: the rows (int64) written since the commit before
   (and any a rollback restored), so that a reader serving the store
   (`tiers.serving`) drops exactly its cached rows that changed; the last
@@ -63,6 +64,7 @@ import json
 import os
 import re
 import threading
+import zlib
 from typing import Any, Callable
 
 import numpy as np
@@ -215,6 +217,7 @@ class RowStore:
         self.step, self.commit, self.id = meta.get("step"), int(meta.get("commit", 0)), meta.get("id")
         # the commits it can go back to, oldest first, the last one the state of the last commit (`rollback_to`)
         self.history = list(meta.get("history") or [{"commit": self.commit, "id": self.id, "step": self.step}])
+        self._written_crc = meta.get("written_crc32")  # the last commit's bitmap's (stores before it: none)
         self._records = open_mapped(os.path.join(self.path, "records", "c", "0", "0"), shape, write=True)
         self.written = self._load_written()
         self._committed = self.written.copy()  # as of the last commit: what the undo log restores
@@ -324,6 +327,8 @@ class RowStore:
         if bits.size != (n + 7) // 8:
             raise CorruptStoreError(f"Table {self.table.name!r}: {path} has {bits.size} bytes, expected "
                                     f"{(n + 7) // 8}.")
+        meta = {"commit": self.commit, "written_crc32": self._written_crc, "history": self.history}
+        _check_bits(self.table.name, path, bits, written_crc(meta, commit))
         return np.unpackbits(bits, count=n).astype(bool)
 
     def _io(self, rows: np.ndarray, data: np.ndarray, write: bool) -> None:
@@ -396,10 +401,14 @@ class RowStore:
             f.write(bits.tobytes())
             f.flush()
             os.fsync(f.fileno())
+        crc = _crc(bits)
+        if history[-1]["commit"] == self.commit + 1:  # a new commit (not a rollback to a kept one): its entry too
+            history = history[:-1] + [{**history[-1], "written_crc32": crc}]
         self._write_changes(self.commit + 1)
         _write_json(os.path.join(self.path, "tier.json"), {**_spec_json(self.table), "step": step,
                                                            "commit": self.commit + 1, "id": commit_id,
-                                                           "history": history})
+                                                           "history": history, "written_crc32": crc})
+        self._written_crc = crc
         # committed: files no kept commit needs are obsolete (a crash before their removal: removed on opening)
         self._undo.close()
         self.commit, self.step, self.id, self.history = self.commit + 1, step, commit_id, history
@@ -479,6 +488,25 @@ def _lock(name: str, path: str):
                           "store_state or write_store, in this process or another). Opening it again would roll it "
                           "back under that one: close it first (tiers.close()), or read it while it trains with "
                           "StoreServer.")
+
+
+def _crc(bits: np.ndarray) -> str:
+    return f"{zlib.crc32(bits.tobytes()):08x}"
+
+
+def written_crc(meta: dict[str, Any], commit: int) -> str | None:
+    """The CRC32 `tier.json` (`meta`) records for commit `commit`'s bitmap; None if none (a store from before
+    bitmaps had one, or a commit it no longer lists)."""
+    if commit == meta.get("commit"):
+        return meta.get("written_crc32")
+    return next((h.get("written_crc32") for h in meta.get("history") or () if h.get("commit") == commit), None)
+
+
+def _check_bits(table: str, path: str, bits: np.ndarray, want: str | None) -> None:
+    if want is not None and _crc(bits) != want:
+        raise CorruptStoreError(f"Table {table!r}: {path}, which rows the store holds, fails its checksum "
+                                f"(CRC32 {_crc(bits)}, tier.json says {want}): the store is damaged; restore it from "
+                                "a checkpoint or a copy.")
 
 
 def step_number(step: Any) -> int | None:
@@ -562,6 +590,7 @@ class StoreReader:
         bits = np.fromfile(path, np.uint8)
         if bits.size != n:
             raise CorruptStoreError(f"Table {self.table!r}: {path} has {bits.size} bytes, expected {n}.")
+        _check_bits(self.table, path, bits, written_crc(self.meta(), commit))
         return bits
 
     def changes(self, commit: int) -> np.ndarray | None:

@@ -162,6 +162,28 @@ def test_a_flipped_byte_is_a_corrupt_store(tmp_path):
         tiers.close()
 
 
+@pytest.mark.parametrize("bit", ["cleared", "set"])
+def test_a_flipped_bit_of_the_written_rows_is_a_corrupt_store(tmp_path, bit):
+    """The bitmap of the rows a commit holds is checked against tier.json's CRC32: a stored row marked unwritten
+    would read as its initial value, an unwritten one marked written as whatever the records file holds."""
+    plan, _ = _train_and_flush(tmp_path)
+    spec = plan.tiered_tables["t"]
+    path = spec.storage.path
+    with open(os.path.join(path, "tier.json")) as f:
+        commit = json.load(f)["commit"]
+    bitmap = os.path.join(path, f"written.{commit}.bin")
+    bits = np.unpackbits(np.fromfile(bitmap, np.uint8), count=spec.vocabulary_size).astype(bool)
+    row = int(np.flatnonzero(bits if bit == "cleared" else ~bits)[3])
+    bits[row] = not bits[row]
+    np.packbits(bits).tofile(bitmap)
+    match = rf"Table 't': {bitmap}, which rows the store holds, fails its checksum"
+    for read in (lambda: se.offload.Tiers(plan, jax.random.key(0)),
+                 lambda: se.offload.store_state(spec, jax.random.key(0)),
+                 lambda: se.offload.StoreServer(path).lookup(np.array([row]))):
+        with pytest.raises(se.offload.CorruptStoreError, match=match):
+            read()
+
+
 @pytest.mark.parametrize("change", [
     dict(dim=16), dict(optimizer=se.optimizers.Adagrad(0.1)), dict(optimizer=se.optimizers.RowwiseAdagrad(0.1)),
     dict(vocab=V + 1)], ids=["dim", "adagrad", "rowwise", "vocab"])
