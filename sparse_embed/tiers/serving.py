@@ -225,17 +225,18 @@ class StoreServer:
         self._refreshing = threading.Lock()  # one refresh at a time
         self._stats = ServingStats()
         self._epoch = 0  # bumped by every refresh that picks up a commit: reads begun before it are not cached
-        self.commit, self.step, self._bits = self._load()
+        self.commit, self.step, self._bits, self._id = self._load(self.store)
         self._stats.commit, self._stats.step = self.commit, self.step
         self._next_check = time.monotonic() + (refresh_seconds or 0.0)
 
-    def _load(self, tries: int = 20) -> tuple[int, int | None, np.ndarray]:
-        """`(commit, step, written bits)` of the store's last commit; a commit made in between is read again."""
+    def _load(self, store: StoreReader, tries: int = 20) -> tuple[int, int | None, np.ndarray, str | None]:
+        """`(commit, step, written bits, commit id)` of the store's last commit; a commit made in between is read
+        again."""
         for _ in range(tries):
-            meta = self.store.meta()
+            meta = store.meta()
             commit = int(meta.get("commit", 0))
             try:
-                return commit, meta.get("step"), self.store.written_bits(commit)
+                return commit, meta.get("step"), store.written_bits(commit), meta.get("id")
             except FileNotFoundError:  # a newer commit removed that bitmap: read tier.json again
                 continue
         raise CorruptStoreError(f"Table {self.table!r}: the store at {self.path!r} names a commit whose bitmap is "
@@ -249,22 +250,40 @@ class StoreServer:
             return self._refresh()
 
     def _refresh(self) -> bool:
-        if int(self.store.meta().get("commit", 0)) == self.commit:
+        store, meta = self.store, self.store.meta()
+        commit = int(meta.get("commit", 0))
+        # another run's store made at the path (a new records file, or the same commit number under another id):
+        # served from scratch, every cached row dropped
+        fresh = store.replaced() or (commit == self.commit and meta.get("id") != self._id)
+        if fresh:
+            store = self._reopened()
+        elif commit == self.commit:
             return False
-        commit, step, bits = self._load()
+        commit, step, bits, commit_id = self._load(store)
         changed = None
-        if self.commit < commit <= self.commit + KEPT_CHANGES:
+        if not fresh and self.commit < commit <= self.commit + KEPT_CHANGES:
             parts = [self.store.changes(c) for c in range(self.commit + 1, commit + 1)]
             changed = None if any(p is None for p in parts) else np.concatenate(parts)
         if changed is not None and changed.size and (changed.min() < 0 or changed.max() >= self.vocabulary_size):
             changed = None
         with self._lock:
             dropped = self.cache.drop(changed)
-            self._bits, self.commit, self.step = bits, commit, step
+            self.store, self._bits, self.commit, self.step, self._id = store, bits, commit, step, commit_id
             self._epoch += 1
             s = self._stats
             s.refreshes, s.invalidated, s.commit, s.step = s.refreshes + 1, s.invalidated + dropped, commit, step
         return True
+
+    def _reopened(self) -> StoreReader:
+        """The store now at the path (the one served so far is left to lookups still reading it); a
+        CorruptStoreError if it holds another table."""
+        new, old = StoreReader(self.path), self.store
+        what = lambda s: (s.table, s.vocabulary_size, s.embedding_dim, s.slots)  # noqa: E731
+        if what(new) != what(old):
+            new.close()
+            raise CorruptStoreError(f"Table {self.table!r}: the store at {self.path!r} was replaced by one of "
+                                    f"another table (table, rows, dim, slots: {what(new)}, served: {what(old)}).")
+        return new
 
     def _maybe_refresh(self) -> None:
         if self.refresh_seconds is None or time.monotonic() < self._next_check:

@@ -571,9 +571,18 @@ class StoreReader:
         if shape != (self.vocabulary_size, self.width):
             raise CorruptStoreError(f"Table {self.table!r}: the records at {self.path!r} have shape {shape}, but "
                                     f"tier.json says {(self.vocabulary_size, self.width)}.")
-        self._records = open_mapped(os.path.join(self.path, "records", "c", "0", "0"), shape, write=False)
+        records = os.path.join(self.path, "records", "c", "0", "0")
+        self._records = open_mapped(records, shape, write=False)
+        self._inode = os.stat(records).st_ino  # (`replaced`)
         self._log: WriteLog | None = None  # the training side's write log, as far as followed
         self._follow_lock = threading.Lock()
+
+    def replaced(self) -> bool:
+        """Whether the records file at the path is no longer the one mapped (another run's store made there)."""
+        try:
+            return os.stat(os.path.join(self.path, "records", "c", "0", "0")).st_ino != self._inode
+        except FileNotFoundError:
+            return True
 
     def meta(self) -> dict[str, Any]:
         """`tier.json` as it is now (replaced whole at each commit, so never read half-written)."""

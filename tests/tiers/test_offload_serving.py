@@ -411,3 +411,29 @@ def test_the_serving_benchmark_runs(tmp_path, capsys):
     assert out["store server"]["median"] > 0 and out["numpy take"]["median"] > 0
     assert out["store server, seen ids"]["hit_rate"] == 1.0 and out["refresh"]["invalidated"] > 0
     assert "store server, seen ids" in capsys.readouterr().out
+
+
+def test_a_store_replaced_by_another_runs_is_served_from_scratch(tmp_path):
+    """Another run's store made at the served path (its records a new file, its commit numbers the same): a
+    refresh serves it, nothing cached from the old one; one of another table is an error naming the table."""
+    path = str(tmp_path / "store")
+    first = Trainer(path)
+    first.train(3)
+    first.tiers.close()
+    server = se.offload.StoreServer(path, refresh_seconds=None)
+    rows = np.arange(V)
+    np.testing.assert_array_equal(server.lookup(rows), np.where(reference(path)[1][:, None], reference(path)[0], 0))
+    os.rename(path, str(tmp_path / "old"))
+    second = Trainer(path)
+    second.data = np.random.default_rng(8)  # other batches: other rows, other values
+    second.train(3)
+    second.tiers.close()
+    assert server.refresh() and server.commit == 1 and not server.refresh()
+    want, written = reference(path)
+    np.testing.assert_array_equal(server.lookup(rows), np.where(written[:, None], want, 0))
+    os.rename(path, str(tmp_path / "second"))
+    RowStore(_spec(path, vocab=V + 1)).close()
+    with pytest.raises(CorruptStoreError, match=r"Table 'items': the store at .* was replaced by one of another "
+                                                r"table"):
+        server.refresh()
+    server.close()
