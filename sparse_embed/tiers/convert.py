@@ -19,7 +19,7 @@ from sparse_embed.core.row_swap import fresh_rows
 from sparse_embed.core.specs import TableSpec
 from sparse_embed.core.tables import table_key
 from sparse_embed.tiers.processes import check_layout
-from sparse_embed.tiers.store import RowStore, shard_path, slot_specs, stored_shards
+from sparse_embed.tiers.store import RowStore, init_record, shard_path, slot_specs, stored_shards
 
 _CHUNK = 1 << 18  # rows per read or write
 # compiled as in `init_tables` and the swap: op by op, XLA rounds the initializer's math differently (1 ulp)
@@ -45,12 +45,13 @@ def store_state(table: TableSpec, rng: jax.Array) -> dict[str, np.ndarray]:
     path = table.storage.path
     count = stored_shards(path) or 1
     stores = []
+    key = table_key(rng, table.name)
+    init = init_record(table, jax.random.key_data(key))
     try:
         for i in range(count):
-            stores.append(RowStore(table, path=shard_path(path, i, count), create=False))
+            stores.append(RowStore(table, path=shard_path(path, i, count), create=False, init=init))
         cols = _columns(table)
         out = {k: np.empty((table.vocabulary_size, w), np.float32) for k, w in cols.items()}
-        key = table_key(rng, table.name)
         for lo in range(0, table.vocabulary_size, _CHUNK):
             rows = np.arange(lo, min(lo + _CHUNK, table.vocabulary_size))
             fresh = jax.device_get(_fresh(table, key, rows.astype(np.uint32)))

@@ -189,13 +189,16 @@ class RowStore:
     """One offloaded table's rows and slots on disk (the module doc has the layout). Thread-safe for reads
     and writes of distinct rows (copies into and out of one mapping)."""
 
-    def __init__(self, table: TableSpec, path: str | None = None, *, create: bool = True) -> None:
+    def __init__(self, table: TableSpec, path: str | None = None, *, create: bool = True,
+                 init: dict[str, Any] | None = None) -> None:
         """Opens (`create`: or creates) the store of `table` at `path` (default: its `Offload` path), rolled back
         to its last commit. One `RowStore` at a time may have a store open, in any process (a lock file): a second
-        would roll it back under the first."""
+        would roll it back under the first. `init` (`init_record`): what its never-stored rows are generated
+        from, recorded in a new store and checked against an existing one's."""
         if table.storage is None:
             raise ValueError(f"Table {table.name!r} has no storage=Offload(...).")
         self.table, self.path = table, table.storage.path if path is None else path  # path: a process's shard
+        self._init = init
         if not create and not os.path.exists(os.path.join(self.path, "tier.json")):
             raise FileNotFoundError(f"Table {table.name!r}: there is no store at {self.path!r} (no tier.json): "
                                     "check the path of its Offload(...).")
@@ -241,7 +244,7 @@ class RowStore:
             _write_json(os.path.join(self.path, "records", "zarr.json"), _zarr_json(shape))
             first = _new_id()
             meta = {**_spec_json(table), "step": None, "commit": 0, "id": first,
-                    "history": [{"commit": 0, "id": first, "step": None}]}
+                    "history": [{"commit": 0, "id": first, "step": None}], **self._init_json()}
             _write_json(meta_path, meta)
             return meta
         with open(meta_path) as f:
@@ -252,7 +255,17 @@ class RowStore:
             diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
             raise CorruptStoreError(f"Table {table.name!r}: the store at {self.path!r} holds another table "
                                     f"(stored vs declared: {diff}).")
+        stored = meta.get("init")
+        if stored is not None and self._init is not None and stored != self._init:
+            raise ValueError(f"Table {table.name!r}: the store at {self.path!r} was trained with another key or "
+                             f"initializer (stored {stored}, given {self._init}): its rows never stored would be "
+                             "generated otherwise than its training generated them. Pass the rng the training "
+                             "used (Tiers(plan, rng), store_state(table, rng)) and the same initializer.")
+        self._init = stored if stored is not None else self._init  # (a store written by write_store: the first)
         return meta
+
+    def _init_json(self) -> dict[str, Any]:
+        return {} if self._init is None else {"init": self._init}
 
     def _undo_path(self, commit: int) -> str:
         return os.path.join(self.path, f"undo.{commit}.log")
@@ -407,7 +420,8 @@ class RowStore:
         self._write_changes(self.commit + 1)
         _write_json(os.path.join(self.path, "tier.json"), {**_spec_json(self.table), "step": step,
                                                            "commit": self.commit + 1, "id": commit_id,
-                                                           "history": history, "written_crc32": crc})
+                                                           "history": history, "written_crc32": crc,
+                                                           **self._init_json()})
         self._written_crc = crc
         # committed: files no kept commit needs are obsolete (a crash before their removal: removed on opening)
         self._undo.close()
@@ -488,6 +502,15 @@ def _lock(name: str, path: str):
                           "store_state or write_store, in this process or another). Opening it again would roll it "
                           "back under that one: close it first (tiers.close()), or read it while it trains with "
                           "StoreServer.")
+
+
+def init_record(table: TableSpec, key_words: Any) -> dict[str, Any] | None:
+    """What a static table's never-stored rows are generated from (`tier.json`'s "init"): the words of its key
+    (`core.tables.table_key`) and its initializer; None for a raw-id table (its new rows start from their ids and
+    its map's seed, saved with the map)."""
+    if table.dynamic is not None:
+        return None
+    return {"key": [int(w) for w in np.asarray(key_words).ravel()], "initializer": repr(table.resolved_initializer)}
 
 
 def _crc(bits: np.ndarray) -> str:

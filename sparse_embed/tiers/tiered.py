@@ -49,7 +49,7 @@ from sparse_embed.host.preprocessing import preprocess_cached
 from sparse_embed.tiers.cache import Admission, CacheMap, ShardedCacheMap
 from sparse_embed.tiers.id_map import IdMaps, Mapped
 from sparse_embed.tiers.processes import Processes, check_layout
-from sparse_embed.tiers.store import RowStore, shard_path, slot_specs, step_number
+from sparse_embed.tiers.store import RowStore, init_record, shard_path, slot_specs, step_number
 
 _MIN_BUCKET = 256
 _FLUSH_ROWS = 1 << 16  # cache rows read out per jit when flushing
@@ -141,9 +141,10 @@ class _Table:
         self.raw = spec.dynamic is not None  # its rows are its id map's (`tiers.id_map`), each on its shard
         self.cache = ShardedCacheMap(spec.name, spec.vocabulary_size, spec.cache_rows, self.stack.num_shards) \
             if self.raw else CacheMap(spec.name, spec.vocabulary_size, spec.cache_rows)
-        self.store = RowStore(spec, path=shard_path(spec.storage.path, procs.index, procs.count))
-        self.positions = cache_positions(self.stack)
         self.key = table_key(rng, spec.name)
+        self.store = RowStore(spec, path=shard_path(spec.storage.path, procs.index, procs.count),
+                              init=init_record(spec, jax.random.key_data(self.key)))
+        self.positions = cache_positions(self.stack)
         self.columns = {TABLE_KEY: spec.embedding_dim, **{k: s.width for k, s in slot_specs(spec).items()}}
         self.stats = TierStats()
         self.pending: dict[int, np.ndarray] = {}  # swap -> the sorted table rows it evicted dirty (not yet written)

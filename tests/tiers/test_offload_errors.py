@@ -369,3 +369,20 @@ def test_flush_takes_the_step_as_any_integer_scalar(tmp_path, step):
         tiers.close()
     with open(tmp_path / "t" / "tier.json") as f:
         assert json.load(f)["step"] == 4
+
+
+def test_a_store_reopened_with_another_key_or_initializer_is_refused(tmp_path):
+    """Its rows never stored are generated from the table's key and initializer: another rng (or stddev) would
+    make them other values than its training saw, silently; tier.json records both."""
+    plan, _ = _train_and_flush(tmp_path)
+    spec = plan.tiered_tables["t"]
+    other = se.TableSpec("t", spec.vocabulary_size, spec.embedding_dim, optimizer=spec.optimizer,
+                         combiner=spec.combiner, storage=spec.storage, initializer=se.initializers.truncated_normal(3.0))
+    match = rf"Table 't': the store at '{spec.storage.path}' was trained with another key or initializer"
+    for open_other in (lambda: se.offload.Tiers(plan, jax.random.key(1)),
+                       lambda: se.offload.store_state(spec, jax.random.key(1)),
+                       lambda: se.offload.store_state(other, jax.random.key(0))):
+        with pytest.raises(ValueError, match=match):
+            open_other()
+    assert se.offload.store_state(spec, jax.random.key(0))["table"].shape == (spec.vocabulary_size, D)
+    se.offload.Tiers(plan, jax.random.key(0)).close()
