@@ -39,7 +39,7 @@ Example (export, serialise, reload, run):
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -157,7 +157,7 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
         raise error(feature, f"the table array is {table.dtype} {tuple(table.shape)}, expected a float {(v, d)} or a "
                              f"quantized uint8 {(v, fused_width(d, 8))} (int8) or {(v, fused_width(d, 4))} (int4).")
     oov = _resolve_oov(oov, t.name, t.embedding_dim)
-    e = entries(feature, ids, weights)
+    e = entries(feature, _each_array(ids, lambda a: _narrowed(feature, a, oov)), weights)
     if isinstance(oov, str) and oov == "error":
         _check_oov_eagerly(feature, e)
     L = feature.max_sequence_length
@@ -173,6 +173,34 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
     return out.reshape((e.batch, L, t.embedding_dim) if L else (e.batch, t.embedding_dim))
 
 
+def _each_array(ids: Any, fn: Callable[[Any], Any]) -> Any:
+    """`ids` in any format (dense, a list of rows, `(values, lengths)`) with `fn` applied to its id arrays."""
+    if isinstance(ids, tuple):
+        return (fn(ids[0]), *ids[1:])
+    if isinstance(ids, list):
+        return [fn(r) for r in ids]
+    return fn(ids)
+
+
+def _narrowed(feature: FeatureSpec, a: Any, oov: Any) -> Any:
+    """Host ids wider than int32 (jax takes them as int32 and would wrap 2**32 + 5 to row 5, 2**64 - 1 to -1
+    padding): an error naming the id (`oov="error"`), else the first id past the table (out of vocabulary,
+    served by the policy). Traced ids, and ids of other dtypes, as they are."""
+    if isinstance(a, jax.core.Tracer) or not isinstance(a, (np.ndarray, np.integer)):
+        return a
+    if a.dtype.kind not in "iu" or (a.dtype.itemsize < 4 or a.dtype == np.int32):
+        return a
+    vocab, top = feature.table.vocabulary_size, np.iinfo(np.int32).max
+    bad = (a > top) if a.dtype.kind == "u" else ((a < -top) | (a > top))  # (the others: checked as int32)
+    if not np.any(bad):
+        return a
+    if isinstance(oov, str) and oov == "error":
+        v = a[bad].ravel()[0]
+        raise error(feature, f"id {int(v)} is out of vocabulary [0, {vocab}); pass oov='zero' or a default vector "
+                             "to serve it.")
+    return np.where(bad, vocab, a).astype(np.int64)
+
+
 def _raw_rows(feature: FeatureSpec, known: np.ndarray, ids: Any, policy: Any) -> Any:
     """Raw ids (host arrays, any format) -> rows of the served table, same structure; unknown -> vocabulary_size.
 
@@ -184,6 +212,8 @@ def _raw_rows(feature: FeatureSpec, known: np.ndarray, ids: Any, policy: Any) ->
         a = np.asarray(a)
         if a.dtype.kind not in "iu":
             raise error(feature, f"ids must be integers, got dtype {a.dtype}.")
+        if a.dtype.kind == "u" and a.dtype.itemsize == 8 and (a >= 2**63).any():  # would wrap (2**64 - 1 to padding)
+            raise error(feature, f"raw id {int(a[a >= 2**63].ravel()[0])} is out of range: raw ids must be < 2**63.")
         a = a.astype(np.int64)
         if known.size:
             pos = np.minimum(np.searchsorted(known, a), known.size - 1)
@@ -196,11 +226,7 @@ def _raw_rows(feature: FeatureSpec, known: np.ndarray, ids: Any, policy: Any) ->
                                  "vector for ids the table has not seen).")
         return np.where(a == PADDING_ID, PADDING_ID, np.where(found, pos, feature.table.vocabulary_size))
 
-    if isinstance(ids, tuple):
-        return (rows(ids[0]), ids[1])
-    if isinstance(ids, list):
-        return [rows(r) for r in ids]
-    return rows(ids)
+    return _each_array(ids, rows)
 
 
 def serving_lookup(

@@ -92,6 +92,24 @@ def test_oov_error_raises_eagerly_and_poisons_under_jit():
     np.testing.assert_array_equal(got[1], W[3])
 
 
+@pytest.mark.parametrize("wide", [2**32 + 5, -(2**32) + 3, 2**64 - 1], ids=["past_int32", "below_int32", "uint64_max"])
+def test_ids_wider_than_int32_are_never_wrapped_to_a_row_or_padding(wide):
+    """jax takes host ids as int32: 2**32 + 5 would read row 5, 2**64 - 1 would be -1 padding."""
+    feats, tables, _, W = _oov_setup()
+    ids = np.array([[1, wide], [3, 0], [2, 2]], np.uint64 if wide > 2**63 else np.int64)
+    with pytest.raises(ValueError, match=rf"Feature 'f' \(table 't'\): id {wide} is out of vocabulary \[0, 10\)"):
+        se.serving_lookup(feats, tables, {"f": ids})
+    for ragged in (False, True):
+        given = [row for row in ids] if ragged else ids
+        got = se.serving_lookup(feats, tables, {"f": given}, oov="zero")["f"]
+        np.testing.assert_allclose(got, np.stack([W[1] / 2, (W[3] + W[0]) / 2, W[2]]), rtol=1e-6)  # as any OOV id
+    raw = {"g": se.FeatureSpec("g", se.TableSpec("u", 8, 4, combiner="sum", dynamic=se.Dynamic()), 2)}
+    served = {"u": (np.array([3, 7], np.int64), np.arange(32, dtype=np.float32).reshape(8, 4))}
+    with pytest.raises(ValueError, match=rf"Feature 'g' \(table 'u'\): raw id {2**64 - 1} is out of range: raw ids "
+                                         r"must be < 2\*\*63"):
+        se.serving_lookup(raw, served, {"g": np.array([[2**64 - 1], [3]], np.uint64)}, oov="zero")
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"oov": "skip"}, "oov must be 'error', 'zero' or a"),
     ({"oov": np.zeros(3)}, r"default vector has shape \(3,\)"),
