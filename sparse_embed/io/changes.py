@@ -173,12 +173,13 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
     for name, (r, values) in rows.items():
         header["tables"][name] = "rows"
         r, values = _in_order(name, "row", r, values)
-        arrays.update({f"{name}/rows": r, f"{name}/values": serving_rows(values, changes.dtypes[name], name)})
+        arrays.update({f"{name}/rows": r, f"{name}/values": serving_rows(values, changes.dtypes[name], name, r)})
     for name, (upsert, values, evicted) in (raw or {}).items():
         header["tables"][name] = "ids"
         upsert, values = _in_order(name, "id", upsert, values)
         evicted = _in_order(name, "evicted id", evicted, evicted)[0]
-        arrays.update({f"{name}/rows": upsert, f"{name}/values": serving_rows(values, changes.dtypes[name], name),
+        arrays.update({f"{name}/rows": upsert, f"{name}/values": serving_rows(values, changes.dtypes[name], name,
+                                                                             upsert, "raw id"),
                        f"{name}/evicted": evicted})
         served[name] = np.union1d(np.setdiff1d(served[name], evicted), upsert)
     os.makedirs(directory, exist_ok=True)

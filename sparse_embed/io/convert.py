@@ -58,10 +58,12 @@ def _dtype(dtype) -> str | None:
     return dtype if dtype in BITS else np.dtype(dtype).name
 
 
-def serving_rows(a: np.ndarray, dtype: str | None, table: str) -> np.ndarray:
-    """Float rows `[n, dim]` as a serving table of `dtype` stores them (quantized: fused uint8 rows)."""
+def serving_rows(a: np.ndarray, dtype: str | None, table: str, names: np.ndarray | None = None,
+                 kind: str = "row") -> np.ndarray:
+    """Float rows `[n, dim]` as a serving table of `dtype` stores them (quantized: fused uint8 rows); `names`,
+    `kind`: what an error calls row `i` (`quantize`)."""
     if dtype in BITS:
-        return quantize(a, BITS[dtype], what=f"Table {table!r}")
+        return quantize(a, BITS[dtype], what=f"Table {table!r}", names=names, kind=kind)
     return np.asarray(a) if dtype is None else np.asarray(a).astype(dtype)
 
 
@@ -110,7 +112,8 @@ def export_serving(path: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping
         table[: t.ids.size] = t.vectors
         words = np.full((vocab, 2), -1, np.int32)
         words[: t.ids.size] = split_words(t.ids)
-        arrays += [(name, TABLE_KEY, serving_rows(table, dtype, name)), (name, IDS_KEY, words)]
+        names = np.concatenate([t.ids, np.full(vocab - t.ids.size, -1, np.int64)])  # (errors name the raw id)
+        arrays += [(name, TABLE_KEY, serving_rows(table, dtype, name, names, "raw id")), (name, IDS_KEY, words)]
     info = training_info(plan, step, False)
     _save(os.fspath(path), iter(arrays), _serving_info(info.tables, dtype, info.stacking, info.num_shards, step))
 

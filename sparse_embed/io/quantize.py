@@ -62,20 +62,27 @@ def stored(dtype: str, dim: int) -> tuple[np.dtype, int]:
     return np.dtype(dtype), dim
 
 
-def quantize(x: np.ndarray, bits: int, *, what: str = "the table") -> np.ndarray:
+def quantize(x: np.ndarray, bits: int, *, what: str = "the table", names: np.ndarray | None = None,
+             kind: str = "row") -> np.ndarray:
     """`[n, dim]` float rows -> `uint8 [n, fused_width(dim, bits)]` fused rows (see the module doc).
 
-    Raises ValueError naming `what` and the first row that is not finite (it has no range to quantize).
+    Raises ValueError naming `what` and the first row that is not finite, or whose range (max - min) is past
+    float32's (neither has a range to quantize): as `kind` `names[i]` (a delta's rows: their row numbers or raw
+    ids), else by its index.
     """
     x = np.asarray(x, np.float32)
     dim = x.shape[1]
-    bad = ~np.isfinite(x).all(axis=1)
-    if bad.any():
-        raise ValueError(f"{what}: row {int(np.argmax(bad))} is not finite (NaN or inf); it cannot be quantized. "
-                         "Fix the table (sparse_embed.nonfinite_rows finds such rows) or export it as float.")
     q = np.float32(2**bits - 1)
-    lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
-    scale = ((hi - lo) / q).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+        scale = ((hi - lo) / q).astype(np.float32)
+    for bad, why in ((~np.isfinite(x).all(axis=1), "is not finite (NaN or inf)"),
+                     (~np.isfinite(scale[:, 0]), "spans more than float32's range (max - min overflows)")):
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{what}: {kind} {int(i if names is None else names[i])} {why}; it cannot be "
+                             "quantized. Fix the table (e.g. an earlier checkpoint; plan(..., nonfinite_gradients="
+                             "'skip') keeps NaN gradients out of it) or export it as float.")
     codes = np.clip(np.rint((x - lo) / np.where(scale > 0, scale, np.float32(1))), 0, q).astype(np.uint8)
     if bits == 4:
         codes = np.pad(codes, ((0, 0), (0, dim % 2)))

@@ -305,3 +305,16 @@ def test_a_delta_is_never_overwritten_by_an_old_tracker(tmp_path):
     assert delta_file.read(path2)[0]["seq"] == 2
     snapshot = ss.apply_delta(ss.apply_delta(ss.load_snapshot(tmp_path / "base"), path), path2)
     np.testing.assert_array_equal(np.asarray(snapshot.tables["a"]), np.asarray(se.unstack_tables(plan, tables)["a"]))
+
+
+def test_a_delta_names_the_table_row_that_cannot_be_quantized(tmp_path):
+    a = se.TableSpec("a", 10, 4, combiner="sum")
+    plan = se.plan([se.FeatureSpec("fa", a, B)], make_mesh(1))
+    tables = se.init_tables(plan, jax.random.key(0))
+    se.export_serving(tmp_path / "base", plan, tables, dtype="int8")
+    changes = ss.Changes.since(tmp_path / "base").touched_ids(plan, {"fa": np.array([[2], [7]] * (B // 2))})
+    natural = se.unstack_tables(plan, tables)["a"].copy()
+    natural[7, 1] = np.nan  # row 7 is the delta's second row
+    with pytest.raises(ValueError, match=r"Table 'a': row 7 is not finite"):
+        ss.export_delta(tmp_path / "d", plan, se.stack_tables(plan, {"a": natural}), changes)
+    assert not (tmp_path / "d").exists() or not os.listdir(tmp_path / "d")

@@ -52,11 +52,20 @@ def test_quantize_bytes_and_dequantize_equal_numpy(bits, dim):
     assert (np.abs(want - x).max(1) <= half_step * (1 + 1e-5) + 1e-6).all()
 
 
-def test_quantize_refuses_a_row_that_is_not_finite():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_refuses_a_row_that_is_not_finite_or_spans_past_float32(bits):
     x = np.zeros((4, 3), np.float32)
     x[2, 1] = np.nan
     with pytest.raises(ValueError, match="Table 't': row 2 is not finite"):
-        q.quantize(x, 8, what="Table 't'")
+        q.quantize(x, bits, what="Table 't'")
+    with pytest.raises(ValueError, match="Table 't': raw id 12 is not finite"):  # a delta's rows: named as given
+        q.quantize(x, bits, what="Table 't'", names=np.array([9, 3, 12, 40]), kind="raw id")
+    x[2, 1] = 0.0
+    x[1] = [-3e38, 3e38, 0.0]  # finite, but max - min overflows: its scale would be inf, its values NaN
+    with pytest.raises(ValueError, match=r"Table 't': row 1 spans more than float32's range \(max - min overflows\)"):
+        q.quantize(x, bits, what="Table 't'")
+    x[1] = [-1.5e38, 1.5e38, 0.0]  # the widest range that still has a scale
+    np.testing.assert_allclose(q.dequantize(q.quantize(x, bits), 3)[1], x[1], rtol=0, atol=float(3e38 / (2**bits - 1)))
 
 
 def _features():
