@@ -70,7 +70,8 @@ class Changes:
     after it (0: none yet); dtypes: `{table: serving dtype}` of the export
     (deltas use them); touched: `{table: tuple of int64 arrays}` (rows, or raw ids of a
     raw-id table) looked up since; served_ids: `{raw-id table: sorted int64
-    ids}` the served copy holds.
+    ids}` the served copy holds; shapes: `{table: (vocabulary_size,
+    embedding_dim)}` of the export, what `write_delta` checks rows against.
     """
 
     base: str
@@ -78,6 +79,7 @@ class Changes:
     dtypes: Mapping[str, str]
     touched: Mapping[str, tuple[np.ndarray, ...]]
     served_ids: Mapping[str, np.ndarray]
+    shapes: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def since(cls, export: str | os.PathLike) -> "Changes":
@@ -92,7 +94,8 @@ class Changes:
             if rec.dynamic:
                 words = read_host_array(step_dir, info, rec.name, IDS_KEY)
                 served[rec.name] = join_words(words[words[:, 0] != -1])
-        return cls(export_id(step_dir), 0, {rec.name: rec.dtype for rec in info.tables}, {}, served)
+        return cls(export_id(step_dir), 0, {rec.name: rec.dtype for rec in info.tables}, {}, served,
+                   {rec.name: (rec.vocabulary_size, rec.embedding_dim) for rec in info.tables})
 
     def touched_ids(self, plan: EmbeddingPlan, ids: Mapping[str, Any]) -> "Changes":
         """A new tracker that also holds the ids of one step's batch (`{feature: ids}` as given to preprocess)."""
@@ -146,6 +149,26 @@ def _in_order(table: str, what: str, ids: np.ndarray, values: np.ndarray) -> tup
     return ids, values
 
 
+def _check_rows(changes: Changes, rows: Mapping[str, tuple], raw: Mapping[str, tuple]) -> None:
+    """ValueError for rows a server would refuse (then every later delta, out of order): an unknown or misplaced
+    table, a row outside the table, values of another width or count."""
+    for kind, given in (("rows", rows), ("ids", raw)):
+        for name, (r, values, *_) in given.items():
+            is_raw = name in changes.served_ids
+            if name not in changes.dtypes or is_raw != (kind == "ids"):
+                where = "raw=" if is_raw else "rows="
+                raise ValueError(f"Table {name!r}: " + (f"not in the export (its tables: {sorted(changes.dtypes)})."
+                                 if name not in changes.dtypes else f"give its rows in write_delta's {where}."))
+            r, values = np.asarray(r), np.asarray(values)
+            vocab, dim = changes.shapes.get(name, (None, values.shape[-1] if values.ndim else None))
+            if values.ndim != 2 or values.shape != (r.size, dim):
+                raise ValueError(f"Table {name!r}: {r.size} {'ids' if is_raw else 'rows'} need values [{r.size}, "
+                                 f"{dim}], got {values.shape}.")
+            if not is_raw and vocab is not None and r.size and (r.min() < 0 or r.max() >= vocab):
+                bad = int(r[(r < 0) | (r >= vocab)][0])
+                raise ValueError(f"Table {name!r}: row {bad} is outside [0, {vocab}).")
+
+
 def _next_path(directory: str | os.PathLike, changes: Changes) -> str:
     """The path of the delta after `changes`; FileExistsError if it exists (see `write_delta`)."""
     path = os.path.join(os.fspath(directory), delta_name(changes.base, changes.seq + 1))
@@ -167,6 +190,7 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
     A delta is never overwritten (FileExistsError): a server may have applied the one there, and it takes each
     sequence number once, so other content under the same name would never reach it."""
     path = _next_path(directory, changes)
+    _check_rows(changes, rows, raw or {})
     header: dict[str, Any] = {"base": changes.base, "seq": changes.seq + 1, "tables": {}}
     arrays: dict[str, np.ndarray] = {}
     served = dict(changes.served_ids)
@@ -184,7 +208,7 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
         served[name] = np.union1d(np.setdiff1d(served[name], evicted), upsert)
     os.makedirs(directory, exist_ok=True)
     delta_file.write(path, header, arrays, ids=[k for k in arrays if not k.endswith("/values")])
-    return path, Changes(changes.base, changes.seq + 1, changes.dtypes, {}, served)
+    return path, dataclasses.replace(changes, seq=changes.seq + 1, touched={}, served_ids=served)
 
 
 def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables],

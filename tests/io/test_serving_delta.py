@@ -318,3 +318,27 @@ def test_a_delta_names_the_table_row_that_cannot_be_quantized(tmp_path):
     with pytest.raises(ValueError, match=r"Table 'a': row 7 is not finite"):
         ss.export_delta(tmp_path / "d", plan, se.stack_tables(plan, {"a": natural}), changes)
     assert not (tmp_path / "d").exists() or not os.listdir(tmp_path / "d")
+
+
+@pytest.mark.parametrize("rows, raw, match", [
+    ({"a": (np.array([10]), np.ones((1, 4), np.float32))}, None, r"Table 'a': row 10 is outside \[0, 10\)"),
+    ({"a": (np.array([-3]), np.ones((1, 4), np.float32))}, None, r"Table 'a': row -3 is outside \[0, 10\)"),
+    ({"a": (np.array([1, 2]), np.ones((2, 3), np.float32))}, None, r"Table 'a': 2 rows need values \[2, 4\], got "
+                                                                   r"\(2, 3\)"),
+    ({"zz": (np.array([1]), np.ones((1, 4), np.float32))}, None, r"Table 'zz': not in the export \(its tables: "
+                                                                 r"\['a'\]\)"),
+    ({}, {"a": (np.array([1]), np.ones((1, 4), np.float32), np.zeros(0, np.int64))}, r"Table 'a': give its rows in "
+                                                                                      r"write_delta's rows="),
+], ids=["past_the_table", "negative", "width", "unknown_table", "static_table_as_raw"])
+def test_write_delta_refuses_what_a_server_would_refuse(rows, raw, match, tmp_path):
+    """A server refuses such a delta, and then every later one as out of order: refused when written instead,
+    and the tracker stays where it was."""
+    a = se.TableSpec("a", 10, 4, combiner="sum")
+    plan = se.plan([se.FeatureSpec("fa", a, B)], make_mesh(1))
+    se.export_serving(tmp_path / "base", plan, se.init_tables(plan, jax.random.key(0)))
+    changes = ss.Changes.since(tmp_path / "base")
+    with pytest.raises(ValueError, match=match):
+        ss.write_delta(tmp_path / "d", changes, rows, raw)
+    assert not (tmp_path / "d").exists()
+    path, _ = ss.write_delta(tmp_path / "d", changes, {"a": (np.array([9]), np.ones((1, 4), np.float32))})
+    assert ss.apply_delta(ss.load_snapshot(tmp_path / "base"), path).tables["a"][9].tolist() == [1.0] * 4
