@@ -177,7 +177,8 @@ def _next_path(directory: str | os.PathLike, changes: Changes) -> str:
                               "next delta before, so it is an old one (carry on with the tracker write_delta/"
                               "export_delta returned), or another run exports the same tables into this directory. "
                               "A server that applied that delta would never apply this one; after a restore, "
-                              "export in full (export_serving) and track from there (Changes.since).")
+                              "export in full (export_serving), track from there (Changes.since) and write the "
+                              "deltas into a new directory (the export of a state exported before has its id).")
     return path
 
 
