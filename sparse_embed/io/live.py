@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -146,6 +147,18 @@ class LiveTables:
                 s = self._snapshot
                 path = os.path.join(os.fspath(directory), delta_name(s.base, s.seq + 1))
                 if not os.path.exists(path):
+                    _warn_if_gap(os.fspath(directory), s.base, s.seq + 1)
                     return applied
                 self.apply(path)
                 applied += 1
+
+
+def _warn_if_gap(directory: str, base: str, missing: int) -> None:
+    """Warns when a later delta of `base` is in `directory` but delta `missing` is not: the chain is broken
+    there (a delta lost or not yet copied), and the served snapshot cannot move past it."""
+    later = sorted(n for n in os.listdir(directory) if n.startswith(base + ".") and n.endswith(".delta")
+                   and n > delta_name(base, missing))
+    if later:
+        warnings.warn(f"{os.path.join(directory, delta_name(base, missing))} is missing, but {len(later)} later "
+                      f"delta(s) of the export are there ({later[0]} ...): serving stays at delta {missing - 1} "
+                      "until it comes (a delta lost: export in full again).", RuntimeWarning, stacklevel=3)

@@ -342,3 +342,21 @@ def test_write_delta_refuses_what_a_server_would_refuse(rows, raw, match, tmp_pa
     assert not (tmp_path / "d").exists()
     path, _ = ss.write_delta(tmp_path / "d", changes, {"a": (np.array([9]), np.ones((1, 4), np.float32))})
     assert ss.apply_delta(ss.load_snapshot(tmp_path / "base"), path).tables["a"][9].tolist() == [1.0] * 4
+
+
+def test_catch_up_warns_when_a_delta_is_missing_before_later_ones(tmp_path):
+    a = se.TableSpec("a", 10, 4, combiner="sum")
+    plan = se.plan([se.FeatureSpec("fa", a, B)], make_mesh(1))
+    se.export_serving(tmp_path / "base", plan, se.init_tables(plan, jax.random.key(0)))
+    changes, paths = ss.Changes.since(tmp_path / "base"), []
+    for i in range(3):
+        path, changes = ss.write_delta(tmp_path / "d", changes, {"a": (np.array([i]), np.full((1, 4), i, np.float32))})
+        paths.append(path)
+    os.rename(paths[0], tmp_path / "first")
+    live = ss.LiveTables(tmp_path / "base")
+    with pytest.warns(RuntimeWarning, match=rf"{re.escape(paths[0])} is missing, but 2 later delta\(s\) of the "
+                                            r"export are there .*serving stays at delta 0"):
+        assert live.catch_up(tmp_path / "d") == 0
+    os.rename(tmp_path / "first", paths[0])
+    assert live.catch_up(tmp_path / "d") == 3 and live.catch_up(tmp_path / "d") == 0  # (no warning: error)
+    assert np.asarray(live.snapshot.tables["a"])[:3, 0].tolist() == [0.0, 1.0, 2.0]
