@@ -146,18 +146,34 @@ def fused_params(optimizer: opt.Optimizer) -> dict[str, Any]:
 
 
 def features_from_torchrec(configs: Any, batch_size: int, optimizer: opt.Optimizer, *,
-                           initializer: Any = None) -> dict[str, FeatureSpec]:
-    """TorchRec `EmbeddingBagConfig`s -> `{feature: FeatureSpec}`, each feature reading its config's table.
+                           initializer: Any = None, weighted: bool | None = None) -> dict[str, FeatureSpec]:
+    """TorchRec `EmbeddingBagConfig`s (or the `EmbeddingBagCollection` itself) -> `{feature: FeatureSpec}`, each
+    feature reading its config's table.
 
     Pooling SUM and MEAN map to the combiners "sum" and "mean"; `optimizer`
     is every table's (see `optimizer_from_fused_params`); `initializer`
     (default: the TableSpec's) matters only for tables not converted.
+    `weighted`: whether the collection takes per-id weights (default: the
+    collection's `is_weighted()`, False for a list of configs). Weighted
+    MEAN is refused: TorchRec divides a sample's weighted sum by its number
+    of ids, sparse_embed's "mean" by the sum of its weights.
     """
+    if hasattr(configs, "embedding_bag_configs"):  # the EmbeddingBagCollection
+        weighted = configs.is_weighted() if weighted is None else weighted
+        configs = configs.embedding_bag_configs()
     out = {}
     for c in configs:
         pooling = _kind(getattr(c, "pooling", "sum"))  # a PoolingType or its name
         if pooling not in ("sum", "mean"):
             raise ValueError(f"Table {c.name!r}: pooling {pooling!r} has no sparse_embed combiner (sum, mean).")
+        if pooling == "mean" and weighted:
+            raise ValueError(f"Table {c.name!r}: weighted MEAN pooling means another thing in TorchRec (the weighted "
+                             "sum over the number of ids) than sparse_embed's 'mean' (over the sum of the weights). "
+                             "Use pooling SUM with each sample's weights divided by its number of ids, which is "
+                             "TorchRec's value in both.")
+        if type(c).__name__ == "EmbeddingConfig":  # a sequence table: one row per id, not pooled
+            raise ValueError(f"Table {c.name!r}: an EmbeddingConfig (an EmbeddingCollection's sequence table) is not "
+                             "pooled; declare its features with FeatureSpec(..., max_sequence_length=L).")
         extra = {} if initializer is None else {"initializer": initializer}
         table = TableSpec(c.name, int(c.num_embeddings), int(c.embedding_dim), optimizer=optimizer,
                           combiner=pooling, **extra)

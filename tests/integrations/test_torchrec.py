@@ -232,6 +232,28 @@ def test_embedding_bag_configs_become_feature_specs():
                                                          feature_names=["f"], pooling="NONE")], B, opt.SGD(0.1))
 
 
+def test_weighted_mean_and_sequence_tables_are_refused_as_they_mean_another_thing():
+    """TorchRec's weighted MEAN divides by the number of ids (sparse_embed's "mean": by the weights' sum); an
+    EmbeddingConfig is a sequence table: neither converts silently."""
+    torchrec = pytest.importorskip("torchrec")
+    mean = torchrec.EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=8, feature_names=["f"],
+                                       pooling=torchrec.PoolingType.MEAN)
+    total = torchrec.EmbeddingBagConfig(name="b", num_embeddings=9, embedding_dim=4, feature_names=["h"])
+    match = "Table 'a': weighted MEAN pooling means another thing in TorchRec"
+    ebc = torchrec.EmbeddingBagCollection(tables=[mean, total], is_weighted=True, device=torch.device("meta"))
+    for call in (lambda: tr.features_from_torchrec(ebc, B, opt.SGD(0.1)),
+                 lambda: tr.features_from_torchrec([mean, total], B, opt.SGD(0.1), weighted=True)):
+        with pytest.raises(ValueError, match=match):
+            call()
+    weighted_sum = torchrec.EmbeddingBagCollection(tables=[total], is_weighted=True, device=torch.device("meta"))
+    assert tr.features_from_torchrec(weighted_sum, B, opt.SGD(0.1))["h"].table.combiner == "sum"
+    unweighted = torchrec.EmbeddingBagCollection(tables=[mean, total], device=torch.device("meta"))
+    assert tr.features_from_torchrec(unweighted, B, opt.SGD(0.1))["f"].table.combiner == "mean"
+    sequence = torchrec.EmbeddingConfig(name="s", num_embeddings=9, embedding_dim=4, feature_names=["q"])
+    with pytest.raises(ValueError, match=r"Table 's': an EmbeddingConfig .* is not pooled"):
+        tr.features_from_torchrec([sequence], B, opt.SGD(0.1))
+
+
 def test_to_torchrec_then_from_torchrec_is_exact_on_another_mesh_and_stacking():
     o = opt.RowwiseAdagrad(0.1)
     plan8 = _plan(o, 8)
