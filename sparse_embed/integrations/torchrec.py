@@ -123,7 +123,10 @@ def fused_params(optimizer: opt.Optimizer) -> dict[str, Any]:
 
     `optimizer` is the `EmbOptimType`'s name and `weight_decay_mode` the
     `WeightDecayMode`'s int: `EmbOptimType[p["optimizer"]]`,
-    `WeightDecayMode(p["weight_decay_mode"])`.
+    `WeightDecayMode(p["weight_decay_mode"])`. The accumulators' initial
+    value is not a fused param: FBGEMM starts them at 0, so a fresh TorchRec
+    table matches ours only with `initial_accumulator_value=0`, or once
+    `to_torchrec` has written our accumulators into it.
     """
     name = type(optimizer).__name__
     if callable(optimizer.learning_rate):
@@ -249,6 +252,9 @@ def _read_dcp(path: str | os.PathLike) -> dict[str, Any]:
     """A DCP checkpoint directory -> its state dict (nested, plain tensors), without a process group."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+    if not os.path.isfile(os.path.join(path, ".metadata")):  # (torch's own error is not an Exception)
+        raise FileNotFoundError(f"No DCP checkpoint at {os.fspath(path)!r} (no .metadata file there).")
+
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
         warnings.simplefilter("ignore", UserWarning)
         return _load_state_dict_from_keys(checkpoint_id=os.fspath(path))
@@ -280,7 +286,9 @@ def _state_leaves(state: Any, prefix: str) -> dict[str, Any]:
         state = _read_dcp(state)
     if not isinstance(state, Mapping):
         raise TypeError(f"The TorchRec state must be a (nested) state dict or a DCP directory, got {type(state)}.")
-    return {k: v for k, v in _leaves(state) if k.startswith(prefix)}
+    # the prefix: the start of a key's path, or whole parts of it anywhere (`{"model": ..., "optim": ...}` put
+    # "model." and "optim.state." in front of a collection's keys)
+    return {k: v for k, v in _leaves(state) if k.startswith(prefix) or f".{prefix}." in f".{k}"}
 
 
 def _check_shape(table: str, key: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
@@ -323,7 +331,7 @@ def from_torchrec(plan: EmbeddingPlan, state: Any, *, prefix: str = "",
         _check_shape(t.name, hit[0], _shape(hit[1]), (t.vocabulary_size, t.embedding_dim))
         arrays[t.name] = _read(*hit)
         want, momentum = _slot_shape(t), _find(leaves, momentum_key, t.name)
-        if want is None and momentum is not None:
+        if want is None and momentum is not None and with_optimizer_state:
             raise ValueError(f"Table {t.name!r}: the TorchRec state has {momentum[0]}, but its optimizer SGD keeps "
                              "no state: was it trained with another optimizer?")
         if want is None or not with_optimizer_state:
@@ -376,6 +384,10 @@ def to_torchrec(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], i
             if want is not None and with_optimizer_state:
                 optim[weight_key] = {f"{t.name}.{MOMENTUM}": torch.from_numpy(natural[t.name][SLOT].reshape(want))}
         return {"model": model, "optim": {"state": optim}}
+    if isinstance(into, (str, os.PathLike)):
+        raise TypeError(f"to_torchrec writes into live tensors, and {os.fspath(into)!r} is a path: a DCP checkpoint "
+                        "is not written in place. Save to_torchrec(plan, tables) (or the state it wrote into) with "
+                        "torch.distributed.checkpoint instead.")
     leaves = _state_leaves(into, prefix)
     for t in specs:
         want = _slot_shape(t)

@@ -366,6 +366,11 @@ def test_an_optimizer_state_for_an_sgd_table_and_an_unconvertible_optimizer_are_
     state = _state(_plan(opt.Adagrad(0.1), 1))
     with pytest.raises(ValueError, match="Table 'a': .*momentum1, but its optimizer SGD keeps no state"):
         tr.from_torchrec(_plan(opt.SGD(0.1), 1), state)
+    sgd = _plan(opt.SGD(0.1), 1)  # unless the optimizer state is not asked for: then it is ignored
+    np.testing.assert_array_equal(se.unstack_tables(sgd, tr.from_torchrec(sgd, state, with_optimizer_state=False))[
+        "a"], state["model"]["embedding_bags.a.weight"].numpy())
+    with pytest.raises(FileNotFoundError, match="No DCP checkpoint at '/nonexistent/ckpt'"):
+        tr.from_torchrec(sgd, "/nonexistent/ckpt")
     adam = _plan(opt.Adam(0.1), 1)
     with pytest.raises(ValueError, match="Table 'a': its optimizer Adam has no TorchRec"):
         tr.from_torchrec(adam, state)
@@ -384,6 +389,25 @@ def test_two_collections_need_a_prefix_and_into_needs_every_table():
     with pytest.raises(ValueError, match="Table 'c': no 'embedding_bags.c.weight' .* to write into"):
         tr.to_torchrec(plan, se.init_tables(plan, jax.random.key(0)),
                        into={k: v for k, v in one.items() if ".c." not in k})
+    with pytest.raises(TypeError, match="to_torchrec writes into live tensors, and '/tmp/x' is a path"):
+        tr.to_torchrec(plan, se.init_tables(plan, jax.random.key(0)), into="/tmp/x")
+
+
+def test_a_prefix_picks_a_collection_with_its_optimizer_state():
+    """`{"model": m.state_dict(), "optim": m.fused_optimizer.state_dict()}` of a model with two collections: the
+    prefix (a module path) picks one's tables in "model." and its accumulators in "optim.state." alike."""
+    plan = _plan(opt.RowwiseAdagrad(0.1), 1)
+    one = _state(plan)
+    plus = lambda tree, x: {k: plus(v, x) if isinstance(v, dict) else v + x for k, v in tree.items()}  # noqa: E731
+    state = {"model": {f"{tower}.ebc.{k}": v + i for i, tower in enumerate(("user", "item"))
+                       for k, v in one["model"].items()},
+             "optim": {"state": {f"{tower}.ebc.{k}": plus(v, i) for i, tower in enumerate(("user", "item"))
+                                 for k, v in one["optim"]["state"].items()}}}
+    for prefix in ("item", "item.ebc"):
+        got = se.unstack_state(plan, tr.from_torchrec(plan, state, prefix=prefix))
+        np.testing.assert_array_equal(got["a"]["table"], one["model"]["embedding_bags.a.weight"].numpy() + 1)
+        np.testing.assert_array_equal(got["a"]["accumulator"][:, 0], one["optim"]["state"][
+            "embedding_bags.a.weight"]["a.momentum1"].numpy() + 1)
 
 
 class _Shard(types.SimpleNamespace):
