@@ -128,6 +128,13 @@ def _init_jit(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, IdMap]:
     return jax.lax.with_sharding_constraint(out, plan.table_sharding())
 
 
+@functools.lru_cache(maxsize=64)
+def _map_shapes(plan: EmbeddingPlan) -> dict:
+    """`{stack: IdMap of (shape, dtype)}`: what `init_id_maps(plan, ...)` makes (`check_raw_batch`)."""
+    shapes = jax.eval_shape(lambda: _init_jit(plan, jax.random.key(0)))
+    return {k: jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), m) for k, m in shapes.items()}
+
+
 def with_directories(plan: EmbeddingPlan, id_maps: Mapping[str, IdMap]) -> dict[str, IdMap]:
     """The maps with every shard's directory rebuilt from its keys and order (after a host-side placement, which
     writes wide sets: those of stacks with `compact_keys` come out compact)."""
@@ -388,6 +395,14 @@ def check_raw_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix], 
     if set(id_maps) != dyn:
         raise ValueError(f"id_maps has stacks {sorted(id_maps)} but the plan's raw-id stacks are {sorted(dyn)}; "
                          "make them with sparse_embed.init_id_maps(plan, rng).")
+    want = _map_shapes(plan)
+    for name in sorted(dyn):
+        got = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), id_maps[name])
+        if got != want[name]:
+            raise ValueError(f"Stack {name!r}: its id map does not fit this plan (arrays {jax.tree.leaves(got)}, "
+                             f"the plan's {jax.tree.leaves(want[name])}): it was made for another plan (another "
+                             "vocabulary_size, Dynamic settings or mesh); make it with sparse_embed.init_id_maps(plan, "
+                             "rng), or restore it into this plan.")
     missing, unknown = sorted(set(plan.stack_names) - set(batch)), sorted(set(batch) - set(plan.stack_names))
     if missing or unknown:
         raise ValueError(f"batch has stacks {sorted(batch)} but the plan has {sorted(plan.stack_names)} (stacks "

@@ -32,9 +32,15 @@ def _check_name(kind: str, name: Any) -> None:
         raise ValueError(f"{kind} name must be a non-empty string, got {name!r}.")
 
 
-def _check_positive_int(what: str, value: Any) -> None:
+def _check_positive_int(what: str, value: Any, most: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{what} must be a positive int, got {value!r}.")
+    if most is not None and value > most:
+        raise ValueError(f"{what} must be at most {most}, got {value!r}" + (" (int32: steps, counts and rows of a "
+                         "raw-id map)." if most == _INT32 else "."))
+
+
+_INT32 = 2**31 - 1  # steps, counts and rows of a raw-id map are int32 on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +76,11 @@ class Dynamic:
     id_bits: int | None = None
 
     def __post_init__(self):
-        _check_positive_int("Dynamic: admit_after", self.admit_after)
+        _check_positive_int("Dynamic: admit_after", self.admit_after, _INT32)
         if self.expire_after is not None:
-            _check_positive_int("Dynamic: expire_after", self.expire_after)
+            _check_positive_int("Dynamic: expire_after", self.expire_after, _INT32)
         if self.pending_capacity is not None:
-            _check_positive_int("Dynamic: pending_capacity", self.pending_capacity)
+            _check_positive_int("Dynamic: pending_capacity", self.pending_capacity, _INT32)
         if self.id_bits is not None:
             _check_positive_int("Dynamic: id_bits", self.id_bits)
             if self.id_bits > 63:

@@ -190,6 +190,24 @@ def test_lookup_rejects_foreign_batch_and_tables(setup, mesh8):
 
 
 
+@pytest.mark.parametrize("other", [dict(vocab=20), dict(dynamic=se.Dynamic(admit_after=3)), dict(devices=1)],
+                         ids=["fewer_rows", "admission", "mesh"])
+def test_map_ids_rejects_id_maps_made_for_another_plan(other):
+    """Same stack name, other rows, admission (a pending set) or mesh: the map would silently run the other
+    plan's policy (or fail in shard_map), so it is refused naming the stack."""
+    def make(vocab=100, dynamic=se.Dynamic(), devices=2):
+        return se.plan([se.FeatureSpec("v", se.TableSpec("visitors", vocab, 4, dynamic=dynamic), 8)],
+                       make_mesh(devices))
+
+    plan, foreign = make(), make(**other)
+    rng = jax.random.key(0)
+    tables, batch = se.init_tables(plan, rng), se.preprocess(plan, {"v": np.arange(8)})[0]
+    with pytest.raises(ValueError, match=r"Stack 'visitors': its id map does not fit this plan .* made for another "
+                                         r"plan"):
+        se.map_ids(plan, batch, tables, se.init_id_maps(foreign, rng), 0)
+    se.map_ids(plan, batch, tables, se.init_id_maps(plan, rng), 0)  # its own: fine
+
+
 def test_map_ids_rejects_a_batch_built_by_another_plan():
     """Same table names, but static and auto-stacked (or another mesh): a ValueError naming the stacks, never a
     KeyError or a shard_map shape error."""
@@ -390,6 +408,9 @@ def test_bad_input_table_names_existing_tests():
     ("expire_after", 0, "expire_after must be a positive int"),
     ("expire_after", -3, "expire_after must be a positive int"),
     ("pending_capacity", 0, "pending_capacity must be a positive int"),
+    ("expire_after", 2**31, r"expire_after must be at most 2147483647, got 2147483648 \(int32"),
+    ("admit_after", 2**40, "admit_after must be at most 2147483647"),
+    ("pending_capacity", 2**40, "pending_capacity must be at most 2147483647"),
     ("id_bits", 0, "id_bits must be a positive int"),
     ("id_bits", 64, "id_bits must be at most 63"),
     ("default", [], "finite float or vector"),
