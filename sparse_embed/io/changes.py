@@ -41,7 +41,7 @@ from sparse_embed.io import delta_file
 from sparse_embed.io.ckpt_format import resolve
 from sparse_embed.io.convert import serving_rows
 from sparse_embed.io.id_checkpoint import IDS_KEY
-from sparse_embed.io.id_tables import id_table_contents
+from sparse_embed.io.id_tables import id_table_contents, live_at
 from sparse_embed.io.orbax_items import read_info
 from sparse_embed.io.restoring import read_host_array
 
@@ -125,10 +125,10 @@ def _static_rows(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], 
     return {n: (r, natural[n][r]) for n, r in rows.items()}
 
 
-def _raw_rows(plan: EmbeddingPlan, tables, id_maps, changes: Changes) -> dict:
-    """`{table: (upserted ids, float rows, evicted ids)}` of the raw-id tables."""
+def _raw_rows(plan: EmbeddingPlan, tables, id_maps, changes: Changes, step: int | None) -> dict:
+    """`{table: (upserted ids, float rows, evicted ids)}` of the raw-id tables (expired at `step`: evicted)."""
     out = {}
-    for name, t in id_table_contents(plan, tables, id_maps).items():
+    for name, t in live_at(plan, id_table_contents(plan, tables, id_maps), step).items():
         held = changes.served_ids.get(name, np.zeros(0, np.int64))
         evicted = np.setdiff1d(held, t.ids, assume_unique=True)
         upsert = np.union1d(np.setdiff1d(t.ids, held, assume_unique=True),
@@ -213,11 +213,13 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
 
 
 def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables],
-                 changes: Changes, *, id_maps: Mapping[str, IdMap] | None = None) -> tuple[str, Changes]:
+                 changes: Changes, *, id_maps: Mapping[str, IdMap] | None = None,
+                 step: int | None = None) -> tuple[str, Changes]:
     """Writes the rows changed since `changes` began (see the module doc) as the next delta in `directory`.
 
     Returns `(its path, the tracker for the next delta)`. Gathers the touched
     tables to the host as `export_serving` does; writes only their touched rows.
+    `step`: as `export_serving`'s (the ids of a raw-id table expired at `step` leave the served copy).
     """
     raw_names = sorted(t.name for t in plan.tables.values() if t.dynamic is not None)
     if raw_names and id_maps is None:
@@ -226,5 +228,5 @@ def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapp
         raise ValueError(f"The export has raw-id tables {sorted(changes.served_ids)}, the plan {raw_names}: "
                          "the tracker started at an export of another model.")
     _next_path(directory, changes)  # before gathering the tables
-    raw = _raw_rows(plan, tables, id_maps, changes) if raw_names else {}
+    raw = _raw_rows(plan, tables, id_maps, changes, step) if raw_names else {}
     return write_delta(directory, changes, _static_rows(plan, tables, changes), raw)

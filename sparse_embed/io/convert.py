@@ -40,7 +40,7 @@ from sparse_embed.io.ckpt_format import (
 from sparse_embed.io.orbax_items import checkpointer, read_info, read_user_host, write_step
 from sparse_embed.io.restoring import read_embeddings, read_host_array
 from sparse_embed.io.id_checkpoint import IDS_KEY, raw_arrays
-from sparse_embed.io.id_tables import id_table_contents
+from sparse_embed.io.id_tables import id_table_contents, live_at
 from sparse_embed.io.quantize import BITS, quantize
 
 DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
@@ -96,7 +96,8 @@ def export_serving(path: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping
     (a float dtype, or "int8" / "int4": row-wise quantized, `io.quantize`).
 
     A raw-id table (its `id_maps` needed) is written in id order with its ids
-    (`[vocab, 2]` words, -1 unused), which `load_serving` returns with it.
+    (`[vocab, 2]` words, -1 unused), which `load_serving` returns with it;
+    with `step`, without the ids a lookup at `step` finds expired.
     """
     check_state(plan, tables)
     dtype = _dtype(dtype)
@@ -106,7 +107,7 @@ def export_serving(path: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping
     static = dataclasses.replace(plan, stacks=tuple(s for s in plan.stacks if s.dynamic is None))
     natural = unstack_tables(static, {s.name: tables[s.name] for s in static.stacks})
     arrays = [(name, TABLE_KEY, serving_rows(a, dtype, name)) for name, a in natural.items()]
-    for name, t in (id_table_contents(plan, tables, id_maps) if raw else {}).items():
+    for name, t in (live_at(plan, id_table_contents(plan, tables, id_maps), step) if raw else {}).items():
         vocab = plan.tables[name].vocabulary_size
         table = np.zeros((vocab, t.vectors.shape[1]), t.vectors.dtype)
         table[: t.ids.size] = t.vectors

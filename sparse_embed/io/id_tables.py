@@ -73,6 +73,19 @@ def id_table_contents(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariabl
     return out
 
 
+def live_at(plan: EmbeddingPlan, contents: Mapping[str, IdTable], step: int | None) -> dict[str, IdTable]:
+    """`contents` without the ids a lookup at `step` finds expired (`Dynamic.expire_after`: last used before
+    `step - expire_after`; they read zeros or the default there); as they are with `step` None."""
+    out = dict(contents)
+    for name, t in contents.items():
+        after = plan.tables[name].dynamic.expire_after
+        if step is not None and after is not None:
+            keep = t.last.astype(np.int64) >= int(step) - after
+            out[name] = t._replace(ids=t.ids[keep], vectors=t.vectors[keep], last=t.last[keep],
+                                   slots={k: a[keep] for k, a in t.slots.items()})
+    return out
+
+
 def _per_shard(ids: np.ndarray, last: np.ndarray, S: int, caps: list[int]):
     """Each shard's entries (indices into ids, sorted by id) and how many did not fit (least recent dropped)."""
     owners, shards, dropped = owner_shards(ids, S), [], 0

@@ -360,3 +360,33 @@ def test_catch_up_warns_when_a_delta_is_missing_before_later_ones(tmp_path):
     os.rename(tmp_path / "first", paths[0])
     assert live.catch_up(tmp_path / "d") == 3 and live.catch_up(tmp_path / "d") == 0  # (no warning: error)
     assert np.asarray(live.snapshot.tables["a"])[:3, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_with_a_step_exports_and_deltas_leave_out_the_ids_expired_at_it(tmp_path):
+    """An id expired at `step` reads zeros in the training side's lookups there (`map_ids(train=False)`): the
+    served copy drops it too, in a full export and in a chain of deltas alike."""
+    plan = _plan()  # users: expire_after=2
+    rng = jax.random.key(0)
+    tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
+    train, ids = _trainer(plan), next(_batches(1, 1))
+    lone = np.int64(2**61 + 3)
+    first = {**ids, "u": np.where(np.arange(B)[:, None] == 0, lone, ids["u"])}
+    tables, maps = train(tables, maps, se.preprocess(plan, first)[0], 0)  # the lone id: used at step 0 only
+    se.export_serving(tmp_path / "base", plan, tables, id_maps=maps, step=1)
+    changes = ss.Changes.since(tmp_path / "base").touched_ids(plan, ids)
+    assert lone in changes.served_ids["users"]
+    for step in range(1, 5):
+        tables, maps = train(tables, maps, se.preprocess(plan, ids)[0], step)
+    path, changes = ss.export_delta(tmp_path / "d", plan, tables, changes, id_maps=maps, step=5)
+    se.export_serving(tmp_path / "full", plan, tables, id_maps=maps, step=5)
+    full, _ = se.load_serving(tmp_path / "full")
+    assert lone not in full["users"][0] and lone in delta_file.read(path)[1]["users/evicted"]
+    _assert_same_tables(ss.apply_delta(ss.load_snapshot(tmp_path / "base"), path).tables, full)
+    served = {"u": plan.features["u"]}
+    got = se.serving_lookup(served, full, {"u": np.full((B, 2), lone)}, oov="zero")["u"]
+    mapped = se.map_ids(plan, se.preprocess(plan, {**ids, "u": np.full((B, 2), lone)})[0], tables, maps, 5,
+                        train=False)
+    np.testing.assert_array_equal(got, np.zeros((B, 6)))
+    assert int(mapped[3]["users"].waiting) == 1  # the training side reads it as expired too
+    se.export_serving(tmp_path / "all", plan, tables, id_maps=maps)  # no step: every id in the map
+    assert lone in se.load_serving(tmp_path / "all")[0]["users"][0]
