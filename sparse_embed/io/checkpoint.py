@@ -181,7 +181,7 @@ class CheckpointManager:
         # offloaded tables: each store made the step's commit again; their caches come back empty (docs/offload.md)
         tables.update(offload_checkpoint.restore_stores(plan, step_dir))
         return Restored(tables, int(info.step), None if user is None else read_user(step_dir, info, user), maps,
-                        read_data(step_dir))
+                        read_data(step_dir, info.has_data))
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""

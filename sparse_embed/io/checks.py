@@ -33,11 +33,15 @@ def leaf_key(path: tuple) -> str:
 
 
 def user_checksums(user: Any) -> dict[str, str]:
-    """`{leaf_key: "checksum dtype shape"}` of a user pytree's array leaves (others, e.g. strings, are skipped)."""
+    """`{leaf_key: "checksum dtype shape"}` of a user pytree's array leaves (others, e.g. strings, are skipped).
+
+    The checksum is of the values' bytes: numeric dtypes, and those numpy knows only as bytes of a size (kind "V":
+    ml_dtypes' bfloat16, float8, int4), alike.
+    """
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(user):
         a = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
-        if a.dtype.kind in "biufc" and a.dtype.itemsize in (1, 2, 4, 8):
+        if a.dtype.kind in "biufcV" and a.dtype.itemsize in (1, 2, 4, 8):
             out[leaf_key(path)] = bind(checksum(a), a.dtype, a.shape)
     return out
 
@@ -84,10 +88,16 @@ def verify_user(step_dir: str, info: CheckpointInfo, user: Any, target: Any = No
     if not info.verified or info.user_checksums is None:
         return 0
     asked = None if target is None else leaf_meanings(target)
+    # what jax makes of an asked dtype: without x64, a float64 target leaf comes back float32 (a cast, not damage)
+    narrowed = {} if target is None else {leaf_key(p): meaning(jax.dtypes.canonicalize_dtype(x.dtype), x.shape)
+                                          for p, x in jax.tree_util.tree_leaves_with_path(target)
+                                          if hasattr(x, "dtype")}
     bad, unchecked = [], 0
     for key, got in user_checksums(user).items():
         want = info.user_checksums.get(key, "")
-        if not want or (asked is not None and asked.get(key) != want.split(" ", 1)[-1]):
+        read_as = got.split(" ", 1)[-1]
+        cast = read_as != want.split(" ", 1)[-1] and read_as == narrowed.get(key)
+        if not want or cast or (asked is not None and asked.get(key) != want.split(" ", 1)[-1]):
             unchecked += 1
         elif not matches(want, got):
             bad.append(key)

@@ -107,6 +107,7 @@ class CheckpointInfo:
     checksums: Mapping[str, str] | None = None
     user_checksums: Mapping[str, str] | None = None  # user leaf path (`leaf_key`) -> checksum
     format: str = FORMAT  # how `embeddings` is stored: FORMAT (the table store) or an orbax PyTree before it
+    has_data: bool = False  # a `data` item was saved (the input position; steps saved before this field: unknown)
 
     def table(self, name: str) -> TableRecord:
         for t in self.tables:
@@ -140,7 +141,8 @@ class CheckpointInfo:
         try:
             tables = tuple(TableRecord(**{**t, "slots": tuple(tuple(s) for s in t["slots"])}) for t in d["tables"])
             return cls(d["kind"], tables, tuple(tuple(g) for g in d["stacking"]), int(d["num_shards"]),
-                       d["step"], bool(d["has_user"]), d.get("checksums"), d.get("user_checksums"), fmt)
+                       d["step"], bool(d["has_user"]), d.get("checksums"), d.get("user_checksums"), fmt,
+                       bool(d.get("has_data", False)))
         except (KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"{where}: its metadata is corrupt ({type(e).__name__}: {e}).") from None
 

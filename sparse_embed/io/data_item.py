@@ -13,18 +13,41 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zlib
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from sparse_embed.io.ckpt_format import CheckpointError
+from sparse_embed.io.ckpt_format import WHAT_TO_DO, CheckpointError, CorruptCheckpointError
 
 DATA = "data"
+_ENVELOPE = "sparse_embed.data"  # a file's format: {_ENVELOPE: 1, "state": ..., "crc32": ...} (before it: the state)
 
 
 def _name(index: int, count: int) -> str:
     return f"process_{index}-of-{count}.json"
+
+
+def _crc(state: Any) -> str:
+    return f"{zlib.crc32(json.dumps(state, sort_keys=True).encode()):08x}"
+
+
+def _read(path: str, checked: bool = False) -> Any:
+    """A process's saved state, checked against its CRC32 (files from before it: as they are, unless `checked`:
+    the step's metadata says it was saved with one)."""
+    try:
+        with open(path) as f:
+            got = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path}: the input position (the step's data item) cannot be read "
+                                     f"({type(e).__name__}: {e}); {WHAT_TO_DO}.") from None
+    if not (isinstance(got, dict) and _ENVELOPE in got) and not checked:
+        return got
+    if not isinstance(got, dict) or got.get(_ENVELOPE) != 1 or "state" not in got or got.get("crc32") != _crc(got["state"]):
+        raise CorruptCheckpointError(f"{path}: the input position (the step's data item) does not match the checksum "
+                                     f"saved with it; {WHAT_TO_DO}.")
+    return got["state"]
 
 
 class DataHandler(ocp.CheckpointHandler):
@@ -35,21 +58,20 @@ class DataHandler(ocp.CheckpointHandler):
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, _name(jax.process_index(), jax.process_count()))
         with open(path + ".tmp", "w") as f:
-            json.dump(args.state, f)
+            json.dump({_ENVELOPE: 1, "state": args.state, "crc32": _crc(args.state)}, f)
         os.replace(path + ".tmp", path)
 
     def restore(self, directory, args: "DataRestore | None" = None) -> Any:
-        directory = os.fspath(directory)
+        directory, checked = os.fspath(directory), bool(args and args.checked)
         mine = os.path.join(directory, _name(jax.process_index(), jax.process_count()))
         if os.path.exists(mine):
-            with open(mine) as f:
-                return json.load(f)
-        states = []
-        for name in sorted(os.listdir(directory)):
-            if name.endswith(".json"):
-                with open(os.path.join(directory, name)) as f:
-                    states.append(json.load(f))
-        if states and all(s == states[0] for s in states):
+            return _read(mine, checked)
+        states = [_read(os.path.join(directory, n), checked) for n in sorted(os.listdir(directory))
+                  if n.endswith(".json")]
+        if not states:
+            raise CorruptCheckpointError(f"{directory}: the step saved an input position (its data item), but no "
+                                         f"process's file is there; {WHAT_TO_DO}.")
+        if all(s == states[0] for s in states):
             return states[0]
         raise CheckpointError(f"{directory}: the input state was saved by {len(states)} processes, each at its own "
                               f"position; restore it with as many processes (now {jax.process_count()}).")
@@ -64,11 +86,27 @@ class DataSave(ocp.args.CheckpointArgs):
 @ocp.args.register_with_handler(DataHandler, for_restore=True)
 @dataclasses.dataclass
 class DataRestore(ocp.args.CheckpointArgs):
-    pass
+    checked: bool = False  # the step's metadata says its files carry checksums (`_read`)
 
 
-def read_data(step_dir: str) -> Any:
-    """This process's input state saved in a step, or None if the step holds none."""
+def read_data(step_dir: str, saved: bool = False) -> Any:
+    """This process's input state saved in a step, or None if the step holds none (`saved`: its metadata says it
+    saved one, so a missing item is damage, a CorruptCheckpointError)."""
     if not os.path.isdir(os.path.join(step_dir, DATA)):
+        if saved:
+            raise CorruptCheckpointError(f"{step_dir}: the step saved an input position (its data item), which is "
+                                         f"missing; {WHAT_TO_DO}.")
         return None
-    return DataHandler().restore(os.path.join(step_dir, DATA))
+    return DataHandler().restore(os.path.join(step_dir, DATA), DataRestore(checked=saved))
+
+
+def check_data(step_dir: str, saved: bool) -> None:
+    """Reads every process's saved input position of a step (`sparse-embed verify`); CorruptCheckpointError if
+    one is damaged, or none is there though the step (`saved`) has one."""
+    directory = os.path.join(step_dir, DATA)
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".json")) if os.path.isdir(directory) else []
+    if saved and not names:
+        raise CorruptCheckpointError(f"{step_dir}: the step saved an input position (its data item), which is "
+                                     f"missing; {WHAT_TO_DO}.")
+    for name in names:
+        _read(os.path.join(directory, name), saved)

@@ -73,7 +73,7 @@ def write_step(save: Callable[[dict], Any], staging: str, write_tables: Callable
     try:
         if jax.process_index() == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        info = dataclasses.replace(info, checksums=write_tables(staging))
+        info = dataclasses.replace(info, checksums=write_tables(staging), has_data=data is not None)
         items = {EMBEDDINGS: StagedSave(staging), META: ocp.args.JsonSave(info.to_json())}
         if user is not None:
             items[USER] = ocp.args.PyTreeSave(user)

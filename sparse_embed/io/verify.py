@@ -12,6 +12,7 @@ from sparse_embed.io.orbax_items import read_info, read_user_host
 from sparse_embed.io.restoring import read_host_array
 from sparse_embed.io.id_checkpoint import RAW_KEYS, raw_arrays
 from sparse_embed.io.convert import read_tables
+from sparse_embed.io.data_item import DATA, check_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,8 @@ def verify_checkpoint(path: str | os.PathLike, *, step: int | None = None,
     progress = progress or (lambda it, **_: it)
     problems, checked = [], 0
     raw = len(RAW_KEYS) if info.kind == "training" else 1
-    total = sum(1 + len(r.slots) + (raw if r.dynamic else 0) for r in info.tables) + info.has_user
+    total = sum(1 + len(r.slots) + (raw if r.dynamic else 0) for r in info.tables) + info.has_user + _has_data(
+        step_dir, info)
     arrays = _each_array(step_dir, info)
     for problem in progress(arrays, total=total, unit="array"):
         checked += 1
@@ -79,3 +81,15 @@ def _each_array(step_dir: str, info) -> Iterable[str | None]:
             yield str(e)
         else:
             yield None
+    if _has_data(step_dir, info):
+        try:
+            check_data(step_dir, info.has_data)
+        except CheckpointError as e:
+            yield str(e)
+        else:
+            yield None
+
+
+def _has_data(step_dir: str, info) -> bool:
+    """Whether the step saved an input position (its metadata says so, or, before it did, the item is there)."""
+    return info.has_data or os.path.isdir(os.path.join(step_dir, DATA))

@@ -361,3 +361,68 @@ def test_a_step_missing_an_item_falls_back_with_a_warning_naming_it(two_steps, t
         if damage != "embeddings item removed":
             assert "its metadata cannot be read, so none of its arrays can be checked" in out.err
     assert cli.main(["verify", str(case), "--step", "1"]) == 0
+
+
+def _two_steps_with(path, user, data=None):
+    plan = se.plan(_specs(), make_mesh(2))
+    tables = se.init_tables(plan, jax.random.key(0))
+    with se.CheckpointManager(path) as m:
+        for step in (1, 2):
+            m.save(step, plan, tables, user=jax.tree.map(lambda a: a * step, user),
+                   data=None if data is None else {"pos": data * step})
+    return plan
+
+
+def test_a_bfloat16_user_leaf_is_checksummed_like_any_other(tmp_path):
+    """ml_dtypes' leaves (numpy kind "V": bfloat16, float8) are checked by their bytes: a flipped byte is caught."""
+    user = {"w": np.linspace(-1, 1, 64).astype(jnp.bfloat16), "f8": np.ones(8, jnp.float8_e4m3fn)}
+    plan = _two_steps_with(tmp_path, user)
+    info = se.read_info(tmp_path / "2")
+    assert sorted(info.user_checksums) == ["f8", "w"] and "bfloat16 (64,)" in info.user_checksums["w"]
+    chunk = next(p for p in (tmp_path / "2" / "user").rglob("*") if p.is_file() and "w" in str(p) and _is_data(str(p)))
+    _flip(chunk, "middle")
+    with se.CheckpointManager(tmp_path) as m, pytest.warns(UserWarning, match="Step 2 of .* is corrupt"):
+        r = m.restore(plan, user=jax.tree.map(np.zeros_like, user))
+    assert r.step == 1
+    np.testing.assert_array_equal(np.asarray(r.user["w"]).view(np.uint16), user["w"].view(np.uint16))
+    assert cli.main(["verify", str(tmp_path), "--step", "2"]) == 1
+
+
+def test_a_leaf_restored_as_another_dtype_is_unchecked_not_corrupt(tmp_path):
+    """float64/int64 leaves into ShapeDtypeStruct targets come back as float32/int32 (jax without x64): a cast,
+    counted as unchecked, never reported as damage."""
+    user = {"x": np.linspace(0, 1, 5), "count": np.array(5)}
+    plan = _two_steps_with(tmp_path, user)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), user)
+    with se.CheckpointManager(tmp_path) as m, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # jax: float64 requested, float32 given; "could not be checked"
+        r = m.restore(plan, user=target)
+    assert r.step == 2 and int(r.user["count"]) == 10
+    np.testing.assert_allclose(np.asarray(r.user["x"]), user["x"] * 2, rtol=1e-7)
+
+
+@pytest.mark.parametrize("damage", ["digit", "invalid_json", "file_removed", "item_removed", "old_format"])
+def test_a_damaged_input_position_falls_back_like_any_damage(tmp_path, damage):
+    """The data item (the loader's position, for an exact resume) carries a CRC32, and the metadata says it was
+    saved: changed, unreadable or missing, the step is corrupt (never a silent restart from another position)."""
+    plan = _two_steps_with(tmp_path, {"dense": np.ones(4, np.float32)}, data=11)
+    item = tmp_path / "2" / "data"
+    file = item / "process_0-of-1.json"
+    if damage == "digit":
+        file.write_text(file.read_text().replace("22", "92"))
+    elif damage == "invalid_json":
+        file.write_bytes(b"{" + file.read_bytes())
+    elif damage == "file_removed":
+        file.unlink()
+    elif damage == "item_removed":
+        shutil.rmtree(item)
+    else:  # a file in the format before checksums, in a step whose metadata says it has them
+        file.write_text('{"pos": 92}')
+    with se.CheckpointManager(tmp_path) as m, pytest.warns(UserWarning, match="Step 2 of .* is corrupt.*input "
+                                                                              "position"):
+        r = m.restore(plan)
+    assert r.step == 1 and r.data == {"pos": 11}
+    with pytest.raises(se.CorruptCheckpointError, match="input position"):
+        se.CheckpointManager(tmp_path).restore(plan, step=2)
+    assert not se.verify_checkpoint(tmp_path, step=2).ok and se.verify_checkpoint(tmp_path, step=1).ok
