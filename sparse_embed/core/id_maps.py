@@ -39,7 +39,7 @@ from sparse_embed.core.batch import MappedIdBatch, RawIdBatch, ShardedCooMatrix,
 from sparse_embed.core.initializers import TruncatedNormal, mix32, seeds, truncated_normal_rows
 from sparse_embed.core.key_set import FREE, KeySet
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
-from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state
+from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state, checked_step
 from sparse_embed.core.tables import table_key
 
 
@@ -432,7 +432,8 @@ def map_ids(
     evicts and touches nothing: ids without a row read zeros (or `Dynamic.default`).
     """
     check_raw_batch(plan, batch, id_maps, tables)
-    return _map_jit(plan, train, dict(batch), dict(tables), dict(id_maps), jnp.asarray(step, jnp.int32))[:4]
+    step = checked_step(step, "map_ids").astype(jnp.int32)
+    return _map_jit(plan, train, dict(batch), dict(tables), dict(id_maps), step)[:4]
 
 
 def map_rows(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix], id_maps: Mapping[str, IdMap],
@@ -442,7 +443,8 @@ def map_rows(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix], id_maps
     as `map_ids`'. `rows [S * Q]` int32 (replicated): the row on shard `i // Q` each id `keys[i]` (`[S * Q, 2]`
     words) was given this step, -1 for none; those rows (and slots) start from `initial_rows` of their id."""
     check_raw_batch(plan, batch, id_maps, None)
-    batch, _, maps, stats, new = _map_jit(plan, train, dict(batch), None, dict(id_maps), jnp.asarray(step, jnp.int32))
+    step = checked_step(step, "map_rows").astype(jnp.int32)
+    batch, _, maps, stats, new = _map_jit(plan, train, dict(batch), None, dict(id_maps), step)
     return batch, maps, stats, new
 
 

@@ -36,7 +36,8 @@ from jax.sharding import PartitionSpec as P
 from sparse_embed.core import kernels
 from sparse_embed.core.batch import ShardedCooMatrix, coo, default_gains, is_batch
 from sparse_embed.core.planning import EmbeddingPlan
-from sparse_embed.core.state import EmbeddingVariables, check_once_per_trace, check_state, check_trainable
+from sparse_embed.core.state import (EmbeddingVariables, check_once_per_trace, check_state, check_trainable,
+                                     checked_step)
 
 
 def _local(tree):
@@ -160,8 +161,9 @@ def lookup(
     check_state(plan, tables)
     check_once_per_trace(plan, tables)
     if step is not None:
-        step = jnp.asarray(step)
+        step = checked_step(step, "lookup")
     return _lookup_jit(plan, dict(batch), dict(tables), step)
+
 
 
 @functools.partial(jax.jit, static_argnums=0)

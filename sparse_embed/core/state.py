@@ -4,7 +4,7 @@ looked up once per differentiated function."""
 from __future__ import annotations
 
 import weakref
-from typing import Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,3 +93,15 @@ def check_once_per_trace(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVari
                     "per loss; for a lookup that must not train the tables, pass jax.lax.stop_gradient(tables).")
             _looked_up[key] = weakref.ref(leaf, lambda r, key=key: _looked_up.pop(key) if _looked_up.get(key) is r
                                           else None)
+
+
+def checked_step(step: Any, what: str) -> jax.Array:
+    """The global step as an integer scalar array; TypeError for another dtype or shape (a float or bool step
+    would silently feed the schedules, bias corrections and id maps another count), ValueError for a negative
+    concrete one (Adam's bias correction at step -1 is 0 / 0)."""
+    a = jnp.asarray(step)
+    if a.shape != () or not jnp.issubdtype(a.dtype, jnp.integer):
+        raise TypeError(f"{what}: step must be an integer scalar (the global step), got {a.dtype} of shape {a.shape}.")
+    if not isinstance(a, jax.core.Tracer) and int(a) < 0:
+        raise ValueError(f"{what}: step must be >= 0, got {int(a)}.")
+    return a

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -420,3 +421,26 @@ def test_bad_input_table_names_existing_tests():
 def test_dynamic_rejects_bad_settings_naming_them(field, value, message):
     with pytest.raises(ValueError, match=f"Dynamic: {message}" if field != "default" else message):
         se.Dynamic(**{field: value})
+
+
+@pytest.mark.parametrize("step, error, match", [
+    (1.5, TypeError, r"step must be an integer scalar \(the global step\), got float32 of shape \(\)"),
+    (True, TypeError, "got bool of shape"),
+    (np.array([1, 2]), TypeError, r"of shape \(2,\)"),
+    (-1, ValueError, "step must be >= 0, got -1"),
+], ids=["float", "bool", "vector", "negative"])
+def test_a_step_that_is_not_a_non_negative_integer_scalar_is_refused(step, error, match):
+    """A float or bool step would feed the schedules another count silently; Adam at step -1 writes NaN."""
+    t = se.TableSpec("t", 20, 4, optimizer=se.optimizers.Adam(0.1))
+    u = se.TableSpec("u", 20, 4, dynamic=se.Dynamic())
+    plan = se.plan([se.FeatureSpec("f", t, 4), se.FeatureSpec("g", u, 4)], make_mesh(1))
+    rng = jax.random.key(0)
+    tables, maps = se.init_tables(plan, rng), se.init_id_maps(plan, rng)
+    batch, _ = se.preprocess(plan, {"f": np.arange(4), "g": np.arange(4)})
+    with pytest.raises(error, match=f"map_ids: .*{match}"):
+        se.map_ids(plan, batch, tables, maps, step)
+    mapped, tables, maps, _ = se.map_ids(plan, batch, tables, maps, 0)
+    with pytest.raises(error, match=f"lookup: .*{match}"):
+        se.lookup(plan, mapped, tables, step)
+    for fine in (0, np.int64(3), jnp.int32(2)):
+        se.lookup(plan, mapped, tables, fine)
