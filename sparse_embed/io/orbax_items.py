@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from sparse_embed.io.data_item import DATA, DataHandler, DataSave
-from sparse_embed.io.checks import leaf_meanings, user_checksums, verify_user
+from sparse_embed.io.checks import leaf_key, leaf_meanings, user_checksums, verify_user
 from sparse_embed.io.ckpt_format import (
     EMBEDDINGS, META, USER, WHAT_TO_DO, CheckpointError, CheckpointInfo, CorruptCheckpointError, first_line, resolve,
 )
@@ -70,6 +70,10 @@ def write_step(save: Callable[[dict], Any], staging: str, write_tables: Callable
 
     The staging directory is removed if anything fails.
     """
+    empty = [leaf_key(p) for p, x in jax.tree_util.tree_leaves_with_path(user) if getattr(x, "size", 1) == 0]
+    if empty:  # orbax refuses them after starting the step: refused here, before anything is written
+        raise ValueError(f"The user pytree has leaves of size 0 {empty}, which orbax cannot save; leave them out "
+                         "(or give them a size).")
     try:
         if jax.process_index() == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -100,6 +104,8 @@ def read_user(step_dir: str, info: CheckpointInfo, target: Any) -> Any:
     """The user pytree of a step, restored into `target`'s structure and shardings, verified."""
     if not info.has_user:
         raise CheckpointError(f"{step_dir} has no user pytree; call restore without user=.")
+    # a numpy scalar leaf (np.int32(4)) saves as a 0-d array, but orbax takes no numpy scalar as a target
+    target = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, np.generic) else x, target)
     args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
     try:
         user = checkpointer().restore(step_dir, args=ocp.args.Composite(**{USER: args}))[USER]

@@ -426,3 +426,20 @@ def test_a_damaged_input_position_falls_back_like_any_damage(tmp_path, damage):
     with pytest.raises(se.CorruptCheckpointError, match="input position"):
         se.CheckpointManager(tmp_path).restore(plan, step=2)
     assert not se.verify_checkpoint(tmp_path, step=2).ok and se.verify_checkpoint(tmp_path, step=1).ok
+
+
+def test_numpy_scalar_leaves_round_trip_and_empty_leaves_are_refused_before_writing(tmp_path):
+    plan = se.plan(_specs(), make_mesh(2))
+    tables = se.init_tables(plan, jax.random.key(0))
+    user = {"count": np.int32(4), "lr": np.float32(0.5), "w": np.arange(3, dtype=np.float32)}
+    with se.CheckpointManager(tmp_path / "a") as m:
+        m.save(1, plan, tables, user=user)
+    with se.CheckpointManager(tmp_path / "a") as m:
+        r = m.restore(plan, user=user)  # the same pytree as the target, numpy scalars and all
+    assert int(r.user["count"]) == 4 and float(r.user["lr"]) == 0.5
+    np.testing.assert_array_equal(np.asarray(r.user["w"]), user["w"])
+    with se.CheckpointManager(tmp_path / "b") as m:
+        with pytest.raises(ValueError, match=r"The user pytree has leaves of size 0 \['e'\], which orbax cannot save"):
+            m.save(1, plan, tables, user={"e": np.zeros((0, 3), np.float32), "w": user["w"]})
+        assert m.all_steps() == []
+    assert [p.name for p in (tmp_path / "b").iterdir() if "tmp" in p.name or "staging" in p.name] == []
