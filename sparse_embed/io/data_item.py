@@ -30,7 +30,8 @@ def _name(index: int, count: int) -> str:
 
 
 def _crc(state: Any) -> str:
-    return f"{zlib.crc32(json.dumps(state, sort_keys=True).encode()):08x}"
+    """The CRC32 of the state as it reads back (JSON once: tuples are lists, keys strings), keys sorted."""
+    return f"{zlib.crc32(json.dumps(json.loads(json.dumps(state)), sort_keys=True).encode()):08x}"
 
 
 def _read(path: str, checked: bool = False) -> Any:
@@ -44,7 +45,8 @@ def _read(path: str, checked: bool = False) -> Any:
                                      f"({type(e).__name__}: {e}); {WHAT_TO_DO}.") from None
     if not (isinstance(got, dict) and _ENVELOPE in got) and not checked:
         return got
-    if not isinstance(got, dict) or got.get(_ENVELOPE) != 1 or "state" not in got or got.get("crc32") != _crc(got["state"]):
+    if (not isinstance(got, dict) or got.get(_ENVELOPE) != 1 or "state" not in got
+            or got.get("crc32") != _crc(got["state"])):
         raise CorruptCheckpointError(f"{path}: the input position (the step's data item) does not match the checksum "
                                      f"saved with it; {WHAT_TO_DO}.")
     return got["state"]
