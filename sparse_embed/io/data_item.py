@@ -68,11 +68,9 @@ class DataHandler(ocp.CheckpointHandler):
         mine = os.path.join(directory, _name(jax.process_index(), jax.process_count()))
         if os.path.exists(mine):
             return _read(mine, checked)
-        states = [_read(os.path.join(directory, n), checked) for n in sorted(os.listdir(directory))
-                  if n.endswith(".json")]
+        states = [_read(path, checked) for path in _files(directory)]
         if not states:
-            raise CorruptCheckpointError(f"{directory}: the step saved an input position (its data item), but no "
-                                         f"process's file is there; {WHAT_TO_DO}.")
+            raise _missing(directory)
         if all(s == states[0] for s in states):
             return states[0]
         raise CheckpointError(f"{directory}: the input state was saved by {len(states)} processes, each at its own "
@@ -96,8 +94,7 @@ def read_data(step_dir: str, saved: bool = False) -> Any:
     saved one, so a missing item is damage, a CorruptCheckpointError)."""
     if not os.path.isdir(os.path.join(step_dir, DATA)):
         if saved:
-            raise CorruptCheckpointError(f"{step_dir}: the step saved an input position (its data item), which is "
-                                         f"missing; {WHAT_TO_DO}.")
+            raise _missing(step_dir)
         return None
     return DataHandler().restore(os.path.join(step_dir, DATA), DataRestore(checked=saved))
 
@@ -105,10 +102,19 @@ def read_data(step_dir: str, saved: bool = False) -> Any:
 def check_data(step_dir: str, saved: bool) -> None:
     """Reads every process's saved input position of a step (`sparse-embed verify`); CorruptCheckpointError if
     one is damaged, or none is there though the step (`saved`) has one."""
-    directory = os.path.join(step_dir, DATA)
+    paths = _files(os.path.join(step_dir, DATA))
+    if saved and not paths:
+        raise _missing(step_dir)
+    for path in paths:
+        _read(path, saved)
+
+
+def _files(directory: str) -> list[str]:
+    """Every process's file of a data item (none if the item is not there)."""
     names = sorted(n for n in os.listdir(directory) if n.endswith(".json")) if os.path.isdir(directory) else []
-    if saved and not names:
-        raise CorruptCheckpointError(f"{step_dir}: the step saved an input position (its data item), which is "
-                                     f"missing; {WHAT_TO_DO}.")
-    for name in names:
-        _read(os.path.join(directory, name), saved)
+    return [os.path.join(directory, n) for n in names]
+
+
+def _missing(where: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: the step saved an input position (its data item), which is missing; "
+                                  f"{WHAT_TO_DO}.")
