@@ -8,6 +8,7 @@ from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparse_embed.core.planning import EmbeddingPlan
 
@@ -98,10 +99,11 @@ def check_once_per_trace(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVari
 def checked_step(step: Any, what: str) -> jax.Array:
     """The global step as an integer scalar array; TypeError for another dtype or shape (a float or bool step
     would silently feed the schedules, bias corrections and id maps another count), ValueError for a negative
-    concrete one (Adam's bias correction at step -1 is 0 / 0)."""
+    host one (Adam's bias correction at step -1 is 0 / 0). A device array's value is not read: that would wait for
+    it on every step."""
     a = jnp.asarray(step)
     if a.shape != () or not jnp.issubdtype(a.dtype, jnp.integer):
         raise TypeError(f"{what}: step must be an integer scalar (the global step), got {a.dtype} of shape {a.shape}.")
-    if not isinstance(a, jax.core.Tracer) and int(a) < 0:
-        raise ValueError(f"{what}: step must be >= 0, got {int(a)}.")
+    if isinstance(step, (int, np.integer, np.ndarray)) and int(step) < 0:
+        raise ValueError(f"{what}: step must be >= 0, got {int(step)}.")
     return a
