@@ -167,6 +167,17 @@ def devices(n: int) -> np.ndarray:
     return np.array(have[:n])
 
 
+def assert_trained_equal(got, want, err_msg: str = ""):
+    """Trained values (rows, slots, losses, activations) of two runs of the same steps: bitwise on CPUs; a GPU adds
+    a step's duplicate ids' gradients up in no fixed order (atomics), so there they agree to float32 rounding.
+    Integers (maps, counts) are bitwise anywhere."""
+    got, want = np.asarray(got), np.asarray(want)
+    if jax.default_backend() == "cpu" or not np.issubdtype(want.dtype, np.inexact):
+        np.testing.assert_array_equal(got, want, err_msg=err_msg)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=err_msg)
+
+
 @pytest.fixture(params=[1, 2, 8], ids=lambda n: f"mesh{n}")
 def mesh(request) -> Mesh:
     return make_mesh(request.param)

@@ -24,7 +24,7 @@ import pytest
 import sparse_embed as se
 from sparse_embed.core.id_maps import IdMapStats
 from sparse_embed.io.id_tables import _live
-from tests.conftest import make_mesh
+from tests.conftest import assert_trained_equal, make_mesh
 from tests.tiers.multiprocess.offload_scenario import linear_step
 
 V, D, B, L = 240, 8, 16, 4  # a raw-id table's rows (its map's capacity), row width, batch, ids per sample
@@ -164,19 +164,19 @@ def assert_as_in_memory(tiers, state, maps, *, what=""):
         assert live.size and t.store.written[live].all(), f"{what}: table {name}: live rows not stored"
         rows = np.flatnonzero(t.store.written)
         cols = ["table", *t.spec.resolved_optimizer.slots(D)]
-        np.testing.assert_array_equal(t.store.read(rows), np.concatenate([state[name][k] for k in cols], 1)[rows],
-                                      err_msg=f"{what}: table {name}: stored rows")
+        want = np.concatenate([state[name][k] for k in cols], 1)[rows]
+        assert_trained_equal(t.store.read(rows), want, err_msg=f"{what}: table {name}: stored rows")
     for name in ("static",):
         t = tiers.tables[name]
         rows = np.flatnonzero(t.store.written)
-        np.testing.assert_array_equal(t.store.read(rows)[:, :D], state[name]["table"][rows], err_msg=name)
+        assert_trained_equal(t.store.read(rows)[:, :D], state[name]["table"][rows], err_msg=name)
 
 
 def assert_losses(got, want, mesh, what=""):
     """Bitwise on one device; on several, XLA may add the batch's losses up in another order (the plans' stacks
-    differ in size): to float32 rounding. The rows, slots and maps are bitwise on any mesh."""
+    differ in size): to float32 rounding. The rows, slots and maps are bitwise on any mesh of CPUs."""
     if mesh.devices.size == 1:
-        np.testing.assert_array_equal(got, want, err_msg=what)
+        assert_trained_equal(got, want, err_msg=what)
     else:
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=what)
 
@@ -235,7 +235,7 @@ def test_raw_id_tables_train_as_in_memory(tmp_path, mesh, kernel, monkeypatch):
             out = se.unstack_state(plan, tables)
             for name in ("plain", "memraw"):
                 for k, v in out[name].items():
-                    np.testing.assert_array_equal(v, state[name][k], err_msg=f"{run}: {name}/{k}")
+                    assert_trained_equal(v, state[name][k], err_msg=f"{run}: {name}/{k}")
         finally:
             tiers.close()
 
@@ -357,6 +357,6 @@ def test_a_shard_cache_too_small_is_refused_and_changes_nothing(tmp_path):
             batch, _, swap = tiers.preprocess(ids, w, step=i)
             loss, out, _, _ = step_fn(plan)(tiers.swap(out, swap), {}, batch, i)
             losses.append(np.asarray(loss))
-        np.testing.assert_array_equal(losses, want)
+        assert_trained_equal(losses, want)
     finally:
         tiers.close()

@@ -31,7 +31,7 @@ import pytest
 
 import reference as ref
 import sparse_embed as se
-from conftest import make_mesh
+from conftest import assert_trained_equal, make_mesh
 
 V, D, B, L = 2000, 8, 32, 4  # rows of each table, row width, batch, ids per sample
 CACHE = 160  # cache rows: one batch reads ~100 distinct rows of a table, all batches ~1000
@@ -185,10 +185,10 @@ def record_columns(table: se.TableSpec) -> list[str]:
 
 
 def assert_equal(got, want, exact: bool = True, what: str = ""):
-    """Bitwise, or within float32 rounding of the values' magnitude."""
+    """Bitwise (on CPUs: `assert_trained_equal`), or within float32 rounding of the values' magnitude."""
     got, want = np.asarray(got), np.asarray(want)
     if exact:
-        np.testing.assert_array_equal(got, want, err_msg=what)
+        assert_trained_equal(got, want, err_msg=what)
     else:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=what)
 
@@ -223,7 +223,7 @@ def assert_fresh_rows_equal(tiers, plan, tables, state, n: int = B * L):
     for name, t in tiers.tables.items():
         at = t.cache.map(pick[name])
         for k in record_columns(t.spec):
-            np.testing.assert_array_equal(cached[name][k][at], state[name][k][pick[name]],
+            assert_trained_equal(cached[name][k][at], state[name][k][pick[name]],
                                           err_msg=f"table {name}: never-written rows, {k}")
     tiers.wait()
     assert {name: t.stats.rows_written for name, t in tiers.tables.items()} == written
@@ -338,7 +338,7 @@ def test_every_optimizer(tmp_path, mesh, kernel, monkeypatch):
             assert_store_equals(tiers, state, touched)
             plain = se.unstack_state(plan, tables)["plain"]
             for k in ("table", "accumulator"):
-                np.testing.assert_array_equal(plain[k], state["plain"][k], err_msg=f"the in-memory table: {k}")
+                assert_trained_equal(plain[k], state["plain"][k], err_msg=f"the in-memory table: {k}")
             if "ahead" in run:
                 assert_fresh_rows_equal(tiers, plan, tables, state)
         finally:
@@ -472,7 +472,7 @@ def test_eval_batches_change_nothing(stores):
         assert len(acts) == len(mem_acts) == 4
         for got, want in zip(acts, mem_acts):
             for k in want:
-                np.testing.assert_array_equal(got[k], want[k], err_msg=f"eval activations of {k}")
+                assert_trained_equal(got[k], want[k], err_msg=f"eval activations of {k}")
         assert_store_equals(tiers, state, touched_rows(SMALL_FEATS, train))
     finally:
         tiers.close()
