@@ -69,6 +69,18 @@ def native_required() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1")
 
 
+def importorfail(module: str):
+    """`pytest.importorskip(module)` for a module the test extras install (or the README's test command, as it
+    does torchrec): under CI, where a skip would hide a broken install, a failure naming the module instead."""
+    if not native_required():
+        return pytest.importorskip(module)
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pytest.fail(f"CI={os.environ['CI']}: could not import {module!r} ({e}), which the README's test command "
+                    "installs, so its tests would skip", pytrace=False)
+
+
 def _missing(what: str) -> str | None:
     """Why the native extension `what` ("kernel" or "preprocess") is missing, or None when it is there."""
     module, present, needs = NATIVE_EXTENSIONS[what]

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-nbclient = pytest.importorskip("nbclient")
+from conftest import importorfail
+
+nbclient = importorfail("nbclient")
 import nbformat  # noqa: E402  (an nbclient dependency)
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"

@@ -25,10 +25,10 @@ import pytest
 import sparse_embed as se
 from sparse_embed import optimizers as opt
 from sparse_embed.core.sparsecore import kernel as sc_kernel
-from conftest import make_mesh, require_native
+from conftest import importorfail, make_mesh, require_native
 import reference as ref
 
-pytest.importorskip("jax_tpu_embedding")
+importorfail("jax_tpu_embedding")
 
 PAD = 2**31 - 1
 SPARSECORE_CALLS = ["SparseDenseMatmulGradOpWithOptimizerUpdate", "SparseDenseMatmulOp"]

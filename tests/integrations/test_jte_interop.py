@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import sparse_embed as se
-from conftest import make_mesh
+from conftest import importorfail, make_mesh
 
-jte_spec = pytest.importorskip("jax_tpu_embedding.sparsecore.lib.nn.embedding_spec")
-jte_stacking = pytest.importorskip("jax_tpu_embedding.sparsecore.lib.nn.table_stacking")
+jte_spec = importorfail("jax_tpu_embedding.sparsecore.lib.nn.embedding_spec")
+jte_stacking = importorfail("jax_tpu_embedding.sparsecore.lib.nn.table_stacking")
 
 DIMS = {"a": 8, "b": 12, "c": 16}
 VOCABS = {"a": 37, "b": 70, "c": 19}

@@ -16,13 +16,14 @@ import jax
 import numpy as np
 import pytest
 
-pytest.importorskip("jax_tpu_embedding")
-embedding = pytest.importorskip("jax_tpu_embedding.sparsecore.lib.nn.embedding")
-embedding_spec = pytest.importorskip("jax_tpu_embedding.sparsecore.lib.nn.embedding_spec")
-table_stacking = pytest.importorskip("jax_tpu_embedding.sparsecore.lib.nn.table_stacking")
+from conftest import importorfail, make_mesh
+
+importorfail("jax_tpu_embedding")
+embedding = importorfail("jax_tpu_embedding.sparsecore.lib.nn.embedding")
+embedding_spec = importorfail("jax_tpu_embedding.sparsecore.lib.nn.embedding_spec")
+table_stacking = importorfail("jax_tpu_embedding.sparsecore.lib.nn.table_stacking")
 
 import sparse_embed as se  # noqa: E402
-from conftest import make_mesh  # noqa: E402
 from sparse_embed.core.sparsecore.batch import PAD_ID, CsrBatch  # noqa: E402
 from sparse_embed.integrations.jte import sparsecore_csr  # noqa: E402
 

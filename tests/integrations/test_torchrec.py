@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import sparse_embed as se
-from conftest import make_mesh
+from conftest import importorfail, make_mesh
 from sparse_embed import optimizers as opt
 from sparse_embed.integrations import torchrec as tr
 
@@ -27,8 +27,8 @@ from sparse_embed.integrations import torchrec as tr
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning:torchrec"),
               pytest.mark.filterwarnings("ignore::UserWarning:torchrec"),
               pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")]  # reading one here
-torch = pytest.importorskip("torch")
-pytest.importorskip("fbgemm_gpu")
+torch = importorfail("torch")
+importorfail("fbgemm_gpu")
 
 B, N, MAX_LEN = 16, 3, 4  # batch, steps on each side, ids per sample
 CONFIGS = [  # TorchRec EmbeddingBagConfigs (duck-typed): table a is read by two features
@@ -147,7 +147,7 @@ PEERS = {"fbgemm": Fbgemm, "torchrec": TorchRec}
 
 def _peer(kind: str, fused: dict, request):
     if kind == "torchrec":
-        pytest.importorskip("torchrec")
+        importorfail("torchrec")
         request.getfixturevalue("process_group")
     return PEERS[kind](fused)
 
@@ -219,7 +219,7 @@ def test_trained_here_written_into_torchrec_trains_on_alike(kind, name, devices,
 
 
 def test_embedding_bag_configs_become_feature_specs():
-    torchrec = pytest.importorskip("torchrec")
+    torchrec = importorfail("torchrec")
     configs = [torchrec.EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=8, feature_names=["f", "g"],
                                            pooling=torchrec.PoolingType.MEAN),
                torchrec.EmbeddingBagConfig(name="b", num_embeddings=9, embedding_dim=4, feature_names=["h"])]
@@ -235,7 +235,7 @@ def test_embedding_bag_configs_become_feature_specs():
 def test_weighted_mean_and_sequence_tables_are_refused_as_they_mean_another_thing():
     """TorchRec's weighted MEAN divides by the number of ids (sparse_embed's "mean": by the weights' sum); an
     EmbeddingConfig is a sequence table: neither converts silently."""
-    torchrec = pytest.importorskip("torchrec")
+    torchrec = importorfail("torchrec")
     mean = torchrec.EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=8, feature_names=["f"],
                                        pooling=torchrec.PoolingType.MEAN)
     total = torchrec.EmbeddingBagConfig(name="b", num_embeddings=9, embedding_dim=4, feature_names=["h"])
@@ -271,7 +271,7 @@ def test_to_torchrec_then_from_torchrec_is_exact_on_another_mesh_and_stacking():
 
 
 def test_a_dcp_checkpoint_reads_as_its_state_dict(tmp_path):
-    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    dcp = importorfail("torch.distributed.checkpoint")
     plan = _plan(opt.Adagrad(0.1), 1)
     state = se.init_tables(plan, jax.random.key(0))
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
