@@ -60,6 +60,9 @@ MOMENTUM = "momentum1"
 TINY = float(np.finfo(np.float32).tiny)  # FBGEMM's accumulators start at 0; ours must start > 0
 _NO_DECAY, _DECOUPLED = 0, 2  # FBGEMM's WeightDecayMode values (names: _DECAY_NAMES)
 _DECAY_NAMES = {0: "NONE", 1: "L2", 2: "DECOUPLE", 3: "COUNTER", 4: "COWCLIP", 5: "DECOUPLE_GLOBAL"}
+# FBGEMM's settings that change the update (None: off) and that no sparse_embed optimizer has
+_UNCONVERTED = ("counter_based_regularization", "cowclip_regularization", "global_weight_decay", "ensemble_mode",
+                "emainplace_mode")
 
 
 # ------------------------------------------------------------------ optimizers
@@ -97,6 +100,13 @@ def optimizer_from_fused_params(params: Mapping[str, Any], *,
     if params.get("gradient_clipping"):
         raise ValueError("TorchRec's gradient_clipping (FBGEMM's max_gradient) clips where sparse_embed's "
                          "clip_gradient does not: not converted; train without it.")
+    if float(params.get("max_norm") or 0.0) > 0.0:
+        raise ValueError(f"FBGEMM's max_norm={params['max_norm']} rescales each updated row to that norm in the "
+                         "update; sparse_embed has no such rule (TableSpec.max_norm clips what a lookup reads, "
+                         "leaving the row as trained): not converted; train without it.")
+    if unknown := sorted(k for k in _UNCONVERTED if params.get(k) is not None):
+        raise ValueError(f"FBGEMM's {', '.join(unknown)} change the optimizer's math and have no sparse_embed "
+                         "counterpart: not converted; train without them.")
     if kind == "exact_rowwise_adagrad":
         if wd and mode != _DECOUPLED:  # DECOUPLE_GLOBAL also decays the rows a step did not touch
             raise ValueError(f"FBGEMM's row-wise Adagrad with weight_decay_mode {_DECAY_NAMES.get(mode, mode)} has "

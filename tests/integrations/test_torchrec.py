@@ -320,10 +320,17 @@ def test_optimizers_map_both_ways(name):
     ({"optimizer": "exact_sgd", "weight_decay": 0.1}, "no weight decay"),
     ({"optimizer": "adam"}, "'adam' has no sparse_embed optimizer"),
     ({"optimizer": "exact_sgd", "gradient_clipping": True}, "gradient_clipping"),
+    ({"optimizer": "exact_rowwise_adagrad", "max_norm": 0.5}, "max_norm=0.5 rescales each updated row"),
+    ({"optimizer": "exact_rowwise_adagrad", "counter_based_regularization": object(),
+      "global_weight_decay": object()}, "counter_based_regularization, global_weight_decay change"),
 ])
 def test_fused_params_that_do_not_map_exactly_are_refused(fused, match):
     with pytest.raises(ValueError, match=match):
         tr.optimizer_from_fused_params(fused)
+    # their neutral values (FBGEMM's defaults) convert
+    neutral = {"max_norm": 0.0, "counter_based_regularization": None, "global_weight_decay": None}
+    assert tr.optimizer_from_fused_params({"optimizer": "exact_rowwise_adagrad", **neutral}) == opt.RowwiseAdagrad(
+        0.01, tr.TINY, 1e-8)
 
 
 @pytest.mark.parametrize("optimizer, match", [
