@@ -66,13 +66,15 @@ class TableRecord:
     slots: tuple[tuple[str, int], ...]  # (slot name, width), sorted; empty in a serving checkpoint
     stored_rows: int  # rows of the stored arrays (format 3: vocabulary_size; before: padded for the mesh)
     dynamic: bool = False  # keyed by raw ids: rows in id order, with their ids (`id_checkpoint`)
+    expire_after: int | None = None  # a raw-id table's `Dynamic.expire_after` (not recorded before 0.2.0's end)
 
     @classmethod
     def from_spec(cls, t: TableSpec, *, with_slots: bool = True) -> "TableRecord":
         opt = t.resolved_optimizer
         slots = tuple(sorted((k, v.width) for k, v in opt.slots(t.embedding_dim).items())) if with_slots else ()
         return cls(t.name, t.vocabulary_size, t.embedding_dim, str(t.dtype), t.combiner, t.max_norm,
-                   type(opt).__name__, slots, t.vocabulary_size, t.dynamic is not None)
+                   type(opt).__name__, slots, t.vocabulary_size, t.dynamic is not None,
+                   t.dynamic.expire_after if t.dynamic is not None else None)
 
     def to_spec(self) -> TableSpec:
         """A `TableSpec` with this record's shape, dtype, combiner and max_norm (for serving; a quantized

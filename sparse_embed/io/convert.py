@@ -125,7 +125,8 @@ def load_serving(path: str | os.PathLike, *, device: jax.Device | None = None) -
     The specs carry vocabulary, dim, dtype, combiner and max_norm (for
     `FeatureSpec`s of `serving_lookup`). A raw-id table comes as
     `(ids, array)`: its live ids (int64, sorted) and the table whose row k
-    holds the k-th of them. An int8 / int4 table comes as its fused rows,
+    holds the k-th of them (from a training checkpoint: without the ids a
+    lookup at its step finds expired, as `convert_checkpoint` serves it). An int8 / int4 table comes as its fused rows,
     `uint8 [vocab, width]` (`io.quantize`), which `serving_lookup` dequantizes.
     """
     step_dir = resolve(path)
@@ -134,8 +135,11 @@ def load_serving(path: str | os.PathLike, *, device: jax.Device | None = None) -
     arrays: dict[str, Any] = {name: array for name, (_, array) in read_tables(step_dir, info, [TABLE_KEY], device)}
     for rec in info.tables:
         if rec.dynamic:
-            words = read_host_array(step_dir, info, rec.name, IDS_KEY)
-            arrays[rec.name] = (join_words(words[words[:, 0] != -1]), arrays[rec.name])
+            expired, table = _expired(step_dir, info, rec), arrays[rec.name]
+            words = _dropped(read_host_array(step_dir, info, rec.name, IDS_KEY), expired, -1)
+            if expired is not None and expired.any():  # a training checkpoint: as convert_checkpoint serves it
+                table = jax.device_put(_dropped(np.asarray(table), expired, 0), table.sharding)
+            arrays[rec.name] = (join_words(words[words[:, 0] != -1]), table)
     return arrays, {t.name: t.to_spec() for t in info.tables}
 
 
@@ -160,13 +164,34 @@ def _converted(a: np.ndarray, rec: TableRecord, dtype: str | None) -> np.ndarray
     return serving_rows(a, dtype, rec.name)
 
 
+def _expired(step_dir: str, info: CheckpointInfo, rec: TableRecord) -> np.ndarray | None:
+    """The rows of a training checkpoint's raw-id table that a lookup at the checkpoint's step finds expired
+    (`[vocab]` bool, as `live_at`), or None where none can be (no `expire_after`, or a serving checkpoint)."""
+    if info.kind != "training" or rec.expire_after is None or info.step is None:
+        return None
+    last = read_host_array(step_dir, info, rec.name, "last")[:, 0].astype(np.int64)
+    return (last != -1) & (last < info.step - rec.expire_after)
+
+
+def _dropped(a: np.ndarray, expired: np.ndarray | None, fill) -> np.ndarray:
+    """`a`'s rows without the `expired` ones, in order, padded back to its shape with `fill`."""
+    if expired is None or not expired.any():
+        return a
+    out = np.full_like(a, fill)
+    kept = a[~expired]
+    out[: kept.shape[0]] = kept
+    return out
+
+
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, devices: int | None = None,
                        serving: bool = False, dtype=None, step: int | None = None,
                        progress: Callable[[Iterable], Iterable] | None = None) -> str:
     """Converts a checkpoint; returns the written step directory.
 
     - `serving=True`: a serving checkpoint at `dst` (`[vocab, dim]` tables,
-      no slots, optionally cast to `dtype`, e.g. "bf16", or quantized, "int8" / "int4").
+      no slots, optionally cast to `dtype`, e.g. "bf16", or quantized, "int8" / "int4");
+      a raw-id table without the ids a lookup at the checkpoint's step finds
+      expired (as `export_serving(..., step=)`).
     - else: a training checkpoint at `dst/<step>` recorded for `devices`
       devices (default: as saved), slots and user pytree kept, in the
       current format (any checkpoint restores onto any mesh anyway; this
@@ -195,9 +220,12 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
             dataclasses.replace(r, stored_rows=r.vocabulary_size) for r in info.tables))
         out_dir = os.path.join(os.fspath(dst), str(info.step if info.step is not None else 0))
     total = sum(1 + (0 if serving else len(r.slots)) for r in info.tables)
-    arrays = ((name, key, _converted(np.asarray(a), info.table(name), dtype))
+    # a serving copy leaves out the raw ids a lookup at the checkpoint's step finds expired, as export_serving
+    expired = {r.name: _expired(step_dir, info, r) for r in info.tables if serving and r.dynamic}
+    arrays = ((name, key, _converted(_dropped(np.asarray(a), expired.get(name), 0), info.table(name), dtype))
               for name, (key, a) in progress(read_tables(step_dir, info, keys), total=total, unit="array"))
-    read = lambda group, key: read_host_array(step_dir, info, group, key)  # noqa: E731
+    read = lambda group, key: _dropped(  # noqa: E731
+        read_host_array(step_dir, info, group, key), expired.get(group) if serving else None, -1)
     raw = (x for r in info.tables if r.dynamic for x in raw_arrays(read, r.name, serving))
     _save(out_dir, itertools.chain(arrays, raw), new_info)
     if not serving and info.has_user:  # the user pytree is mesh-independent: copy it as is, once verified

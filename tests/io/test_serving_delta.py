@@ -390,3 +390,12 @@ def test_with_a_step_exports_and_deltas_leave_out_the_ids_expired_at_it(tmp_path
     assert int(mapped[3]["users"].waiting) == 1  # the training side reads it as expired too
     se.export_serving(tmp_path / "all", plan, tables, id_maps=maps)  # no step: every id in the map
     assert lone in se.load_serving(tmp_path / "all")[0]["users"][0]
+    # a training checkpoint at step 5, served directly or converted, leaves the lone id out as that export does
+    with se.CheckpointManager(tmp_path / "ckpt") as m:
+        m.save(5, plan, tables, id_maps=maps)
+    _assert_same_tables(se.load_serving(tmp_path / "ckpt")[0], full)
+    for dtype in (None, "int8"):
+        se.export_serving(tmp_path / f"want_{dtype}", plan, tables, id_maps=maps, step=5, dtype=dtype)
+        se.convert_checkpoint(tmp_path / "ckpt", tmp_path / f"got_{dtype}", serving=True, dtype=dtype)
+        _assert_same_tables(se.load_serving(tmp_path / f"got_{dtype}")[0],
+                            se.load_serving(tmp_path / f"want_{dtype}")[0])
