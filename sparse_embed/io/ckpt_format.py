@@ -179,11 +179,19 @@ def resolve(path: str | os.PathLike, step: int | None = None) -> str:
     if not os.path.isdir(path):
         raise CheckpointError(f"No checkpoint at {path}: the directory does not exist.")
     if os.path.isdir(os.path.join(path, META)):
+        name = os.path.basename(os.path.normpath(path))
+        if step is not None and name.isdigit() and int(name) != step:
+            raise CheckpointError(f"{path} is the directory of step {name}, not of step {step}: pass the checkpoint "
+                                  "directory above it to choose a step.")
         return path
     if any(os.path.exists(os.path.join(path, item)) for item in _STEP_ITEMS):
         raise CorruptCheckpointError(f"{path} is an incomplete or damaged checkpoint step: its '{META}' item is "
                                      f"missing; {WHAT_TO_DO}.")
-    steps = sorted(int(n) for n in os.listdir(path) if n.isdigit() and os.path.isdir(os.path.join(path, n)))
+    numbered = sorted(int(n) for n in os.listdir(path) if n.isdigit() and os.path.isdir(os.path.join(path, n)))
+    steps = [n for n in numbered if os.path.isdir(os.path.join(path, str(n), META))]
+    if step is not None and step in numbered and step not in steps:
+        raise CorruptCheckpointError(f"Step {step} in {path} is incomplete or damaged: its '{META}' item is "
+                                     f"missing; {WHAT_TO_DO}.")
     if not steps:
         raise CheckpointError(f"No complete checkpoint in {path} (no step directories with a '{META}' item).")
     if step is None:

@@ -265,3 +265,22 @@ def test_convert_checkpoint_rejects_a_device_count_below_one(tmp_path, devices):
     with pytest.raises(ValueError, match=f"devices must be >= 1, got {devices}"):
         se.convert_checkpoint(tmp_path / "ck", tmp_path / "out", devices=devices)
     assert not (tmp_path / "out").exists()
+
+
+def test_step_choice_is_the_latest_complete_one_and_a_step_directory_is_its_own_step(ckpt, tmp_path, capsys):
+    """Without --step: the latest step with its 'meta' item (a later one cut short is passed over, as restore
+    does); --step on a step directory must name that step; --step naming an incomplete step says so."""
+    path = tmp_path / "ck"
+    shutil.copytree(ckpt[0], path)
+    shutil.copytree(path / "4", path / "9")
+    shutil.rmtree(path / "9" / "meta")  # step 9: cut short before its meta item
+    assert se.read_info(path).step == 4
+    assert cli.main(["inspect", str(path)]) == 0 and "step 4," in capsys.readouterr().out
+    with pytest.raises(se.CorruptCheckpointError, match="Step 9 in .* is incomplete or damaged"):
+        se.read_info(path, step=9)
+    assert se.read_info(path / "4", step=4).step == 4
+    with pytest.raises(se.CheckpointError, match="is the directory of step 4, not of step 9"):
+        se.read_info(path / "4", step=9)
+    for cmd in (["inspect"], ["verify"]):
+        assert cli.main([*cmd, str(path / "4"), "--step", "9"]) == 1
+        assert "is the directory of step 4, not of step 9" in capsys.readouterr().err
