@@ -528,6 +528,7 @@ def plan(
     loads = cost.table_loads(feats, tables, num_shards, per_sample)
     stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sc),
                          _fixed_placements(tables, placement), loads, num_shards, memory_budget)
+    _check_row_numbers(stacks)
     sparsecore_layout.warn_fallbacks(stacks, sc)  # once, for the stacks chosen (`_fit_budget` tries several)
     return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, _check_kernel(kernel), tiered)
 
@@ -555,6 +556,24 @@ def _cached_features(feats: dict[str, FeatureSpec]) -> tuple[dict, dict[str, Tab
     feats = {n: dataclasses.replace(f, table=cached[f.table.name]) if f.table.name in cached else f
              for n, f in feats.items()}
     return feats, {**declared, **cached}, tiered
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _check_row_numbers(stacks: Sequence[StackPlan]) -> None:
+    """A batch numbers a device's table rows and output rows in int32, its padding one past the last of each:
+    more would wrap to other rows."""
+    for s in stacks:
+        tables = ", ".join(repr(t.table.name) for t in s.tables)
+        if s.rows_per_shard >= _INT32_MAX:
+            raise ValueError(f"Stack {s.name!r} (tables {tables}, placement {s.placement!r}): {s.rows_per_shard} "
+                             f"table rows on each device, more than a batch's int32 row numbers hold "
+                             f"({_INT32_MAX - 1}); split them over more devices (placement 'row') or use smaller "
+                             "tables.")
+        if s.rows_per_device >= _INT32_MAX:
+            raise ValueError(f"Stack {s.name!r} (tables {tables}): {s.rows_per_device} output rows on each device, "
+                             f"more than int32 row numbers hold; use a smaller batch per device.")
 
 
 def _check_batch_sizes(feats: dict[str, FeatureSpec], num_shards: int, axis: str) -> None:

@@ -517,3 +517,19 @@ def test_a_table_alone_in_its_stack_is_not_placed_whole(mesh8):
     assert "table" not in {s.placement for s in se.plan(feats, mesh8, placement="auto", stacking=None).stacks}
     together = se.plan(feats, mesh8, placement="auto")
     assert {s.placement for s in together.stacks if s.first.name.startswith("l")} == {"table"}
+
+
+@pytest.mark.parametrize("devices, vocab, placement", [
+    (1, 2**31 + 16, "row"),  # one device holds every row
+    (8, 2**31, "column"),  # each device holds every row (a slice of its columns)
+    (8, 2**31, "replicated"),
+])
+def test_more_rows_per_device_than_int32_numbers_hold_are_refused(devices, vocab, placement):
+    """A batch numbers each device's rows in int32 (padding: one past the last): more rows would wrap to others."""
+    big = se.TableSpec("big", vocab, 8)
+    with pytest.raises(ValueError, match=r"Stack 'big' \(tables 'big', placement '\w+'\): \d+ table rows on each "
+                                         r"device, more than a batch's int32 row numbers hold"):
+        se.plan([se.FeatureSpec("f", big, 8)], make_mesh(devices), placement=placement)
+    if devices > 1:  # split by rows over the devices, they fit
+        p = se.plan([se.FeatureSpec("f", big, 8)], make_mesh(devices), placement="row")
+        assert p.stacks[0].rows_per_shard == -(-vocab // devices)
