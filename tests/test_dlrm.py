@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 import sparse_embed as se
 from sparse_embed import cli
@@ -61,3 +62,6 @@ def test_demo_checkpoint_works_with_the_cli(tmp_path, capsys):
     assert users.shape == (1000, 16) and 0 < user_ids.size <= 1000 and str(users.dtype) == "bfloat16"
     assert {k: v.shape for k, v in arrays.items()} == {"item": (1000, 16), "tag": (200, 16)}
     assert all(str(v.dtype) == "bfloat16" for v in arrays.values())
+    # a second run into the same directory stops before training instead of saying it saved what it left alone
+    with pytest.raises(SystemExit, match="already holds a checkpoint of step 3"):
+        demo.main(["--steps", "3", "--checkpoint-dir", str(ckpt), *TINY])

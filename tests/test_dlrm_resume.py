@@ -10,6 +10,7 @@ import tempfile
 
 import jax
 import numpy as np
+import pytest
 
 import sparse_embed as se
 from conftest import make_mesh
@@ -88,3 +89,20 @@ def test_demo_with_hashed_tables_goes_on_with_more_steps(tmp_path, capsys):
     assert 0.5 < out["eval_auc"] <= 1.0
     shown = capsys.readouterr().out
     assert "hashed tables of 256 rows" in shown and "resumed from step 8" in shown
+    with pytest.raises(SystemExit, match="is at step 16, past --steps 8: pass --steps 16 or more"):
+        dlrm.main(["--steps", "8", *flags])
+    with pytest.raises(SystemExit, match="was trained with --seed 0: resume with it"):
+        dlrm.main(["--steps", "20", "--seed", "7", *flags])
+
+
+def test_demo_with_data_of_a_few_batches_holds_one_out(tmp_path, capsys):
+    """A file of 2-3 batches: one held out for the eval (none left it empty and the eval failed after training)."""
+    from sparse_embed.examples import dlrm
+
+    data = write_criteo(str(tmp_path / "day_0.txt"), 64 * 3, vocabulary=50)
+    out = dlrm.main(["--data", data, "--steps", "2", "--batch-size", "64", "--table-rows", "64", "--embedding-dim",
+                     "4", "--no-progress"])
+    assert "1 batches held out" in capsys.readouterr().out and 0.0 <= out["eval_auc"] <= 1.0
+    with pytest.raises(SystemExit, match="holds 1 batches of 64: too few"):
+        dlrm.main(["--data", write_criteo(str(tmp_path / "one.txt"), 64, vocabulary=50), "--steps", "2",
+                   "--batch-size", "64", "--no-progress"])

@@ -128,6 +128,12 @@ def _restore(args, plan, tables, id_maps, state: State):
         if ckpt.latest_step() is None:
             return tables, id_maps, state, 0, None
         r = ckpt.restore(plan, user={"params": state.params, "opt": state.opt})
+    if r.step > args.steps:
+        raise SystemExit(f"{args.checkpoint_dir} is at step {r.step}, past --steps {args.steps}: pass --steps "
+                         f"{r.step} or more to go on from it, or another --checkpoint-dir.")
+    if r.data.get("seed", args.seed) != args.seed:  # the shuffle and the loader's position are the seed's
+        raise SystemExit(f"{args.checkpoint_dir} was trained with --seed {r.data['seed']}: resume with it, or "
+                         "use another --checkpoint-dir.")
     losses = np.zeros(args.steps, np.float32)
     saved = [float.fromhex(x) for x in r.data["losses"]][:args.steps]
     losses[:len(saved)] = saved
@@ -136,11 +142,12 @@ def _restore(args, plan, tables, id_maps, state: State):
     return r.tables, r.id_maps, state, r.step, r.data["loader"]
 
 
-def _save(ckpt, step: int, plan, tables, id_maps, state: State, loader: sed.Loader) -> None:
-    """Step `step`: tables, id maps, dense state; the loader's state and the losses so far as `data`."""
+def _save(ckpt, step: int, plan, tables, id_maps, state: State, loader: sed.Loader, seed: int) -> None:
+    """Step `step`: tables, id maps, dense state; the loader's state, the losses so far and the seed as `data`."""
     losses = [float(x).hex() for x in np.asarray(state.losses)[:step]]
-    ckpt.save(step, plan, tables, id_maps=id_maps or None, user={"params": state.params, "opt": state.opt},
-              data={"loader": loader.get_state(), "losses": losses})
+    if not ckpt.save(step, plan, tables, id_maps=id_maps or None, user={"params": state.params, "opt": state.opt},
+                     data={"loader": loader.get_state(), "losses": losses, "seed": seed}):
+        raise SystemExit(f"{ckpt.directory} already holds step {step}; use another --checkpoint-dir.")
     ckpt.wait()
     print(f"checkpoint of step {step} saved", flush=True)
 
@@ -173,7 +180,7 @@ def train(args, plan, source, train_batches: int):
             tables, id_maps, state = train_step(tables, id_maps, state, sparse, _rows(plan, b.dense),
                                                 _rows(plan, b.labels), jnp.int32(step))
             if ckpt is not None and ((step + 1) % every == 0 or step + 1 == args.steps):
-                _save(ckpt, step + 1, plan, tables, id_maps, state, batches)
+                _save(ckpt, step + 1, plan, tables, id_maps, state, batches, args.seed)
     if ckpt is not None:
         ckpt.close()
     return tables, id_maps, state, start, time.perf_counter() - began
@@ -184,9 +191,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     source = sed.CriteoSource(args.data, args.batch_size, vocabulary=args.table_rows if args.hashed else None,
                               on_malformed=args.on_malformed)
-    held_out = min(args.eval_batches, len(source) // 4)
+    held_out = max(1, min(args.eval_batches, len(source) // 4))
     if len(source) - held_out < 1:
-        raise SystemExit(f"--data holds {len(source)} batches of {args.batch_size}: too few to train on.")
+        raise SystemExit(f"--data holds {len(source)} batches of {args.batch_size}: too few to train on and hold "
+                         "one out for the eval.")
     plan = make_plan(args, mesh)
     print(f"{len(jax.devices())} device(s), {source}, {args.steps} steps, {held_out} batches held out; "
           f"{'hashed' if args.hashed else 'raw-id'} tables of {args.table_rows} rows")

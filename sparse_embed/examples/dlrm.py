@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from collections import deque
 from typing import Any, Callable, NamedTuple, Sequence
@@ -478,7 +479,9 @@ def save_checkpoint(directory: str, plan: se.EmbeddingPlan, params: Any, id_maps
     """Saves the tables and raw-id maps (mesh-independent) and the dense params, and waits for the write."""
     dense = {k: v for k, v in params.items() if k != "embed"}
     with se.CheckpointManager(directory) as manager:
-        manager.save(step, plan, params["embed"]["tables"], id_maps=id_maps or None, user=dense)
+        if not manager.save(step, plan, params["embed"]["tables"], id_maps=id_maps or None, user=dense):
+            raise SystemExit(f"{directory} already holds a checkpoint of step {step}, left as it was: use another "
+                             "--checkpoint-dir, or remove it.")
         manager.wait()
     print(f"checkpoint of step {step} saved in {directory} (inspect: sparse-embed inspect {directory})")
 
@@ -512,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         from sparse_embed.examples import criteo_dlrm
 
         return criteo_dlrm.main(args)
+    if args.checkpoint_dir and os.path.isdir(os.path.join(args.checkpoint_dir, str(args.steps))):
+        raise SystemExit(f"{args.checkpoint_dir} already holds a checkpoint of step {args.steps}: use another "
+                         "--checkpoint-dir, or remove it.")  # before training, not after (save_checkpoint)
     teacher, plan, model, params, id_maps, layout, eval_batches = build(args)
     print(f"{len(jax.devices())} device(s), stacks {list(plan.stack_names)}, "
           f"{args.steps} steps x {args.batch_size} examples")
