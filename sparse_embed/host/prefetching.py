@@ -282,7 +282,11 @@ def _split(item: Any, inputs: Callable[[Any], Any] | None) -> tuple[Mapping[str,
             f"prefetch: an item of the input is a {type(item).__name__}, not a mapping feature name -> ids; "
             "pass inputs= to say which part of each item to preprocess, e.g. inputs=lambda item: item[0] for "
             "(ids, labels) items, or a function returning (ids, weights).")
-    picked = inputs(item)
+    try:
+        picked = inputs(item)
+    except StopIteration as e:  # else it would end the input silently where the worker iterates
+        raise RuntimeError("prefetch: inputs(item) raised StopIteration; return the item's ids, or end the "
+                           "input itself.") from e
     if isinstance(picked, Mapping):
         return picked, None
     if isinstance(picked, tuple) and len(picked) == 2 and isinstance(picked[0], Mapping):

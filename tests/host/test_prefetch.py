@@ -152,6 +152,21 @@ def test_worker_error_is_raised_at_its_item_with_the_original_traceback(mesh8, m
     assert not batches.running and next(batches, None) is None  # exhausted, the worker has ended
 
 
+def test_a_stop_iteration_raised_by_inputs_is_an_error_at_its_item_not_the_end_of_the_input(mesh8):
+    plan = _plan(mesh8)
+
+    def pick(i):
+        if i == 3:
+            raise StopIteration
+        return _ids_and_weights(plan, i)[0]
+
+    got = []
+    with pytest.raises(RuntimeError, match=r"inputs\(item\) raised StopIteration") as info:
+        for batch, _, _ in se.prefetch(plan, range(6), inputs=pick):
+            got.append(batch)
+    assert len(got) == 3 and any("item 3 of the input" in n for n in info.value.__notes__)
+
+
 class _Source:
     """An infinite generator of the same ids that counts the items read and records its close."""
 
