@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import jax
@@ -34,6 +35,7 @@ from sparse_embed.core import cost, offload_plan
 from sparse_embed.core import placement as placement_lib
 from sparse_embed.core import placements
 from sparse_embed.core import sparsecore
+from sparse_embed.core.batch import Stats
 from sparse_embed.core.collectives import KernelStack  # noqa: F401 (re-exported from its earlier home)
 from sparse_embed.core.placements import CAPACITY_ALIGNMENT, round_up
 from sparse_embed.core.sparsecore import layout as sparsecore_layout
@@ -521,6 +523,10 @@ def plan(
     mesh = Mesh(np.array(jax.devices()), ("device",)) if mesh is None else mesh
     axis = _resolve_axis(mesh, axis_name)
     num_shards, sc = mesh.shape[axis], sparsecore_layout.count(sparsecores, mesh.devices.flat)
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, np.integer))
+                                      or memory_budget <= 0):
+        raise ValueError(f"memory_budget must be a positive number of bytes per device (an int), got "
+                         f"{memory_budget!r}.")
     feats, tables, tiered = _cached_features(_offloaded(features, memory_budget, offload_to, num_shards))
     _check_policies(on_overflow, nonfinite_gradients)
     _check_batch_sizes(feats, num_shards, axis)
@@ -649,10 +655,14 @@ def _ids_per_sample(feats: dict[str, FeatureSpec], tables: dict[str, TableSpec],
                     stats: Any) -> dict[str, float]:
     """Each feature's ids per sample for the cost model: given, else observed in `stats`, else 1."""
     out, D = dict.fromkeys(feats, 1.0), num_devices
+    if stats is not None and not isinstance(stats, Stats):
+        raise TypeError(f"stats must be the Stats that preprocess returns (merged with Stats.merge), got "
+                        f"{type(stats).__name__}; per feature numbers go in ids_per_sample=.")
     for stack_name, most in (stats.max_ids_per_partition.items() if stats is not None else ()):
-        # The stack's tables: those whose names, sorted and joined with "_", make its name.
-        mine = sorted(t for t in tables if f"_{t}_" in f"_{stack_name}_")
-        if "_".join(mine) != stack_name:
+        mine = _stack_tables(stack_name, sorted(tables))
+        if mine is None:
+            warnings.warn(f"plan(stats=): the stats' stack {stack_name!r} is not made of tables of these features "
+                          "(stats of another model?); its traffic is left out of the cost model.", stacklevel=3)
             continue
         users = [f for f in feats.values() if f.table.name in mine]
         # `most` entries per (device, shard) partition: about most * D ids per device, so per sample
@@ -667,9 +677,20 @@ def _ids_per_sample(feats: dict[str, FeatureSpec], tables: dict[str, TableSpec],
     elif given is not None:
         out = dict.fromkeys(feats, given)
     for name, v in out.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not v > 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not 0 < v < math.inf:
             raise ValueError(f"Feature {name!r}: ids_per_sample must be a positive number, got {v!r}.")
     return {k: float(v) for k, v in out.items()}
+
+
+def _stack_tables(stack_name: str, names: list[str], start: int = 0, after: str = "") -> list[str] | None:
+    """The tables (of sorted `names`) that, sorted and joined with "_", make `stack_name[start:]`, or None."""
+    for t in names:
+        end = start + len(t)
+        if t > after and stack_name.startswith(t, start) and (end == len(stack_name) or stack_name[end] == "_"):
+            rest = [] if end == len(stack_name) else _stack_tables(stack_name, names, end + 1, t)
+            if rest is not None:
+                return [t, *rest]
+    return None
 
 
 def _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sparsecores) -> tuple[StackPlan, ...]:

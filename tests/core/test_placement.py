@@ -506,6 +506,37 @@ def test_stats_size_the_cost_model(mesh8):
     assert ids_of(plain)["l0"] == 64 and ids_of(seen)["l0"] > 20 * 64
 
 
+@pytest.mark.parametrize("names", [("item", "user_id", "user"), ("a_b", "a", "b_c")])
+def test_stats_of_stacks_whose_table_names_share_parts_size_the_cost_model(mesh8, names):
+    """A stack's name is its sorted tables' names joined with "_": "item_user_id" is item + user_id even with a
+    table "user" beside them (it was left out of the cost model, silently)."""
+    tables = [se.TableSpec(n, 1000, 8) for n in names]
+    feats = [se.FeatureSpec(f"f{i}", t, 64) for i, t in enumerate(tables)]
+    stacking = [sorted(names[:2]), [names[2]]]
+    p = se.plan(feats, mesh8, stacking=stacking)
+    ids = {f.name: np.random.default_rng(0).integers(0, 1000, (64, 30 if i < 2 else 1)) for i, f in enumerate(feats)}
+    _, stats = se.preprocess(p, ids)
+    seen = se.plan(feats, mesh8, stacking=stacking, stats=stats)
+    expected = {t.table.name: t.expected_ids for s in seen.stacks for t in s.tables}
+    assert expected[names[0]] > 20 * 8 and expected[names[1]] > 20 * 8 and expected[names[2]] < 64  # 8 samples/device
+
+
+def test_bad_stats_and_memory_budgets_are_refused_or_named(mesh8):
+    feats = _features(opt.SGD(0.1))
+    for budget in ("2GiB", 0, -1, True, 1.5e9):
+        with pytest.raises(ValueError, match=f"memory_budget must be a positive number of bytes .* got {budget!r}"):
+            se.plan(feats, mesh8, placement="auto", memory_budget=budget)
+    with pytest.raises(TypeError, match="stats must be the Stats that preprocess returns .* got dict"):
+        se.plan(feats, mesh8, stats={"a": 3})
+    with pytest.raises(ValueError, match="ids_per_sample must be a positive number, got inf"):
+        se.plan(feats, mesh8, ids_per_sample=float("inf"))
+    other = se.TableSpec("other", 100, 8)
+    _, stats = se.preprocess(p := se.plan([se.FeatureSpec("o", other, 8)], mesh8), {"o": np.zeros((8, 1), np.int64)})
+    assert p.stack_names == ("other",)
+    with pytest.warns(UserWarning, match="the stats' stack 'other' is not made of tables of these features"):
+        se.plan(feats, mesh8, stats=stats)
+
+
 def _sgd(rows, slots, grads, step):
     return rows - 0.1 * grads, slots
 
