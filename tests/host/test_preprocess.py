@@ -117,6 +117,18 @@ def test_overflow_error_names_stack_partition_and_counts(mesh8):
         se.preprocess(plan, _hot_ids(plan, 6))  # 2 samples per device x 6 ids
 
 
+def test_an_overflow_error_leaves_every_capacity_as_it_was(mesh8):
+    """A batch that overflows an explicit capacity raises before an auto stack beside it grows its capacity."""
+    a, b = se.TableSpec("a", 1000, 4), se.TableSpec("b", 1000, 8)
+    plan = se.plan([se.FeatureSpec("fa", a, 8), se.FeatureSpec("fb", b, 8)], mesh8, stacking=None, capacity={"b": 8})
+    small = {"fa": np.zeros((8, 1), np.int64), "fb": np.zeros((8, 1), np.int64)}
+    before = se.preprocess(plan, small)[1].capacity
+    with pytest.raises(ValueError, match=r"Stack 'b' .* but the capacity is 8"):
+        se.preprocess(plan, {"fa": np.arange(8 * 400).reshape(8, 400) % 1000, "fb": np.zeros((8, 200), np.int64)})
+    assert plan_state.of(plan).marks() == {"a": before["a"]}
+    assert se.preprocess(plan, small)[1].capacity == before
+
+
 def test_overflow_drop_is_counted_and_deterministic(mesh8):
     plan = _plan(mesh8, stacking=None, capacity=8, on_overflow="drop")
     ids = _hot_ids(plan, 6)
