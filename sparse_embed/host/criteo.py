@@ -138,7 +138,7 @@ def _slow(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, base: int) 
     for k, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
         text = data[s:s + n].tobytes()
         digits = text[1:] if base == 10 and text.startswith(b"-") else text
-        if digits and set(digits) <= allowed:
+        if digits and set(digits) <= allowed and (base == 10 or len(digits) <= 16):  # (the C path's grammar)
             v = int(text, base)
             if -2**63 < v < 2**63:
                 values[k], ok[k] = v, True
@@ -193,7 +193,7 @@ def parse_lines(data: bytes | memoryview) -> Parsed:
     reasons = ()
     if nbad:  # the reasons, from the numpy path (malformed lines are rare)
         lines = bytes(data).split(b"\n")
-        reasons = tuple(_parse_numpy(lines[i]).reasons[0] for i in bad[:nbad].tolist())
+        reasons = tuple((_parse_numpy(lines[i]).reasons or ("malformed",))[0] for i in bad[:nbad].tolist())
     return Parsed(labels[:good], dense, cats[:good], bad[:nbad], reasons)
 
 

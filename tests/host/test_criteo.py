@@ -66,6 +66,7 @@ BAD_LINES = {
     "too few fields": "1\t2\t3\n",
     "bad hex": "0" + "\t1" * 13 + "\tzz12ab34" + "\t" * 25 + "\n",
     "hex >= 2**63": "0" + "\t" * 13 + "\t" + "f" * 16 + "\t" * 25 + "\n",
+    "17 hex digits": "0" + "\t" * 13 + "\t" + "0" * 16 + "1" + "\t" * 25 + "\n",  # (a small value: still malformed)
     "bad label": "2" + "\t" * 39 + "\n",
     "bad integer": "1\t1a" + "\t" * 38 + "\n",
     "lone minus": "1\t-" + "\t" * 38 + "\n",
