@@ -65,3 +65,18 @@ def test_demo_checkpoint_works_with_the_cli(tmp_path, capsys):
     # a second run into the same directory stops before training instead of saying it saved what it left alone
     with pytest.raises(SystemExit, match="already holds a checkpoint of step 3"):
         demo.main(["--steps", "3", "--checkpoint-dir", str(ckpt), *TINY])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--users", "0"], "argument --users: 0 must be > 0"),
+    (["--batch-size", "-64"], "argument --batch-size: -64 must be > 0"),
+    (["--workers", "-1"], "argument --workers: -1 must be >= 0"),
+    (["--table-rows", "0"], "argument --table-rows: 0 must be > 0"),
+    (["--embedding-lr", "nan"], "argument --embedding-lr: nan must be > 0.0"),
+    (["--steps", "x"], "argument --steps: 'x' is not an integer"),
+    (["--checkpoint-every", "4"], "--checkpoint-every saves a --data run into --checkpoint-dir: give both"),
+])
+def test_bad_flags_are_refused_naming_them(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        demo.parse_args(flags)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sparse_embed as se
 from sparse_embed import data as sed
-from sparse_embed.examples.dlrm import AXIS, auc, describe_kernels, loss_curve
+from sparse_embed.examples.dlrm import AXIS, COUNT, POSITIVE_INT, auc, describe_kernels, loss_curve
 
 FEATURES = tuple(f"C{i}" for i in range(1, 27))
 
@@ -216,11 +216,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", nargs="+", metavar="PATH",
                    help="train on Criteo-format click logs (plain or gzip) instead of the synthetic teacher; "
                         "make a sample with `python -m sparse_embed.examples.criteo_data FILE`")
-    p.add_argument("--table-rows", type=int, default=20_000, help="--data: rows of each categorical table")
+    p.add_argument("--table-rows", type=POSITIVE_INT, default=20_000,
+                   help="--data: rows of each categorical table")
     p.add_argument("--hashed", action="store_true",
                    help="--data: hash the categorical values into static tables instead of raw-id tables")
-    p.add_argument("--workers", type=int, default=0, help="--data: grain worker processes reading the files")
+    p.add_argument("--workers", type=COUNT, default=0, help="--data: grain worker processes reading the files")
     p.add_argument("--on-malformed", choices=("error", "skip"), default="error",
                    help="--data: a malformed line stops the run (naming file and line), or is skipped and counted")
-    p.add_argument("--checkpoint-every", type=int, default=0,
+    p.add_argument("--checkpoint-every", type=COUNT, default=0,
                    help="--data: save every N steps into --checkpoint-dir (resumed from when started again)")

@@ -363,32 +363,50 @@ def score(predict: Callable, params, id_maps, batches: Sequence[Batch]) -> tuple
 # Driver.
 
 
+def _number(kind: type, low: float, strict: bool) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)`, finite, above `low` (`strict`) or at least `low`."""
+    def parse(text: str):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}")
+        if not (x > low if strict else x >= low) or not np.isfinite(x):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {low}")
+        return x
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+POSITIVE_INT, COUNT, POSITIVE = _number(int, 0, True), _number(int, 0, False), _number(float, 0.0, True)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line; checks that the batch splits evenly over the devices."""
     p = argparse.ArgumentParser(prog="python -m sparse_embed.examples.dlrm", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=8000, help="training steps")
-    p.add_argument("--batch-size", type=int, default=1024, help="global batch; must divide by the device count")
-    p.add_argument("--seed", type=int, default=0, help="seeds the teacher, the data and the model")
-    p.add_argument("--eval-batches", type=int, default=16,
+    p.add_argument("--steps", type=POSITIVE_INT, default=8000, help="training steps")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=1024, help="global batch; must divide by the device count")
+    p.add_argument("--seed", type=COUNT, default=0, help="seeds the teacher, the data and the model")
+    p.add_argument("--eval-batches", type=POSITIVE_INT, default=16,
                    help="held-out batches for eval AUC (and as many recent training batches for train AUC)")
-    p.add_argument("--embedding-dim", type=int, default=16, help="width of every table's rows")
-    p.add_argument("--embedding-lr", type=float, default=0.05, help="Adagrad learning rate of the tables")
+    p.add_argument("--embedding-dim", type=POSITIVE_INT, default=16, help="width of every table's rows")
+    p.add_argument("--embedding-lr", type=POSITIVE, default=0.05, help="Adagrad learning rate of the tables")
     # The loss is a batch mean, so a row's gradient is ~1/batch: an initial accumulator of
     # 0.1 (the Adagrad default) would dwarf g*g and leave rarely seen rows almost frozen.
-    p.add_argument("--embedding-init-acc", type=float, default=1e-6,
+    p.add_argument("--embedding-init-acc", type=POSITIVE, default=1e-6,
                    help="Adagrad initial accumulator of the tables (small: the loss is a batch mean)")
     # Small initial rows: an id never seen in training then contributes ~nothing, not noise.
-    p.add_argument("--embedding-init-std", type=float, default=0.02, help="stddev of the initial rows")
-    p.add_argument("--dense-lr", type=float, default=2e-3, help="Adam learning rate of the MLP head")
-    p.add_argument("--users", type=int, default=DataConfig.users, help="user vocabulary")
-    p.add_argument("--user-rows", type=int, default=DataConfig.user_rows,
+    p.add_argument("--embedding-init-std", type=POSITIVE, default=0.02, help="stddev of the initial rows")
+    p.add_argument("--dense-lr", type=POSITIVE, default=2e-3, help="Adam learning rate of the MLP head")
+    p.add_argument("--users", type=POSITIVE_INT, default=DataConfig.users, help="user vocabulary")
+    p.add_argument("--user-rows", type=POSITIVE_INT, default=DataConfig.user_rows,
                    help="rows of the user table, keyed by raw 63-bit user ids (admission, LRU eviction)")
     p.add_argument("--static-user-ids", action="store_true",
                    help="user ids are rows of a [users, dim] table instead (the comparison run)")
-    p.add_argument("--items", type=int, default=DataConfig.items, help="item vocabulary")
-    p.add_argument("--tags", type=int, default=DataConfig.tags, help="tag vocabulary")
-    p.add_argument("--log-every", type=int, default=20, help="steps between progress-bar updates")
+    p.add_argument("--items", type=POSITIVE_INT, default=DataConfig.items, help="item vocabulary")
+    p.add_argument("--tags", type=POSITIVE_INT, default=DataConfig.tags, help="tag vocabulary")
+    p.add_argument("--log-every", type=POSITIVE_INT, default=20, help="steps between progress-bar updates")
     p.add_argument("--checkpoint-dir", help="save the trained state here (sparse_embed.CheckpointManager); "
                    "inspect it with `sparse-embed inspect DIR`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -399,8 +417,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     n = len(jax.devices())
     if args.batch_size % n:
         p.error(f"--batch-size {args.batch_size} must divide by the {n} devices")
-    if args.steps < 1 or args.eval_batches < 1:
-        p.error("--steps and --eval-batches must be >= 1")
+    if args.checkpoint_every and not (args.data and args.checkpoint_dir):
+        p.error("--checkpoint-every saves a --data run into --checkpoint-dir: give both (the synthetic demo saves "
+                "once, at the end, into --checkpoint-dir)")
     return args
 
 
