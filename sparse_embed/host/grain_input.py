@@ -126,8 +126,12 @@ class Loader(Iterator[Prefetched]):
         state = None if state is None else _checked_state(state)
         iterator = _iterator(dataset)
         if state is not None:
-            iterator.set_state(copy.deepcopy(state["input"]))
-            plan_state.of(plan).restore(state["plan"])
+            for part, restore in (("input", iterator.set_state), ("plan", plan_state.of(plan).restore)):
+                try:
+                    restore(copy.deepcopy(state[part]))
+                except (TypeError, KeyError, AttributeError, ValueError, IndexError) as e:
+                    raise ValueError(f"state must be what Loader.get_state() returned over the same dataset: its "
+                                     f"{part!r} could not be restored ({type(e).__name__}: {e}).") from e
         self._state = {"input": iterator.get_state(), "plan": plan_state.of(plan).snapshot()}
         self._prefetcher = Prefetcher(functools.partial(_prepare_with_state, transform), _with_states(iterator),
                                       buffer_size)

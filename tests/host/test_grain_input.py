@@ -118,6 +118,13 @@ def test_loader_bad_arguments():
         sed.Loader(plan, [1, 2])
     with pytest.raises(ValueError, match="state must be what Loader.get_state"):
         sed.Loader(plan, dataset(), state={"position": 3})
+    for state, part in (({"input": None, "plan": None}, "input"), ({"input": {}, "plan": {}}, "input")):
+        with pytest.raises(ValueError, match=f"state must be what Loader.get_state.* its '{part}' could not be"):
+            sed.Loader(plan, dataset(), state=state)
+    with sed.Loader(plan, dataset()) as loader:
+        good = loader.get_state()
+    with pytest.raises(ValueError, match="its 'plan' could not be restored"):
+        sed.Loader(plan, dataset(), state={**good, "plan": None})
     with pytest.raises(ValueError, match="buffer_size must be >= 1"):
         sed.Loader(plan, dataset(), buffer_size=0)
     with sed.Loader(plan, dataset()) as batches:  # the element is not an ids mapping: the error comes at it
