@@ -82,6 +82,21 @@ def _save(dst: str, arrays: Iterable[tuple[str, str, np.ndarray]], info: Checkpo
     write_step(save, dst.rstrip(os.sep) + STAGING, write, info)
 
 
+def _check_destination(dst: str, src: str) -> None:
+    """Before anything is read: `dst` is new, outside the checkpoint `src` read from, and its parent exists (made
+    if need be)."""
+    if os.path.exists(dst):
+        raise CheckpointError(f"{dst} already exists; choose a new destination.")
+    real, source = os.path.realpath(dst), os.path.realpath(src)
+    if os.path.commonpath([real, source]) == source:
+        raise CheckpointError(f"{dst} is inside the checkpoint {src} it would be converted from; choose a "
+                              "destination outside it.")
+    try:
+        os.makedirs(os.path.dirname(real), exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"Cannot write {dst}: {e.strerror} ({e.filename}).") from None
+
+
 def _serving_info(records: Iterable[TableRecord], dtype, stacking, num_shards, step) -> CheckpointInfo:
     recs = tuple(
         dataclasses.replace(r, slots=(), stored_rows=r.vocabulary_size, dtype=dtype or r.dtype)
@@ -219,6 +234,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
         new_info = dataclasses.replace(info, num_shards=n, format=FORMAT, tables=tuple(
             dataclasses.replace(r, stored_rows=r.vocabulary_size) for r in info.tables))
         out_dir = os.path.join(os.fspath(dst), str(info.step if info.step is not None else 0))
+    _check_destination(out_dir, os.fspath(src))
     total = sum(1 + (0 if serving else len(r.slots)) for r in info.tables)
     # a serving copy leaves out the raw ids a lookup at the checkpoint's step finds expired, as export_serving
     expired = {r.name: _expired(step_dir, info, r) for r in info.tables if serving and r.dynamic}

@@ -127,6 +127,9 @@ def read_user_host(step_dir: str, info: CheckpointInfo) -> Any:
     """The user pytree as saved, as numpy arrays on the host (no target needed), verified."""
     handler = ocp.Checkpointer(item_handlers()[USER])
     path = os.path.join(step_dir, USER)
+    if not os.path.isdir(path):
+        raise CorruptCheckpointError(f"{step_dir}: its '{USER}' item (the user pytree saved with it) is missing; "
+                                     f"{WHAT_TO_DO}.")
     try:
         tree = handler.metadata(path).item_metadata.tree
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)

@@ -284,3 +284,17 @@ def test_step_choice_is_the_latest_complete_one_and_a_step_directory_is_its_own_
     for cmd in (["inspect"], ["verify"]):
         assert cli.main([*cmd, str(path / "4"), "--step", "9"]) == 1
         assert "is the directory of step 4, not of step 9" in capsys.readouterr().err
+
+
+def test_convert_refuses_a_destination_inside_the_source_or_unwritable_before_reading(ckpt, tmp_path, capsys):
+    path = tmp_path / "ck"
+    shutil.copytree(ckpt[0], path)
+    for dst, match in ((path / "sub", "is inside the checkpoint"), (path / "4" / "x", "is inside the checkpoint"),
+                       ("/proc/nope/x", "Cannot write /proc/nope/x: No such file or directory (/proc/nope)")):
+        assert cli.main(["convert", str(path), str(dst), "--serving"]) == 1
+        err = capsys.readouterr().err
+        assert match in err and "Traceback" not in err and "%" not in err  # (no progress bar drawn first)
+    assert sorted(os.listdir(path)) == ["4"]
+    shutil.rmtree(path / "4" / "user")
+    assert cli.main(["verify", str(path)]) == 1
+    assert "its 'user' item (the user pytree saved with it) is missing" in capsys.readouterr().out
