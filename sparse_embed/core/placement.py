@@ -53,6 +53,25 @@ def choose(loads: dict[str, TableLoad], fixed: dict[str, str], stack_of, num_dev
     return chosen
 
 
+def stack_mates_alike(fixed: dict[str, str], groups: list[list[str]], loads: dict[str, TableLoad],
+                      num_devices: int) -> dict[str, str]:
+    """`fixed` with each explicit stack's tables placed alike (a stack has one placement): a group with a fixed
+    table gives its placement to the others; one with none gets the placement cheapest for the group as a whole.
+    A group whose fixed tables disagree is left as it is (the plan names the disagreement)."""
+    out = dict(fixed)
+    for group in groups:
+        given = {fixed[n] for n in group if n in fixed}
+        if len(given) > 1:
+            continue
+        allowed = [p for p in placements.names() if all(placements.get(p).choosable(loads[n]) for n in group)]
+        if not given and not allowed:
+            continue
+        p = given.pop() if given else min(
+            allowed, key=lambda p: (sum(loads[n].cost(p, num_devices) for n in group), _order(p)))
+        out.update(dict.fromkeys(group, p))
+    return out
+
+
 def to_move(chosen: dict[str, str], fixed: dict[str, str], loads: dict[str, TableLoad],
             num_devices: int) -> tuple[str, str] | None:
     """`(table, placement)`: where to move a table so the plan needs less memory per device, or None.

@@ -532,8 +532,12 @@ def plan(
     _check_batch_sizes(feats, num_shards, axis)
     per_sample = _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats)
     loads = cost.table_loads(feats, tables, num_shards, per_sample)
+    fixed = _fixed_placements(tables, placement)
+    if not isinstance(stacking, str) and isinstance(stacking, Iterable):  # explicit stacks: one placement each
+        groups = [[n for n in g if n in loads] for g in stacking if not isinstance(g, str) and isinstance(g, Iterable)]
+        fixed = placement_lib.stack_mates_alike(fixed, groups, loads, num_shards)
     stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sc),
-                         _fixed_placements(tables, placement), loads, num_shards, memory_budget)
+                         fixed, loads, num_shards, memory_budget)
     _check_row_numbers(stacks)
     sparsecore_layout.warn_fallbacks(stacks, sc)  # once, for the stacks chosen (`_fit_budget` tries several)
     return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, _check_kernel(kernel), tiered)

@@ -564,3 +564,25 @@ def test_more_rows_per_device_than_int32_numbers_hold_are_refused(devices, vocab
     if devices > 1:  # split by rows over the devices, they fit
         p = se.plan([se.FeatureSpec("f", big, 8)], make_mesh(devices), placement="row")
         assert p.stacks[0].rows_per_shard == -(-vocab // devices)
+
+
+def test_explicit_stacks_take_one_placement_fixed_by_a_table_or_chosen_for_the_stack(mesh8):
+    """Tables the caller stacks share a placement: a fixed one's, or auto's for the stack as a whole (auto chose
+    per table, and differing choices were refused as "their placements differ")."""
+    small, big = (se.TableSpec(n, v, 64, optimizer=opt.SGD(0.5), combiner="sum") for n, v in (("small", 1), ("big", 100_000)))
+    feats = [se.FeatureSpec("a", small, 16), se.FeatureSpec("b", big, 16)]
+    alone = se.plan(feats, mesh8, placement="auto", ids_per_sample={"b": 30})  # stacked by placement
+    assert len({s.placement for s in alone.stacks}) == 2  # each alone: two different choices
+    together = se.plan(feats, mesh8, placement="auto", ids_per_sample={"b": 30}, stacking=[["big", "small"]])
+    assert [s.name for s in together.stacks] == ["big_small"]
+    for p in ("row", "table", "column"):
+        fixed = se.plan(feats, mesh8, placement={"small": p}, stacking=[["big", "small"]])
+        assert [(s.name, s.placement) for s in fixed.stacks] == [("big_small", p)]
+    with pytest.raises(ValueError, match="cannot be stacked: their placements differ"):
+        se.plan(feats, mesh8, placement={"small": "row", "big": "table"}, stacking=[["big", "small"]])
+    ids = {"a": np.zeros((16, 2), np.int64), "b": np.random.default_rng(1).integers(0, 1000, (16, 3))}
+    tables = se.init_tables(together, jax.random.key(0))
+    got = se.lookup(together, se.preprocess(together, ids)[0], tables)
+    rows = se.unstack_state(together, tables)
+    for f, t in (("a", "small"), ("b", "big")):
+        np.testing.assert_allclose(got[f], rows[t]["table"][ids[f]].sum(1), rtol=1e-6, atol=1e-6)
