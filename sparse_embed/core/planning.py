@@ -523,8 +523,8 @@ def plan(
     mesh = Mesh(np.array(jax.devices()), ("device",)) if mesh is None else mesh
     axis = _resolve_axis(mesh, axis_name)
     num_shards, sc = mesh.shape[axis], sparsecore_layout.count(sparsecores, mesh.devices.flat)
-    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, np.integer))
-                                      or memory_budget <= 0):
+    whole = isinstance(memory_budget, (int, np.integer)) and not isinstance(memory_budget, bool)
+    if memory_budget is not None and not (whole and memory_budget > 0):
         raise ValueError(f"memory_budget must be a positive number of bytes per device (an int), got "
                          f"{memory_budget!r}.")
     feats, tables, tiered = _cached_features(_offloaded(features, memory_budget, offload_to, num_shards))
