@@ -116,6 +116,14 @@ def _int_at_least(low: int, what: str):
 
 
 _positive_int = _int_at_least(1, "a positive integer")  # a count of devices
+MAX_SIMULATED = 4096  # `plan --devices`: XLA starts every simulated CPU device (100k took minutes, then failed)
+
+
+def _simulated_count(text: str) -> int:
+    n = _positive_int(text)
+    if n > MAX_SIMULATED:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SIMULATED} simulated devices, got {text!r}")
+    return n
 _step = _int_at_least(0, "a step number (an integer >= 0)")  # a checkpoint step
 
 
@@ -131,9 +139,10 @@ def _positive_float(text: str) -> float:
 
 
 def _bytes(text: str) -> int:
-    """An argparse type: "2GiB", "512 MiB", "1e9" -> bytes, at least 1."""
+    """An argparse type: "2GiB" (2 * 1024**3), "2GB" (2e9), "512 MiB", "1e9" -> bytes, at least 1."""
     m = re.fullmatch(r"\s*((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([KMGT]i?B|B)?\s*", text)
-    size = float(m.group(1)) * 1024 ** "BKMGT".index((m.group(2) or "B")[0]) if m else math.nan
+    unit = (m.group(2) or "B") if m else "B"
+    size = float(m.group(1)) * (1024 if "i" in unit else 1000) ** "BKMGT".index(unit[0]) if m else math.nan
     if not (math.isfinite(size) and size >= 1):
         raise argparse.ArgumentTypeError(f"not a size of at least 1 byte: {text!r} (e.g. 2GiB, 512MiB, 1e9)")
     return int(size)
@@ -237,7 +246,7 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_convert)
     pl = sub.add_parser("plan", help="where each table of a model's features lives, its memory and traffic")
     pl.add_argument("features", help="MODULE:NAME of a list or dict of FeatureSpecs, or of a function returning one")
-    pl.add_argument("--devices", type=_positive_int, default=8, help="devices of the mesh (simulated on CPU)")
+    pl.add_argument("--devices", type=_simulated_count, default=8, help="devices of the mesh (simulated on CPU)")
     pl.add_argument("--placement", default=placements.AUTO, choices=[placements.AUTO, *placements.names()])
     pl.add_argument("--memory-budget", type=_bytes, default=None, help="bytes per device, e.g. 2GiB")
     pl.add_argument("--ids-per-sample", type=_positive_float, default=None, help="the cost model's ids per sample")

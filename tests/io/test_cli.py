@@ -209,6 +209,7 @@ def test_plan_of_a_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch
     (["plan", "m:f", "--devices", "-2"], "--devices"),
     (["plan", "m:f", "--devices", "2.5"], "--devices"),
     (["plan", "m:f", "--devices", "eight"], "--devices"),
+    (["plan", "m:f", "--devices", "100000"], "--devices: at most 4096 simulated devices"),
     (["plan", "m:f", "--memory-budget", "abc"], "--memory-budget"),
     (["plan", "m:f", "--memory-budget=-1GiB"], "--memory-budget"),
     (["plan", "m:f", "--memory-budget", "-1GiB"], "--memory-budget"),
@@ -244,6 +245,8 @@ def test_good_arguments_still_parse():
     assert (args.devices, args.memory_budget, args.ids_per_sample, args.placement) == (1, 1536, 2.5, "row")
     assert cli.parser().parse_args(["plan", "m:f", "--memory-budget", "1e9"]).memory_budget == 10**9
     assert cli.parser().parse_args(["plan", "m:f", "--memory-budget", "2GiB"]).memory_budget == 2 * 2**30
+    assert cli.parser().parse_args(["plan", "m:f", "--memory-budget", "2GB"]).memory_budget == 2 * 10**9
+    assert cli.parser().parse_args(["plan", "m:f", "--devices", "4096"]).devices == 4096
     assert cli.parser().parse_args(["verify", "ck", "--step", "0"]).step == 0
     assert cli.parser().parse_args(["convert", "a", "b", "--devices", "3"]).devices == 3
 
