@@ -91,18 +91,33 @@ def jte_layout_from_specs(table_specs: Iterable[Any], num_shards: int) -> tuple[
     return tuple(out)
 
 
+def _check_shards(num_shards: Any, what: str = "num_shards") -> int:
+    if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
+        raise ValueError(f"{what} must be a positive int (the SparseCores of all devices), got {num_shards!r}.")
+    return int(num_shards)
+
+
 def jte_layout(tables: Mapping[str, TableSpec] | Sequence[TableSpec], num_shards: int, *,
-               stacking: Sequence[Sequence[str]] | None = None, rotation: int = 1) -> tuple[JteTableLayout, ...]:
+               stacking: Sequence[Sequence[str]] | None = None, rotation: int | None = None
+               ) -> tuple[JteTableLayout, ...]:
     """The layout jax-tpu-embedding's `stack_tables(features, group, ...)` gives each group.
 
     `stacking`: groups of table names, in stack order (default: one stack per
     table); stacks are named by joining their tables' names with "_" (names
     longer than 50 characters are shortened by jax-tpu-embedding: pass its
     specs to `jte_layout_from_specs` instead). `rotation` is its shard
-    rotation step (its default: SparseCores per device).
+    rotation step, needed for a stack of several tables (its default there:
+    SparseCores per device, which `num_shards` does not say).
     """
+    num_shards = _check_shards(num_shards)
     specs = dict(tables) if isinstance(tables, Mapping) else {t.name: t for t in tables}
+    if stacking is not None and (isinstance(stacking, str) or any(isinstance(g, str) or not list(g) for g in stacking)):
+        raise ValueError(f"stacking must be a list of non-empty lists of table names, got {stacking!r}.")
     groups = [list(g) for g in stacking] if stacking is not None else [[n] for n in sorted(specs)]
+    if rotation is None and any(len(g) > 1 for g in groups):
+        raise ValueError("A stack of several tables needs rotation= (jax-tpu-embedding's stack_tables rotates its "
+                         "tables' shards by SparseCores per device by default: pass that).")
+    rotation = 1 if rotation is None else rotation
     listed = [n for g in groups for n in g]
     if sorted(listed) != sorted(specs):
         raise ValueError(f"stacking must name every table once; it names {listed}, the tables are {sorted(specs)}.")
@@ -123,10 +138,24 @@ def jte_layout(tables: Mapping[str, TableSpec] | Sequence[TableSpec], num_shards
     return tuple(out)
 
 
-def _stacks(layout: Sequence[JteTableLayout]) -> dict[str, list[JteTableLayout]]:
+def _stacks(layout: Sequence[JteTableLayout], num_shards: int) -> dict[str, list[JteTableLayout]]:
+    """The layout's stacks, checked against `num_shards` (a layout is made for one number of shards: its tables'
+    padding and their offsets in a shard follow from it)."""
     out: dict[str, list[JteTableLayout]] = {}
     for t in layout:
         out.setdefault(t.stack_name, []).append(t)
+    for stack, members in out.items():
+        offset = 0
+        for t in sorted(members, key=lambda t: t.row_offset_in_shard):
+            if t.padded_vocab_size % (8 * num_shards) or t.row_offset_in_shard != offset:
+                raise ValueError(f"Table {t.name!r} (stack {stack!r}): its layout was not made for num_shards="
+                                 f"{num_shards} (padded to {t.padded_vocab_size} rows at row {t.row_offset_in_shard} "
+                                 "of a shard); pass the num_shards it was made for.")
+            offset += t.padded_vocab_size // num_shards
+        if offset * num_shards != members[0].stack_vocab_size:
+            raise ValueError(f"Stack {stack!r}: its tables fill {offset * num_shards} of its "
+                             f"{members[0].stack_vocab_size} rows with num_shards={num_shards}; pass the num_shards "
+                             "its layout was made for.")
     return out
 
 
@@ -140,8 +169,8 @@ def to_jte(layout: Sequence[JteTableLayout], arrays: Mapping[str, np.ndarray], n
     missing = sorted({t.name for t in layout} - set(arrays))
     if missing:
         raise ValueError(f"to_jte: no arrays for tables {missing}.")
-    out = {}
-    for stack, members in _stacks(layout).items():
+    num_shards, out = _check_shards(num_shards), {}
+    for stack, members in _stacks(layout, num_shards).items():
         first = members[0]
         buf = np.zeros((num_shards, first.stack_vocab_size // num_shards, first.stack_embedding_dim), np.float32)
         for t in members:
@@ -161,11 +190,17 @@ def to_jte(layout: Sequence[JteTableLayout], arrays: Mapping[str, np.ndarray], n
 def from_jte(layout: Sequence[JteTableLayout], stacked: Mapping[str, np.ndarray], num_shards: int
              ) -> dict[str, np.ndarray]:
     """`{stack: [num_shards * rows, stack_dim]}` (or `[num_shards, rows, stack_dim]`) -> `{table: [vocab, dim]}`."""
-    out = {}
+    num_shards, out = _check_shards(num_shards), {}
+    _stacks(layout, num_shards)
     for t in layout:
         if t.stack_name not in stacked:
             raise ValueError(f"Table {t.name!r}: its stack {t.stack_name!r} is not among {sorted(stacked)}.")
-        s = np.asarray(stacked[t.stack_name]).reshape(num_shards, -1, t.stack_embedding_dim)
+        s = np.asarray(stacked[t.stack_name])
+        want = (t.stack_vocab_size, t.stack_embedding_dim)
+        if s.shape not in (want, (num_shards, t.stack_vocab_size // num_shards, t.stack_embedding_dim)):
+            raise ValueError(f"Stack {t.stack_name!r}: array of shape {s.shape}, but its layout is {want} (or "
+                             f"{(num_shards, want[0] // num_shards, want[1])}) with num_shards={num_shards}.")
+        s = s.reshape(num_shards, -1, t.stack_embedding_dim)
         rows = t.padded_vocab_size // num_shards
         shards = np.roll(s[:, t.row_offset_in_shard : t.row_offset_in_shard + rows], -t.shard_rotation, axis=0)
         out[t.name] = shards.swapaxes(0, 1).reshape(-1, t.stack_embedding_dim)[: t.vocabulary_size, : t.embedding_dim]
@@ -228,7 +263,8 @@ def sparsecore_csr(features: Mapping[str, FeatureSpec], layout: Sequence[JteTabl
     missing = sorted(set(features) - set(ids))
     if missing:
         raise ValueError(f"sparsecore_csr: no ids for features {missing}.")
-    num_sc = num_devices * sc_per_device
+    num_sc = _check_shards(num_devices, "num_devices") * _check_shards(sc_per_device, "sc_per_device")
+    _stacks(layout, num_sc)
     out = {}
     for stack in dict.fromkeys(t.stack_name for t in layout):
         feats = sorted((f for f in features.values() if where[f.table.name].stack_name == stack), key=lambda f: f.name)

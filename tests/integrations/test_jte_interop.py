@@ -58,7 +58,7 @@ def test_training_state_round_trip_through_jte_layout():
     c = se.TableSpec("c", 19, 8, optimizer=se.optimizers.Adagrad(0.1))
     plan = se.plan({"fa": se.FeatureSpec("fa", a, 8), "fc": se.FeatureSpec("fc", c, 8)}, make_mesh(4))
     state = se.init_tables(plan, jax.random.key(1))
-    layout = se.jte.jte_layout(plan.tables, 4, stacking=[["a", "c"]])
+    layout = se.jte.jte_layout(plan.tables, 4, stacking=[["a", "c"]], rotation=1)
     per_table = se.unstack_state(plan, state)
     for key in ("table", "accumulator"):
         arrays = {n: v[key] for n, v in per_table.items()}
@@ -68,3 +68,31 @@ def test_training_state_round_trip_through_jte_layout():
             np.testing.assert_array_equal(back[n], arrays[n])
         if restacked is not None:
             np.testing.assert_array_equal(np.asarray(restacked["a_c"].table), np.asarray(state["a_c"].table))
+
+
+def test_layouts_used_with_another_shard_count_or_array_are_refused_naming_them():
+    """A layout is made for one number of shards: used with another, or given an array of another shape, it would
+    read or write the wrong rows silently."""
+    tables = {"a": se.TableSpec("a", 37, 16), "b": se.TableSpec("b", 100, 16)}
+    l8 = se.jte.jte_layout(tables, 8, stacking=[["a", "b"]], rotation=2)
+    arrays = {n: np.random.default_rng(0).normal(size=(t.vocabulary_size, 16)).astype(np.float32)
+              for n, t in tables.items()}
+    stacked = se.jte.to_jte(l8, arrays, 8)
+    assert stacked["a_b"].shape == (l8[0].stack_vocab_size, 16)
+    with pytest.raises(ValueError, match=r"Table 'b' \(stack 'a_b'\): its layout was not made for num_shards=4"):
+        se.jte.to_jte(l8, arrays, 4)
+    with pytest.raises(ValueError, match="its layout was not made for num_shards=16"):
+        se.jte.from_jte(l8, stacked, 16)
+    l16 = se.jte.jte_layout(tables, 16, stacking=[["a", "b"]], rotation=2)
+    with pytest.raises(ValueError, match=r"Stack 'a_b': array of shape \(256, 16\), but its layout is \(192, 16\)"):
+        se.jte.from_jte(l8, se.jte.to_jte(l16, arrays, 16), 8)
+    with pytest.raises(ValueError, match=r"array of shape \(384, 8\)"):
+        se.jte.from_jte(l8, {"a_b": np.zeros((384, 8), np.float32)}, 8)
+    for bad, match in ((-8, "num_shards must be a positive int"), (2.5, "num_shards must be a positive int")):
+        with pytest.raises(ValueError, match=match):
+            se.jte.jte_layout(tables, bad)
+    with pytest.raises(ValueError, match="stacking must be a list of non-empty lists"):
+        se.jte.jte_layout(tables, 8, stacking=["ab"])
+    with pytest.raises(ValueError, match="A stack of several tables needs rotation="):
+        se.jte.jte_layout(tables, 8, stacking=[["a", "b"]])
+    assert se.jte.jte_layout(tables, 8) == se.jte.jte_layout(tables, 8, rotation=3)  # one table a stack: no rotation
