@@ -148,6 +148,15 @@ def stack_tables(
     _check_arrays(plan, arrays, "stack_tables")
     if slots and not with_slots:
         raise ValueError("stack_tables: slots were given but with_slots=False.")
+    for name, given in (slots or {}).items():  # else a misspelt one would be fresh silently
+        if name not in plan.tables:
+            raise ValueError(f"stack_tables: slots name table {name!r}, which the plan does not have; tables are "
+                             f"{sorted(plan.tables)}.")
+        o = plan.tables[name].resolved_optimizer
+        has = sorted(o.slots(plan.tables[name].embedding_dim))
+        if unknown := sorted(set(given) - set(has)):
+            raise ValueError(f"stack_tables: table {name!r} has no slots {unknown}: its optimizer "
+                             f"{type(o).__name__} has {has}.")
     host = {n: _host_array(n, "array", a, (plan.tables[n].vocabulary_size, plan.tables[n].embedding_dim))
             for n, a in arrays.items()}
     out = {}

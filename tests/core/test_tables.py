@@ -144,5 +144,10 @@ def test_stack_tables_bad_input(mesh8):
         se.stack_tables(plan, {**good, "b": np.zeros((99, 8))})
     with pytest.raises(ValueError, match=r"Table 'a': slot 'accumulator' has shape"):
         se.stack_tables(plan, good, {"a": {"accumulator": np.zeros((37, 3))}})
+    with pytest.raises(ValueError, match=r"table 'a' has no slots \['accumulatr'\]: its optimizer Adagrad has "
+                                         r"\['accumulator'\]"):  # (else fresh: a typo reset the optimizer's state)
+        se.stack_tables(plan, good, {"a": {"accumulatr": np.full((37, 8), 7.0, np.float32)}})
+    with pytest.raises(ValueError, match="slots name table 'A', which the plan does not have"):
+        se.stack_tables(plan, good, {"A": {"accumulator": np.full((37, 8), 7.0, np.float32)}})
     with pytest.raises(ValueError, match="stacks missing"):
         se.unstack_tables(plan, {})
