@@ -24,6 +24,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _TRUNCATION = 2.0  # in standard deviations, as jax.nn.initializers.truncated_normal
 
@@ -68,6 +69,12 @@ class TruncatedNormal:
 
     stddev: float
 
+    def __post_init__(self):
+        x = self.stddev
+        if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) or not 0 < x < math.inf:
+            raise ValueError(f"stddev must be a finite number > 0, got {x!r}.")
+        object.__setattr__(self, "stddev", float(x))  # (1 and 1.0: one initializer, as stores record it)
+
     def __call__(self, key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
         if len(shape) != 2:
             raise ValueError(f"TruncatedNormal initialises 2-D tables [rows, dim], got shape {shape}.")
@@ -76,6 +83,4 @@ class TruncatedNormal:
 
 def truncated_normal(stddev: float) -> TruncatedNormal:
     """The default table initializer with another stddev (the default is `1/sqrt(dim)`)."""
-    if not stddev > 0:
-        raise ValueError(f"stddev must be > 0, got {stddev!r}.")
-    return TruncatedNormal(float(stddev))
+    return TruncatedNormal(stddev)

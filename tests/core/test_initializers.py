@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import sparse_embed as se
+from sparse_embed.core import tables as core_tables
 from conftest import make_mesh
 
 
@@ -55,7 +56,7 @@ def test_init_tables_values_depend_only_on_key_and_name(devices):
     a, b = se.TableSpec("a", 1001, 8), se.TableSpec("b", 77, 8, initializer=se.initializers.truncated_normal(2.0))
     c = se.TableSpec("c", 40, 8, initializer=jax.nn.initializers.normal(1.0))
     feats = {t.name: se.FeatureSpec(t.name, t, 8) for t in (a, b, c)}
-    want = {t.name: np.asarray(t.resolved_initializer(se.core.tables.table_key(jax.random.key(5), t.name),
+    want = {t.name: np.asarray(t.resolved_initializer(core_tables.table_key(jax.random.key(5), t.name),
                                                       (t.vocabulary_size, 8))) for t in (a, b)}
     for stacking in ("auto", None, [["a", "b"], ["c"]]):
         plan = se.plan(feats, make_mesh(devices), stacking=stacking)
@@ -68,7 +69,10 @@ def test_init_tables_values_depend_only_on_key_and_name(devices):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="stddev must be > 0"):
-        se.initializers.truncated_normal(0)
+    for make in (se.initializers.truncated_normal, se.initializers.TruncatedNormal):
+        for bad in (0, -1.0, float("inf"), float("nan"), "0.1", None, True):
+            with pytest.raises(ValueError, match=f"stddev must be a finite number > 0, got {bad!r}"):
+                make(bad)
+    assert se.initializers.TruncatedNormal(1) == se.initializers.truncated_normal(1.0)
     with pytest.raises(ValueError, match="2-D tables"):
         se.initializers.truncated_normal(1.0)(jax.random.key(0), (3, 4, 5))
