@@ -190,6 +190,9 @@ class TableSpec:
             )
         if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
             raise ValueError(f"Table {self.name!r}: dtype must be a float dtype, got {self.dtype!r}.")
+        if self.initializer is not None and not callable(self.initializer):
+            raise TypeError(f"Table {self.name!r}: initializer must be a function f(key, shape, dtype) (e.g. "
+                            f"sparse_embed.initializers.truncated_normal(0.01)), got {self.initializer!r}.")
         # Normalise so that equal specs hash equally.
         object.__setattr__(self, "vocabulary_size", int(self.vocabulary_size))
         object.__setattr__(self, "embedding_dim", int(self.embedding_dim))

@@ -36,6 +36,8 @@ def test_table_spec_validation(kwargs, match):
 def test_table_spec_rejects_optax_transform():
     with pytest.raises(TypeError, match="'tbl'.*sparse_embed.optimizers"):
         se.TableSpec("tbl", 10, 4, optimizer=optax.adam(0.1))
+    with pytest.raises(TypeError, match="'tbl': initializer must be a function f\\(key, shape, dtype\\)"):
+        se.TableSpec("tbl", 10, 4, initializer="normal")  # (it failed only in init_tables: 'str' is not callable)
 
 
 def test_optimizer_validation():
