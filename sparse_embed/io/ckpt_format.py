@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -170,8 +171,9 @@ def stored_layout(info: CheckpointInfo, group: str, key: str) -> store.Layout:
     return store.Layout(rec.stored[0] if key == TABLE_KEY else np.float32, widths[key], rec.vocabulary_size)
 
 
-def resolve(path: str | os.PathLike, step: int | None = None) -> str:
-    """The step directory of `path`: `path` itself if it is one, else its latest (or given) complete step."""
+def resolve(path: str | os.PathLike, step: int | None = None, *, complete: bool = True) -> str:
+    """The step directory of `path`: `path` itself if it is one, else its latest (or given) complete step (a
+    later one without its meta item is passed over with a warning; `complete=False`: the latest, as it is)."""
     path = os.fspath(path)
     if os.path.isfile(path):
         raise CheckpointError(f"{path} is a file, not a checkpoint directory: pass the directory given to "
@@ -189,6 +191,8 @@ def resolve(path: str | os.PathLike, step: int | None = None) -> str:
                                      f"missing; {WHAT_TO_DO}.")
     numbered = sorted(int(n) for n in os.listdir(path) if n.isdigit() and os.path.isdir(os.path.join(path, n)))
     steps = [n for n in numbered if os.path.isdir(os.path.join(path, str(n), META))]
+    if not complete and numbered and (step is None or step in numbered):
+        return os.path.join(path, str(numbered[-1] if step is None else step))
     if step is not None and step in numbered and step not in steps:
         raise CorruptCheckpointError(f"Step {step} in {path} is incomplete or damaged: its '{META}' item is "
                                      f"missing; {WHAT_TO_DO}.")
@@ -196,6 +200,9 @@ def resolve(path: str | os.PathLike, step: int | None = None) -> str:
         raise CheckpointError(f"No complete checkpoint in {path} (no step directories with a '{META}' item).")
     if step is None:
         step = steps[-1]
+        if numbered[-1] > step:
+            warnings.warn(f"{path}: step {numbered[-1]} is incomplete (no '{META}' item); using step {step}, the "
+                          "latest complete one.", stacklevel=3)
     elif step not in steps:
         raise CheckpointError(f"No step {step} in {path}; complete steps are {steps}.")
     return os.path.join(path, str(step))

@@ -40,7 +40,7 @@ def verify_checkpoint(path: str | os.PathLike, *, step: int | None = None,
     """
     step_dir = os.fspath(path)
     try:
-        step_dir = resolve(path, step)
+        step_dir = resolve(path, step, complete=False)  # the latest step, damaged or not
         info = read_info(step_dir)
     except CorruptCheckpointError as e:  # its metadata is missing or damaged: no array can be checked
         return Verification(step_dir, 0, (str(e),), True)

@@ -277,8 +277,12 @@ def test_step_choice_is_the_latest_complete_one_and_a_step_directory_is_its_own_
     shutil.copytree(ckpt[0], path)
     shutil.copytree(path / "4", path / "9")
     shutil.rmtree(path / "9" / "meta")  # step 9: cut short before its meta item
-    assert se.read_info(path).step == 4
-    assert cli.main(["inspect", str(path)]) == 0 and "step 4," in capsys.readouterr().out
+    with pytest.warns(UserWarning, match="step 9 is incomplete .*; using step 4, the latest complete one"):
+        assert se.read_info(path).step == 4
+    with pytest.warns(UserWarning, match="step 9 is incomplete"):
+        assert cli.main(["inspect", str(path)]) == 0 and "step 4," in capsys.readouterr().out
+    assert cli.main(["verify", str(path)]) == 1  # verify looks at the latest step as it is: damaged
+    assert "CORRUPT:" in capsys.readouterr().out
     with pytest.raises(se.CorruptCheckpointError, match="Step 9 in .* is incomplete or damaged"):
         se.read_info(path, step=9)
     assert se.read_info(path / "4", step=4).step == 4
