@@ -22,13 +22,18 @@ Every access takes the state's lock, so `preprocess` may run on any thread
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import threading
 import weakref
 import zlib
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
+
+import jax
 
 from sparse_embed.core.planning import CAPACITY_ALIGNMENT, EmbeddingPlan, StackPlan, round_up
+from sparse_embed.host import distributed
 
 
 def auto_capacity_for(needed: int, bound: int | None = None) -> int:
@@ -136,6 +141,47 @@ def _layout_key(plan: EmbeddingPlan) -> tuple:
         for s in plan.stacks)
     devices = tuple(int(d.id) for d in plan.mesh.devices.flat)
     return devices, tuple(plan.mesh.axis_names), plan.axis_name, plan.on_overflow, stacks
+
+
+def _plain(x: Any) -> str:
+    """An optimizer's settings as text equal on every process: numbers and strings, not functions (their reprs
+    hold addresses), which are named by type only."""
+    if dataclasses.is_dataclass(x):
+        fields = (f"{f.name}={_plain(getattr(x, f.name))}" for f in dataclasses.fields(x))
+        return f"{type(x).__name__}({', '.join(fields)})"
+    return repr(x) if isinstance(x, (int, float, str, bool, type(None))) else type(x).__name__
+
+
+def fingerprint(plan: EmbeddingPlan) -> list[str]:
+    """What must be equal on every process that shares the plan, one line each: its layout, each table's
+    optimizer."""
+    return [f"layout {_layout_key(plan)!r}",
+            *(f"table {n!r}: optimizer {_plain(t.resolved_optimizer)}" for n, t in sorted(plan.tables.items()))]
+
+
+_CHECKED: dict[int, bool] = {}  # id(plan) -> checked against the other processes
+_CHECKS = [0]  # plans checked by this process so far (the check's exchange number)
+
+
+def check_same_plan(plan: EmbeddingPlan, processes: tuple[int, ...]) -> None:
+    """Once per plan, before its first exchange: every process built the same plan (else their exchanges, named
+    by its layout, would never meet, and a process would wait for the others until it times out; or, with
+    another optimizer, they would train apart silently). A RuntimeError naming the first difference."""
+    with _LOCK:
+        if _CHECKED.get(id(plan)):
+            return
+        n, _CHECKS[0] = _CHECKS[0], _CHECKS[0] + 1
+    mine = fingerprint(plan)
+    texts = distributed.allgather_bytes(processes, "\n".join(mine).encode(), name="plans", n=n)
+    for p, text in zip(processes, texts):
+        theirs = text.decode().split("\n")
+        if theirs != mine:
+            a, b = next(((x, y) for x, y in itertools.zip_longest(mine, theirs, fillvalue="(none)") if x != y))
+            raise RuntimeError(f"Process {jax.process_index()}'s plan differs from process {p}'s: every process "
+                               f"must build the same plan. Here: {a[:300]}; there: {b[:300]}.")
+    with _LOCK:
+        _CHECKED[id(plan)] = True
+    weakref.finalize(plan, _CHECKED.pop, id(plan), None)
 
 
 _STATES: dict[int, PlanState] = {}  # id(plan) -> its state, while the plan lives

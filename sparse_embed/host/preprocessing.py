@@ -126,6 +126,7 @@ def _agree(plan: EmbeddingPlan, ids, parts: dict[str, Partitioned], failed: bool
     if len(processes) == 1:
         table = np.asarray([mine], np.int64)
     else:
+        plan_state.check_same_plan(plan, processes)
         state = plan_state.of(plan)
         table = distributed.allgather_ints(processes, mine, name=state.tag, n=state.next_exchange())
     if failed:

@@ -6,13 +6,14 @@ Every test runs on both paths: the C kernels (sparse_embed/_native.c) and numpy.
 from __future__ import annotations
 
 import collections
+import re
 
 import jax
 import numpy as np
 import pytest
 
 import sparse_embed as se
-from sparse_embed.host import native, plan_state
+from sparse_embed.host import distributed, native, plan_state
 import reference as ref
 from conftest import make_mesh, require_native
 
@@ -228,7 +229,7 @@ def test_ragged_ids_keep_the_headroom():
 
 def test_processes_agree_on_the_bound(monkeypatch, mesh8):
     """Under several processes the bound is the largest process's, and none if any process's ids are ragged."""
-    from sparse_embed.host import distributed, preprocessing
+    from sparse_embed.host import preprocessing
     from sparse_embed.host.partition import partition
 
     plan = _plan(mesh8, stacking=None)
@@ -238,11 +239,36 @@ def test_processes_agree_on_the_bound(monkeypatch, mesh8):
     others = {}
     monkeypatch.setattr(distributed, "mesh_processes", lambda mesh: [0, 1])
     monkeypatch.setattr(distributed, "allgather_ints", lambda procs, mine, **kw: np.asarray([mine, others["row"]]))
+    monkeypatch.setattr(distributed, "allgather_bytes", lambda procs, data, **kw: [data, data])  # the same plan
     for other_a, want_a in ((20, 20), (2, 6), (-1, None)):  # a: this process's bound is 2 samples x 3 = 6
         row = [0] + [v for s in plan.stacks for v in (1, 1, 1, 0, other_a if s.name == "a" else 2)]
         others["row"] = row
         agreed = preprocessing._agree(plan, ids, parts, False)
         assert agreed["a"].bound == want_a and agreed["b"].bound == 3  # b: 1 x 1 + 1 x 2 against 2
+
+
+def test_processes_with_different_plans_are_told_at_their_first_exchange(mesh8, monkeypatch):
+    """Another layout named the exchanges apart (each process waited 10 minutes, then blamed timing); another
+    optimizer trained the processes apart silently. The plans are compared once, at the first exchange."""
+    def plan(lr, capacity=None):
+        t = se.TableSpec("a", 50, 4, optimizer=se.optimizers.SGD(lr))
+        return se.plan([se.FeatureSpec("f", t, 8)], mesh8, capacity=capacity)
+
+    mine = plan(0.5)
+    for other, here, there in ((plan(5.0), "table 'a': optimizer SGD(", "learning_rate=5.0"),
+                               (plan(0.5, capacity=16), "layout", "layout")):
+        theirs = "\n".join(plan_state.fingerprint(other)).encode()
+        monkeypatch.setattr(distributed, "allgather_bytes", lambda procs, data, **kw: [data, theirs])
+        with pytest.raises(RuntimeError, match=r"plan differs from process 1's: every process must build the same "
+                                               rf"plan. Here: {re.escape(here)}.*; there: .*{re.escape(there)}"):
+            plan_state.check_same_plan(mine, (0, 1))
+    calls = []
+    monkeypatch.setattr(distributed, "allgather_bytes", lambda procs, data, **kw: calls.append(kw) or [data, data])
+    plan_state.check_same_plan(mine, (0, 1))
+    plan_state.check_same_plan(mine, (0, 1))
+    assert len(calls) == 1  # once per plan
+    schedule = lambda lr: (lambda step: lr)  # noqa: E731 (functions: by type, not address)
+    assert plan_state.fingerprint(plan(schedule(0.1))) == plan_state.fingerprint(plan(schedule(0.2)))
 
 
 def test_stats_merge():
