@@ -436,7 +436,21 @@ def _resolve_axis(mesh: Mesh, axis_name: str | None) -> str:
         return mesh.axis_names[0]
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
+    check_replicas_in_one_process(np.asarray(mesh.devices), tuple(mesh.axis_names), axis_name)
     return axis_name
+
+
+def check_replicas_in_one_process(devices: np.ndarray, axis_names: tuple[str, ...], axis: str) -> None:
+    """Over the mesh's other axes a plan's tables are replicated, each replica fed the same batch: only a process
+    holds that batch (each preprocesses its own samples), so replicas in several processes would train apart."""
+    rows = np.moveaxis(devices, axis_names.index(axis), 0).reshape(devices.shape[axis_names.index(axis)], -1)
+    for row in rows:
+        if len({int(d.process_index) for d in row}) > 1:
+            others = [a for a in axis_names if a != axis]
+            raise ValueError(f"The mesh's axes {others} besides the plan's axis {axis!r} span several processes: "
+                             "the tables would be replicated over them, each process training its copy on its own "
+                             "samples, apart from the others. Shard the tables over an axis that spans every "
+                             "process (a 1-D mesh of all devices, or axis_name= that axis).")
 
 
 def _check_policies(on_overflow: str, nonfinite_gradients: str) -> None:

@@ -147,6 +147,23 @@ def test_two_axis_mesh_needs_axis_name():
     assert se.plan(feats, mesh, axis_name="model").num_shards == 4
 
 
+def test_replicas_over_the_other_axes_must_be_in_one_process():
+    """A 2-D mesh whose other axis spans processes: each process would train its replica on its own samples (the
+    copies diverged silently on 2 processes); one whose other axis stays in a process is fine."""
+    from types import SimpleNamespace
+
+    from sparse_embed.core.planning import check_replicas_in_one_process
+
+    def devices(process_of):  # [data=2, model=2]
+        return np.array([[SimpleNamespace(process_index=process_of(i, j)) for j in range(2)] for i in range(2)])
+
+    check_replicas_in_one_process(devices(lambda i, j: i), ("data", "model"), "data")  # replicas in one process
+    check_replicas_in_one_process(devices(lambda i, j: 0), ("data", "model"), "model")
+    with pytest.raises(ValueError, match=r"The mesh's axes \['data'\] besides the plan's axis 'model' span several "
+                                         "processes"):
+        check_replicas_in_one_process(devices(lambda i, j: i), ("data", "model"), "model")
+
+
 def test_default_mesh_uses_all_devices():
     p = se.plan({"f": se.FeatureSpec("f", _t(), 8)})
     assert p.num_shards == len(jax.devices()) == make_mesh(8).size
