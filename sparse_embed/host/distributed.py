@@ -11,8 +11,10 @@ would deadlock; `allgather_ints` is how the processes agree.
 `allgather_ints` goes through the key-value store of the `jax.distributed`
 coordination service, not through a device program: it never interleaves
 with the train step's collectives (so `preprocess` may run in a background
-thread), needs no compilation, and times out with an error instead of
-hanging when a process has died. Exchanges are matched by a name and a
+thread), needs no compilation, and ends with an error instead of hanging forever
+when another process has died or stopped feeding batches: after
+`EXCHANGE_TIMEOUT_S` (600 s; `$SPARSE_EMBED_EXCHANGE_TIMEOUT_S` sets it),
+unless jax's own heartbeat ends a process first. Exchanges are matched by a name and a
 count that the caller keeps (`plan_state`): every process must call
 `preprocess` for a plan the same number of times, in the same order (as a
 training loop does).
@@ -25,13 +27,15 @@ thread.
 
 from __future__ import annotations
 
+import os
 import zlib
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-EXCHANGE_TIMEOUT_S = 600  # how long a process waits for the others' numbers
+# how long a process waits for the others' numbers (a step's preprocessing: long enough for a slow input)
+EXCHANGE_TIMEOUT_S = float(os.environ.get("SPARSE_EMBED_EXCHANGE_TIMEOUT_S", 600))
 
 
 def mesh_processes(mesh) -> tuple[int, ...]:
@@ -139,7 +143,8 @@ def allgather_bytes(processes: Sequence[int], data: bytes, *, name: str, n: int,
             raise RuntimeError(
                 f"Process {me}: process {p} did not send its numbers for {name!r} (exchange #{n}) within "
                 f"{timeout_ms / 1000:g} s ({type(e).__name__}: {e}). Every process must call preprocess for "
-                "the plan the same number of times, in the same order; did another process fail?"
+                "the plan the same number of times, in the same order: did another process fail, or its input "
+                "end before this one's (every process must feed as many batches)?"
             ) from None
     if n > 0:  # every process has read exchange n-1 (it wrote exchange n after that): drop ours
         client.key_value_delete(f"{prefix}{n - 1}/{me}")
