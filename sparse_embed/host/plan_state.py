@@ -167,10 +167,12 @@ def check_same_plan(plan: EmbeddingPlan, processes: tuple[int, ...]) -> None:
     """Once per plan, before its first exchange: every process built the same plan (else their exchanges, named
     by its layout, would never meet, and a process would wait for the others until it times out; or, with
     another optimizer, they would train apart silently). A RuntimeError naming the first difference."""
-    with _LOCK:
+    with _LOCK:  # claimed once: a second thread's preprocess of the plan makes no second check exchange
         if _CHECKED.get(id(plan)):
             return
+        _CHECKED[id(plan)] = True
         n, _CHECKS[0] = _CHECKS[0], _CHECKS[0] + 1
+    weakref.finalize(plan, _CHECKED.pop, id(plan), None)
     mine = fingerprint(plan)
     texts = distributed.allgather_bytes(processes, "\n".join(mine).encode(), name="plans", n=n)
     for p, text in zip(processes, texts):
@@ -179,9 +181,6 @@ def check_same_plan(plan: EmbeddingPlan, processes: tuple[int, ...]) -> None:
             a, b = next(((x, y) for x, y in itertools.zip_longest(mine, theirs, fillvalue="(none)") if x != y))
             raise RuntimeError(f"Process {jax.process_index()}'s plan differs from process {p}'s: every process "
                                f"must build the same plan. Here: {a[:300]}; there: {b[:300]}.")
-    with _LOCK:
-        _CHECKED[id(plan)] = True
-    weakref.finalize(plan, _CHECKED.pop, id(plan), None)
 
 
 _STATES: dict[int, PlanState] = {}  # id(plan) -> its state, while the plan lives

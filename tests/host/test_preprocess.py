@@ -254,15 +254,14 @@ def test_processes_with_different_plans_are_told_at_their_first_exchange(mesh8, 
         t = se.TableSpec("a", 50, 4, optimizer=se.optimizers.SGD(lr))
         return se.plan([se.FeatureSpec("f", t, 8)], mesh8, capacity=capacity)
 
-    mine = plan(0.5)
     for other, here, there in ((plan(5.0), "table 'a': optimizer SGD(", "learning_rate=5.0"),
                                (plan(0.5, capacity=16), "layout", "layout")):
         theirs = "\n".join(plan_state.fingerprint(other)).encode()
         monkeypatch.setattr(distributed, "allgather_bytes", lambda procs, data, **kw: [data, theirs])
         with pytest.raises(RuntimeError, match=r"plan differs from process 1's: every process must build the same "
                                                rf"plan. Here: {re.escape(here)}.*; there: .*{re.escape(there)}"):
-            plan_state.check_same_plan(mine, (0, 1))
-    calls = []
+            plan_state.check_same_plan(plan(0.5), (0, 1))
+    mine, calls = plan(0.5), []
     monkeypatch.setattr(distributed, "allgather_bytes", lambda procs, data, **kw: calls.append(kw) or [data, data])
     plan_state.check_same_plan(mine, (0, 1))
     plan_state.check_same_plan(mine, (0, 1))
