@@ -425,7 +425,10 @@ def _group_tables(tables: dict[str, TableSpec], stacking: Any, placements: dict[
     return groups_out
 
 
-def _resolve_axis(mesh: Mesh, axis_name: str | None) -> str:
+def _resolve_axis(mesh: Mesh | None, axis_name: str | None) -> tuple[Mesh, str]:
+    """The mesh (default: every device on one axis) and the axis that shards the tables."""
+    if mesh is None:
+        mesh = Mesh(np.array(jax.devices()), ("device",))
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if axis_name is None:
@@ -433,11 +436,11 @@ def _resolve_axis(mesh: Mesh, axis_name: str | None) -> str:
             raise ValueError(
                 f"The mesh has axes {mesh.axis_names}; pass axis_name= to say which one shards the tables."
             )
-        return mesh.axis_names[0]
+        return mesh, mesh.axis_names[0]
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
     check_replicas_in_one_process(np.asarray(mesh.devices), tuple(mesh.axis_names), axis_name)
-    return axis_name
+    return mesh, axis_name
 
 
 def check_replicas_in_one_process(devices: np.ndarray, axis_names: tuple[str, ...], axis: str) -> None:
@@ -534,32 +537,34 @@ def plan(
       stats: `Stats` of earlier batches (their stacks' traffic, for the cost model).
       sparsecores: SparseCores per device (default: detected; 0 off TPU) that run the stacks they can on TPU.
     """
-    mesh = Mesh(np.array(jax.devices()), ("device",)) if mesh is None else mesh
-    axis = _resolve_axis(mesh, axis_name)
+    mesh, axis = _resolve_axis(mesh, axis_name)
     num_shards, sc = mesh.shape[axis], sparsecore_layout.count(sparsecores, mesh.devices.flat)
-    whole = isinstance(memory_budget, (int, np.integer)) and not isinstance(memory_budget, bool)
-    if memory_budget is not None and not (whole and memory_budget > 0):
-        raise ValueError(f"memory_budget must be a positive number of bytes per device (an int), got "
-                         f"{memory_budget!r}.")
     feats, tables, tiered = _cached_features(_offloaded(features, memory_budget, offload_to, num_shards))
     _check_policies(on_overflow, nonfinite_gradients)
     _check_batch_sizes(feats, num_shards, axis)
     per_sample = _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats)
     loads = cost.table_loads(feats, tables, num_shards, per_sample)
-    fixed = _fixed_placements(tables, placement)
-    if not isinstance(stacking, str) and isinstance(stacking, Iterable):  # explicit stacks: one placement each
-        groups = [[n for n in g if n in loads] for g in stacking if not isinstance(g, str) and isinstance(g, Iterable)]
-        fixed = placement_lib.stack_mates_alike(fixed, groups, loads, num_shards)
     stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sc),
-                         fixed, loads, num_shards, memory_budget)
-    _check_row_numbers(stacks)
+                         _fixed_for_stacking(_fixed_placements(tables, placement), stacking, loads, num_shards),
+                         loads, num_shards, memory_budget)
     sparsecore_layout.warn_fallbacks(stacks, sc)  # once, for the stacks chosen (`_fit_budget` tries several)
     return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, _check_kernel(kernel), tiered)
+
+
+def _fixed_for_stacking(fixed: dict[str, str], stacking: Any, loads: dict, num_shards: int) -> dict[str, str]:
+    """The fixed placements, and with explicit stacks each stack's one placement (`stack_mates_alike`)."""
+    if isinstance(stacking, str) or not isinstance(stacking, Iterable):
+        return fixed
+    groups = [[n for n in g if n in loads] for g in stacking if not isinstance(g, str) and isinstance(g, Iterable)]
+    return placement_lib.stack_mates_alike(fixed, groups, loads, num_shards)
 
 
 def _offloaded(features: Any, budget: int | None, where: str | None, num_shards: int) -> dict[str, FeatureSpec]:
     """The features (normalised), their tables offloaded where `offload_to_fit` decides (with a budget and a
     place, `core.offload_plan`, docs/offload.md)."""
+    whole = isinstance(budget, (int, np.integer)) and not isinstance(budget, bool)
+    if budget is not None and not (whole and budget > 0):
+        raise ValueError(f"memory_budget must be a positive number of bytes per device (an int), got {budget!r}.")
     feats = _normalise_features(features)
     if where is None:
         return feats
@@ -622,6 +627,7 @@ def _fit_budget(make, fixed: dict[str, str], loads: dict, num_shards: int,
         stacks = make(chosen)
         need = sum(cost.memory_per_device(s) for s in stacks)
         if memory_budget is None or need <= memory_budget:
+            _check_row_numbers(stacks)
             return stacks
         move = placement_lib.to_move(chosen, fixed, loads, num_shards)
         if move is None:
