@@ -63,12 +63,13 @@ def stack_mates_alike(fixed: dict[str, str], groups: list[list[str]], loads: dic
         given = {fixed[n] for n in group if n in fixed}
         if len(given) > 1:
             continue
-        allowed = [p for p in placements.names() if all(placements.get(p).choosable(loads[n]) for n in group)]
-        if not given and not allowed:
+        if given:
+            out.update(dict.fromkeys(group, given.pop()))
             continue
-        p = given.pop() if given else min(
-            allowed, key=lambda p: (sum(loads[n].cost(p, num_devices) for n in group), _order(p)))
-        out.update(dict.fromkeys(group, p))
+        allowed = [p for p in placements.names() if all(placements.get(p).choosable(loads[n]) for n in group)]
+        if allowed:
+            cost = lambda p: (sum(loads[n].cost(p, num_devices) for n in group), _order(p))  # noqa: E731
+            out.update(dict.fromkeys(group, min(allowed, key=cost)))
     return out
 
 

@@ -165,7 +165,6 @@ def lookup(
     return _lookup_jit(plan, dict(batch), dict(tables), step)
 
 
-
 @functools.partial(jax.jit, static_argnums=0)
 def _lookup_jit(plan: EmbeddingPlan, batch, tables, step) -> dict[str, jax.Array]:
     """One compiled program when called eagerly; inlined into the caller's jit otherwise."""

@@ -40,7 +40,7 @@ from sparse_embed.io.ckpt_format import (
 from sparse_embed.io.orbax_items import checkpointer, read_info, read_user_host, write_step
 from sparse_embed.io.restoring import read_embeddings, read_host_array
 from sparse_embed.io.id_checkpoint import IDS_KEY, raw_arrays
-from sparse_embed.io.id_tables import id_table_contents, live_at
+from sparse_embed.io.id_tables import expired, id_table_contents, live_at
 from sparse_embed.io.quantize import BITS, quantize
 
 DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
@@ -150,10 +150,10 @@ def load_serving(path: str | os.PathLike, *, device: jax.Device | None = None) -
     arrays: dict[str, Any] = {name: array for name, (_, array) in read_tables(step_dir, info, [TABLE_KEY], device)}
     for rec in info.tables:
         if rec.dynamic:
-            expired, table = _expired(step_dir, info, rec), arrays[rec.name]
-            words = _dropped(read_host_array(step_dir, info, rec.name, IDS_KEY), expired, -1)
-            if expired is not None and expired.any():  # a training checkpoint: as convert_checkpoint serves it
-                table = jax.device_put(_dropped(np.asarray(table), expired, 0), table.sharding)
+            gone, table = _expired(step_dir, info, rec), arrays[rec.name]
+            words = _dropped(read_host_array(step_dir, info, rec.name, IDS_KEY), gone, -1)
+            if gone is not None and gone.any():  # a training checkpoint: as convert_checkpoint serves it
+                table = jax.device_put(_dropped(np.asarray(table), gone, 0), table.sharding)
             arrays[rec.name] = (join_words(words[words[:, 0] != -1]), table)
     return arrays, {t.name: t.to_spec() for t in info.tables}
 
@@ -184,16 +184,15 @@ def _expired(step_dir: str, info: CheckpointInfo, rec: TableRecord) -> np.ndarra
     (`[vocab]` bool, as `live_at`), or None where none can be (no `expire_after`, or a serving checkpoint)."""
     if info.kind != "training" or rec.expire_after is None or info.step is None:
         return None
-    last = read_host_array(step_dir, info, rec.name, "last")[:, 0].astype(np.int64)
-    return (last != -1) & (last < info.step - rec.expire_after)
+    return expired(read_host_array(step_dir, info, rec.name, "last")[:, 0], info.step, rec.expire_after)
 
 
-def _dropped(a: np.ndarray, expired: np.ndarray | None, fill) -> np.ndarray:
-    """`a`'s rows without the `expired` ones, in order, padded back to its shape with `fill`."""
-    if expired is None or not expired.any():
+def _dropped(a: np.ndarray, gone: np.ndarray | None, fill) -> np.ndarray:
+    """`a`'s rows without the `gone` ones, in order, padded back to its shape with `fill`."""
+    if gone is None or not gone.any():
         return a
     out = np.full_like(a, fill)
-    kept = a[~expired]
+    kept = a[~gone]
     out[: kept.shape[0]] = kept
     return out
 
@@ -237,11 +236,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     _check_destination(out_dir, os.fspath(src))
     total = sum(1 + (0 if serving else len(r.slots)) for r in info.tables)
     # a serving copy leaves out the raw ids a lookup at the checkpoint's step finds expired, as export_serving
-    expired = {r.name: _expired(step_dir, info, r) for r in info.tables if serving and r.dynamic}
-    arrays = ((name, key, _converted(_dropped(np.asarray(a), expired.get(name), 0), info.table(name), dtype))
+    gone = {r.name: _expired(step_dir, info, r) for r in info.tables if serving and r.dynamic}
+    arrays = ((name, key, _converted(_dropped(np.asarray(a), gone.get(name), 0), info.table(name), dtype))
               for name, (key, a) in progress(read_tables(step_dir, info, keys), total=total, unit="array"))
-    read = lambda group, key: _dropped(  # noqa: E731
-        read_host_array(step_dir, info, group, key), expired.get(group) if serving else None, -1)
+    read = lambda group, key: _dropped(read_host_array(step_dir, info, group, key), gone.get(group), -1)  # noqa: E731
     raw = (x for r in info.tables if r.dynamic for x in raw_arrays(read, r.name, serving))
     _save(out_dir, itertools.chain(arrays, raw), new_info)
     if not serving and info.has_user:  # the user pytree is mesh-independent: copy it as is, once verified

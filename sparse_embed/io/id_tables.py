@@ -73,6 +73,12 @@ def id_table_contents(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariabl
     return out
 
 
+def expired(last: np.ndarray, step: int, expire_after: int) -> np.ndarray:
+    """Which ids, last used at `last` (-1: no id), a lookup at `step` finds expired (`Dynamic.expire_after`)."""
+    last = np.asarray(last).astype(np.int64)
+    return (last != -1) & (last < int(step) - expire_after)
+
+
 def live_at(plan: EmbeddingPlan, contents: Mapping[str, IdTable], step: int | None) -> dict[str, IdTable]:
     """`contents` without the ids a lookup at `step` finds expired (`Dynamic.expire_after`: last used before
     `step - expire_after`; they read zeros or the default there); as they are with `step` None."""
@@ -80,7 +86,7 @@ def live_at(plan: EmbeddingPlan, contents: Mapping[str, IdTable], step: int | No
     for name, t in contents.items():
         after = plan.tables[name].dynamic.expire_after
         if step is not None and after is not None:
-            keep = t.last.astype(np.int64) >= int(step) - after
+            keep = ~expired(t.last, step, after)
             out[name] = t._replace(ids=t.ids[keep], vectors=t.vectors[keep], last=t.last[keep],
                                    slots={k: a[keep] for k, a in t.slots.items()})
     return out

@@ -47,9 +47,9 @@ def verify_checkpoint(path: str | os.PathLike, *, step: int | None = None,
     progress = progress or (lambda it, **_: it)
     problems, checked = [], 0
     raw = len(RAW_KEYS) if info.kind == "training" else 1
-    total = sum(1 + len(r.slots) + (raw if r.dynamic else 0) for r in info.tables) + info.has_user + _has_data(
-        step_dir, info)
-    arrays = _each_array(step_dir, info)
+    data = info.has_data or os.path.isdir(os.path.join(step_dir, DATA))  # (before has_data: the item is there)
+    total = sum(1 + len(r.slots) + (raw if r.dynamic else 0) for r in info.tables) + info.has_user + data
+    arrays = _each_array(step_dir, info, data)
     for problem in progress(arrays, total=total, unit="array"):
         checked += 1
         if problem:
@@ -57,7 +57,7 @@ def verify_checkpoint(path: str | os.PathLike, *, step: int | None = None,
     return Verification(step_dir, checked, tuple(problems), info.verified)
 
 
-def _each_array(step_dir: str, info) -> Iterable[str | None]:
+def _each_array(step_dir: str, info, data: bool) -> Iterable[str | None]:
     """Reads the arrays one by one; yields None for a good one, the problem for a bad one."""
     for rec in info.tables:
         for key in [TABLE_KEY, *(k for k, _ in rec.slots)]:
@@ -81,15 +81,10 @@ def _each_array(step_dir: str, info) -> Iterable[str | None]:
             yield str(e)
         else:
             yield None
-    if _has_data(step_dir, info):
+    if data:
         try:
             check_data(step_dir, info.has_data)
         except CheckpointError as e:
             yield str(e)
         else:
             yield None
-
-
-def _has_data(step_dir: str, info) -> bool:
-    """Whether the step saved an input position (its metadata says so, or, before it did, the item is there)."""
-    return info.has_data or os.path.isdir(os.path.join(step_dir, DATA))
