@@ -93,7 +93,7 @@ def jte_layout_from_specs(table_specs: Iterable[Any], num_shards: int) -> tuple[
 
 def _check_shards(num_shards: Any, what: str = "num_shards") -> int:
     if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
-        raise ValueError(f"{what} must be a positive int (the SparseCores of all devices), got {num_shards!r}.")
+        raise ValueError(f"{what} must be a positive int, got {num_shards!r}.")
     return int(num_shards)
 
 
