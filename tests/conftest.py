@@ -137,11 +137,13 @@ def pytest_sessionstart(session) -> None:
                     + "\n- ".join(missing), returncode=pytest.ExitCode.TESTS_FAILED)
 
 
-# The slowest files (by `--durations`), slowest first, run before the rest: xdist (`--dist loadfile`) hands out
-# files in collection order, and one of these left for the end keeps one worker busy while the others are done.
-SLOW_FILES_FIRST = ("core/test_id_maps.py", "tiers/test_offload_raw_ids.py", "io/test_resume.py",
-                    "test_dlrm_resume.py", "core/test_placement.py", "core/test_kernels.py", "core/test_sparsecore.py",
-                    "host/test_multiprocess.py", "test_benchmarks.py")
+# The slowest files (by `--durations`), slowest first, run before the rest: xdist (`--dist loadfile`, with
+# `--no-loadscope-reorder` in pyproject.toml, else it orders files by their number of tests) hands out files in
+# collection order, and one of these left for the end keeps one worker busy while the others are done.
+SLOW_FILES_FIRST = ("core/test_id_maps.py", "io/test_resume.py", "test_dlrm_resume.py", "core/test_placement.py",
+                    "host/test_multiprocess.py", "tiers/test_offload_raw_ids.py", "core/test_kernels.py",
+                    "core/test_sparsecore.py", "test_benchmarks.py", "core/test_optimizers.py", "core/test_lookup.py",
+                    "tiers/test_offload_training.py", "io/test_integrity.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
