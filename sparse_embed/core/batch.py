@@ -20,6 +20,15 @@ is on its way to the lookup, one type each instead of optional fields:
   is set (the gains of the ids that got no row, which read the default);
 - a backend's own type where its kernel reads more than COO entries
   (SparseCore: `core.sparsecore.batch.SparseCoreBatch`, COO and CSR).
+
+Every batch also has a `layout`: the `BatchLayout` of the plan's stack it
+was built for. It is not one of the tuple's fields (iterating or unpacking a
+batch gives its arrays) and holds no array: it travels in the pytree's
+structure, so a jitted `lookup` sees it as a static value. Two plans can
+give a stack batches of equal shapes that mean other rows (row against
+table placement, other vocabularies): `lookup` and `map_ids` refuse a batch
+whose layout is not their plan's. A batch built by hand has `layout=None`
+and is not checked.
 """
 
 from __future__ import annotations
@@ -27,12 +36,65 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """What a stack's batch was built for: `digest` of the stack's layout (placement, shards, tables' rows,
+    features' output rows; not its capacity, which the arrays' shapes show), `summary` for error messages."""
+
+    stack: str
+    digest: str
+    summary: str = dataclasses.field(compare=False)
+
+
+def layout_error(name: str, got: BatchLayout | None, want: BatchLayout) -> str | None:
+    """Why a batch with layout `got` cannot be read by a plan whose stack `name` has layout `want` (None: it can,
+    or the batch is unmarked)."""
+    if got is None or got == want:
+        return None
+    how = (f"({got.summary}; this plan: {want.summary})" if got.summary != want.summary else
+           f"({want.summary}, but other tables, vocabularies or features in it)")
+    return (f"Stack {name!r}: the batch was built for another plan's stack {got.stack!r} {how}; its entries "
+            f"would mean other rows or gains here. Build it with sparse_embed.preprocess(plan, ...) for the plan you look "
+            f"it up with.")
+
 
 def capacity_of(batch) -> int:
     """COO entries per (device, segment) partition."""
     return batch.col_ids.shape[1] // batch.shard_starts.shape[1]
 
 
+class _Marked:
+    """A batch type's `layout` beside its tuple of arrays (see the module doc); `_replace` keeps it."""
+
+    layout: BatchLayout | None = None
+
+    def __new__(cls, *arrays, layout: BatchLayout | None = None, **named):
+        self = super().__new__(cls, *arrays, **named)
+        if layout is not None:
+            self.layout = layout
+        return self
+
+    def _replace(self, **changes):
+        layout = changes.pop("layout", self.layout)
+        return type(self)(*super()._replace(**changes), layout=layout)
+
+
+def marked(fields: type) -> type:
+    """The batch type of the NamedTuple `fields` (its name, doc and fields) with a `layout`, a pytree whose
+    children are the fields and whose static data is the layout."""
+    cls = type(fields.__name__, (_Marked, fields), {"__doc__": fields.__doc__, "__module__": fields.__module__,
+                                                    "__qualname__": fields.__qualname__})
+    keys = tuple(jax.tree_util.GetAttrKey(f) for f in fields._fields)
+    jax.tree_util.register_pytree_with_keys(cls, lambda b: (tuple(zip(keys, b)), b.layout),
+                                            lambda layout, arrays: cls(*arrays, layout=layout),
+                                            flatten_func=lambda b: (tuple(b), b.layout))
+    return cls
+
+
+@marked
 class ShardedCooMatrix(NamedTuple):
     """One stack's batch of rows. Leading axis = device (sharded over the plan's axis).
 
@@ -49,6 +111,7 @@ class ShardedCooMatrix(NamedTuple):
     capacity = property(capacity_of)
 
 
+@marked
 class RawIdBatch(NamedTuple):
     """A raw-id stack's batch from `preprocess` (its table is `dynamic=`), which `map_ids` maps to rows.
 
@@ -66,6 +129,7 @@ class RawIdBatch(NamedTuple):
     capacity = property(capacity_of)
 
 
+@marked
 class MappedIdBatch(NamedTuple):
     """`map_ids`' batch of rows for a raw-id stack with a `Dynamic.default`: the COO arrays of
     `ShardedCooMatrix`, and `defaults [D, rows_per_device]` f32, per output row the gains of its ids that have no
@@ -83,7 +147,7 @@ class MappedIdBatch(NamedTuple):
 
 def coo(batch) -> ShardedCooMatrix:
     """The COO arrays of any batch type."""
-    return batch if type(batch) is ShardedCooMatrix else ShardedCooMatrix(*batch[:5])
+    return batch if type(batch) is ShardedCooMatrix else ShardedCooMatrix(*batch[:5], layout=batch.layout)
 
 
 def is_batch(entry) -> bool:

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparse_embed.core import kernels, key_set
-from sparse_embed.core.batch import MappedIdBatch, RawIdBatch, ShardedCooMatrix, is_batch
+from sparse_embed.core.batch import MappedIdBatch, RawIdBatch, ShardedCooMatrix, is_batch, layout_error
 from sparse_embed.core.initializers import TruncatedNormal, mix32, seeds, truncated_normal_rows
 from sparse_embed.core.key_set import FREE, KeySet
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
@@ -354,11 +354,11 @@ def _stack_body(stack: StackPlan, axis: str, coo: RawIdBatch, v: EmbeddingVariab
     gains = jnp.where(back < R, coo.values, 0.0) if gains is None else gains
     rows = (coo.shard_starts, coo.shard_ends, back, coo.row_ids, gains)
     if stack.dynamic.default is None:
-        batch = ShardedCooMatrix(*rows)
+        batch = ShardedCooMatrix(*rows, layout=coo.layout)
     else:  # per output row: the gains of its ids without a row
         lost = jnp.where((back >= R) & (coo.col_ids < C), coo.values, 0.0)
         batch = MappedIdBatch(*rows, jnp.zeros((stack.rows_per_device,), jnp.float32).at[coo.row_ids].add(
-            lost, mode="drop"))
+            lost, mode="drop"), layout=coo.layout)
     stats = jax.tree.map(lambda x: jax.lax.psum(x, axis), mapped.stats)
     return batch, v, mapped.ids, stats, (mapped.new_rows, rec.u)
 
@@ -381,6 +381,9 @@ def _check_raw_coo(plan: EmbeddingPlan, stack: StackPlan, coo: RawIdBatch) -> No
                          f"dtypes {[str(x.dtype) for x in arrays]}, which do not fit this plan ({D} devices, {S} "
                          "shards): the batch was built by another plan; build it with "
                          "sparse_embed.preprocess(plan, ...).")
+    why = layout_error(stack.name, coo.layout, stack.batch_layout)
+    if why:
+        raise ValueError(why)
 
 
 def check_raw_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix], id_maps,

@@ -21,6 +21,8 @@ and `preprocess` pick its kernel and preprocessing hook by it).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import math
 import os
 import warnings
@@ -35,7 +37,7 @@ from sparse_embed.core import cost, offload_plan
 from sparse_embed.core import placement as placement_lib
 from sparse_embed.core import placements
 from sparse_embed.core import sparsecore
-from sparse_embed.core.batch import Stats
+from sparse_embed.core.batch import BatchLayout, Stats
 from sparse_embed.core.collectives import KernelStack  # noqa: F401 (re-exported from its earlier home)
 from sparse_embed.core.placements import CAPACITY_ALIGNMENT, round_up
 from sparse_embed.core.sparsecore import layout as sparsecore_layout
@@ -239,6 +241,22 @@ class StackPlan:
     def row_sums(self, skip_nonfinite: bool = True) -> int:
         """`core.cost.row_sums` (kept here for `kernels.native_cpu`)."""
         return cost.row_sums(self, skip_nonfinite)
+
+    @functools.cached_property
+    def batch_layout(self) -> BatchLayout:
+        """What decides which rows and output rows this stack's batch entries mean (every field that does, and
+        nothing that differs between processes or batches, such as functions or the capacity): the mark
+        `preprocess` puts on its batch, which the lookup checks (`core.batch`)."""
+        key = (self.name, self.placement, self.num_shards, self.shard_rows, self.sparsecores, self.rows_per_shard,
+               tuple((t.table.name, t.table.vocabulary_size, t.table.dynamic is not None, t.row_offset,
+                      t.padded_rows, t.shard, t.rotation) for t in self.tables),
+               tuple((f.feature.name, f.feature.table.name, f.feature.batch_size, f.feature.max_sequence_length,
+                      str(f.feature.table.combiner), f.table_row_offset, f.row_offset, f.samples_per_device,
+                      f.shard, f.partial_offset, f.table_rotation, f.slices, f.slice_rows) for f in self.features))
+        tables = ", ".join(t.table.name for t in self.tables)
+        return BatchLayout(self.name, hashlib.sha256(repr(key).encode()).hexdigest()[:16],
+                           f"placement {self.placement!r} over {self.num_shards} devices, {self.rows_per_shard} "
+                           f"rows each, tables {tables}")
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

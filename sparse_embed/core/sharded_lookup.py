@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sparse_embed.core import kernels
-from sparse_embed.core.batch import ShardedCooMatrix, coo, default_gains, is_batch
+from sparse_embed.core.batch import ShardedCooMatrix, coo, default_gains, is_batch, layout_error
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.state import (EmbeddingVariables, check_once_per_trace, check_state, check_trainable,
                                      checked_step)
@@ -129,6 +129,9 @@ def _check_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix]) -> 
         for x in (entry.row_ids, entry.values):
             if x.shape != n:
                 raise ValueError(f"Stack {name!r}: col_ids, row_ids and values must have equal shapes.")
+        why = layout_error(name, entry.layout, stack.batch_layout)
+        if why:
+            raise ValueError(why)
 
 
 def lookup(

@@ -55,7 +55,9 @@ class Partitioned(NamedTuple):
         shard_starts = np.tile(np.arange(S, dtype=np.int32) * cap, (D, 1))
         ends = shard_starts + np.minimum(self.counts, cap).reshape(D, S).astype(np.int32)
         coo = (shard_starts, ends, col_ids.reshape(D, S * cap), row_ids.reshape(D, S * cap), values.reshape(D, S * cap))
-        return RawIdBatch(*coo, keys[0].reshape(D, S * cap, 2)) if keys else ShardedCooMatrix(*coo)
+        mark = stack.batch_layout
+        return (RawIdBatch(*coo, keys[0].reshape(D, S * cap, 2), layout=mark) if keys else
+                ShardedCooMatrix(*coo, layout=mark))
 
 
 # ------------------------------------------------------------------ numpy

@@ -158,5 +158,5 @@ def add_inputs(plan: EmbeddingPlan, stacks: list[StackPlan], batch: dict, severa
                                            n=state.next_exchange()).max(axis=0).tolist()
     for s, need in zip(stacks, needs):
         coo = batch[s.name]
-        batch[s.name] = SparseCoreBatch(*coo, from_coo(s, coo, _limit(state, s, need, coo.capacity)))
+        batch[s.name] = SparseCoreBatch(*coo, from_coo(s, coo, _limit(state, s, need, coo.capacity)), layout=coo.layout)
     return {"sparsecore_ids_per_partition": {s.name: int(n) for s, n in zip(stacks, needs)}}

@@ -142,10 +142,10 @@ class IdMaps:
         local = np.where(cache_rows >= 0, cache_rows // s.num_shards, cache.rows_per_shard).astype(np.int32)
         host = _local(m.batch.col_ids)
         cols = local.reshape(host.shape)
-        if not device_put:
-            return type(m.batch)(*[_local(x) for x in m.batch[:2]], cols, *[_local(x) for x in m.batch[3:]])
+        if not device_put:  # marked as a batch of the cache's stack, which the lookup reads
+            return jax.tree.map(_local, m.batch)._replace(col_ids=cols, layout=cache.batch_layout)
         col_ids = jax.make_array_from_process_local_data(m.batch.col_ids.sharding, cols, m.batch.col_ids.shape)
-        return m.batch._replace(col_ids=col_ids)
+        return m.batch._replace(col_ids=col_ids, layout=cache.batch_layout)
 
     def generate(self, name: str, keys: np.ndarray, sharding: NamedSharding) -> dict[str, jax.Array]:
         """`{"table": [n, dim], slot: [n, width]}`: the initial values of the rows of ids `keys [n, 2]`

@@ -4,6 +4,7 @@ against the collectives of the compiled step."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -492,6 +493,46 @@ def test_a_batch_for_another_placement_is_rejected(mesh8):
     batch, _ = se.preprocess(row, {n: np.zeros((f.batch_size, 1), np.int64) for n, f in feats.items()})
     with pytest.raises(ValueError, match=r"Stack '.*': batch arrays have shapes .* another plan"):
         se.lookup(rep, batch, se.init_tables(rep, jax.random.key(0)))
+
+
+def _two_tables(mesh, placement="row", vocab=800, combiner="mean"):
+    t, u = (se.TableSpec(n, vocab, 8, combiner=combiner, optimizer=opt.SGD(0.5)) for n in ("t", "u"))
+    return se.plan([se.FeatureSpec("a", t, 64), se.FeatureSpec("b", u, 64)], mesh, placement=placement,
+                   stacking=None)
+
+
+@pytest.mark.parametrize("built_for, looked_up_with, says", [
+    (dict(placement="row"), dict(placement="table"), r"placement 'row' over 8 devices, 100 rows each, tables t; "
+                                                     r"this plan: placement 'table'"),
+    (dict(placement="table"), dict(placement="row"), r"placement 'table' .* this plan: placement 'row'"),
+    (dict(vocab=800), dict(vocab=792), r"100 rows each, tables t; this plan: placement 'row' over 8 devices, 99 rows each"),
+    (dict(combiner="mean"), dict(combiner="sum"), r"other tables, vocabularies or features in it"),
+], ids=["row-as-table", "table-as-row", "other-vocabulary", "other-combiner"])
+def test_a_batch_of_equal_shapes_for_another_plan_is_rejected_also_under_jit(mesh8, built_for, looked_up_with,
+                                                                               says):
+    """Two plans can give a stack batches of the same shapes whose entries mean other rows (row against table
+    placement, another vocabulary) or other gains (another combiner): their activations would be wrong, silently.
+    The batch carries its plan's layout mark, checked by `lookup` (at trace time inside a jitted step)."""
+    A, B = _two_tables(mesh8, **built_for), _two_tables(mesh8, **looked_up_with)
+    ids = {"a": np.arange(64)[:, None] * 7 % 700, "b": np.arange(64)[:, None]}
+    (ba, _), (bb, _) = se.preprocess(A, ids), se.preprocess(B, ids)
+    assert {k: [x.shape for x in v] for k, v in ba.items()} == {k: [x.shape for x in v] for k, v in bb.items()}
+    tables = se.init_tables(B, jax.random.key(0))
+    msg = r"Stack 't': the batch was built for another plan's stack 't' \(.*" + says
+    with pytest.raises(ValueError, match=msg):
+        se.lookup(B, ba, tables)
+    step = jax.jit(lambda batch, tables: jax.grad(lambda t: sum(x.sum() for x in se.lookup(B, batch, t).values()))(
+        tables))
+    with pytest.raises(ValueError, match=msg):
+        step(ba, tables)
+    # its own plan's batch, and one of an equal plan built again (the mark is a digest, not the plan object), train
+    again = _two_tables(mesh8, **looked_up_with)
+    for batch in (bb, se.preprocess(again, ids)[0]):
+        got = step(batch, tables)
+        chex.assert_trees_all_equal(got, step(bb, tables))
+    # a batch built by hand (no mark) is not checked
+    unmarked = {k: v._replace(layout=None) for k, v in bb.items()}
+    chex.assert_trees_all_equal(se.lookup(B, unmarked, tables), se.lookup(B, bb, tables))
 
 
 def test_stats_size_the_cost_model(mesh8):

@@ -232,6 +232,14 @@ def test_map_ids_rejects_a_batch_built_by_another_plan():
         se.map_ids(plan, batch, {"items": tables["items"]}, maps, 0)
     with pytest.raises(TypeError, match="Stack 'visitors': batch entry must be a RawIdBatch"):
         se.map_ids(plan, {**batch, "visitors": tuple(batch["visitors"])}, tables, maps, 0)
+    # arrays of the same shapes, from a plan whose raw-id table has fewer rows: its layout mark is refused
+    fewer = se.plan([se.FeatureSpec("v", dataclasses.replace(visitors, vocabulary_size=96), 8), feats[1]],
+                    make_mesh(2))
+    theirs = se.preprocess(fewer, ids)[0]
+    assert jax.tree.map(np.shape, tuple(theirs["visitors"][:6])) == jax.tree.map(np.shape, tuple(batch["visitors"][:6]))
+    with pytest.raises(ValueError, match=r"Stack 'visitors': the batch was built for another plan's stack 'visitors' "
+                                         r"\(.* 48 rows each, tables visitors; this plan: .* 50 rows each"):
+        jax.jit(lambda b: se.map_ids(plan, b, tables, maps, 0))(theirs)
 
 # ---------------------------------------------------------------- ids that would land on padding or another table
 @pytest.fixture

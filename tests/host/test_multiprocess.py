@@ -93,6 +93,7 @@ def test_multiprocess_run_equals_single_process(reference, tmp_path, num_process
         for field, want in zip(coo._fields, coo):
             if want is not None:  # keys: raw-id tables only
                 np.testing.assert_array_equal(got[f"drop/{name}/{field}"], want, err_msg=f"{name}/{field}")
+        assert str(got[f"drop/{name}/layout"]) == coo.layout.digest  # each process marks it as one process does
 
     # SparseCore stacks: the CSR assembled from every process's devices, and its agreed limit, equal one process's
     for step, (batch, stats) in reference["sparsecore"].items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import re
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -103,6 +104,29 @@ def test_device_put_places_batch_on_the_mesh(mesh8):
     for coo in batch.values():
         for x in coo[:5]:  # keys: None (no raw ids)
             assert isinstance(x, jax.Array) and x.sharding.is_equivalent_to(plan.batch_sharding(), x.ndim)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["rows", "raw-ids"])
+def test_a_batch_keeps_its_plan_mark_through_copies_and_transformations(mesh8, dynamic):
+    """The mark (`layout`) is no tuple field: a batch unpacks into its arrays as before; pickling (a worker
+    process), `_replace`, tree maps and `device_put` keep it; it is the stack's, the same for an equal plan."""
+    import pickle
+
+    t = se.TableSpec("t", 64, 4, dynamic=se.Dynamic() if dynamic else None)
+    make = lambda: se.plan([se.FeatureSpec("f", t, 16)], mesh8)  # noqa: E731
+    plan = make()
+    entry = se.preprocess(plan, {"f": np.arange(16)}, device_put=False)[0]["t"]
+    want = plan.stack("t").batch_layout
+    assert entry.layout == want == make().stack("t").batch_layout and want.stack == "t"
+    assert len(entry) == len(type(entry)._fields) == (6 if dynamic else 5)
+    assert all(isinstance(x, np.ndarray) for x in entry) and "layout" not in type(entry)._fields
+    copies = [pickle.loads(pickle.dumps(entry)), entry._replace(values=entry.values * 2),
+              jax.tree.map(lambda x: x, entry), jax.device_put(entry), type(entry)(*entry, layout=want)]
+    for c in copies:
+        assert type(c) is type(entry) and c.layout == want
+        chex.assert_trees_all_equal(tuple(c[:2]), tuple(entry[:2]))
+    assert entry._replace(layout=None).layout is None and type(entry)(*entry).layout is None
+    assert jax.tree.structure(entry) != jax.tree.structure(entry._replace(layout=None))  # jit retraces on it
 
 
 def _hot_ids(plan, n_hot):

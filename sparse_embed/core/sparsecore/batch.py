@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from sparse_embed.core.batch import capacity_of
+from sparse_embed.core.batch import capacity_of, marked
 
 PAD_ID = 2**31 - 1  # a CSR's embedding and sample ids in its alignment gaps (jax-tpu-embedding's PADDING_VALUE)
 
@@ -25,6 +25,7 @@ class CsrBatch(NamedTuple):
     gains: Any  # float32, like embedding_ids
 
 
+@marked
 class SparseCoreBatch(NamedTuple):
     """A SparseCore stack's batch. Leading axis = device (sharded over the plan's axis).
 

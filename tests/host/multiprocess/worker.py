@@ -65,6 +65,7 @@ for name, coo in batch.items():
     for field, x in zip(coo._fields, multihost_utils.process_allgather(coo, tiled=True)):
         if x is not None:  # keys: raw-id tables only
             results[f"drop/{name}/{field}"] = x
+    results[f"drop/{name}/layout"] = np.array(coo.layout.digest)  # the plan's mark: the same on every process
 
 # 3b. SparseCore stacks: each process builds its devices' CSR; the limit is agreed by all
 if sparsecore_layout.available():
