@@ -1231,7 +1231,7 @@ static void hex_setup(void)
 }
 
 /* One line of a Criteo log from p: a label 0/1, 13 decimal integers (optional '-', |x| < 2**63) and 26 hex values
-   (1-16 digits, < 2**63), tab-separated, any of the 39 features empty (an integer: 0; a hex value: `missing`); the
+   (1-16 digits, < 2**63, not `missing`), tab-separated, any of the 39 features empty (an integer: 0; a hex value: `missing`); the
    same grammar as host/criteo.py's numpy path. Returns the line's end (its newline, or `end`); *ok = 1 if it is
    well-formed (then its fields are written). One pass: no field loop reads past a newline. */
 static const unsigned char *criteo_line(const unsigned char *p, const unsigned char *end, float *label,
@@ -1264,8 +1264,9 @@ static const unsigned char *criteo_line(const unsigned char *p, const unsigned c
                 goto skip;
             v = (v << 4) | (u64)d;
         }
-        if (v > (u64)INT64_MAX || (f < 25 ? p == end || *p != '\t' : p < end && *p != '\n'))
-            goto skip;
+        if (v > (u64)INT64_MAX || (digits && v == (u64)missing) ||
+            (f < 25 ? p == end || *p != '\t' : p < end && *p != '\n'))
+            goto skip; /* (a value equal to `missing` would read as missing) */
         cats[f] = digits ? (int64_t)v : missing;
         p += f < 25;
     }

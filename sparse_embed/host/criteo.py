@@ -14,7 +14,7 @@ read). An empty field is a missing value:
 
 A line with another number of fields, a label other than 0/1, an integer
 that is not one, or a hexadecimal value that is not one (or >= 2**63, past
-a raw id) is malformed: `parse_lines` returns its index and the reason, and the
+a raw id, or equal to `MISSING_ID`, which would read as missing) is malformed: `parse_lines` returns its index and the reason, and the
 caller (`host.criteo_files`) raises or skips it, as its policy says.
 
 Speed: the separators are found with one vectorised scan, and each field is
@@ -140,7 +140,7 @@ def _slow(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, base: int) 
         digits = text[1:] if base == 10 and text.startswith(b"-") else text
         if digits and set(digits) <= allowed and (base == 10 or len(digits) <= 16):  # (the C path's grammar)
             v = int(text, base)
-            if -2**63 < v < 2**63:
+            if -2**63 < v < 2**63 and (base == 10 or v != MISSING_ID):
                 values[k], ok[k] = v, True
     return values, ok
 
@@ -160,7 +160,17 @@ def _why(buf: np.ndarray, start: int, length: int, column: int) -> str:
     if column == 0:
         return f"the label is {text!r}, not '0' or '1'"
     what = "an integer" if column <= NUM_DENSE else "a hexadecimal value below 2**63"
+    if column > NUM_DENSE and _is_missing_id(text):
+        what += f" other than {MISSING_ID:#x} (MISSING_ID: it would read as a missing value)"
     return f"field {column + 1} ({FIELD_NAMES[column]}) is {text[:40]!r}, not {what}"
+
+
+def _is_missing_id(text: str) -> bool:
+    """Is `text` a hexadecimal value equal to `MISSING_ID` (what no field may hold)?"""
+    try:
+        return int(text, 16) == MISSING_ID
+    except ValueError:
+        return False
 
 
 def _empty() -> Parsed:

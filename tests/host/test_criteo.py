@@ -36,7 +36,7 @@ def reference_line(line: str):
             return None
         dense.append(np.log1p(np.float32(max(int(f), 0))) if f else np.float32(0))
     for f in fields[14:]:
-        if f and (not re.fullmatch(r"[0-9a-fA-F]{1,16}", f) or int(f, 16) >= 2**63):
+        if f and (not re.fullmatch(r"[0-9a-fA-F]{1,16}", f) or int(f, 16) >= 2**63 or int(f, 16) == MISSING):
             return None
         ids.append(int(f, 16) if f else MISSING)
     return float(fields[0]), np.array(dense, np.float32), np.array(ids, np.int64)
@@ -67,6 +67,8 @@ BAD_LINES = {
     "bad hex": "0" + "\t1" * 13 + "\tzz12ab34" + "\t" * 25 + "\n",
     "hex >= 2**63": "0" + "\t" * 13 + "\t" + "f" * 16 + "\t" * 25 + "\n",
     "17 hex digits": "0" + "\t" * 13 + "\t" + "0" * 16 + "1" + "\t" * 25 + "\n",  # (a small value: still malformed)
+    "hex == MISSING_ID": "0" + "\t" * 13 + "\t" * 25 + "\t100000000\n",  # 2**32: would read as missing
+    "hex == MISSING_ID, 16 digits": "0" + "\t" * 13 + "\t0000000100000000" + "\t" * 25 + "\n",
     "bad label": "2" + "\t" * 39 + "\n",
     "bad integer": "1\t1a" + "\t" * 38 + "\n",
     "lone minus": "1\t-" + "\t" * 38 + "\n",
