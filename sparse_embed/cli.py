@@ -24,6 +24,8 @@ import re
 import sys
 from collections.abc import Iterator, Mapping
 
+from sparse_embed._argtypes import number
+
 PROG = "sparse-embed"
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -100,22 +102,7 @@ def _convert(args) -> None:
     print(f"wrote {out}")
 
 
-def _int_at_least(low: int, what: str):
-    """An argparse type: an integer >= `low`; `what` says what it must be in the one-line error."""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = low - 1
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-        return n
-
-    return parse
-
-
-_positive_int = _int_at_least(1, "a positive integer")  # a count of devices
+_positive_int = number(int, 1, what="a positive integer")  # a count of devices
 MAX_SIMULATED = 4096  # `plan --devices`: XLA starts every simulated CPU device (100k took minutes, then failed)
 
 
@@ -124,18 +111,8 @@ def _simulated_count(text: str) -> int:
     if n > MAX_SIMULATED:
         raise argparse.ArgumentTypeError(f"at most {MAX_SIMULATED} simulated devices, got {text!r}")
     return n
-_step = _int_at_least(0, "a step number (an integer >= 0)")  # a checkpoint step
-
-
-def _positive_float(text: str) -> float:
-    """An argparse type: a finite number above 0 (e.g. ids per sample)."""
-    try:
-        x = float(text)
-    except ValueError:
-        x = math.nan
-    if not (math.isfinite(x) and x > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
-    return x
+_step = number(int, 0, what="a step number (an integer >= 0)")  # a checkpoint step
+_positive_float = number(float, 0, strict=True, what="a finite number above 0")  # e.g. ids per sample
 
 
 def _bytes(text: str) -> int:

@@ -68,12 +68,12 @@ def test_demo_checkpoint_works_with_the_cli(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--users", "0"], "argument --users: 0 must be > 0"),
-    (["--batch-size", "-64"], "argument --batch-size: -64 must be > 0"),
-    (["--workers", "-1"], "argument --workers: -1 must be >= 0"),
-    (["--table-rows", "0"], "argument --table-rows: 0 must be > 0"),
-    (["--embedding-lr", "nan"], "argument --embedding-lr: nan must be > 0.0"),
-    (["--steps", "x"], "argument --steps: 'x' is not an integer"),
+    (["--users", "0"], "argument --users: must be an integer > 0, got '0'"),
+    (["--batch-size", "-64"], "argument --batch-size: must be an integer > 0, got '-64'"),
+    (["--workers", "-1"], "argument --workers: must be an integer >= 0, got '-1'"),
+    (["--table-rows", "0"], "argument --table-rows: must be an integer > 0, got '0'"),
+    (["--embedding-lr", "nan"], "argument --embedding-lr: must be a finite number > 0, got 'nan'"),
+    (["--steps", "x"], "argument --steps: must be an integer > 0, got 'x'"),
     (["--checkpoint-every", "4"], "--checkpoint-every saves a --data run into --checkpoint-dir: give both"),
 ])
 def test_bad_flags_are_refused_naming_them(flags, message, capsys):

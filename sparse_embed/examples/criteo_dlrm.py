@@ -29,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sparse_embed as se
 from sparse_embed import data as sed
-from sparse_embed.examples.dlrm import AXIS, COUNT, POSITIVE_INT, auc, describe_kernels, loss_curve
+from sparse_embed._argtypes import COUNT, POSITIVE_INT
+from sparse_embed.examples.dlrm import AXIS, auc, describe_kernels, loss_curve
 
 FEATURES = tuple(f"C{i}" for i in range(1, 27))
 

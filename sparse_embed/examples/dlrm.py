@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import sparse_embed as se
+from sparse_embed._argtypes import COUNT, POSITIVE, POSITIVE_INT
 from sparse_embed.flax import linen as sel
 
 AXIS = "device"
@@ -361,24 +362,6 @@ def score(predict: Callable, params, id_maps, batches: Sequence[Batch]) -> tuple
 
 # ---------------------------------------------------------------------------
 # Driver.
-
-
-def _number(kind: type, low: float, strict: bool) -> Callable[[str], Any]:
-    """An argparse type: `kind(text)`, finite, above `low` (`strict`) or at least `low`."""
-    def parse(text: str):
-        try:
-            x = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}")
-        if not (x > low if strict else x >= low) or not np.isfinite(x):
-            raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {low}")
-        return x
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
-
-
-POSITIVE_INT, COUNT, POSITIVE = _number(int, 0, True), _number(int, 0, False), _number(float, 0.0, True)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
