@@ -123,12 +123,15 @@ def _stacked_global(plan: EmbeddingPlan, stack: StackPlan, per_table: dict[str, 
     return jax.make_array_from_callback((stack.array_rows, w), plan.table_sharding(), shard, dtype=dtype)
 
 
-def _host_array(name: str, what: str, a, shape: tuple[int, int]) -> np.ndarray:
+def host_array(name: str, what: str, a, shape: tuple[int, int]) -> np.ndarray:
+    """`a` as numpy, checked: `shape`, and real numbers (a ValueError naming table `name` and `what` it is)."""
     a = np.asarray(a)
     if a.shape != shape:
         raise ValueError(f"Table {name!r}: {what} has shape {a.shape}, expected {shape}.")
     if not jnp.issubdtype(a.dtype, jnp.number):  # numpy's own check calls bfloat16 (ml_dtypes) not numeric
         raise ValueError(f"Table {name!r}: {what} dtype {a.dtype} is not numeric.")
+    if jnp.issubdtype(a.dtype, jnp.complexfloating):  # (the cast to the table's dtype would drop the imaginary part)
+        raise ValueError(f"Table {name!r}: {what} dtype {a.dtype} is complex; a table holds real numbers.")
     return a
 
 
@@ -157,7 +160,7 @@ def stack_tables(
         if unknown := sorted(set(given) - set(has)):
             raise ValueError(f"stack_tables: table {name!r} has no slots {unknown}: its optimizer "
                              f"{type(o).__name__} has {has}.")
-    host = {n: _host_array(n, "array", a, (plan.tables[n].vocabulary_size, plan.tables[n].embedding_dim))
+    host = {n: host_array(n, "array", a, (plan.tables[n].vocabulary_size, plan.tables[n].embedding_dim))
             for n, a in arrays.items()}
     out = {}
     for s in plan.stacks:
@@ -168,7 +171,7 @@ def stack_tables(
                 v = (slots or {}).get(p.table.name, {}).get(slot_name)
                 shape = (p.table.vocabulary_size, spec.width)
                 given[p.table.name] = (np.full(shape, spec.init, SLOT_DTYPE) if v is None
-                                       else _host_array(p.table.name, f"slot {slot_name!r}", v, shape))
+                                       else host_array(p.table.name, f"slot {slot_name!r}", v, shape))
             slot_arrays[slot_name] = _stacked_global(plan, s, given, spec.width, spec.init, SLOT_DTYPE)
         out[s.name] = EmbeddingVariables(_stacked_global(plan, s, host, s.embedding_dim, 0, s.dtype), slot_arrays)
     return out

@@ -53,6 +53,7 @@ import numpy as np
 from sparse_embed.core.planning import round_up
 from sparse_embed.core.sparsecore.batch import CsrBatch
 from sparse_embed.core.specs import FeatureSpec, TableSpec
+from sparse_embed.core.tables import host_array
 from sparse_embed.host.gains import fold
 from sparse_embed.host.gains import gains as combiner_gains
 from sparse_embed.host.ids import flatten
@@ -174,10 +175,7 @@ def to_jte(layout: Sequence[JteTableLayout], arrays: Mapping[str, np.ndarray], n
         first = members[0]
         buf = np.zeros((num_shards, first.stack_vocab_size // num_shards, first.stack_embedding_dim), np.float32)
         for t in members:
-            a = np.asarray(arrays[t.name])
-            if a.shape != (t.vocabulary_size, t.embedding_dim):
-                raise ValueError(f"Table {t.name!r}: array has shape {a.shape}, expected "
-                                 f"{(t.vocabulary_size, t.embedding_dim)}.")
+            a = host_array(t.name, "array", arrays[t.name], (t.vocabulary_size, t.embedding_dim))
             padded = np.full((t.padded_vocab_size, t.stack_embedding_dim), pad_value, np.float32)
             padded[: t.vocabulary_size, : t.embedding_dim] = a
             shards = padded.reshape(-1, num_shards, t.stack_embedding_dim).swapaxes(0, 1)  # [S, rows, dim]

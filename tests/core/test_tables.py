@@ -120,6 +120,10 @@ def test_a_bf16_tables_unstacked_state_stacks_back(mesh8):
     np.testing.assert_array_equal(again["h"]["accumulator"], acc)
     with pytest.raises(ValueError, match="Table 'h': array dtype <U1 is not numeric"):
         se.stack_tables(plan, {"h": np.full((20, 4), "x")})
+    with pytest.raises(ValueError, match="Table 'h': array dtype complex64 is complex; a table holds real numbers"):
+        se.stack_tables(plan, {"h": np.full((20, 4), 1 + 2j, np.complex64)})
+    with pytest.raises(ValueError, match="Table 'h': slot 'accumulator' dtype complex64 is complex"):
+        se.stack_tables(plan, {"h": w}, {"h": {"accumulator": acc + 0j}})
 
 
 def test_stacked_layout_is_mod_sharding(mesh8):

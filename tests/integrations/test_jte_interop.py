@@ -88,6 +88,11 @@ def test_layouts_used_with_another_shard_count_or_array_are_refused_naming_them(
         se.jte.from_jte(l8, se.jte.to_jte(l16, arrays, 16), 8)
     with pytest.raises(ValueError, match=r"array of shape \(384, 8\)"):
         se.jte.from_jte(l8, {"a_b": np.zeros((384, 8), np.float32)}, 8)
+    for a, match in ((arrays["b"][:99], r"Table 'b': array has shape \(99, 16\), expected \(100, 16\)"),
+                     (arrays["b"] * (1 + 1j), "Table 'b': array dtype complex64 is complex"),
+                     (np.full((100, 16), "x"), "Table 'b': array dtype <U1 is not numeric")):
+        with pytest.raises(ValueError, match=match):
+            se.jte.to_jte(l8, {**arrays, "b": a}, 8)
     for bad, match in ((-8, "num_shards must be a positive int"), (2.5, "num_shards must be a positive int")):
         with pytest.raises(ValueError, match=match):
             se.jte.jte_layout(tables, bad)
