@@ -86,12 +86,19 @@ class LayoutMap:
                 regex = re.compile(pattern)
             except (re.error, TypeError) as e:
                 raise ValueError(f"LayoutMap rule {i}: {pattern!r} is not a valid regex: {e}.") from None
+            if not isinstance(regex.pattern, str):  # it would fail on every (str) path, with re's TypeError
+                raise ValueError(f"LayoutMap rule {i}: {pattern!r} is a bytes regex; paths are str, write "
+                                 f"{regex.pattern.decode(errors='replace')!r}.")
             spec = P() if spec is None else spec
             if not isinstance(spec, P):
                 raise TypeError(
                     f"LayoutMap rule {i} ({pattern!r}): expected a PartitionSpec or None, got {spec!r}; "
                     "write e.g. jax.sharding.PartitionSpec(None, 'model')."
                 )
+            if any(e is P.UNCONSTRAINED for e in spec):
+                raise ValueError(f"LayoutMap rule {i} ({pattern!r}): {spec} has P.UNCONSTRAINED, which only a "
+                                 "sharding constraint inside jit takes; a LayoutMap places arrays: write None for a "
+                                 "dimension held whole.")
             unknown = [a for e in spec for a in _axes(e) if a not in mesh.axis_names]
             if unknown:
                 raise ValueError(

@@ -91,11 +91,14 @@ def test_embedding_state_gets_the_plan_sharding_whatever_the_rules(mesh8, kind):
     ([(r"w", P("x", "x"))], {"w": SDS((8, 8), jnp.float32)}, ValueError, r"for 'w' uses mesh axes \['x'\] twice"),
     ([(r"w", P("model"))], None, ValueError, r"rule 0 \('w'\): P\('model',\) names mesh axes \['model'\], but the mesh has axes \('x',\)"),
     ([(r"w(", P())], None, ValueError, r"rule 0: 'w\(' is not a valid regex"),
+    ([(b"w", P("x"))], {"w": SDS((8, 4), jnp.float32)}, ValueError, r"rule 0: b'w' is a bytes regex; .* write 'w'"),
+    ([(r"w", P(P.UNCONSTRAINED, None))], None, ValueError, r"rule 0 \('w'\): .* has P.UNCONSTRAINED, which only"),
     ([(r"w", ("x",))], None, TypeError, r"rule 0 \('w'\): expected a PartitionSpec or None"),
     ([r"w"], None, ValueError, r"rule 0: expected a \(regex, PartitionSpec\) pair"),
     ([], {"emb": se.EmbeddingVariables(SDS((8, 4), jnp.float32), {})}, ValueError,
      r"'emb' is embedding state; pass plan="),
-], ids=["rank", "divisibility", "axis_twice", "unknown_axis", "bad_regex", "not_a_spec", "not_a_pair", "no_plan"])
+], ids=["rank", "divisibility", "axis_twice", "unknown_axis", "bad_regex", "bytes_regex", "unconstrained", "not_a_spec",
+        "not_a_pair", "no_plan"])
 def test_bad_rules_give_clear_errors(mesh8, rules, tree, error, match):
     with pytest.raises(error, match=match):
         se.LayoutMap(mesh8, rules).shardings(tree)
