@@ -157,11 +157,22 @@ def _partitions(plan: EmbeddingPlan, ids, weights, positions: list[int], several
     except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
         if not several:
             raise
-        failure = e
+        failure = _this_process(e)
     agreed = _agree(plan, ids, parts, failure is not None)
     if failure is not None:
         raise failure
     return parts, agreed
+
+
+def _this_process(e: Exception) -> Exception:
+    """A feature's input error under several processes, saying that its sample numbers are this process's (they
+    count the rows it passed, not the global batch's)."""
+    if not (type(e) in (ValueError, TypeError) and str(e).startswith("Feature ")):
+        return e
+    out = type(e)(f"{e} (On process {jax.process_index()} of {jax.process_count()}: samples are numbered within "
+                  "the rows this process passed.)")
+    out.__cause__ = e
+    return out
 
 
 def _overflow_error(stack: StackPlan, part: Partitioned, numbers: _Numbers, cap: int, positions: list[int]):

@@ -111,6 +111,12 @@ def test_multiprocess_run_equals_single_process(reference, tmp_path, num_process
             assert f"got {scenario.B // num_processes - 1} samples" in m["batch"] and "own rows" in m["batch"], m
         else:
             assert f"failed on process(es) [{last}]" in m["batch"], m
+        if i == last:  # the sample is this process's, and the message says so
+            assert "id 1000 in sample 2 is out of range" in m["id"] and (
+                f"On process {last} of {num_processes}: samples are numbered within the rows this process passed"
+                in m["id"]), m
+        else:
+            assert f"failed on process(es) [{last}]" in m["id"], m
         if i == 0:
             assert f"got {scenario.B} samples" in m["global"] and f"must pass {scenario.B // num_processes}" in m["global"]
         else:

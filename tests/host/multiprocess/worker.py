@@ -103,6 +103,14 @@ else:
         se.preprocess(plan, feed(plan, scenario.global_ids(plan, 0)))
     except ValueError as e:
         messages["global"] = str(e)
+bad = feed(plan, scenario.global_ids(plan, 0))
+if pid == nproc - 1:
+    bad["user"] = bad["user"].copy()
+    bad["user"][2, 0] = 1000  # out of range, in this process's sample 2
+try:
+    se.preprocess(plan, bad)
+except ValueError as e:
+    messages["id"] = str(e)
 # still in step after the errors: one more good batch through the train step
 batch, _ = se.preprocess(plan, feed(plan, scenario.global_ids(plan, 0)))
 scenario.make_step(plan)(tables, batch, np.int32(0))[1].block_until_ready()
