@@ -68,6 +68,7 @@ class TableRecord:
     stored_rows: int  # rows of the stored arrays (format 3: vocabulary_size; before: padded for the mesh)
     dynamic: bool = False  # keyed by raw ids: rows in id order, with their ids (`id_checkpoint`)
     expire_after: int | None = None  # a raw-id table's `Dynamic.expire_after` (not recorded before 0.2.0's end)
+    default: float | tuple[float, ...] | None = None  # its `Dynamic.default` (what ids without a row read; older: None)
 
     @classmethod
     def from_spec(cls, t: TableSpec, *, with_slots: bool = True) -> "TableRecord":
@@ -75,14 +76,14 @@ class TableRecord:
         slots = tuple(sorted((k, v.width) for k, v in opt.slots(t.embedding_dim).items())) if with_slots else ()
         return cls(t.name, t.vocabulary_size, t.embedding_dim, str(t.dtype), t.combiner, t.max_norm,
                    type(opt).__name__, slots, t.vocabulary_size, t.dynamic is not None,
-                   t.dynamic.expire_after if t.dynamic is not None else None)
+                   *((t.dynamic.expire_after, t.dynamic.default) if t.dynamic is not None else (None, None)))
 
     def to_spec(self) -> TableSpec:
         """A `TableSpec` with this record's shape, dtype, combiner and max_norm (for serving; a quantized
         table's spec says float32, what its lookups return)."""
         return TableSpec(self.name, self.vocabulary_size, self.embedding_dim, combiner=self.combiner,
                          max_norm=self.max_norm, dtype="float32" if self.dtype in BITS else self.dtype,
-                         dynamic=Dynamic() if self.dynamic else None)
+                         dynamic=Dynamic(default=self.default) if self.dynamic else None)
 
     @property
     def stored(self) -> tuple[np.dtype, int]:
@@ -142,7 +143,9 @@ class CheckpointInfo:
         if fmt != UNVERIFIED_FORMAT and d.get("digest") != _digest({k: v for k, v in d.items() if k != "digest"}):
             raise CorruptCheckpointError(f"{where}: its metadata is corrupt (its digest does not match); {WHAT_TO_DO}.")
         try:
-            tables = tuple(TableRecord(**{**t, "slots": tuple(tuple(s) for s in t["slots"])}) for t in d["tables"])
+            tables = tuple(TableRecord(**{**t, "slots": tuple(tuple(s) for s in t["slots"]),
+                                          **({"default": tuple(t["default"])} if isinstance(t.get("default"), list)
+                                             else {})}) for t in d["tables"])
             return cls(d["kind"], tables, tuple(tuple(g) for g in d["stacking"]), int(d["num_shards"]),
                        d["step"], bool(d["has_user"]), d.get("checksums"), d.get("user_checksums"), fmt,
                        bool(d.get("has_data", False)))

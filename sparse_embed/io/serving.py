@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_embed.core import pooling
-from sparse_embed.core.specs import FeatureSpec
+from sparse_embed.core.specs import FeatureSpec, TableSpec
 from sparse_embed.host.ids import PADDING_ID, canonical, error
 from sparse_embed.io.quantize import bits_of, dequantize, fused_width
 
@@ -174,7 +174,10 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
 
 
 def _each_array(ids: Any, fn: Callable[[Any], Any]) -> Any:
-    """`ids` in any format (dense, a list of rows, `(values, lengths)`) with `fn` applied to its id arrays."""
+    """`ids` in any format (dense, a list of rows, `(values, lengths)`, COO `(indices, values, dense_shape)`)
+    with `fn` applied to its id arrays (COO: `values`, not the indices)."""
+    if isinstance(ids, tuple) and len(ids) == 3:
+        return (ids[0], fn(ids[1]), ids[2])
     if isinstance(ids, tuple):
         return (fn(ids[0]), *ids[1:])
     if isinstance(ids, list):
@@ -206,10 +209,16 @@ def _raw_rows(feature: FeatureSpec, known: np.ndarray, ids: Any, policy: Any) ->
 
     `known` are the table's ids, sorted: row k holds `known[k]`.
     """
-    known = np.asarray(known, np.int64)
+    def on_host(a) -> np.ndarray:
+        if isinstance(a, jax.core.Tracer):
+            raise error(feature, "the table is keyed by raw ids, which are mapped to its rows on the host: call "
+                                 "serving_lookup outside jit (under jit, look up the rows: io.serving.lookup_feature).")
+        return np.asarray(a)
+
+    known = on_host(known).astype(np.int64)
 
     def rows(a):
-        a = np.asarray(a)
+        a = on_host(a)
         if a.dtype.kind not in "iu":
             raise error(feature, f"ids must be integers, got dtype {a.dtype}.")
         if a.dtype.kind == "u" and a.dtype.itemsize == 8 and (a >= 2**63).any():  # would wrap (2**64 - 1 to padding)
@@ -235,7 +244,7 @@ def serving_lookup(
     ids: Mapping[str, Any],
     weights: Mapping[str, Any] | None = None,
     *,
-    oov: Any = "error",
+    oov: Any = None,
 ) -> dict[str, jax.Array]:
     """`{feature: activations}` from per-table `{table: [vocab, dim]}` arrays, on one device.
 
@@ -247,8 +256,10 @@ def serving_lookup(
         a raw-id table as `(ids, array)` from `load_serving` (its raw ids then
         must be host arrays: int64 does not survive jax without x64).
       ids / weights: `{feature: ids}` in any format of this module's doc.
-      oov: "error", "zero", a `[dim]` default vector, or `{table: policy}`
-        (tables not named get "error").
+      oov: "error", "zero", a `[dim]` default vector, or `{table: policy}`.
+        A table it does not set (None, or a mapping without it) gets
+        "error", or, a raw-id table whose `Dynamic.default` is set, that
+        default vector (what `lookup` reads for ids without a row).
 
     Returns `[B, dim]` or `[B, max_sequence_length, dim]` float32 per feature,
     equal to `lookup` on the same tables and ids (a quantized table: on its
@@ -259,15 +270,27 @@ def serving_lookup(
     if unknown or missing:
         raise ValueError(f"ids have unknown features {unknown} and lack {missing}; features are {sorted(feats)}.")
     weights = weights or {}
+    if set(weights) - set(feats):
+        raise ValueError(f"weights have unknown features {sorted(set(weights) - set(feats))}; features are "
+                         f"{sorted(feats)}.")
     out = {}
     for name, f in feats.items():
         if f.table.name not in tables:
             raise error(f, f"no array for the table in tables (it has {sorted(tables)}).")
-        table, x = tables[f.table.name], ids[name]
+        table, x, policy = tables[f.table.name], ids[name], _policy(f.table, oov)
         if f.table.dynamic is not None:
             if not (isinstance(table, tuple) and len(table) == 2):
                 raise error(f, "the table is keyed by raw ids: give it as (ids, array), as load_serving returns it.")
-            x = _raw_rows(f, table[0], x, _resolve_oov(oov, f.table.name, f.table.embedding_dim))
+            x = _raw_rows(f, table[0], x, policy)
             table = table[1]
-        out[name] = lookup_feature(f, jnp.asarray(table), x, weights.get(name), oov=oov)
+        out[name] = lookup_feature(f, jnp.asarray(table), x, weights.get(name), oov=policy)
     return out
+
+
+def _policy(t: TableSpec, oov: Any) -> Any:
+    """Table `t`'s out-of-vocabulary policy: the one `oov` sets for it, else a raw-id table's `Dynamic.default`
+    vector (as `lookup` reads it), else "error"."""
+    given = oov.get(t.name) if isinstance(oov, Mapping) else oov
+    if given is None and t.dynamic is not None and t.dynamic.default is not None:
+        given = t.dynamic.default_vector(t.embedding_dim)
+    return _resolve_oov("error" if given is None else given, t.name, t.embedding_dim)

@@ -593,6 +593,34 @@ def test_serving_export_carries_the_map_and_serving_lookup_takes_raw_ids(tmp_pat
     np.testing.assert_array_equal(se.load_serving(out)[0]["users"][0], served["users"][0])
 
 
+@pytest.mark.parametrize("default", [0.5, (0.25, -1.0, 2.0, 0.0)], ids=["float", "vector"])
+def test_a_served_raw_id_table_reads_its_default_vector_for_unknown_ids_as_training_does(tmp_path, default):
+    """`Dynamic.default` goes into the serving checkpoint; `serving_lookup` reads it for ids the table has no row
+    for (with the loaded spec and with the training one), unless `oov=` says otherwise; COO ids map alike."""
+    plan = _train_plan(make_mesh(2), dyn=se.Dynamic(default=default))
+    rng = jax.random.key(0)
+    seen = np.array([[5, 6, -1]] * 16, np.int64)
+    tables, maps = _run(plan, se.init_tables(plan, rng), se.init_id_maps(plan, rng), [seen])
+    se.export_serving(tmp_path / "srv", plan, tables, id_maps=maps)
+    served, specs = se.load_serving(tmp_path / "srv")
+    assert specs["users"].dynamic.default == plan.tables["users"].dynamic.default
+    ids = np.array([[5, 77, -1]] + [[6, -1, -1]] * 15, np.int64)  # 77: never seen
+    want = np.asarray(se.lookup(plan, se.map_ids(plan, se.preprocess(plan, {"u": ids})[0], tables, maps, 1,
+                                                 train=False)[0], tables, 1)["u"])
+    rows = dict(zip(*(np.asarray(x) for x in served["users"])))  # raw id -> served row
+    np.testing.assert_allclose(want[0], rows[5] + np.broadcast_to(np.float32(default), (4,)), rtol=1e-6)
+    for table in (specs["users"], plan.tables["users"]):
+        f = se.FeatureSpec("u", table, 16)
+        np.testing.assert_allclose(np.asarray(se.serving_lookup([f], served, {"u": ids})["u"]), want, rtol=1e-6)
+        zero = np.asarray(se.serving_lookup([f], served, {"u": ids}, oov={"users": "zero"})["u"])
+        np.testing.assert_allclose(zero[0], rows[5], rtol=1e-6)
+        with pytest.raises(ValueError, match="raw id 77 is not in the table"):
+            se.serving_lookup([f], served, {"u": ids}, oov="error")
+        nz = np.flatnonzero(ids.ravel() != -1)
+        coo = (np.stack([nz // 3, nz % 3], 1), ids.ravel()[nz], (16, 3))
+        np.testing.assert_allclose(np.asarray(se.serving_lookup([f], served, {"u": coo})["u"]), want, rtol=1e-6)
+
+
 def test_inspect_shows_occupancy_and_verify_checks_the_map(tmp_path, capsys):
     from sparse_embed import cli
 

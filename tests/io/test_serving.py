@@ -99,8 +99,10 @@ def test_ids_wider_than_int32_are_never_wrapped_to_a_row_or_padding(wide):
     ids = np.array([[1, wide], [3, 0], [2, 2]], np.uint64 if wide > 2**63 else np.int64)
     with pytest.raises(ValueError, match=rf"Feature 'f' \(table 't'\): id {wide} is out of vocabulary \[0, 10\)"):
         se.serving_lookup(feats, tables, {"f": ids})
-    for ragged in (False, True):
-        given = [row for row in ids] if ragged else ids
+    coo = (np.array([[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1]]), ids.ravel(), (3, 2))
+    with pytest.raises(ValueError, match=rf"Feature 'f' \(table 't'\): id {wide} is out of vocabulary \[0, 10\)"):
+        se.serving_lookup(feats, tables, {"f": coo})  # COO: its values are the ids (not its indices)
+    for given in ([row for row in ids], ids, coo):
         got = se.serving_lookup(feats, tables, {"f": given}, oov="zero")["f"]
         np.testing.assert_allclose(got, np.stack([W[1] / 2, (W[3] + W[0]) / 2, W[2]]), rtol=1e-6)  # as any OOV id
     raw = {"g": se.FeatureSpec("g", se.TableSpec("u", 8, 4, combiner="sum", dynamic=se.Dynamic()), 2)}
@@ -108,6 +110,30 @@ def test_ids_wider_than_int32_are_never_wrapped_to_a_row_or_padding(wide):
     with pytest.raises(ValueError, match=rf"Feature 'g' \(table 'u'\): raw id {2**64 - 1} is out of range: raw ids "
                                          r"must be < 2\*\*63"):
         se.serving_lookup(raw, served, {"g": np.array([[2**64 - 1], [3]], np.uint64)}, oov="zero")
+
+
+def test_raw_ids_in_every_format_read_their_rows_and_never_under_jit():
+    """A raw-id table maps the ids of every format (COO: its values, not its indices) to its rows on the host;
+    under jit that cannot be done, and the error says so, naming the feature."""
+    raw = {"g": se.FeatureSpec("g", se.TableSpec("u", 8, 4, combiner="sum", dynamic=se.Dynamic()), 2)}
+    array = np.arange(32, dtype=np.float32).reshape(8, 4)
+    served = {"u": (np.array([3, 7, 2**40], np.int64), array)}  # raw id -> row 0, 1, 2
+    want = np.stack([array[2] + array[1], array[0]])
+    for ids in (np.array([[2**40, 7], [3, -1]]), [np.array([2**40, 7]), np.array([3])],
+                (np.array([2**40, 7, 3]), np.array([2, 1])), (np.array([[0, 0], [0, 1], [1, 0]]),
+                                                              np.array([2**40, 7, 3]), (2, 2))):
+        np.testing.assert_array_equal(np.asarray(se.serving_lookup(raw, served, {"g": ids})["g"]), want)
+    with pytest.raises(ValueError, match=r"Feature 'g' \(table 'u'\): raw id 1 is not in the table"):
+        se.serving_lookup(raw, served, {"g": (np.array([[0, 0], [1, 0]]), np.array([3, 1]), (2, 1))})
+    with pytest.raises(ValueError, match=r"Feature 'g' \(table 'u'\): the table is keyed by raw ids, which are "
+                                         r"mapped to its rows on the host: call serving_lookup outside jit"):
+        jax.jit(lambda t, i: se.serving_lookup(raw, t, i))(served, {"g": np.array([[3], [7]])})
+
+
+def test_weights_of_an_unknown_feature_are_refused():
+    feats, tables, ids, _ = _oov_setup()
+    with pytest.raises(ValueError, match=r"weights have unknown features \['ff'\]; features are \['f'\]"):
+        se.serving_lookup(feats, tables, ids, {"ff": np.ones((3, 2), np.float32)})
 
 
 @pytest.mark.parametrize("bad, match", [
