@@ -151,7 +151,8 @@ def _in_order(table: str, what: str, ids: np.ndarray, values: np.ndarray) -> tup
 
 def _check_rows(changes: Changes, rows: Mapping[str, tuple], raw: Mapping[str, tuple]) -> None:
     """ValueError for rows a server would refuse (then every later delta, out of order): an unknown or misplaced
-    table, a row outside the table, values of another width or count."""
+    table, a row outside the table, values of another width or count (and, in `write_delta`, more ids than a
+    raw-id table has rows)."""
     for kind, given in (("rows", rows), ("ids", raw)):
         for name, (r, values, *_) in given.items():
             is_raw = name in changes.served_ids
@@ -203,10 +204,14 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
         header["tables"][name] = "ids"
         upsert, values = _in_order(name, "id", upsert, values)
         evicted = _in_order(name, "evicted id", evicted, evicted)[0]
+        served[name] = np.union1d(np.setdiff1d(served[name], evicted), upsert)
+        vocab = changes.shapes.get(name, (None,))[0]
+        if vocab is not None and served[name].size > vocab:  # the server would refuse it, and every later delta
+            raise ValueError(f"Table {name!r}: {served[name].size} ids after the delta, more than its {vocab} rows "
+                             "(upserted ids the served copy does not hold, and not as many evicted).")
         arrays.update({f"{name}/rows": upsert, f"{name}/values": serving_rows(values, changes.dtypes[name], name,
                                                                              upsert, "raw id"),
                        f"{name}/evicted": evicted})
-        served[name] = np.union1d(np.setdiff1d(served[name], evicted), upsert)
     os.makedirs(directory, exist_ok=True)
     delta_file.write(path, header, arrays, ids=[k for k in arrays if not k.endswith("/values")])
     return path, dataclasses.replace(changes, seq=changes.seq + 1, touched={}, served_ids=served)

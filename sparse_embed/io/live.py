@@ -65,13 +65,16 @@ def _static(table: jax.Array, rows: np.ndarray, values: np.ndarray) -> jax.Array
     return _set_rows(table, padded, vals)
 
 
-def _raw(held: np.ndarray, table: jax.Array, upsert: np.ndarray, values: np.ndarray, evicted: np.ndarray):
-    """A raw-id table `(ids, array)` with `evicted` dropped and `upsert` written, in id order as exported."""
+def _raw(name: str, path: str, held: np.ndarray, table: jax.Array, upsert: np.ndarray, values: np.ndarray,
+         evicted: np.ndarray):
+    """A raw-id table `(ids, array)` with `evicted` dropped and `upsert` written, in id order as exported (delta
+    `path`'s table `name`)."""
     keep = ~np.isin(held, evicted)
     kept_ids, kept = held[keep], np.asarray(table)[: held.size][keep]
     ids = np.union1d(kept_ids, upsert)
     if ids.size > table.shape[0]:
-        raise CheckpointError(f"{ids.size} ids after the delta, more than the table's {table.shape[0]} rows.")
+        raise CheckpointError(f"Table {name!r}: {ids.size} ids after the delta {path}, more than the table's "
+                              f"{table.shape[0]} rows.")
     out = np.zeros(table.shape, table.dtype)
     out[np.searchsorted(ids, kept_ids)] = kept
     out[np.searchsorted(ids, upsert)] = values
@@ -113,7 +116,7 @@ def apply_delta(snapshot: Snapshot, path: str | os.PathLike) -> Snapshot:
     for name, kind in header["tables"].items():
         rows, values = arrays[f"{name}/rows"], arrays[f"{name}/values"]
         if kind == "ids":
-            tables[name] = _raw(*snapshot.tables[name], rows, values, arrays[f"{name}/evicted"])
+            tables[name] = _raw(name, path, *snapshot.tables[name], rows, values, arrays[f"{name}/evicted"])
         else:
             tables[name] = _static(snapshot.tables[name], rows, values)
     return Snapshot(snapshot.base, snapshot.seq + 1, tables, snapshot.specs)
@@ -147,7 +150,8 @@ class LiveTables:
                 s = self._snapshot
                 path = os.path.join(os.fspath(directory), delta_name(s.base, s.seq + 1))
                 if not os.path.exists(path):
-                    _warn_if_gap(os.fspath(directory), s.base, s.seq + 1)
+                    if os.path.isdir(directory):  # (none yet: training writes the first delta's directory)
+                        _warn_if_gap(os.fspath(directory), s.base, s.seq + 1)
                     return applied
                 self.apply(path)
                 applied += 1

@@ -344,6 +344,31 @@ def test_write_delta_refuses_what_a_server_would_refuse(rows, raw, match, tmp_pa
     assert ss.apply_delta(ss.load_snapshot(tmp_path / "base"), path).tables["a"][9].tolist() == [1.0] * 4
 
 
+def test_write_delta_refuses_more_raw_ids_than_the_table_has_rows(tmp_path):
+    """A raw-id table's served copy holds at most vocabulary_size ids: a delta past that would be refused by the
+    server, and every later one with it; refused when written, and a server polling before the first delta
+    waits (catch_up of a directory not yet made: 0)."""
+    u = se.TableSpec("u", 4, 2, combiner="sum", dynamic=se.Dynamic())
+    plan = se.plan([se.FeatureSpec("fu", u, B)], make_mesh(1))
+    rng = jax.random.key(0)
+    se.export_serving(tmp_path / "base", plan, se.init_tables(plan, rng), id_maps=se.init_id_maps(plan, rng))
+    changes, live = ss.Changes.since(tmp_path / "base"), ss.LiveTables(tmp_path / "base")
+    assert live.catch_up(tmp_path / "d") == 0
+    ids = np.array([10, 11, 12, 13, 14])
+    with pytest.raises(ValueError, match=r"Table 'u': 5 ids after the delta, more than its 4 rows"):
+        ss.write_delta(tmp_path / "d", changes, {}, {"u": (ids, np.ones((5, 2), np.float32), np.zeros(0, np.int64))})
+    assert not (tmp_path / "d").exists()
+    path, changes = ss.write_delta(tmp_path / "d", changes, {}, {"u": (ids[:4], np.ones((4, 2), np.float32),
+                                                                         np.zeros(0, np.int64))})
+    # full: one more id fits only with one evicted
+    with pytest.raises(ValueError, match=r"Table 'u': 5 ids after the delta, more than its 4 rows"):
+        ss.write_delta(tmp_path / "d", changes, {}, {"u": (ids[4:], np.ones((1, 2), np.float32), np.zeros(0, np.int64))})
+    ss.write_delta(tmp_path / "d", changes, {}, {"u": (ids[4:], np.full((1, 2), 2, np.float32), ids[:1])})
+    assert live.catch_up(tmp_path / "d") == 2
+    held, array = live.snapshot.tables["u"]
+    assert np.asarray(held).tolist() == [11, 12, 13, 14] and np.asarray(array)[3].tolist() == [2.0, 2.0]
+
+
 def test_catch_up_warns_when_a_delta_is_missing_before_later_ones(tmp_path):
     a = se.TableSpec("a", 10, 4, combiner="sum")
     plan = se.plan([se.FeatureSpec("fa", a, B)], make_mesh(1))
