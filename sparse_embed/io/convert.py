@@ -64,7 +64,17 @@ def serving_rows(a: np.ndarray, dtype: str | None, table: str, names: np.ndarray
     `kind`: what an error calls row `i` (`quantize`)."""
     if dtype in BITS:
         return quantize(a, BITS[dtype], what=f"Table {table!r}", names=names, kind=kind)
-    return np.asarray(a) if dtype is None else np.asarray(a).astype(dtype)
+    a = np.asarray(a)
+    if dtype is None:
+        return a
+    with np.errstate(over="ignore"):
+        out = a.astype(dtype)
+    past = np.isfinite(a) & ~np.isfinite(out)  # (float16: beyond 65504)
+    if past.any():
+        i = int(np.argwhere(past)[0][0])
+        raise ValueError(f"Table {table!r}: {kind} {i if names is None else int(names[i])} holds values beyond "
+                         f"{dtype}'s range (it would serve inf); export it as float32 or bfloat16.")
+    return out
 
 
 def _save(dst: str, arrays: Iterable[tuple[str, str, np.ndarray]], info: CheckpointInfo) -> None:

@@ -176,6 +176,22 @@ def test_bf16_serving_export(tmp_path):
         np.testing.assert_array_equal(np.asarray(t), want[n].astype(jnp.bfloat16))
 
 
+def test_a_float16_export_refuses_rows_beyond_its_range(tmp_path):
+    """float16 holds at most 65504: a larger value would serve as inf (numpy only warns); bfloat16 holds it."""
+    t = se.TableSpec("t", 10, 4)
+    plan = se.plan([se.FeatureSpec("f", t, 8)], make_mesh(2))
+    rows = np.zeros((10, 4), np.float32)
+    rows[7, 2] = 1e5
+    state = se.stack_tables(plan, {"t": rows})
+    with pytest.raises(ValueError, match=r"Table 't': row 7 holds values beyond float16's range \(it would serve "
+                                         r"inf\); export it as float32 or bfloat16"):
+        se.export_serving(tmp_path / "f16", plan, state, dtype="f16")
+    assert not (tmp_path / "f16").exists()
+    rows[7, 2] = 6e4
+    se.export_serving(tmp_path / "ok", plan, se.stack_tables(plan, {"t": rows}), dtype="f16")
+    np.testing.assert_array_equal(np.asarray(se.load_serving(tmp_path / "ok")[0]["t"]), rows.astype(np.float16))
+
+
 @pytest.mark.parametrize("seq_len", [0, 3], ids=["pooled", "sequence"])
 def test_unsorted_coo_indices_are_never_misassigned(seq_len):
     """COO entries in any order give the same activations as sorted ones (and as numpy)."""
