@@ -166,12 +166,19 @@ class _RowCache:
 def _default_vector(default: Any, dim: int, label: str) -> np.ndarray:
     if default is None:
         return np.zeros(dim, np.float32)
-    if isinstance(default, bool) or not (np.isscalar(default) or isinstance(default, (list, tuple, np.ndarray))):
-        raise ValueError(f"{label}: default must be a number or a [{dim}] vector, got {default!r}.")
+    bad = ValueError(f"{label}: default must be a finite number or a [{dim}] vector of them, got {default!r}.")
+    if isinstance(default, (bool, str, bytes)) or not (np.isscalar(default) or
+                                                       isinstance(default, (list, tuple, np.ndarray))):
+        raise bad
     try:
-        vec = np.asarray(default, np.float32)
+        vec = np.asarray(default)
+        if vec.dtype.kind not in "iuf":  # (["0.5"]: numpy would parse the text)
+            raise bad
+        vec = vec.astype(np.float32)
     except (TypeError, ValueError):
-        raise ValueError(f"{label}: default must be a number or a [{dim}] vector, got {default!r}.") from None
+        raise bad from None
+    if not np.isfinite(vec).all():  # NaN would serve as a row
+        raise bad
     if vec.ndim == 0:
         return np.full(dim, vec, np.float32)
     if vec.shape != (dim,):
@@ -207,7 +214,7 @@ class StoreServer:
         self.path, self.table = self.store.path, self.store.table
         self.vocabulary_size, self.embedding_dim = self.store.vocabulary_size, self.store.embedding_dim
         label = f"Table {self.table!r} (store {self.path!r})"
-        if any(n.startswith("idmap.") for n in os.listdir(self.path)):
+        if self.store.raw_ids or any(n.startswith("idmap.") for n in os.listdir(self.path)):
             self.store.close()
             raise ValueError(f"{label} is keyed by raw ids: its rows belong to the ids of its id map, which a "
                              "StoreServer does not read; serve it from a restored in-memory table "
@@ -301,6 +308,8 @@ class StoreServer:
 
     def _check_ids(self, ids: Any, label: str) -> np.ndarray:
         ids = np.asarray(ids)
+        if ids.size == 0 and ids.dtype.kind == "f":  # `[]`: numpy's empty list is float64
+            ids = ids.astype(np.int64)
         if ids.dtype.kind not in "iu":
             raise ValueError(f"{label}: ids must be integers, got dtype {ids.dtype}.")
         given = ids.reshape(-1)
@@ -545,8 +554,10 @@ def load_parameter_server(config: str | os.PathLike | Mapping) -> ParameterServe
                                          refresh_seconds=min(refresh) if refresh else None)
         entries: dict[str, dict[str, tuple[StoreServer, np.ndarray]]] = {}
         for (model, table), f in fields.items():
-            server = servers[f["store"]]
-            default = _default_vector(f["default"], server.embedding_dim, f"{where}: model {model!r}, table {table!r}")
+            server, label = servers[f["store"]], f"{where}: model {model!r}, table {table!r}"
+            if server.table != table:  # a path copied from another table: its rows would serve, silently
+                raise ValueError(f"{label}: the store at {f['store']!r} holds table {server.table!r}, not {table!r}.")
+            default = _default_vector(f["default"], server.embedding_dim, label)
             entries.setdefault(model, {})[table] = (server, default)
     except BaseException:
         for s in servers.values():

@@ -132,9 +132,11 @@ def row_checksums(words: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 def _spec_json(table: TableSpec) -> dict[str, Any]:
+    """What `tier.json` says the table is. "raw_ids": its rows belong to the ids of its id map (stores written
+    before it was recorded lack it: unknown)."""
     return {"format": FORMAT, "table": table.name, "vocabulary_size": table.vocabulary_size,
             "embedding_dim": table.embedding_dim, "optimizer": type(table.resolved_optimizer).__name__,
-            "slots": {k: s.width for k, s in slot_specs(table).items()}}
+            "slots": {k: s.width for k, s in slot_specs(table).items()}, "raw_ids": table.dynamic is not None}
 
 
 def _zarr_json(shape: tuple[int, int]) -> dict[str, Any]:
@@ -250,7 +252,7 @@ class RowStore:
         with open(meta_path) as f:
             meta = json.load(f)
         want = _spec_json(table)
-        got = {k: meta.get(k) for k in want}
+        got = {k: meta.get(k, want[k] if k == "raw_ids" else None) for k in want}  # (raw_ids: older stores lack it)
         if got != want:
             diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
             raise CorruptStoreError(f"Table {table.name!r}: the store at {self.path!r} holds another table "
@@ -582,19 +584,31 @@ class StoreReader:
                                  "rows in process<i>of<P>/): serving reads a store of one process; rewrite it as one "
                                  "with sparse_embed.offload.store_state and write_store.")
             raise FileNotFoundError(f"No offloaded table's store at {self.path!r} (it has no tier.json).")
-        meta = self.meta()
-        if meta.get("format") != FORMAT:
-            raise CorruptStoreError(f"The store at {self.path!r} has format {meta.get('format')!r}, not {FORMAT!r}.")
-        self.table, self.vocabulary_size = str(meta["table"]), int(meta["vocabulary_size"])
-        self.embedding_dim, self.slots = int(meta["embedding_dim"]), dict(meta["slots"])
+        try:
+            meta = self.meta()
+            if meta.get("format") != FORMAT:
+                raise CorruptStoreError(f"The store at {self.path!r} has format {meta.get('format')!r}, not "
+                                        f"{FORMAT!r}.")
+            self.table, self.vocabulary_size = str(meta["table"]), int(meta["vocabulary_size"])
+            self.raw_ids: bool | None = meta.get("raw_ids")  # keyed by raw ids (None: a store from before it was said)
+            self.embedding_dim, self.slots = int(meta["embedding_dim"]), {k: int(w) for k, w in meta["slots"].items()}
+            with open(os.path.join(self.path, "records", "zarr.json")) as f:
+                shape = tuple(json.load(f)["shape"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # (json's errors are ValueErrors)
+            if isinstance(e, CorruptStoreError):
+                raise
+            raise CorruptStoreError(f"The store at {self.path!r}: its tier.json or records/zarr.json is damaged "
+                                    f"({type(e).__name__}: {e}); restore the store from a copy.") from None
         self.width = self.embedding_dim + sum(self.slots.values()) + 1
         self.record_bytes = 4 * self.width
-        with open(os.path.join(self.path, "records", "zarr.json")) as f:
-            shape = tuple(json.load(f)["shape"])
         if shape != (self.vocabulary_size, self.width):
             raise CorruptStoreError(f"Table {self.table!r}: the records at {self.path!r} have shape {shape}, but "
                                     f"tier.json says {(self.vocabulary_size, self.width)}.")
         records = os.path.join(self.path, "records", "c", "0", "0")
+        if os.path.getsize(records) < 4 * self.vocabulary_size * self.width:
+            raise CorruptStoreError(f"Table {self.table!r}: the records file {records!r} holds "
+                                    f"{os.path.getsize(records)} bytes, less than its {self.vocabulary_size} rows of "
+                                    f"{self.record_bytes}: it was cut short; restore the store from a copy.")
         self._records = open_mapped(records, shape, write=False)
         self._inode = os.stat(records).st_ino  # (`replaced`)
         self._log: WriteLog | None = None  # the training side's write log, as far as followed

@@ -6,6 +6,7 @@ and table."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -25,8 +26,8 @@ V, D, B, L, CACHE = 3000, 8, 32, 4, 120
 WIDTH = 2 * D + 1  # Adagrad: row, accumulator, checksum
 
 
-def _spec(path: str, vocab: int = V) -> se.TableSpec:
-    return se.TableSpec("items", vocab, D, optimizer=se.optimizers.Adagrad(0.1), combiner="sum",
+def _spec(path: str, vocab: int = V, name: str = "items") -> se.TableSpec:
+    return se.TableSpec(name, vocab, D, optimizer=se.optimizers.Adagrad(0.1), combiner="sum",
                         storage=se.offload.Offload(path, cache_rows=CACHE))
 
 
@@ -79,10 +80,11 @@ def _close_stores():
         _OPEN.pop().close()
 
 
-def _row_store(path: str, rows: np.ndarray, values: np.ndarray | None = None, vocab: int = 200) -> RowStore:
-    """A store written directly: `rows` with `values [n, 2D]` (default: row + column / 100), committed; closed
-    after the test."""
-    store = RowStore(_spec(path, vocab))
+def _row_store(path: str, rows: np.ndarray, values: np.ndarray | None = None, vocab: int = 200,
+               name: str = "items") -> RowStore:
+    """A store of table `name` written directly: `rows` with `values [n, 2D]` (default: row + column / 100),
+    committed; closed after the test."""
+    store = RowStore(_spec(path, vocab, name))
     _OPEN.append(store)
     _write(store, rows, values)
     return store
@@ -295,18 +297,54 @@ def test_a_row_caught_mid_write_is_read_again_and_never_served_torn(tmp_path):
 
 def test_a_damaged_row_is_a_corrupt_store_error_naming_the_table_and_row(tmp_path):
     path = str(tmp_path)
-    store = _row_store(path, np.arange(20))
+    store = _row_store(path, np.arange(20), name="t")
     with open(os.path.join(path, "records", "c", "0", "0"), "r+b") as f:
         f.seek(17 * WIDTH * 4 + 8)
         f.write(b"\xff\xff\xff\xff")
     server = se.offload.StoreServer(path, refresh_seconds=None, retry_seconds=0.0001, retries=3)
     np.testing.assert_array_equal(server.lookup(np.array([16]))[0, 0], 16.0)
-    with pytest.raises(CorruptStoreError, match=r"Table 'items': row 17 of the store .* after 3 re-reads"):
+    with pytest.raises(CorruptStoreError, match=r"Table 't': row 17 of the store .* after 3 re-reads"):
         server.lookup(np.array([16, 17]))
     config = {"models": {"m": {"t": {"store": path}}}}
     with pytest.raises(CorruptStoreError, match=r"Model 'm', table 't': row 17"):
         se.offload.load_parameter_server(config).lookup("m", "t", np.array([17]))
     store.close()
+
+
+def test_a_damaged_or_cut_store_is_a_corrupt_store_error_naming_it(tmp_path):
+    """A records file cut short, or a tier.json that is not JSON or lacks a field: CorruptStoreError naming the
+    store (not mmap's, json's or a KeyError)."""
+    for case in ("cut", "not_json", "no_table"):
+        path = str(tmp_path / case)
+        _row_store(path, np.arange(5)).close()
+        if case == "cut":
+            os.truncate(os.path.join(path, "records", "c", "0", "0"), 100)
+            match = r"Table 'items': the records file .* holds 100 bytes, less than its 200 rows .* cut short"
+        else:
+            meta = os.path.join(path, "tier.json")
+            with open(meta) as f:
+                text = "{" if case == "not_json" else json.dumps({k: v for k, v in json.load(f).items()
+                                                                 if k != "table"})
+            with open(meta, "w") as f:
+                f.write(text)
+            match = r"The store at .*: its tier.json or records/zarr.json is damaged \((JSONDecodeError|KeyError)"
+        with pytest.raises(CorruptStoreError, match=match):
+            se.offload.StoreServer(path)
+
+
+def test_a_raw_id_tables_store_is_refused_even_without_its_id_map(tmp_path):
+    """Its rows belong to its id map's ids: read as rows by id, they would serve other ids' vectors. tier.json
+    says the table is keyed by raw ids, so a store whose idmap files were lost is refused too; and an empty list
+    of ids is an empty lookup."""
+    path = str(tmp_path / "raw")
+    store = RowStore(dataclasses.replace(_spec(path), dynamic=se.Dynamic()))
+    _write(store, np.arange(3))
+    store.close()
+    assert not any(n.startswith("idmap.") for n in os.listdir(path))
+    with pytest.raises(ValueError, match=r"Table 'items' \(store .*\) is keyed by raw ids"):
+        se.offload.StoreServer(path)
+    with se.offload.StoreServer(_row_store(str(tmp_path / "rows"), np.arange(3)).path) as server:
+        assert server.lookup([]).shape == (0, D)
 
 
 def test_serving_opens_the_store_read_only_and_never_rolls_it_back(tmp_path):
@@ -327,7 +365,7 @@ def test_serving_opens_the_store_read_only_and_never_rolls_it_back(tmp_path):
 
 def test_a_config_file_names_models_tables_and_stores_and_models_share_a_store(tmp_path):
     a, b = str(tmp_path / "stores" / "a"), str(tmp_path / "stores" / "b")
-    sa, sb = _row_store(a, np.arange(5)), _row_store(b, np.arange(5, 10))
+    sa, sb = _row_store(a, np.arange(5)), _row_store(b, np.arange(5, 10), name="users")
     config = tmp_path / "serving.json"
     config.write_text(json.dumps({"models": {
         "ranker": {"items": {"store": "stores/a", "cache_bytes": 4096, "default": 1.0},
@@ -370,11 +408,16 @@ def test_a_config_file_names_models_tables_and_stores_and_models_share_a_store(t
     ({"store": "a", "cache_bytes": "1GiB"}, r"model 'm', table 't': \"cache_bytes\" must be an int"),
     ({"store": "a", "cache_bytes": -1}, r"\"cache_bytes\" must be an int >= 0"),
     ({"store": "a", "default": [1.0, 2.0]}, r"model 'm', table 't': the default vector has shape \(2,\)"),
-    ({"store": "a", "default": "zero"}, r"model 'm', table 't': default must be a number"),
+    ({"store": "a", "default": "zero"}, r"model 'm', table 't': default must be a finite number"),
+    ({"store": "a", "default": "0.5"}, r"model 'm', table 't': default must be a finite number"),
+    ({"store": "a", "default": float("nan")}, r"model 'm', table 't': default must be a finite number"),
+    ({"store": "a", "default": ["0.5"] * D}, r"model 'm', table 't': default must be a finite number"),
+    ({"store": "items"}, r"model 'm', table 't': the store at .*items' holds table 'items', not 't'"),
     ({"store": "a", "refresh_seconds": -1}, r"\"refresh_seconds\" must be a number >= 0"),
 ])
 def test_config_errors_name_the_model_and_table(tmp_path, table, match):
-    _row_store(str(tmp_path / "a"), np.arange(3)).close()
+    _row_store(str(tmp_path / "a"), np.arange(3), name="t").close()
+    _row_store(str(tmp_path / "items"), np.arange(3)).close()
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"models": {"m": {"t": table}}}))
     if match is FileNotFoundError:
