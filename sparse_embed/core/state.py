@@ -34,7 +34,7 @@ class EmbeddingVariables(NamedTuple):
 
 
 def check_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> None:
-    """Raises a ValueError naming the stack if `tables` do not have the plan's stacks, shapes and slots."""
+    """Raises a ValueError naming the stack if `tables` do not have the plan's stacks, shapes, dtypes and slots."""
     missing = sorted(set(plan.stack_names) - set(tables))
     unknown = sorted(set(tables) - set(plan.stack_names))
     if missing or unknown:
@@ -47,6 +47,10 @@ def check_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -
         shape = tuple(v.table.shape)
         if shape != (s.array_rows, s.array_dim):
             raise ValueError(f"Stack {s.name!r}: table has shape {shape}, the plan expects {(s.array_rows, s.array_dim)}.")
+        if jnp.dtype(v.table.dtype) != jnp.dtype(s.dtype):  # (bf16 tables on a f32 plan would train in bf16)
+            raise ValueError(f"Stack {s.name!r}: table has dtype {jnp.dtype(v.table.dtype)}, the plan's TableSpec says "
+                             f"{jnp.dtype(s.dtype)}; build the tables with the plan (init_tables, stack_tables), or "
+                             "set TableSpec(dtype=...).")
         specs = s.slot_widths()
         if v.slots and set(v.slots) != set(specs):
             raise ValueError(
