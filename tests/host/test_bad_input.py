@@ -188,6 +188,11 @@ def test_lookup_rejects_foreign_batch_and_tables(setup, mesh8):
         se.lookup(plan, batch, {})
     with pytest.raises(TypeError, match="ShardedCooMatrix"):
         se.lookup(plan, {"tbl": tuple(batch["tbl"])}, tables)
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.int32):  # bf16 trained in bf16 silently; the others in the kernel
+        cast = {k: v._replace(table=v.table.astype(dtype)) for k, v in tables.items()}
+        with pytest.raises(ValueError, match=rf"Stack 'tbl': table has dtype {jnp.dtype(dtype)}, the plan's "
+                                             r"TableSpec says float32"):
+            se.lookup(plan, batch, cast)
 
 
 
