@@ -114,21 +114,24 @@ class Optimizer(nnx.Optimizer):
 
     `wrt` (default `nnx.Param`) is the filter given to `nnx.grad`; `tx`
     and its state cover `wrt` minus `EmbeddingTable`. `update(model, grads)`
-    sets every `EmbeddingTable` to its "gradient" (the updated state, bit for
-    bit, no pass over the tables) and applies `tx` to the rest.
+    sets every `EmbeddingTable` that `wrt` selects to its "gradient" (the
+    updated state, bit for bit, no pass over the tables) and applies `tx` to
+    the rest; tables `wrt` leaves out (e.g. `wrt=DENSE`) stay frozen.
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt=nnx.Param):
         super().__init__(model, tx, wrt=nnx.All(wrt, nnx.Not(EmbeddingTable)))
+        self.embedding_wrt = nnx.All(wrt, EmbeddingTable)  # the embedding state it trains
 
     def update(self, model: nnx.Module, grads: nnx.State, /, **kwargs) -> optax.Updates:
-        want = nnx.state(model, EmbeddingTable).flat_state().paths
+        want = nnx.state(model, self.embedding_wrt).flat_state().paths
         new = nnx.state(grads, EmbeddingTable)
         if new.flat_state().paths != want:
             raise ValueError(
-                f"Optimizer.update: grads hold embedding state {list(new.flat_state().paths)} but the model has "
-                f"{list(want)}; take nnx.grad with respect to nnx.Param (the default), which includes "
-                "EmbeddingTable, so the lookup's backward returns the updated tables."
+                f"Optimizer.update: grads hold embedding state {list(new.flat_state().paths)} but the optimizer's "
+                f"wrt selects {list(want)} of the model; take nnx.grad with the optimizer's wrt (default "
+                "nnx.Param, which includes EmbeddingTable, so the lookup's backward returns the updated tables; "
+                "sparse_embed.flax.nnx.DENSE freezes them)."
             )
         nnx.update(model, new)
         return super().update(model, grads, **kwargs)

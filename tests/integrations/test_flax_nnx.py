@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
@@ -150,8 +151,39 @@ def test_update_rejects_grads_without_embedding_state(mesh8):
     model = Tower(plan, nnx.Rngs(0))
     optimizer = sen.Optimizer(model, optax.sgd(0.1))
     grads = nnx.state(model, sen.DENSE)  # what nnx.grad(..., argnums=nnx.DiffState(0, sen.DENSE)) returns
-    with pytest.raises(ValueError, match=r"grads hold embedding state \[\] .*take nnx.grad with respect to nnx.Param"):
+    with pytest.raises(ValueError, match=r"grads hold embedding state \[\] but the optimizer's wrt selects "
+                                         r"\[\('embed', 'tables', .*take nnx.grad with the optimizer's wrt"):
         optimizer.update(model, grads)
+    frozen = sen.Optimizer(model, optax.sgd(0.1), wrt=sen.DENSE)
+    with pytest.raises(ValueError, match=r"grads hold embedding state \[\('embed', .* but the optimizer's wrt "
+                                         r"selects \[\]"):
+        frozen.update(model, nnx.state(model, nnx.Param))
+
+
+def test_an_optimizer_with_wrt_dense_trains_the_head_and_leaves_the_tables_frozen(mesh8):
+    """docs/concepts.md: keep the tables out of wrt to freeze them. The head trains as plain optax on the
+    lookup's activations (the reference, with the tables as constants); the tables stay bit for bit."""
+    plan = make_plan(mesh8)
+    model = Tower(plan, nnx.Rngs(0))
+    optimizer = sen.Optimizer(model, optax.sgd(0.1), wrt=sen.DENSE)
+    tables = jax.tree.map(jnp.copy, model.embed.embedding_variables())
+    head_def, head = nnx.split(model.head)
+    head = jax.tree.map(jnp.copy, nnx.as_pure(head))
+
+    @nnx.jit
+    def train_step(model, optimizer, batch, step):
+        (loss, _), grads = nnx.value_and_grad(loss_fn, has_aux=True, argnums=nnx.DiffState(0, sen.DENSE))(
+            model, batch, step)
+        optimizer.update(model, grads)
+        return loss
+
+    for step in range(2):
+        batch = make_batch(plan, step)
+        train_step(model, optimizer, batch, jnp.int32(step))
+        g = jax.grad(lambda h: direct_loss(plan, head_def)(jax.lax.stop_gradient(tables), h, batch, step)[0])(head)
+        head = jax.tree.map(lambda p, d: p - 0.1 * d, head, g)
+        assert_trees_equal(model.embed.embedding_variables(), tables)
+        chex.assert_trees_all_close(nnx.as_pure(nnx.state(model.head)), head, rtol=1e-6, atol=1e-7)
 
 
 def _raw_plan(mesh):
