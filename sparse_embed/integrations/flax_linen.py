@@ -47,5 +47,8 @@ class Embed(nn.Module):
 
         Returns `{feature: [batch_size, dim]}` (pooled) or `[batch_size, max_sequence_length, dim]`.
         """
-        tables = self.param("tables", lambda rng: init_tables(self.plan, rng, with_slots=self.with_slots))
+        if self.has_variable("params", "tables"):  # given (apply): `lookup` checks them against the plan, naming
+            tables = self.get_variable("params", "tables")  # the stack (trained ones, slots and all, serve eval too)
+        else:
+            tables = self.param("tables", lambda rng: init_tables(self.plan, rng, with_slots=self.with_slots))
         return lookup(self.plan, batch, tables, step)

@@ -91,6 +91,20 @@ def test_eval_module_has_no_slots(mesh8):
     assert all(v.slots == {} for v in variables["params"]["tables"].values())
 
 
+def test_an_eval_module_reads_trained_tables_and_refuses_another_plans_naming_the_stack(mesh8):
+    """Trained params (with slots) applied by an eval Embed(with_slots=False) give lookup's activations; tables
+    of another shape get lookup's error naming the stack (not Flax's shape error between two stacks)."""
+    plan = make_plan(mesh8)
+    batch = make_batch(plan, 0)
+    params = jax.jit(sel.Embed(plan).init)(jax.random.key(0), batch, 0)["params"]
+    got = sel.Embed(plan, with_slots=False).apply({"params": params}, batch)
+    assert_trees_equal(got, se.lookup(plan, batch, params["tables"]))
+    users = params["tables"]["users"]
+    bad = {**params["tables"], "users": users._replace(table=users.table[:8])}
+    with pytest.raises(ValueError, match=r"Stack 'users': table has shape \(8, .*\), the plan expects"):
+        sel.Embed(plan, with_slots=False).apply({"params": {"tables": bad}}, batch)
+
+
 def test_documented_train_step_equals_lookup_plus_plain_optax(mesh8):
     """The README's linen step: grad, update, apply; donated; no recompile for a new batch."""
     plan = make_plan(mesh8)
