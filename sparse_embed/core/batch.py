@@ -57,8 +57,8 @@ def layout_error(name: str, got: BatchLayout | None, want: BatchLayout) -> str |
     how = (f"({got.summary}; this plan: {want.summary})" if got.summary != want.summary else
            f"({want.summary}, but other tables, vocabularies or features in it)")
     return (f"Stack {name!r}: the batch was built for another plan's stack {got.stack!r} {how}; its entries "
-            f"would mean other rows or gains here. Build it with sparse_embed.preprocess(plan, ...) for the plan you look "
-            f"it up with.")
+            "would mean other rows or gains here. Build it with sparse_embed.preprocess(plan, ...) for the plan "
+            "you look it up with.")
 
 
 def capacity_of(batch) -> int:

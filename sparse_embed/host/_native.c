@@ -1231,9 +1231,9 @@ static void hex_setup(void)
 }
 
 /* One line of a Criteo log from p: a label 0/1, 13 decimal integers (optional '-', |x| < 2**63) and 26 hex values
-   (1-16 digits, < 2**63, not `missing`), tab-separated, any of the 39 features empty (an integer: 0; a hex value: `missing`); the
-   same grammar as host/criteo.py's numpy path. Returns the line's end (its newline, or `end`); *ok = 1 if it is
-   well-formed (then its fields are written). One pass: no field loop reads past a newline. */
+   (1-16 digits, < 2**63, not `missing`), tab-separated, any of the 39 features empty (an integer: 0; a hex value:
+   `missing`); the same grammar as host/criteo.py's numpy path. Returns the line's end (its newline, or `end`);
+   *ok = 1 if it is well-formed (then its fields are written). One pass: no field loop reads past a newline. */
 static const unsigned char *criteo_line(const unsigned char *p, const unsigned char *end, float *label,
                                         int64_t *ints, int64_t *cats, int64_t missing, int *ok)
 {

@@ -14,8 +14,9 @@ read). An empty field is a missing value:
 
 A line with another number of fields, a label other than 0/1, an integer
 that is not one, or a hexadecimal value that is not one (or >= 2**63, past
-a raw id, or equal to `MISSING_ID`, which would read as missing) is malformed: `parse_lines` returns its index and the reason, and the
-caller (`host.criteo_files`) raises or skips it, as its policy says.
+a raw id, or equal to `MISSING_ID`, which would read as missing) is
+malformed: `parse_lines` returns its index and the reason, and the caller
+(`host.criteo_files`) raises or skips it, as its policy says.
 
 Speed: the separators are found with one vectorised scan, and each field is
 read as one unaligned 64-bit word and decoded with SWAR arithmetic (no loop

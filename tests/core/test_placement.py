@@ -505,7 +505,8 @@ def _two_tables(mesh, placement="row", vocab=800, combiner="mean"):
     (dict(placement="row"), dict(placement="table"), r"placement 'row' over 8 devices, 100 rows each, tables t; "
                                                      r"this plan: placement 'table'"),
     (dict(placement="table"), dict(placement="row"), r"placement 'table' .* this plan: placement 'row'"),
-    (dict(vocab=800), dict(vocab=792), r"100 rows each, tables t; this plan: placement 'row' over 8 devices, 99 rows each"),
+    (dict(vocab=800), dict(vocab=792),
+     r"100 rows each, tables t; this plan: placement 'row' over 8 devices, 99 rows each"),
     (dict(combiner="mean"), dict(combiner="sum"), r"other tables, vocabularies or features in it"),
 ], ids=["row-as-table", "table-as-row", "other-vocabulary", "other-combiner"])
 def test_a_batch_of_equal_shapes_for_another_plan_is_rejected_also_under_jit(mesh8, built_for, looked_up_with,

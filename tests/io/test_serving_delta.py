@@ -362,7 +362,8 @@ def test_write_delta_refuses_more_raw_ids_than_the_table_has_rows(tmp_path):
                                                                          np.zeros(0, np.int64))})
     # full: one more id fits only with one evicted
     with pytest.raises(ValueError, match=r"Table 'u': 5 ids after the delta, more than its 4 rows"):
-        ss.write_delta(tmp_path / "d", changes, {}, {"u": (ids[4:], np.ones((1, 2), np.float32), np.zeros(0, np.int64))})
+        ss.write_delta(tmp_path / "d", changes, {},
+                       {"u": (ids[4:], np.ones((1, 2), np.float32), np.zeros(0, np.int64))})
     ss.write_delta(tmp_path / "d", changes, {}, {"u": (ids[4:], np.full((1, 2), 2, np.float32), ids[:1])})
     assert live.catch_up(tmp_path / "d") == 2
     held, array = live.snapshot.tables["u"]
