@@ -176,6 +176,8 @@ class Stats:
     capacity: dict[str, int]
     sparsecore_ids_per_partition: dict[str, int] = dataclasses.field(default_factory=dict)
     """SparseCore stacks: the most ids a SparseCore partition got from one slice (before merging duplicates)."""
+    batches: int = 1
+    """How many batches these stats count (`merge` adds them): `num_ids / batches` is a batch's ids."""
 
     def merge(self, other: "Stats") -> "Stats":
         """Combines the stats of two batches (max of maxima, sum of counts)."""
@@ -188,4 +190,5 @@ class Stats:
             sm(self.num_ids, other.num_ids),
             mx(self.capacity, other.capacity),
             mx(self.sparsecore_ids_per_partition, other.sparsecore_ids_per_partition),
+            self.batches + other.batches,
         )

@@ -560,7 +560,7 @@ def plan(
     feats, tables, tiered = _cached_features(_offloaded(features, memory_budget, offload_to, num_shards))
     _check_policies(on_overflow, nonfinite_gradients)
     _check_batch_sizes(feats, num_shards, axis)
-    per_sample = _ids_per_sample(feats, tables, num_shards, ids_per_sample, stats)
+    per_sample = _ids_per_sample(feats, tables, ids_per_sample, stats)
     loads = cost.table_loads(feats, tables, num_shards, per_sample)
     stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sc),
                          _fixed_for_stacking(_fixed_placements(tables, placement), stacking, loads, num_shards),
@@ -693,24 +693,24 @@ def _check_placement(t: TableSpec, placement: str) -> None:
                          f"supports; got {placement!r}.")
 
 
-def _ids_per_sample(feats: dict[str, FeatureSpec], tables: dict[str, TableSpec], num_devices: int, given: Any,
-                    stats: Any) -> dict[str, float]:
+def _ids_per_sample(feats: dict[str, FeatureSpec], tables: dict[str, TableSpec], given: Any, stats: Any
+                    ) -> dict[str, float]:
     """Each feature's ids per sample for the cost model: given, else observed in `stats`, else 1."""
-    out, D = dict.fromkeys(feats, 1.0), num_devices
+    out = dict.fromkeys(feats, 1.0)
     if stats is not None and not isinstance(stats, Stats):
         raise TypeError(f"stats must be the Stats that preprocess returns (merged with Stats.merge), got "
                         f"{type(stats).__name__}; per feature numbers go in ids_per_sample=.")
-    for stack_name, most in (stats.max_ids_per_partition.items() if stats is not None else ()):
+    for stack_name, total in (stats.num_ids.items() if stats is not None else ()):
         mine = _stack_tables(stack_name, sorted(tables))
         if mine is None:
             warnings.warn(f"plan(stats=): the stats' stack {stack_name!r} is not made of tables of these features "
                           "(stats of another model?); its traffic is left out of the cost model.", stacklevel=3)
             continue
         users = [f for f in feats.values() if f.table.name in mine]
-        # `most` entries per (device, shard) partition: about most * D ids per device, so per sample
-        # most * D * D / (the global samples of its features).
+        # a batch's ids of the stack over the global samples of its features (whatever placement the stats'
+        # plan had: its partitions hold a device's ids over D shards under "row", in one elsewhere)
         for f in users:
-            out[f.name] = max(1.0, most * D * D / sum(u.batch_size for u in users))
+            out[f.name] = max(1.0, total / max(stats.batches, 1) / sum(u.batch_size for u in users))
     if isinstance(given, Mapping):
         unknown = sorted(set(given) - set(feats))
         if unknown:

@@ -548,6 +548,27 @@ def test_stats_size_the_cost_model(mesh8):
     assert ids_of(plain)["l0"] == 64 and ids_of(seen)["l0"] > 20 * 64
 
 
+@pytest.mark.parametrize("placement", ["row", "table", "column", "replicated"])
+def test_stats_of_any_placements_batches_give_the_ids_per_sample_they_saw(mesh8, placement):
+    """The stats' ids (not a partition's most, which under "row" is a device's ids over 8 shards and elsewhere
+    all of them): the cost model expects what numpy counts, whatever plan the stats came from, and the merged
+    stats of several batches their mean (not their sum)."""
+    feats = _mixed_workload(2, 1)
+    source = se.plan(feats, mesh8, placement=placement, stacking=None)
+    rng = np.random.default_rng(0)
+    widths = {"fs00": 3, "fs01": 1, "fl0": 10}
+    ids = [{f.name: rng.integers(0, f.table.vocabulary_size, (512, widths[f.name])) for f in feats} for _ in range(2)]
+    stats = [se.preprocess(source, i)[1] for i in ids]
+    merged = stats[0].merge(stats[1])
+    assert merged.batches == 2
+    want = se.plan(feats, mesh8, stacking=None, ids_per_sample=widths)
+    for s in (stats[0], merged):
+        seen = se.plan(feats, mesh8, stacking=None, stats=s)
+        expected = {t.table.name: t.expected_ids for st in seen.stacks for t in st.tables}
+        assert expected == {t.table.name: t.expected_ids for st in want.stacks for t in st.tables}
+        assert expected["l0"] == 10 * 512 / 8  # numpy's count: ids of a device
+
+
 @pytest.mark.parametrize("names", [("item", "user_id", "user"), ("a_b", "a", "b_c")])
 def test_stats_of_stacks_whose_table_names_share_parts_size_the_cost_model(mesh8, names):
     """A stack's name is its sorted tables' names joined with "_": "item_user_id" is item + user_id even with a
