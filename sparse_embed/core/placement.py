@@ -36,20 +36,23 @@ def choose(loads: dict[str, TableLoad], fixed: dict[str, str], stack_of, num_dev
     A stack of k tables placed "table" sends every shard `ceil(k/D)` tables'
     activation rows, not `k/D`: `stack_of(chosen)` (`{table: stack key}`)
     gives the k of each table's stack, and a table whose stack is too small
-    to spread goes back to its cheapest other placement.
+    to spread goes back to its cheapest other placement; so does one that
+    those moves leave alone in its stack.
     """
     D = num_devices
     chosen = {n: fixed.get(n) or cheapest(load, D) for n, load in loads.items()}
-    keys = stack_of(chosen)
-    together = {}
-    for n, p in chosen.items():
-        if placements.get(p).shares_stacks:
-            together.setdefault(keys[n], []).append(n)
-    for group in together.values():
-        share = placements.get(chosen[group[0]]).share(len(group), D)
-        for n in group:
-            if n not in fixed:
-                chosen[n] = cheapest(loads[n], D, share)
+    for alone in (False, True):
+        keys, together = stack_of(chosen), {}
+        for n, p in chosen.items():
+            if placements.get(p).shares_stacks:
+                together.setdefault(keys[n], []).append(n)
+        for group in together.values():
+            if alone and len(group) > 1:
+                continue
+            share = placements.get(chosen[group[0]]).share(len(group), D)
+            for n in group:
+                if n not in fixed:
+                    chosen[n] = cheapest(loads[n], D, share)
     return chosen
 
 

@@ -637,24 +637,28 @@ def _fit_budget(make, fixed: dict[str, str], loads: dict, num_shards: int,
 
     The moves end only when every table not fixed needs no more memory where it is than on the default
     placement (memory per table is exact but for "table", which a move always leaves for "row" on D > 1
-    devices), so a budget that the plan with those tables on "row" meets always gives a plan.
+    devices), so a budget that the plan with those tables on "row" meets always gives a plan. After each move
+    the others are chosen again with the moved tables fixed: a table a move left alone in a "table" stack
+    goes back to its cheapest other placement, as `choose` does for a plan without a budget.
     """
     groups = lambda chosen: {t.table.name: s.name for s in make(chosen) for t in s.tables}  # noqa: E731
     chosen = placement_lib.choose(loads, fixed, groups, num_shards)
+    moved: dict[str, str] = {}
     while True:
         stacks = make(chosen)
         need = sum(cost.memory_per_device(s) for s in stacks)
         if memory_budget is None or need <= memory_budget:
             _check_row_numbers(stacks)
             return stacks
-        move = placement_lib.to_move(chosen, fixed, loads, num_shards)
+        move = placement_lib.to_move(chosen, fixed, loads, num_shards)  # (a moved table may move on, lower)
         if move is None:
             raise ValueError(
                 f"No placement fits memory_budget={memory_budget} bytes per device: the plan needs {need} "
                 f"({', '.join(f'{t}: {p}' for t, p in sorted(chosen.items()))}). Give more devices, a larger "
                 "budget or smaller tables, let more tables be placed \"auto\", or keep the largest on disk "
                 "(offload_to=<directory>, docs/offload.md).")
-        chosen[move[0]] = move[1]
+        moved[move[0]] = move[1]
+        chosen = placement_lib.choose(loads, {**fixed, **moved}, groups, num_shards)
 
 
 def _fixed_placements(tables: dict[str, TableSpec], placement: Any) -> dict[str, str]:

@@ -424,6 +424,21 @@ def _table_sets(draw):
     return devices, feats, ids, fixed, draw(st.sampled_from(["auto", None])), draw(st.floats(0, 1))
 
 
+def test_a_table_the_budget_leaves_alone_in_a_table_stack_goes_back_to_its_cheapest_other_placement(mesh8):
+    """The budget moves the big tables off "table"; "mid", left alone there, sends its whole activation rows to
+    every shard (as row-wise, but on one device's memory): it moves too, and the plan is no worse than all-row
+    in memory and cheaper in traffic (it was worse in both)."""
+    specs = [se.TableSpec("mid", 400, 8), *(se.TableSpec(f"big{i}", v, 8) for i, v in enumerate((3000, 2500, 2000)))]
+    feats = [se.FeatureSpec(t.name, t, 64) for t in specs]
+    ips = {"mid": 20, "big0": 2, "big1": 2, "big2": 2}
+    row = se.plan(feats, mesh8, placement="row", ids_per_sample=ips)
+    fit = se.plan(feats, mesh8, placement="auto", ids_per_sample=ips, memory_budget=50_000)
+    assert se.plan(feats, mesh8, placement="auto", ids_per_sample=ips).stacks[0].placement == "table"  # no budget
+    lone = [s for s in fit.stacks if s.placement == "table" and len(s.tables) == 1]
+    assert not lone, [(s.name, s.placement) for s in fit.stacks]
+    assert fit.memory_per_device() <= row.memory_per_device() and fit.collective_bytes() < row.collective_bytes()
+
+
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
 @given(_table_sets())
 def test_memory_budget_the_row_plan_meets_always_gives_a_plan(case):
@@ -634,9 +649,9 @@ def test_explicit_stacks_take_one_placement_fixed_by_a_table_or_chosen_for_the_s
     per table, and differing choices were refused as "their placements differ")."""
     small, big = (se.TableSpec(n, v, 64, optimizer=opt.SGD(0.5), combiner="sum") for n, v in (("small", 1), ("big", 100_000)))
     feats = [se.FeatureSpec("a", small, 16), se.FeatureSpec("b", big, 16)]
-    alone = se.plan(feats, mesh8, placement="auto", ids_per_sample={"b": 30})  # stacked by placement
+    alone = se.plan(feats, mesh8, placement="auto", ids_per_sample={"a": 30, "b": 30})  # stacked by placement
     assert len({s.placement for s in alone.stacks}) == 2  # each alone: two different choices
-    together = se.plan(feats, mesh8, placement="auto", ids_per_sample={"b": 30}, stacking=[["big", "small"]])
+    together = se.plan(feats, mesh8, placement="auto", ids_per_sample={"a": 30, "b": 30}, stacking=[["big", "small"]])
     assert [s.name for s in together.stacks] == ["big_small"]
     for p in ("row", "table", "column"):
         fixed = se.plan(feats, mesh8, placement={"small": p}, stacking=[["big", "small"]])
