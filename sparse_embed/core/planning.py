@@ -729,7 +729,10 @@ def _ids_per_sample(feats: dict[str, FeatureSpec], tables: dict[str, TableSpec],
 
 
 def _stack_tables(stack_name: str, names: list[str], start: int = 0, after: str = "") -> list[str] | None:
-    """The tables (of sorted `names`) that, sorted and joined with "_", make `stack_name[start:]`, or None."""
+    """The tables (of sorted `names`) that, sorted and joined with "_", make `stack_name[start:]`, or None. A
+    table named as the whole stack is that stack (tables "a", "b" and "a_b": stack "a_b" is the table)."""
+    if start == 0 and stack_name in names:
+        return [stack_name]
     for t in names:
         end = start + len(t)
         if t > after and stack_name.startswith(t, start) and (end == len(stack_name) or stack_name[end] == "_"):
@@ -806,6 +809,8 @@ def grow_capacity(plan: EmbeddingPlan, stats, *, headroom: float = 1.0) -> Embed
     `headroom * stats.max_ids_per_partition[stack]` (rounded up to a multiple
     of 8). Stacks not in `stats` keep their capacity.
     """
+    if not isinstance(stats, Stats):
+        raise TypeError(f"grow_capacity: stats must be the Stats that preprocess returns, got {type(stats).__name__}.")
     if headroom < 1.0:
         raise ValueError(f"headroom must be >= 1, got {headroom}.")
     stacks = []

@@ -599,6 +599,19 @@ def test_stats_of_stacks_whose_table_names_share_parts_size_the_cost_model(mesh8
     assert expected[names[0]] > 20 * 8 and expected[names[1]] > 20 * 8 and expected[names[2]] < 64  # 8 samples/device
 
 
+def test_stats_of_a_table_named_as_two_others_joined_are_its_own(mesh8):
+    """Tables "a", "b" and "a_b" each alone: the stats' stack "a_b" is the table "a_b" (it was read as a + b,
+    overwriting a's own, and a_b fell back to 1 id a sample)."""
+    widths = {"a": 5, "b": 2, "a_b": 3}
+    feats = [se.FeatureSpec(f"f_{n}", se.TableSpec(n, 1000, 8), 64) for n in widths]
+    stacking = [[n] for n in widths]
+    ids = {f"f_{n}": np.random.default_rng(0).integers(0, 1000, (64, w)) for n, w in widths.items()}
+    _, stats = se.preprocess(se.plan(feats, mesh8, stacking=stacking), ids)
+    seen = se.plan(feats, mesh8, stacking=stacking, stats=stats)
+    assert {t.table.name: t.expected_ids for s in seen.stacks for t in s.tables} == {
+        n: w * 64 / 8 for n, w in widths.items()}
+
+
 def test_bad_stats_and_memory_budgets_are_refused_or_named(mesh8):
     feats = _features(opt.SGD(0.1))
     for budget in ("2GiB", 0, -1, True, 1.5e9):

@@ -181,6 +181,8 @@ def test_grow_capacity_fits_observed_stats(mesh8):
     assert se.grow_capacity(plan, stats, headroom=2.0).capacity("a") == 24
     with pytest.raises(ValueError, match="headroom"):
         se.grow_capacity(plan, stats, headroom=0.5)
+    with pytest.raises(TypeError, match="grow_capacity: stats must be the Stats that preprocess returns, got dict"):
+        se.grow_capacity(plan, stats.max_ids_per_partition)
 
 
 def test_auto_capacity_sizes_from_first_batch_and_only_grows(mesh8):
