@@ -16,7 +16,8 @@ Otherwise the batch size is the input's, not `FeatureSpec.batch_size`.
 Out-of-vocabulary ids (`< 0` other than dense padding, or `>= vocabulary_size`)
 follow a per-table policy, as a serving parameter server's default vector:
 
-- `"error"` (default): an eager call raises a ValueError naming the feature,
+- `"error"` (default; a raw-id table whose `Dynamic.default` is set reads
+  that vector instead, as `lookup` does): an eager call raises a ValueError naming the feature,
   table, id and sample; inside `jit` (values unknown) the activations of the
   affected samples are NaN, so they cannot pass unnoticed;
 - `"zero"`: the id looks up a zero vector (its weight still counts in the
