@@ -296,9 +296,10 @@ def _state_leaves(state: Any, prefix: str) -> dict[str, Any]:
         state = _read_dcp(state)
     if not isinstance(state, Mapping):
         raise TypeError(f"The TorchRec state must be a (nested) state dict or a DCP directory, got {type(state)}.")
-    # the prefix: the start of a key's path, or whole parts of it anywhere (`{"model": ..., "optim": ...}` put
-    # "model." and "optim.state." in front of a collection's keys)
-    return {k: v for k, v in _leaves(state) if k.startswith(prefix) or f".{prefix}." in f".{k}"}
+    # the prefix: whole parts of a key's path, at its start or anywhere (`{"model": ..., "optim": ...}` put
+    # "model." and "optim.state." in front of a collection's keys); "sparse.ebc" is not "sparse.ebc2"
+    p = prefix.strip(".")
+    return {k: v for k, v in _leaves(state) if not p or f".{p}." in f".{k}"}
 
 
 def _check_shape(table: str, key: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:

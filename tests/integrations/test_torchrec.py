@@ -393,6 +393,15 @@ def test_two_collections_need_a_prefix_and_into_needs_every_table():
         tr.from_torchrec(plan, both)
     picked = se.unstack_tables(plan, tr.from_torchrec(plan, both, prefix="item_tower"))
     np.testing.assert_array_equal(picked["a"], one["embedding_bags.a.weight"].numpy() + 1)
+    # a prefix is whole parts of the path: "sparse.ebc" is not "sparse.ebc2" (it was: ambiguous with both,
+    # and ebc2's tables read silently without ebc)
+    named = {**{f"sparse.ebc.{k}": v for k, v in one.items()}, **{f"sparse.ebc2.{k}": v + 1 for k, v in one.items()}}
+    picked = se.unstack_tables(plan, tr.from_torchrec(plan, named, prefix="sparse.ebc"))
+    np.testing.assert_array_equal(picked["a"], one["embedding_bags.a.weight"].numpy())
+    only2 = {k: v for k, v in named.items() if k.startswith("sparse.ebc2.")}
+    with pytest.raises(ValueError, match=r"Table 'a': no 'embedding_bags.a.weight' in the TorchRec state \(prefix "
+                                         r"'sparse.ebc'\)"):
+        tr.from_torchrec(plan, only2, prefix="sparse.ebc")
     with pytest.raises(ValueError, match="Table 'c': no 'embedding_bags.c.weight' .* to write into"):
         tr.to_torchrec(plan, se.init_tables(plan, jax.random.key(0)),
                        into={k: v for k, v in one.items() if ".c." not in k})
