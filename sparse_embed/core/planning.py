@@ -454,9 +454,14 @@ def _resolve_axis(mesh: Mesh | None, axis_name: str | None) -> tuple[Mesh, str]:
             raise ValueError(
                 f"The mesh has axes {mesh.axis_names}; pass axis_name= to say which one shards the tables."
             )
-        return mesh, mesh.axis_names[0]
+        axis_name = mesh.axis_names[0]
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
+    kind = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()))).get(axis_name)
+    if kind is not None and kind != jax.sharding.AxisType.Auto:  # (jax.make_mesh's default axes are Explicit)
+        raise ValueError(f"The mesh's axis {axis_name!r} is {kind.name}: the plan shards its tables with sharding "
+                         "constraints and shard_map, which need an Auto axis; make the mesh with jax.make_mesh(..., "
+                         "axis_types=(jax.sharding.AxisType.Auto, ...)) or jax.sharding.Mesh(devices, names).")
     check_replicas_in_one_process(np.asarray(mesh.devices), tuple(mesh.axis_names), axis_name)
     return mesh, axis_name
 

@@ -147,6 +147,20 @@ def test_two_axis_mesh_needs_axis_name():
     assert se.plan(feats, mesh, axis_name="model").num_shards == 4
 
 
+def test_an_explicit_mesh_axis_is_refused_at_plan_time():
+    """jax.make_mesh's axes are Explicit by default: init_tables failed with a jax error about sharding
+    constraints; the plan names the axis and the fix. Another axis may be Explicit; an Auto one trains."""
+    feats = {"f": se.FeatureSpec("f", _t(), 8)}
+    devices = conftest_devices(8)
+    explicit, auto = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+    with pytest.raises(ValueError, match=r"The mesh's axis 'd' is Explicit: .* axis_types=\(jax.sharding.AxisType.Auto"):
+        se.plan(feats, Mesh(devices, ("d",), axis_types=(explicit,)))
+    mesh = Mesh(devices.reshape(2, 4), ("data", "model"), axis_types=(explicit, auto))
+    plan = se.plan(feats, mesh, axis_name="model")
+    batch = se.preprocess(plan, {"f": np.arange(8)})[0]
+    assert se.lookup(plan, batch, se.init_tables(plan, jax.random.key(0)))["f"].shape == (8, 4)
+
+
 def test_replicas_over_the_other_axes_must_be_in_one_process():
     """A 2-D mesh whose other axis spans processes: each process would train its replica on its own samples (the
     copies diverged silently on 2 processes); one whose other axis stays in a process is fine."""
