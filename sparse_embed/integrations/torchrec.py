@@ -232,11 +232,17 @@ def _shard_slices(shard: Any) -> tuple[slice, ...]:
     return tuple(slice(int(o), int(o) + int(n)) for o, n in zip(md.shard_offsets, md.shard_sizes))
 
 
-def _numpy(t: Any) -> np.ndarray:
-    """A CPU tensor (any float dtype) or array -> float32 numpy."""
-    if hasattr(t, "detach"):
+def _numpy(key: str, t: Any) -> np.ndarray:
+    """A CPU tensor (any float dtype) or array -> float32 numpy; ValueError naming `key` for integer ones (a
+    quantized inference table's codes would read as values)."""
+    tensor = hasattr(t, "detach")
+    dtype = t.dtype if tensor else np.asarray(t).dtype
+    if (not t.is_floating_point()) if tensor else dtype.kind in "iub":
+        raise ValueError(f"{key}: TorchRec's tensor is {dtype}, not floating point (a quantized inference "
+                         "table?); from_torchrec reads float tables and optimizer states.")
+    if tensor:
         t = t.detach().cpu()
-        t = t.float() if not t.is_floating_point() or t.element_size() < 4 else t
+        t = t.float() if t.element_size() < 4 else t
         return t.numpy().astype(np.float32, copy=False)
     return np.asarray(t, np.float32)
 
@@ -247,7 +253,7 @@ def _read(key: str, leaf: Any) -> np.ndarray:
         out, covered = np.zeros(_shape(leaf), np.float32), 0
         for shard in leaf.local_shards():
             where = _shard_slices(shard)
-            out[where] = _numpy(shard.tensor).reshape(out[where].shape)
+            out[where] = _numpy(key, shard.tensor).reshape(out[where].shape)
             covered += out[where].size
         if covered != out.size:
             raise ValueError(f"{key}: this process holds {covered} of its {out.size} elements (a ShardedTensor over "
@@ -255,7 +261,7 @@ def _read(key: str, leaf: Any) -> np.ndarray:
         return out
     if hasattr(leaf, "full_tensor"):  # a DTensor
         leaf = leaf.full_tensor()
-    return _numpy(leaf)
+    return _numpy(key, leaf)
 
 
 def _read_dcp(path: str | os.PathLike) -> dict[str, Any]:

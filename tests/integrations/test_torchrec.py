@@ -398,6 +398,10 @@ def test_two_collections_need_a_prefix_and_into_needs_every_table():
     named = {**{f"sparse.ebc.{k}": v for k, v in one.items()}, **{f"sparse.ebc2.{k}": v + 1 for k, v in one.items()}}
     picked = se.unstack_tables(plan, tr.from_torchrec(plan, named, prefix="sparse.ebc"))
     np.testing.assert_array_equal(picked["a"], one["embedding_bags.a.weight"].numpy())
+    with pytest.raises(ValueError, match=r"sparse.ebc.embedding_bags.a.weight: TorchRec's tensor is torch.int8, not "
+                                         r"floating point \(a quantized inference table\?\)"):
+        tr.from_torchrec(plan, {**named, "sparse.ebc.embedding_bags.a.weight":
+                                named["sparse.ebc.embedding_bags.a.weight"].to(torch.int8)}, prefix="sparse.ebc")
     only2 = {k: v for k, v in named.items() if k.startswith("sparse.ebc2.")}
     with pytest.raises(ValueError, match=r"Table 'a': no 'embedding_bags.a.weight' in the TorchRec state \(prefix "
                                          r"'sparse.ebc'\)"):
