@@ -41,7 +41,7 @@ from sparse_embed.io.orbax_items import checkpointer, read_info, read_user_host,
 from sparse_embed.io.restoring import read_embeddings, read_host_array
 from sparse_embed.io.id_checkpoint import IDS_KEY, raw_arrays
 from sparse_embed.io.id_tables import expired, id_table_contents, live_at
-from sparse_embed.io.quantize import BITS, quantize
+from sparse_embed.io.quantize import BITS, bad_row, quantize
 
 DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
           "float16": jnp.float16, "f16": jnp.float16, "int8": "int8", "int4": "int4"}
@@ -69,11 +69,10 @@ def serving_rows(a: np.ndarray, dtype: str | None, table: str, names: np.ndarray
         return a
     with np.errstate(over="ignore"):
         out = a.astype(dtype)
-    past = np.isfinite(a) & ~np.isfinite(out)  # (float16: beyond 65504)
+    past = (np.isfinite(a) & ~np.isfinite(out)).any(axis=-1)  # (float16: beyond 65504)
     if past.any():
-        i = int(np.argwhere(past)[0][0])
-        raise ValueError(f"Table {table!r}: {kind} {i if names is None else int(names[i])} holds values beyond "
-                         f"{dtype}'s range (it would serve inf); export it as float32 or bfloat16.")
+        raise bad_row(f"Table {table!r}", past, names, kind, f"holds values beyond {dtype}'s range (it would serve "
+                      "inf); export it as float32 or bfloat16.")
     return out
 
 

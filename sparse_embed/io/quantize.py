@@ -62,6 +62,12 @@ def stored(dtype: str, dim: int) -> tuple[np.dtype, int]:
     return np.dtype(dtype), dim
 
 
+def bad_row(what: str, bad: np.ndarray, names: np.ndarray | None, kind: str, why: str) -> ValueError:
+    """A ValueError naming `what` and the first row `bad` (`[n]` bool) marks: as `kind` `names[i]`, else by index."""
+    i = int(np.argmax(bad))
+    return ValueError(f"{what}: {kind} {int(i if names is None else names[i])} {why}")
+
+
 def quantize(x: np.ndarray, bits: int, *, what: str = "the table", names: np.ndarray | None = None,
              kind: str = "row") -> np.ndarray:
     """`[n, dim]` float rows -> `uint8 [n, fused_width(dim, bits)]` fused rows (see the module doc).
@@ -79,10 +85,9 @@ def quantize(x: np.ndarray, bits: int, *, what: str = "the table", names: np.nda
     for bad, why in ((~np.isfinite(x).all(axis=1), "is not finite (NaN or inf)"),
                      (~np.isfinite(scale[:, 0]), "spans more than float32's range (max - min overflows)")):
         if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"{what}: {kind} {int(i if names is None else names[i])} {why}; it cannot be "
-                             "quantized. Fix the table (e.g. an earlier checkpoint; plan(..., nonfinite_gradients="
-                             "'skip') keeps NaN gradients out of it) or export it as float.")
+            raise bad_row(what, bad, names, kind, f"{why}; it cannot be quantized. Fix the table (e.g. an earlier "
+                          "checkpoint; plan(..., nonfinite_gradients='skip') keeps NaN gradients out of it) or "
+                          "export it as float.")
     codes = np.clip(np.rint((x - lo) / np.where(scale > 0, scale, np.float32(1))), 0, q).astype(np.uint8)
     if bits == 4:
         codes = np.pad(codes, ((0, 0), (0, dim % 2)))

@@ -594,9 +594,9 @@ class StoreReader:
             self.embedding_dim, self.slots = int(meta["embedding_dim"]), {k: int(w) for k, w in meta["slots"].items()}
             with open(os.path.join(self.path, "records", "zarr.json")) as f:
                 shape = tuple(json.load(f)["shape"])
+        except CorruptStoreError:
+            raise
         except (ValueError, KeyError, TypeError, AttributeError) as e:  # (json's errors are ValueErrors)
-            if isinstance(e, CorruptStoreError):
-                raise
             raise CorruptStoreError(f"The store at {self.path!r}: its tier.json or records/zarr.json is damaged "
                                     f"({type(e).__name__}: {e}); restore the store from a copy.") from None
         self.width = self.embedding_dim + sum(self.slots.values()) + 1
