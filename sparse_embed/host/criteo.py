@@ -122,9 +122,11 @@ def _hex(words: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np
     with np.errstate(over="ignore"):
         nib = (x & _LOW_NIBBLES) + _U(9) * ((x >> _U(6)) & _ONES)  # '0'-'9' -> 0-9, 'a'-'f'/'A'-'F' -> 10-15
         above9 = ((nib + _U(0x0606060606060606)) >> _U(4)) & _ONES
-        # a hex digit re-encodes to itself (lower case): nothing else does, nor a nibble past 15
+        # a hex digit re-encodes to itself (letters in lower case): nothing else does, nor a nibble past 15; only
+        # bytes with bit 6 set (letters) are lowered, so that control bytes 0x10-0x19 do not pass as '0'-'9'
         again = nib + _ASCII_ZEROS + _U(0x27) * above9
-        ok = ((nib & _U(0x1010101010101010)) == 0) & (again == (x | _U(0x2020202020202020)))
+        lowered = x | ((x >> _U(1)) & _U(0x2020202020202020))
+        ok = ((nib & _U(0x1010101010101010)) == 0) & (again == lowered)
     v = ((nib & _U(0x0F000F000F000F00)) >> _U(8)) | ((nib & _U(0x000F000F000F000F)) << _U(4))
     v = ((v & _U(0x00FF000000FF0000)) >> _U(16)) | ((v & _U(0x000000FF000000FF)) << _U(8))
     v = ((v & _U(0x0000FFFF00000000)) >> _U(32)) | ((v & _U(0x000000000000FFFF)) << _U(16))

@@ -112,6 +112,22 @@ def test_a_malformed_line_is_reported_with_its_reason(kind):
     assert len(parsed.reasons) == 1 and parsed.reasons[0]
 
 
+def test_every_byte_inside_a_hex_field_parses_as_the_reference():
+    """Each byte value in the middle of a categorical field: a hex digit reads as one, anything else (control
+    bytes 0x10-0x19 included, which the numpy path once read as '0'-'9') makes the line malformed, naming C1."""
+    rng = np.random.default_rng(3)
+    for b in sorted(set(range(256)) - {9, 10}):
+        line = "0" + "\t" * 13 + "\ta" + chr(b) + "c" + "\t" * 25 + "\n"
+        parsed = sed.parse_lines(line.encode("latin-1") + random_line(rng).encode())
+        want = reference_line(line)
+        assert (parsed.bad.tolist() == [0]) == (want is None), hex(b)
+        if want is None:
+            why = "a control character" if b < 9 else "field 15 (C1)"  # (bytes below a tab: the line's own check)
+            assert why in parsed.reasons[0], (hex(b), parsed.reasons)
+        else:
+            assert parsed.categorical[0, 0] == want[2][0], hex(b)
+
+
 def test_reasons_name_the_field():
     parsed = sed.parse_lines(BAD_LINES["bad hex"].encode() + BAD_LINES["too few fields"].encode())
     assert "field 15 (C1)" in parsed.reasons[0] and "'zz12ab34'" in parsed.reasons[0]
