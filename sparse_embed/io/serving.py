@@ -63,22 +63,36 @@ class Entries(NamedTuple):
     positions: jax.Array
     valid: jax.Array
     batch: int  # static
+    poison: jax.Array | None = None  # under jit, COO entries outside the batch: the whole output reads NaN
 
 
 def _coo_entries(feature: FeatureSpec, ids: tuple, weights: Any) -> Entries:
     """SparseTensor-style `(indices [N, 2], values [N], dense_shape)`; the weights' `values` are used."""
     indices, values, dense_shape = ids
+    for what, a in (("indices", indices), ("values", values)):
+        kind = np.dtype(getattr(a, "dtype", None) or np.asarray(a).dtype).kind
+        if kind not in "iu":
+            raise error(feature, f"COO {what} must be integers, got {np.dtype(a.dtype) if kind else kind}.")
     indices, values = jnp.asarray(indices), jnp.asarray(values)
     if indices.ndim != 2 or indices.shape[1] != 2 or values.shape != indices.shape[:1]:
         raise error(feature, f"COO ids need indices [N, 2] and values [N], got {indices.shape} and {values.shape}.")
     traced = any(isinstance(d, jax.core.Tracer) for d in jax.tree.leaves(dense_shape))
     batch = feature.batch_size if traced else int(np.asarray(dense_shape)[0])
+    samples, positions = indices[:, 0], indices[:, 1]
+    outside = (samples < 0) | (samples >= batch) | (positions < 0)  # would be dropped, or read as another sample's
+    poison = None
+    if isinstance(outside, jax.core.Tracer):
+        poison = jnp.any(outside)
+    elif np.any(outside):
+        i = int(np.argmax(np.asarray(outside)))
+        raise error(feature, f"COO entry {i} is at (sample {int(samples[i])}, position {int(positions[i])}): "
+                             f"outside the batch's samples [0, {batch}) or at a negative position.")
     w = jnp.ones(values.shape, jnp.float32)
     if weights is not None:
         w = jnp.asarray(weights[1] if isinstance(weights, tuple) else weights, jnp.float32)
         if w.shape != values.shape:
             raise error(feature, f"weights have shape {w.shape}, but the ids have shape {values.shape}.")
-    return Entries(values, w, indices[:, 0], indices[:, 1], jnp.ones(values.shape, bool), batch)
+    return Entries(values, w, samples, positions, ~outside, batch, poison)
 
 
 def entries(feature: FeatureSpec, ids: Any, weights: Any = None) -> Entries:
@@ -171,6 +185,7 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
     contrib = rows * gains[:, None]
     contrib = jnp.where(valid[:, None], contrib, 0.0)  # padding never contributes (even NaN rows)
     out = jax.ops.segment_sum(contrib, out_row, n_rows + 1)[:n_rows]
+    out = out if e.poison is None else jnp.where(e.poison, jnp.nan, out)
     return out.reshape((e.batch, L, t.embedding_dim) if L else (e.batch, t.embedding_dim))
 
 

@@ -210,3 +210,39 @@ def test_unsorted_coo_indices_are_never_misassigned(seq_len):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6, err_msg=name)
         numpy = ref.lookup(arrays[f.table.name], samples[name], combiner=f.table.combiner, seq_len=seq_len)
         np.testing.assert_allclose(got[name], numpy, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+COO_OUTSIDE = {"negative position": [[1, -1]], "sample past the batch": [[0, 0], [3, 0]],
+               "negative sample": [[-1, 0]]}
+
+
+@pytest.mark.parametrize("seq_len", [0, 2], ids=["pooled", "sequence"])
+@pytest.mark.parametrize("where", sorted(COO_OUTSIDE))
+def test_coo_entries_outside_the_batch_are_refused_or_poison_under_jit(where, seq_len):
+    """An entry at a negative position read as the previous sample's last one; one outside [0, batch) vanished."""
+    f = se.FeatureSpec("f", se.TableSpec("t", 50, 2), batch_size=3, max_sequence_length=seq_len)
+    arrays = {"t": np.arange(100, dtype=np.float32).reshape(50, 2)}
+    idx = np.array(COO_OUTSIDE[where], np.int64)
+    coo = (idx, np.arange(1, len(idx) + 1, dtype=np.int64), np.array([3, max(seq_len, 1)], np.int64))
+    with pytest.raises(ValueError, match=rf"Feature 'f' \(table 't'\): COO entry {len(idx) - 1} is at \(sample "):
+        se.serving_lookup([f], arrays, {"f": coo})
+    jitted = jax.jit(lambda c: se.serving_lookup([f], arrays, {"f": c})["f"])
+    assert np.isnan(np.asarray(jitted(coo))).all()  # under jit: nothing to raise, so nothing reads as valid
+    good = (np.array([[0, 0], [2, 1]], np.int64), np.array([1, 2], np.int64), coo[2])
+    want = np.zeros((3, seq_len, 2) if seq_len else (3, 2), np.float32)
+    want[(0, 0) if seq_len else 0] = arrays["t"][1]
+    want[(2, 1) if seq_len else 2] = arrays["t"][2]
+    np.testing.assert_array_equal(jitted(good), want)
+
+
+@pytest.mark.parametrize("which", ["indices", "values"])
+def test_coo_float_indices_or_values_are_refused_naming_the_feature(which):
+    f = se.FeatureSpec("f", se.TableSpec("t", 50, 2), batch_size=3)
+    coo = [np.array([[0, 0]], np.int64), np.array([1], np.int64), np.array([3, 1])]
+    k = 0 if which == "indices" else 1
+    coo[k] = coo[k].astype(np.float32)
+    arrays = {"t": np.zeros((50, 2), np.float32)}
+    with pytest.raises(ValueError, match=rf"Feature 'f' \(table 't'\): COO {which} must be integers, got float32"):
+        se.serving_lookup([f], arrays, {"f": tuple(coo)})
+    with pytest.raises(ValueError, match=f"COO {which} must be integers"):
+        jax.jit(lambda c: se.serving_lookup([f], arrays, {"f": c}))(tuple(coo))
