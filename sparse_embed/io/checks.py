@@ -71,10 +71,21 @@ def check_sums(step_dir: str, info: CheckpointInfo, sums: Mapping[str, str]) -> 
                                      f"match the checksum saved with them; {WHAT_TO_DO}.")
 
 
+def _typed_leaves(tree: Any) -> dict[str, Any]:
+    """`{leaf_key: leaf}` of a pytree's leaves that have a dtype (arrays, `ShapeDtypeStruct`s), and its Python
+    numbers as the numpy scalars `user_checksums` saw (else a target's `7` asked for nothing, unchecked)."""
+    out = {}
+    for p, x in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(x, (bool, int, float, complex)):
+            x = np.asarray(x)
+        if hasattr(x, "dtype"):
+            out[leaf_key(p)] = x
+    return out
+
+
 def leaf_meanings(tree: Any) -> dict[str, str]:
-    """`{leaf_key: "dtype shape"}` of a pytree's leaves that have a dtype (arrays, `ShapeDtypeStruct`s)."""
-    return {leaf_key(p): meaning(x.dtype, x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-            if hasattr(x, "dtype")}
+    """`{leaf_key: "dtype shape"}` of a pytree's leaves that have a dtype, Python numbers included."""
+    return {k: meaning(x.dtype, x.shape) for k, x in _typed_leaves(tree).items()}
 
 
 def verify_user(step_dir: str, info: CheckpointInfo, user: Any, target: Any = None) -> int:
@@ -89,9 +100,8 @@ def verify_user(step_dir: str, info: CheckpointInfo, user: Any, target: Any = No
         return 0
     asked = None if target is None else leaf_meanings(target)
     # what jax makes of an asked dtype: without x64, a float64 target leaf comes back float32 (a cast, not damage)
-    narrowed = {} if target is None else {leaf_key(p): meaning(jax.dtypes.canonicalize_dtype(x.dtype), x.shape)
-                                          for p, x in jax.tree_util.tree_leaves_with_path(target)
-                                          if hasattr(x, "dtype")}
+    narrowed = {} if target is None else {k: meaning(jax.dtypes.canonicalize_dtype(x.dtype), x.shape)
+                                          for k, x in _typed_leaves(target).items()}
     bad, unchecked = [], 0
     for key, got in user_checksums(user).items():
         want = info.user_checksums.get(key, "")

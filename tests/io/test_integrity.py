@@ -388,6 +388,23 @@ def test_a_bfloat16_user_leaf_is_checksummed_like_any_other(tmp_path):
     assert cli.main(["verify", str(tmp_path), "--step", "2"]) == 1
 
 
+def test_python_number_leaves_are_checked_against_their_checksums(tmp_path):
+    """A user pytree's Python numbers (an epoch, a learning rate) are checksummed when saved; a target holding
+    numbers once asked for nothing, so they came back unchecked (damage read silently, and a false warning)."""
+    user = {"w": np.ones(4, np.float32), "epoch": 7, "lr": 1.5}
+    plan = _two_steps_with(tmp_path, user)
+    with se.CheckpointManager(tmp_path) as m, warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clean restore: every leaf checked, nothing to warn about
+        r = m.restore(plan, user=user)
+    assert (r.step, int(r.user["epoch"]), float(r.user["lr"])) == (2, 14, 3.0)
+    chunk = next(p for p in (tmp_path / "2" / "user").rglob("*") if p.is_file() and "epoch" in str(p)
+                 and _is_data(str(p)))
+    chunk.write_bytes(np.int64(9999).tobytes())
+    with se.CheckpointManager(tmp_path) as m, pytest.warns(UserWarning, match="Step 2 of .* is corrupt"):
+        r = m.restore(plan, user=user)
+    assert (r.step, int(r.user["epoch"])) == (1, 7)
+
+
 def test_a_leaf_restored_as_another_dtype_is_unchecked_not_corrupt(tmp_path):
     """float64/int64 leaves into ShapeDtypeStruct targets come back as float32/int32 (jax without x64): a cast,
     counted as unchecked, never reported as damage."""
