@@ -72,17 +72,25 @@ def raw_arrays(read, name: str, serving: bool):
 
 
 def read_id_tables(plan: EmbeddingPlan, slots: Mapping[str, list[str]], read: Callable[[str, str], np.ndarray], *,
-                   with_slots: bool = True):
+                   with_slots: bool = True, serving_step: int | None = None):
     """The plan's raw-id stacks from the store: `({stack: EmbeddingVariables}, {stack: IdMap})`.
 
     `slots[table]`: the slot names saved with it; `read(group, key)`: a stored array on the host, verified.
+    `serving_step`: a serving checkpoint's step (it stores each table's ids and rows only): its ids read as last
+    used then, with no waiting ids and a zero seed (for an eval; training goes on from a training checkpoint).
     """
     contents = {}
+    serving = serving_step is not None
     for s in dynamic_stacks(plan):
         name = s.first.name
         get = lambda key, group=name: read(group, key)  # noqa: E731
         words = get("ids")
         n = int((words[:, 0] != -1).sum())
+        if serving:
+            contents[name] = IdTable(join_words(words[:n]), get(TABLE_KEY)[:n], {}, np.full(n, serving_step, np.int32),
+                                     np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32),
+                                     np.zeros(2, np.uint32))
+            continue
         p_words = get("ids", name + PENDING)
         m = int((p_words[:, 0] != -1).sum())
         contents[name] = IdTable(

@@ -119,8 +119,9 @@ def restore_state(plan: EmbeddingPlan, step_dir: str, *, allow_vocab_growth: boo
     if len(static.stacks) == len(plan.stacks):
         return tables, {}
     slots = {t.name: [k for k, _ in t.slots] for t in info.tables}
+    serving_step = (info.step or 0) if info.kind == "serving" else None
     raw, maps = read_id_tables(plan, slots, lambda group, key: read_host_array(step_dir, info, group, key),
-                               with_slots=with_slots)
+                               with_slots=with_slots, serving_step=serving_step)
     return {**tables, **raw}, maps
 
 

@@ -20,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 import sparse_embed as se
 from sparse_embed.raw_ids import IdTable, id_table_contents, load_id_tables
+from sparse_embed.io.restoring import restore_state
 from tests.cases import Failures
 from tests.conftest import make_mesh, require_native
 
@@ -589,6 +590,13 @@ def test_serving_export_carries_the_map_and_serving_lookup_takes_raw_ids(tmp_pat
     with pytest.raises(ValueError, match="give it as \\(ids, array\\)"):
         se.serving_lookup([feature], {"users": served["users"][1]}, {"u": ids}, oov="zero")
     assert se.verify_checkpoint(tmp_path / "srv").ok
+    # the serving checkpoint read back as a plan's state (ids and rows only), on another mesh: the same eval
+    other = _train_plan(make_mesh(4), dyn=se.Dynamic())
+    assert sorted(se.restore_embeddings(other, tmp_path / "srv", with_slots=False)) == sorted(tables)
+    t4, m4 = restore_state(other, str(tmp_path / "srv"), with_slots=False)
+    again = se.lookup(other, se.map_ids(other, se.preprocess(other, {"u": ids})[0], t4, m4, 9, train=False)[0],
+                      t4, 9)["u"]
+    np.testing.assert_allclose(np.asarray(again), np.asarray(want), rtol=1e-6, atol=1e-7)
     out = se.convert_checkpoint(tmp_path / "srv", tmp_path / "srv2", serving=True)
     np.testing.assert_array_equal(se.load_serving(out)[0]["users"][0], served["users"][0])
 
