@@ -34,9 +34,11 @@ from sparse_embed.core.state import EmbeddingVariables, check_state
 from sparse_embed.core.tables import unstack_tables
 from sparse_embed.io import store
 from sparse_embed.io.checks import warn_unverified
+from sparse_embed.io.data_item import DATA
 from sparse_embed.io.ckpt_format import (
-    FORMAT, STAGING, USER, CheckpointError, CheckpointInfo, TableRecord, resolve, training_info,
+    EMBEDDINGS, FORMAT, STAGING, USER, CheckpointError, CheckpointInfo, TableRecord, resolve, training_info,
 )
+from sparse_embed.io.offload_checkpoint import record_files
 from sparse_embed.io.orbax_items import checkpointer, read_info, read_user_host, write_step
 from sparse_embed.io.restoring import read_embeddings, read_host_array
 from sparse_embed.io.id_checkpoint import IDS_KEY, raw_arrays
@@ -214,9 +216,11 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     - `serving=True`: a serving checkpoint at `dst` (`[vocab, dim]` tables,
       no slots, optionally cast to `dtype`, e.g. "bf16", or quantized, "int8" / "int4");
       a raw-id table without the ids a lookup at the checkpoint's step finds
-      expired (as `export_serving(..., step=)`).
+      expired (as `export_serving(..., step=)`). Refused for a checkpoint with
+      offloaded tables (their rows are in their stores: `offload.StoreServer`).
     - else: a training checkpoint at `dst/<step>` recorded for `devices`
-      devices (default: as saved), slots and user pytree kept, in the
+      devices (default: as saved), slots, user pytree, the input's position
+      (`data`) and offloaded tables' store commits kept, in the
       current format (any checkpoint restores onto any mesh anyway; this
       rewrites one from an older version, or records another mesh size).
     `progress` wraps the iteration over arrays (e.g. `tqdm`).
@@ -224,6 +228,11 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     step_dir = resolve(src, step)
     info = read_info(step_dir)
     warn_unverified(step_dir, info)
+    offload_records = record_files(step_dir)
+    if serving and offload_records:
+        raise CheckpointError(f"{step_dir} has offloaded tables (their rows are in their stores, {offload_records}): "
+                              "a serving copy would leave them out. Serve them from their stores "
+                              "(sparse_embed.offload.StoreServer, docs/offload.md).")
     dtype = _dtype(dtype)
     progress = progress or (lambda it, **_: it)
     if serving:
@@ -254,5 +263,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     if not serving and info.has_user:  # the user pytree is mesh-independent: copy it as is, once verified
         read_user_host(step_dir, info)
         shutil.copytree(os.path.join(step_dir, USER), os.path.join(out_dir, USER))
+    if not serving:  # the input's position and the offloaded tables' store commits (checksummed records): as saved
+        if os.path.isdir(os.path.join(step_dir, DATA)):
+            shutil.copytree(os.path.join(step_dir, DATA), os.path.join(out_dir, DATA))
+        for name in offload_records:
+            shutil.copy2(os.path.join(step_dir, EMBEDDINGS, name), os.path.join(out_dir, EMBEDDINGS, name))
     return out_dir
 

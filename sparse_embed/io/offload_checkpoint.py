@@ -106,13 +106,18 @@ def write_commits(directory: str, commits: Commits | None) -> None:
             json.dump({"stores": commits.stores, "crc32": _checksum(commits.stores)}, f, indent=1, sort_keys=True)
 
 
+def record_files(step_dir: str) -> list[str]:
+    """The records of stores' commits a step holds (`offload.json`, `offload.process<i>of<P>.json`), by name."""
+    item = os.path.join(step_dir, EMBEDDINGS)
+    return sorted(n for n in (os.listdir(item) if os.path.isdir(item) else ())
+                  if re.fullmatch(r"offload(\.process\d+of\d+)?\.json", n))
+
+
 def read_commits(plan: EmbeddingPlan, step_dir: str) -> dict | None:
     """This process's stores' commits the step recorded, checked (None: it recorded none)."""
     path = os.path.join(step_dir, EMBEDDINGS, _record(plan))
     if not os.path.exists(path):
-        item = os.path.join(step_dir, EMBEDDINGS)  # a step without it: the restore names the missing item
-        others = sorted(n for n in (os.listdir(item) if os.path.isdir(item) else ())
-                        if re.fullmatch(r"offload(\.process\d+of\d+)?\.json", n))
+        others = record_files(step_dir)  # (a step without its item: the restore names the missing item)
         if others:
             raise CheckpointError(f"{step_dir} was saved by another number of processes than this run's "
                                   f"{_place(plan)[1]} (it has {others}): restore it with as many.")

@@ -77,7 +77,8 @@ def write_step(save: Callable[[dict], Any], staging: str, write_tables: Callable
     try:
         if jax.process_index() == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        info = dataclasses.replace(info, checksums=write_tables(staging), has_data=data is not None)
+        # (a converted step keeps its source's: `io.convert` copies the data item in after)
+        info = dataclasses.replace(info, checksums=write_tables(staging), has_data=data is not None or info.has_data)
         items = {EMBEDDINGS: StagedSave(staging), META: ocp.args.JsonSave(info.to_json())}
         if user is not None:
             items[USER] = ocp.args.PyTreeSave(user)

@@ -101,6 +101,32 @@ def test_restore_an_older_step_and_train_on_equals_an_uninterrupted_run(tmp_path
         m.restore(plan, step=6)
 
 
+def test_convert_keeps_the_offload_records_and_the_data_item(setup, tmp_path):
+    """A converted checkpoint lost its offloaded tables' commit records (its restore refused the plan) and its
+    input position; a serving copy left the offloaded tables out without a word (now refused)."""
+    batches, _, plan, ckpt = setup
+    rng = jax.random.key(7)
+    tiers = se.offload.Tiers(plan, rng)
+    try:
+        _, tables = train_tiered(tiers, plan, se.init_tables(plan, rng), batches[:3], start=0)
+        tables = tiers.flush(tables, 3)
+        with se.CheckpointManager(ckpt) as m:
+            assert m.save(3, plan, tables, tiers=tiers, data={"pos": 3})
+    finally:
+        tiers.close()
+    out = se.convert_checkpoint(ckpt, tmp_path / "converted", devices=1)
+    assert se.read_info(out).has_data
+    with se.CheckpointManager(ckpt) as m:
+        want = m.restore(plan)
+    with se.CheckpointManager(tmp_path / "converted") as m:
+        got = m.restore(plan)
+    assert (got.step, got.data) == (3, {"pos": 3}) and sorted(got.tables) == sorted(want.tables)
+    for a, b in zip(jax.tree.leaves(want.tables), jax.tree.leaves(got.tables)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(se.CheckpointError, match=r"has offloaded tables .*a serving copy would leave them out"):
+        se.convert_checkpoint(ckpt, tmp_path / "serving", serving=True)
+
+
 def test_a_store_that_is_not_the_checkpoints_is_refused(setup, monkeypatch):
     batches, _, plan, ckpt = setup
     rng = jax.random.key(7)
