@@ -91,6 +91,35 @@ def _bad_weight(feature: FeatureSpec, weight: np.float32, sample: int) -> ValueE
     return error(feature, f"weight {weight} for sample {sample} is not finite{why}.")
 
 
+# a float32 running sum of N >= 0 terms rounds up by at most ~N * 6e-8 relative: 1% below float32's max, it is finite
+_SUM_LIMIT = 0.99 * float(np.finfo(np.float32).max)
+
+
+def check_divisors(feature: FeatureSpec, w: np.ndarray, samples: np.ndarray, most: int) -> None:
+    """mean / sqrtn: each output row's divisor (`Σw`, `√Σw²`) is summed in float32; finite weights whose sum (of
+    |w| or w²) passes float32's range would make it inf and the row's activation silently 0: a ValueError.
+
+    `w`: finite float32 weights `[N]` of the ids of `samples` `[N]`; `most`: the most ids a sample has (a bound
+    that skips the sums for ordinary weights). A sequence feature's rows are its positions: one id each.
+    """
+    combiner = feature.table.combiner
+    if combiner == "sum" or w.size == 0:
+        return
+    seq = bool(feature.max_sequence_length)
+    top = float(np.max(np.abs(w)))
+    if (top if combiner == "mean" else top * top) * (1 if seq else most) < _SUM_LIMIT:
+        return
+    per_id = np.abs(w.astype(np.float64)) if combiner == "mean" else np.square(w.astype(np.float64))
+    sums = per_id if seq else np.bincount(samples, per_id)
+    if (sums < _SUM_LIMIT).all():
+        return
+    k = int(np.argmax(sums >= _SUM_LIMIT))
+    what = "absolute weights" if combiner == "mean" else "squared weights"
+    raise error(feature, f"the {what} of sample {int(samples[k]) if seq else k} sum to {sums[k]:.3g}, past "
+                         f"float32's range (the {combiner} combiner divides by that sum, in float32): scale the "
+                         "weights down.")
+
+
 def _concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
@@ -326,6 +355,13 @@ def validated(feature: FeatureSpec, c: CanonicalIds, *, raw: bool = False) -> Ca
         raise _bad_id(feature, int(c.ids.flat[bad_id]), c.sample_of(bad_id), c.dense)
     if bad_weight >= 0:
         raise _bad_weight(feature, c.weights.flat[bad_weight], c.sample_of(bad_weight))
+    if c.weights is not None and feature.table.combiner != "sum":
+        if c.dense:
+            keep = c.ids != PADDING_ID
+            check_divisors(feature, c.weights[keep], np.nonzero(keep)[0], c.ids.shape[1])
+        else:
+            samples = np.repeat(np.arange(c.lengths.size), c.lengths)
+            check_divisors(feature, c.weights, samples, int(c.lengths.max(initial=0)))
     return c
 
 
@@ -356,5 +392,7 @@ def flattened(feature: FeatureSpec, c: CanonicalIds, *, raw: bool = False) -> Fl
     elif not np.isfinite(w).all():
         i = int(np.argmax(~np.isfinite(w)))
         raise _bad_weight(feature, w[i], int(samples[i]))
+    else:
+        check_divisors(feature, w, samples, c.ids.shape[1] if c.dense else int(c.lengths.max(initial=0)))
     return FlatIds(values.astype(np.int64, copy=False), w, samples.astype(np.int64, copy=False),
                    positions.astype(np.int64, copy=False))

@@ -48,7 +48,7 @@ import numpy as np
 
 from sparse_embed.core import pooling
 from sparse_embed.core.specs import FeatureSpec, TableSpec
-from sparse_embed.host.ids import PADDING_ID, canonical, error
+from sparse_embed.host.ids import PADDING_ID, canonical, check_divisors, error
 from sparse_embed.io.quantize import bits_of, dequantize, fused_width
 
 OOV_POLICIES = ("error", "zero")
@@ -175,6 +175,10 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
     e = entries(feature, _each_array(ids, lambda a: _narrowed(feature, a, oov)), weights)
     if isinstance(oov, str) and oov == "error":
         _check_oov_eagerly(feature, e)
+    if weights is not None and not isinstance(e.weights, jax.core.Tracer):  # (under jit: the row reads 0)
+        samples = np.asarray(e.samples)[np.asarray(e.valid)]
+        check_divisors(feature, np.asarray(e.weights)[np.asarray(e.valid)], samples,
+                       int(np.bincount(samples).max(initial=0)) if samples.size else 0)
     L = feature.max_sequence_length
     valid = e.valid & (e.positions < L) if L else e.valid
     n_rows = e.batch * max(L, 1)

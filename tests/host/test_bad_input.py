@@ -11,7 +11,8 @@ import pytest
 
 import sparse_embed as se
 import reference as ref
-from conftest import make_mesh
+from conftest import make_mesh, require_native
+from sparse_embed.host import native
 
 
 
@@ -71,6 +72,46 @@ def test_weights_past_float32_are_not_finite(setup):
     _expect(setup, G + r"weight inf for sample 3 is not finite \(weights are float32",  # a list: the C path
             weights={"g": [np.ones(1)] * 3 + [np.array([1e300])] + [np.ones(1)] * 4})
     _expect(setup, G + r"weight inf for sample 0 is not finite", weights={"g": [[1e300]] + [[1.0]] * 7})  # numpy
+
+
+@pytest.mark.parametrize("path", ["C", "numpy"])
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+@pytest.mark.parametrize("fmt", ["dense", "ragged"])
+def test_weights_whose_sum_passes_float32_are_refused(mesh8, combiner, fmt, monkeypatch, path):
+    """Finite weights whose float32 divisor (a sample's Σ|w|, Σw²; a sequence position's own) overflowed gave
+    all-zero activations silently; weights just inside the range still pool as numpy does, and sum ignores it."""
+    if path == "numpy":
+        monkeypatch.setenv(native.ENV, "0")
+    else:
+        require_native("preprocess")
+    t = se.TableSpec("t", 20, 4, combiner=combiner)
+    feats = {"f": se.FeatureSpec("f", t, 8), "s": se.FeatureSpec("s", t, 8, max_sequence_length=2)}
+    plan = se.plan(feats, mesh8)
+    big = 3e38 if combiner == "mean" else 1e20  # two of them: Σ|w| = 6e38, Σw² = 2e40 (float32's max: 3.4e38)
+    ok = 1.5e38 if combiner == "mean" else 1.2e19  # two: 3e38, 2.9e38
+    ids = np.tile(np.array([[3, 5]]), (8, 1))
+    as_fmt = (lambda a: a) if fmt == "dense" else (lambda a: list(a))
+    w = np.ones((8, 2), np.float32)
+    w[2] = big
+    what = "absolute" if combiner == "mean" else "squared"
+    with pytest.raises(ValueError, match=rf"Feature 'f' \(table 't'\): the {what} weights of sample 2 sum to "):
+        se.preprocess(plan, {"f": as_fmt(ids), "s": as_fmt(ids)}, {"f": as_fmt(w)})
+    if combiner == "sqrtn":  # a sequence position divides by its own √w²
+        with pytest.raises(ValueError, match=rf"Feature 's' .* the squared weights of sample 2 sum to "):
+            se.preprocess(plan, {"f": as_fmt(ids), "s": as_fmt(ids)}, {"s": as_fmt(w)})
+    served = {"t": np.arange(80, dtype=np.float32).reshape(20, 4)}
+    with pytest.raises(ValueError, match=r"Feature 'f' .* weights of sample 2 sum to "):
+        se.serving_lookup([feats["f"]], served, {"f": ids}, {"f": w})
+    w[2] = ok
+    batch, _ = se.preprocess(plan, {"f": as_fmt(ids), "s": as_fmt(ids)}, {"f": as_fmt(w)})
+    tables = se.stack_tables(plan, served)
+    got = np.asarray(se.lookup(plan, batch, tables, 0)["f"])[2]
+    w64 = w[2].astype(np.float64)
+    gains = w64 / (w64.sum() if combiner == "mean" else np.sqrt((w64 ** 2).sum()))
+    np.testing.assert_allclose(got, gains @ served["t"][[3, 5]], rtol=1e-5)
+    summed = se.plan({"f": se.FeatureSpec("f", se.TableSpec("t", 20, 4, combiner="sum"), 8)}, mesh8)
+    w[2] = big
+    se.preprocess(summed, {"f": as_fmt(ids)}, {"f": as_fmt(w)})  # sum never divides
 
 
 def test_weights_structure_and_shape(setup):
