@@ -74,9 +74,13 @@ class CanonicalIds(NamedTuple):
         return int(np.searchsorted(np.cumsum(self.lengths), i, side="right"))
 
 
-def error(feature: FeatureSpec, msg: str) -> ValueError:
+class FeatureInputError(ValueError):
+    """A feature's input is malformed (the message names the feature and its table)."""
+
+
+def error(feature: FeatureSpec, msg: str) -> FeatureInputError:
     """A ValueError that names the feature and its table."""
-    return ValueError(f"Feature {feature.name!r} (table {feature.table.name!r}): {msg}")
+    return FeatureInputError(f"Feature {feature.name!r} (table {feature.table.name!r}): {msg}")
 
 
 def _bad_id(feature: FeatureSpec, value: int, sample: int, padding_ok: bool) -> ValueError:

@@ -21,7 +21,7 @@ from sparse_embed.core.batch import ShardedCooMatrix, Stats
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core import sparsecore
 from sparse_embed.host import distributed, native, plan_state, sparsecore_input
-from sparse_embed.host.ids import CanonicalIds, FlatIds, checked, error, fixed_width, flatten
+from sparse_embed.host.ids import CanonicalIds, FeatureInputError, FlatIds, checked, error, fixed_width, flatten
 from sparse_embed.host.partition import Partitioned, partition
 from sparse_embed.host.raw_ids import checked_raw, flatten_raw, partition_raw
 
@@ -167,7 +167,7 @@ def _partitions(plan: EmbeddingPlan, ids, weights, positions: list[int], several
 def _this_process(e: Exception) -> Exception:
     """A feature's input error under several processes, saying that its sample numbers are this process's (they
     count the rows it passed, not the global batch's)."""
-    if not (type(e) in (ValueError, TypeError) and str(e).startswith("Feature ")):
+    if not isinstance(e, FeatureInputError):
         return e
     out = type(e)(f"{e} (On process {jax.process_index()} of {jax.process_count()}: samples are numbered within "
                   "the rows this process passed.)")
