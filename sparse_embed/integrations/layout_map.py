@@ -71,9 +71,11 @@ class LayoutMap:
     def __init__(self, mesh: Mesh, rules: Iterable[Rule] = (), *, plan: EmbeddingPlan | None = None):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"LayoutMap: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-        if plan is not None and set(plan.mesh.devices.flat) != set(mesh.devices.flat):
+        if plan is not None and list(plan.mesh.devices.flat) != list(mesh.devices.flat):
+            # jit needs one device assignment: the meshes' devices in the same order, not only the same set
+            which = "order" if set(plan.mesh.devices.flat) == set(mesh.devices.flat) else "set"
             raise ValueError(
-                "LayoutMap: the plan's mesh and `mesh` have different devices; one jit cannot hold both. "
+                f"LayoutMap: the plan's mesh and `mesh` have a different device {which}; one jit cannot hold both. "
                 "Plan over (an axis of) `mesh`: sparse_embed.plan(features, mesh, axis_name=...)."
             )
         self.mesh, self.plan = mesh, plan

@@ -104,6 +104,19 @@ def test_bad_rules_give_clear_errors(mesh8, rules, tree, error, match):
         se.LayoutMap(mesh8, rules).shardings(tree)
 
 
+@pytest.mark.parametrize("other", ["order", "set"])
+def test_a_mesh_of_other_devices_or_another_order_than_the_plans_is_refused(mesh8, other):
+    """The same devices in another order (jax.make_mesh reorders them on TPU) passed the set check and failed
+    later, in jit, with its 'incompatible devices' error."""
+    plan = make_plan(mesh8)
+    devices = eight_devices(8)
+    mesh = (Mesh(devices.reshape(2, 4).T, ("data", "model")) if other == "order"
+            else Mesh(devices[:4].reshape(2, 2), ("data", "model")))
+    with pytest.raises(ValueError, match=f"the plan's mesh and `mesh` have a different device {other}"):
+        se.LayoutMap(mesh, [], plan=plan)
+    se.LayoutMap(Mesh(devices.reshape(2, 4), ("data", "model")), [], plan=plan)  # same devices, same order: fine
+
+
 def _mesh(kind):
     devices = eight_devices(8)
     if kind == "1d":
