@@ -117,11 +117,29 @@ def memory_per_device(stack) -> int:
 
 
 # ----------------------------------------------------------------------- a plan
+def checked_capacities(plan, capacities: Mapping[str, int] | None) -> dict[str, int]:
+    """`capacities` as given (`{stack: positive int}`, e.g. `Stats.capacity`): a ValueError naming the stack
+    for another plan's stack or a capacity that is not a positive int (a negative one gave negative bytes)."""
+    if capacities is None:
+        return {}
+    if not isinstance(capacities, Mapping):
+        raise TypeError(f"capacities must be a mapping {{stack: int}} (e.g. Stats.capacity), got "
+                        f"{type(capacities).__name__}.")
+    unknown = sorted(set(capacities) - set(plan.stack_names))
+    if unknown:
+        raise ValueError(f"capacities name stacks {unknown} that this plan does not have (its stacks: "
+                         f"{list(plan.stack_names)}).")
+    for name, c in capacities.items():
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c <= 0:
+            raise ValueError(f"capacities[{name!r}] must be a positive int, got {c!r}.")
+    return {k: int(c) for k, c in capacities.items()}
+
+
 def plan_collective_bytes(plan, capacities: Mapping[str, int] | None = None) -> int:
     """Bytes one device receives through collectives in one train step of `lookup`; `capacities` (e.g.
     `Stats.capacity`) for stacks of auto capacity."""
-    skip = plan.nonfinite_gradients == "skip"
-    return sum(collective_bytes(s, (capacities or {}).get(s.name), skip) for s in plan.stacks)
+    skip, caps = plan.nonfinite_gradients == "skip", checked_capacities(plan, capacities)
+    return sum(collective_bytes(s, caps.get(s.name), skip) for s in plan.stacks)
 
 
 def plan_memory(plan) -> int:
@@ -138,7 +156,7 @@ def describe(plan, capacities: Mapping[str, int] | None = None, offload: Mapping
     store, the cache and, from `offload` (`Tiers.stats()`), the observed hit
     rate and rows read and written.
     """
-    D, caps = plan.num_shards, capacities or {}
+    D, caps = plan.num_shards, checked_capacities(plan, capacities)
     lines = [f"EmbeddingPlan on {D} device(s) of mesh axis {plan.axis_name!r}: "
              f"{_size(plan_memory(plan))} of tables and slots per device, "
              f"{_size(plan_collective_bytes(plan, caps))} through collectives per device and train step",

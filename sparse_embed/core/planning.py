@@ -816,8 +816,9 @@ def grow_capacity(plan: EmbeddingPlan, stats, *, headroom: float = 1.0) -> Embed
     """
     if not isinstance(stats, Stats):
         raise TypeError(f"grow_capacity: stats must be the Stats that preprocess returns, got {type(stats).__name__}.")
-    if headroom < 1.0:
-        raise ValueError(f"headroom must be >= 1, got {headroom}.")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float, np.integer, np.floating)) or not (
+            1.0 <= headroom < math.inf):
+        raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}.")
     stacks = []
     for s in plan.stacks:
         seen = stats.max_ids_per_partition.get(s.name)

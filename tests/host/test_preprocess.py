@@ -185,6 +185,31 @@ def test_grow_capacity_fits_observed_stats(mesh8):
         se.grow_capacity(plan, stats.max_ids_per_partition)
 
 
+@pytest.mark.parametrize("headroom", [0.5, float("nan"), float("inf"), "2", True])
+def test_grow_capacity_refuses_a_headroom_that_is_no_finite_number_from_one(mesh8, headroom):
+    """nan / inf / "2" raised Python's own conversion and comparison errors."""
+    plan = _plan(mesh8, stacking=None, capacity=8, on_overflow="drop")
+    _, stats = se.preprocess(plan, _hot_ids(plan, 6))
+    with pytest.raises(ValueError, match=r"headroom must be a finite number >= 1, got "):
+        se.grow_capacity(plan, stats, headroom=headroom)
+
+
+@pytest.mark.parametrize("caps, match", [
+    ({"a": -100}, r"capacities\['a'\] must be a positive int, got -100"),
+    ({"a": 7.5}, r"capacities\['a'\] must be a positive int, got 7.5"),
+    ({"a": True}, r"capacities\['a'\] must be a positive int, got True"),
+    ({"nope": 8}, r"capacities name stacks \['nope'\] that this plan does not have"),
+], ids=["negative", "float", "bool", "unknown"])
+def test_cost_reports_refuse_capacities_that_are_no_positive_int_of_a_stack(mesh8, caps, match):
+    """A negative capacity gave negative bytes, a float float bytes, an unknown stack was ignored."""
+    plan = _plan(mesh8, stacking=None)
+    for report in (plan.collective_bytes, plan.describe):
+        with pytest.raises(ValueError, match=match):
+            report(caps)
+    _, stats = se.preprocess(plan, _hot_ids(plan, 6))
+    assert plan.collective_bytes(stats.capacity) > 0 and "a" in plan.describe(stats.capacity)
+
+
 def test_auto_capacity_sizes_from_first_batch_and_only_grows(mesh8):
     plan = _plan(mesh8, stacking=None)
     assert plan.capacity("a") is None
