@@ -42,6 +42,7 @@ from sparse_embed.io.ckpt_format import (  # noqa: F401 - the public names, re-e
 from sparse_embed.io import offload_checkpoint
 from sparse_embed.io.data_item import read_data
 from sparse_embed.io.id_checkpoint import write_id_tables
+from sparse_embed.io.id_tables import check_id_maps
 from sparse_embed.io.orbax_items import item_handlers, read_info, read_user, write_step
 from sparse_embed.io.restoring import restore_embeddings, restore_state, static_part  # noqa: F401 (re-exported)
 
@@ -109,6 +110,8 @@ class CheckpointManager:
         if len(static.stacks) != len(plan.stacks) and id_maps is None:
             raw = sorted(set(plan.stack_names) - set(static.stack_names))
             raise ValueError(f"The plan has raw-id tables {raw}: pass their maps, save(..., id_maps=id_maps).")
+        if id_maps is not None:
+            check_id_maps(plan, id_maps)  # before anything is written
 
         def write(d: str) -> dict[str, str]:
             sums = store.write_state(d, static, tables)

@@ -56,9 +56,60 @@ def _live(ks: KeySet):
     return at[order], ids[order]
 
 
+def _expected_shapes(stack: StackPlan) -> dict[str, tuple[int, ...]]:
+    """The shape (`sorted_keys`: its rows) of each array of an `IdMap` made for `stack` (`init_id_maps`)."""
+    S, R, P = stack.num_shards, stack.rows_per_shard, pending_per_shard(stack)
+    want = {"seed": (S, 2), "rows.size": (S,), "rows.order": (S * R,), "rows.last": (S * R,),
+            "rows.sorted_keys": (S * R,)}
+    if P:
+        want.update({"pending.size": (S,), "pending.order": (S * P,), "pending.last": (S * P,),
+                     "pending.sorted_keys": (S * P,), "counts": (S * P,)})
+    return want
+
+
+def _map_problems(stack: StackPlan, m: IdMap) -> list[str]:
+    """How `m` differs from a map of `stack` (empty: it fits)."""
+    P = pending_per_shard(stack)
+    if (m.pending is None) != (P == 0) or (m.counts is None) != (P == 0):
+        return [f"waiting ids {'missing' if P else 'present'} (the plan's table has admit_after="
+                f"{stack.dynamic.admit_after}{f', {P} waiting ids per shard' if P else ''})"]
+    problems = []
+    for path, want in _expected_shapes(stack).items():
+        obj = m
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        got = tuple(np.shape(obj))
+        got = got[:1] if path.endswith("sorted_keys") else got
+        if got != want:
+            problems.append(f"{path} has shape {got}, expected {want}")
+    return problems
+
+
+def check_id_maps(plan: EmbeddingPlan, id_maps: Mapping[str, IdMap]) -> None:
+    """Raises unless `id_maps` holds an `IdMap` made for each raw-id stack of `plan` (its shard count and rows)."""
+    if not isinstance(id_maps, Mapping):
+        raise TypeError(f"id_maps must be a mapping {{stack name: IdMap}} (from se.init_id_maps or se.map_ids), "
+                        f"got {type(id_maps).__name__}.")
+    for s in dynamic_stacks(plan):
+        where = f"Table {s.first.name!r}" + (f" (stack {s.name!r})" if s.name != s.first.name else "")
+        if s.name not in id_maps:
+            raise ValueError(f"{where} is keyed by raw ids, but id_maps has no entry {s.name!r} for it (it has "
+                             f"{sorted(map(str, id_maps))}): pass the maps that trained these tables.")
+        m = id_maps[s.name]
+        if not isinstance(m, IdMap):
+            raise TypeError(f"{where}: id_maps[{s.name!r}] must be an IdMap, got {type(m).__name__}.")
+        problems = _map_problems(s, m)
+        if problems:
+            raise ValueError(f"{where}: its id map is not one of this plan ({s.num_shards} shards of "
+                             f"{s.rows_per_shard} rows): {'; '.join(problems)}. Pass the maps trained with these "
+                             "tables, under this plan (not those of another mesh or vocabulary).")
+
+
 def id_table_contents(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables],
                       id_maps: Mapping[str, IdMap]) -> dict[str, IdTable]:
-    """`{table: IdTable}` of every raw-id table, on the host (gathered from every process)."""
+    """`{table: IdTable}` of every raw-id table, on the host (gathered from every process); raises if `id_maps`
+    are not the plan's (`check_id_maps`)."""
+    check_id_maps(plan, id_maps)
     out = {}
     for s in dynamic_stacks(plan):
         m, v = id_maps[s.name], tables[s.name]

@@ -1,0 +1,71 @@
+"""CheckpointManager's arguments: its options, the steps saved and restored, and the id maps saved with tables."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import sparse_embed as se
+from sparse_embed import optimizers as opt
+from conftest import make_mesh
+
+B = 8
+
+
+def _specs(users: int = 64, admit_after: int = 1) -> dict[str, se.FeatureSpec]:
+    """A raw-id table `users` and a static table `items`, small."""
+    u = se.TableSpec("users", users, 4, optimizer=opt.Adagrad(0.1), dynamic=se.Dynamic(admit_after=admit_after))
+    i = se.TableSpec("items", 32, 4, optimizer=opt.Adagrad(0.1))
+    return {"u": se.FeatureSpec("u", u, B), "i": se.FeatureSpec("i", i, B)}
+
+
+@pytest.fixture(scope="module")
+def raw8():
+    """An 8-device plan with a raw-id table, its tables and its (empty) id maps."""
+    plan = se.plan(_specs(), make_mesh(8))
+    return plan, se.init_tables(plan, jax.random.key(0)), se.init_id_maps(plan, jax.random.key(1))
+
+
+def _save_or_export(how: str, path, plan, tables, id_maps) -> None:
+    if how == "save":
+        with se.CheckpointManager(path, async_save=False) as m:
+            m.save(1, plan, tables, id_maps=id_maps)
+    else:
+        se.export_serving(path, plan, tables, id_maps=id_maps)
+
+
+@pytest.mark.parametrize("how", ["save", "export_serving"])
+@pytest.mark.parametrize("other, match", [
+    (lambda: se.plan(_specs(), make_mesh(4)), r"seed has shape \(4, 2\), expected \(8, 2\); rows.size has shape "
+                                              r"\(4,\), expected \(8,\)"),
+    (lambda: se.plan(_specs(users=128), make_mesh(8)), r"rows.order has shape \(128,\), expected \(64,\)"),
+    (lambda: se.plan(_specs(admit_after=2), make_mesh(8)), r"waiting ids present \(the plan's table has "
+                                                           r"admit_after=1\)"),
+], ids=["4_devices", "another_vocab", "another_admit_after"])
+def test_id_maps_of_another_plan_are_refused(raw8, tmp_path, how, other, match):
+    plan, tables, _ = raw8
+    maps = se.init_id_maps(other(), jax.random.key(1))
+    with pytest.raises(ValueError, match=r"Table 'users': its id map is not one of this plan \(8 shards of 8 rows\)"
+                                         r": " + match):
+        _save_or_export(how, tmp_path / "out", plan, tables, maps)
+    if how == "save":  # nothing written
+        assert [p.name for p in (tmp_path / "out").iterdir()] == []
+
+
+@pytest.mark.parametrize("how", ["save", "export_serving"])
+@pytest.mark.parametrize("id_maps, error, match", [
+    ({}, ValueError, r"Table 'users' is keyed by raw ids, but id_maps has no entry 'users' for it \(it has \[\]\)"),
+    ({"items": None}, ValueError, r"no entry 'users' for it \(it has \['items'\]\)"),
+    ([1], TypeError, r"id_maps must be a mapping \{stack name: IdMap\}.* got list"),
+    ({"users": 1}, TypeError, r"Table 'users': id_maps\['users'\] must be an IdMap, got int"),
+], ids=["empty", "other_key", "list", "not_an_id_map"])
+def test_missing_or_wrong_id_maps_name_the_table(raw8, tmp_path, how, id_maps, error, match):
+    plan, tables, _ = raw8
+    with pytest.raises(error, match=match):
+        _save_or_export(how, tmp_path / "out", plan, tables, id_maps)
+
+
+def test_the_plans_own_id_maps_are_saved(raw8, tmp_path):
+    plan, tables, maps = raw8
+    _save_or_export("save", tmp_path / "ck", plan, tables, maps)
+    assert se.read_info(tmp_path / "ck").step == 1
