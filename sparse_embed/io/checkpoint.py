@@ -30,6 +30,7 @@ import warnings
 from typing import Any, Mapping, NamedTuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from sparse_embed.core.planning import EmbeddingPlan
@@ -57,6 +58,19 @@ class Restored(NamedTuple):
     data: Any = None  # the input pipeline's state saved with the step (`save(..., data=)`), or None
 
 
+def _check_options(max_to_keep: Any, save_interval_steps: Any) -> None:
+    """Raises unless `max_to_keep` is None or an integer >= 1 and `save_interval_steps` an integer >= 1."""
+    for name, value, meaning in (("max_to_keep", max_to_keep, "the newest steps kept; None keeps every step"),
+                                 ("save_interval_steps", save_interval_steps, "save every this many steps")):
+        if value is None and name == "max_to_keep":
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"CheckpointManager: {name} must be an integer >= 1 ({meaning}), got {value!r} "
+                            f"({type(value).__name__}).")
+        if value < 1:
+            raise ValueError(f"CheckpointManager: {name} must be >= 1 ({meaning}), got {value}.")
+
+
 class CheckpointManager:
     """Saves and restores `(tables, step, user pytree)` with an orbax `CheckpointManager`.
 
@@ -74,10 +88,11 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
                  save_interval_steps: int = 1, async_save: bool = True):
+        _check_options(max_to_keep, save_interval_steps)
         self.directory = os.path.abspath(os.fspath(directory))
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=save_interval_steps,
-            preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
+            save_interval_steps=int(save_interval_steps),
+            preservation_policy=ocp.checkpoint_managers.LatestN(None if max_to_keep is None else int(max_to_keep)),
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,
             create=True,

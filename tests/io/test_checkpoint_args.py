@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 
 import sparse_embed as se
@@ -24,6 +25,13 @@ def raw8():
     """An 8-device plan with a raw-id table, its tables and its (empty) id maps."""
     plan = se.plan(_specs(), make_mesh(8))
     return plan, se.init_tables(plan, jax.random.key(0)), se.init_id_maps(plan, jax.random.key(1))
+
+
+@pytest.fixture(scope="module")
+def static8():
+    """An 8-device plan of static tables only, and its tables."""
+    plan = se.plan({"i": _specs()["i"]}, make_mesh(8))
+    return plan, se.init_tables(plan, jax.random.key(0))
 
 
 def _save_or_export(how: str, path, plan, tables, id_maps) -> None:
@@ -69,3 +77,27 @@ def test_the_plans_own_id_maps_are_saved(raw8, tmp_path):
     plan, tables, maps = raw8
     _save_or_export("save", tmp_path / "ck", plan, tables, maps)
     assert se.read_info(tmp_path / "ck").step == 1
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(max_to_keep=0), ValueError, r"max_to_keep must be >= 1 .*None keeps every step.*got 0"),
+    (dict(max_to_keep=-1), ValueError, r"max_to_keep must be >= 1 .*got -1"),
+    (dict(max_to_keep=True), TypeError, r"max_to_keep must be an integer >= 1 .*got True \(bool\)"),
+    (dict(max_to_keep=2.0), TypeError, r"max_to_keep must be an integer >= 1 .*got 2.0 \(float\)"),
+    (dict(save_interval_steps=0), ValueError, r"save_interval_steps must be >= 1 .*got 0"),
+    (dict(save_interval_steps=False), TypeError, r"save_interval_steps must be an integer >= 1 .*got False"),
+    (dict(save_interval_steps=None), TypeError, r"save_interval_steps must be an integer >= 1 .*got None"),
+    (dict(save_interval_steps="2"), TypeError, r"save_interval_steps must be an integer >= 1 .*got '2' \(str\)"),
+], ids=["keep0", "keep-1", "keep_bool", "keep_float", "interval0", "interval_bool", "interval_none", "interval_str"])
+def test_bad_manager_options_are_refused(tmp_path, kwargs, error, match):
+    with pytest.raises(error, match="CheckpointManager: " + match):
+        se.CheckpointManager(tmp_path / "ck", **kwargs)
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_to_keep=None), dict(max_to_keep=np.int64(1), save_interval_steps=2)])
+def test_good_manager_options_are_taken(static8, tmp_path, kwargs):
+    plan, tables = static8
+    with se.CheckpointManager(tmp_path, async_save=False, **kwargs) as m:
+        assert [m.save(s, plan, tables) for s in (2, 4)] == [True, True]
+        assert m.all_steps() == ([2, 4] if kwargs["max_to_keep"] is None else [4])
