@@ -38,7 +38,7 @@ from sparse_embed.core.state import EmbeddingVariables, check_state
 from sparse_embed.io import store
 from sparse_embed.io.checks import user_checksums
 from sparse_embed.io.ckpt_format import (  # noqa: F401 - the public names, re-exported
-    STAGING, CheckpointError, CheckpointInfo, CorruptCheckpointError, TableRecord, resolve, training_info,
+    STAGING, CheckpointError, CheckpointInfo, CorruptCheckpointError, TableRecord, as_step, resolve, training_info,
 )
 from sparse_embed.io import offload_checkpoint
 from sparse_embed.io.data_item import read_data
@@ -106,7 +106,11 @@ class CheckpointManager:
     def save(self, step: int, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], *,
              id_maps: Mapping[str, Any] | None = None, user: Any = None, data: Any = None,
              force: bool = False, tiers: Any = None) -> bool:
-        """Saves `step` (skipped, returning False, if `save_interval_steps` says so and not `force`).
+        """Saves `step` (an integer) and returns True; or skips it, returning False and writing nothing.
+
+        Skipped without `force`: a step `save_interval_steps` leaves out, and a step not after the latest saved
+        one (already saved, or older): a saved step is never overwritten, so check the result if it may
+        exist. With `force`, `save_interval_steps` is ignored and a step not after the latest is a ValueError.
 
         The tables are streamed to disk before this returns (so `tables` may
         be donated or updated right after); the user pytree and the metadata
@@ -115,10 +119,12 @@ class CheckpointManager:
         process's input-pipeline state, JSON-serialisable (`se.data.Loader.get_state()`:
         the data position and the plan's capacity marks), for an exact resume.
         """
-        step = int(step)
+        step = as_step(step, "CheckpointManager.save: step")
         # offloaded tables: their `tiers`, flushed at `step` (each store's commit is recorded, docs/offload.md)
         plan, tables, commits = offload_checkpoint.for_save(plan, tables, tiers, step)
-        if not force and not self._manager.should_save(step):
+        if force:
+            self._check_after_latest(step)
+        elif not self._manager.should_save(step):
             return False
         check_state(plan, tables)
         static = static_part(plan)
@@ -137,6 +143,16 @@ class CheckpointManager:
         return write_step(lambda items: self._manager.save(step, args=ocp.args.Composite(**items), force=force),
                           os.path.join(self.directory, f"{STAGING}-{step}"), write, info, user, data)
 
+    def _check_after_latest(self, step: int) -> None:
+        """Raises unless `step` is after the latest saved step (orbax neither overwrites a step nor orders an
+        older one after it)."""
+        latest = self._manager.latest_step()
+        if latest is not None and step <= latest:
+            what = "is already saved" if step in self._manager.all_steps() else "is before the latest saved step"
+            raise ValueError(f"CheckpointManager.save(force=True): step {step} {what} in {self.directory} (latest: "
+                             f"step {latest}); steps are saved in increasing order and never overwritten: save a step "
+                             f"after {latest}, or into another directory.")
+
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""
         self._manager.wait_until_finished()
@@ -152,7 +168,7 @@ class CheckpointManager:
         return read_info(self._step_dir(step))
 
     def _step_dir(self, step: int | None) -> str:
-        step = self.latest_step() if step is None else step
+        step = self.latest_step() if step is None else as_step(step, "CheckpointManager: step")
         if step is None:
             raise CheckpointError(f"No complete checkpoint in {self.directory}.")
         return resolve(self.directory, step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import operator
 import os
 import warnings
 from typing import Any, Mapping
@@ -174,10 +175,22 @@ def stored_layout(info: CheckpointInfo, group: str, key: str) -> store.Layout:
     return store.Layout(rec.stored[0] if key == TABLE_KEY else np.float32, widths[key], rec.vocabulary_size)
 
 
+def as_step(step: Any, what: str = "step") -> int:
+    """`step` as an int: a Python, numpy or jax integer scalar; anything else (floats, strings, bools) is a
+    TypeError."""
+    try:
+        if not isinstance(step, (bool, np.bool_)) and np.dtype(getattr(step, "dtype", np.int64)).kind in "iu":
+            return operator.index(step)
+    except TypeError:
+        pass
+    raise TypeError(f"{what} must be an integer, got {step!r} ({type(step).__name__}).")
+
+
 def resolve(path: str | os.PathLike, step: int | None = None, *, complete: bool = True) -> str:
     """The step directory of `path`: `path` itself if it is one, else its latest (or given) complete step (a
     later one without its meta item is passed over with a warning; `complete=False`: the latest, as it is)."""
     path = os.fspath(path)
+    step = None if step is None else as_step(step)
     if os.path.isfile(path):
         raise CheckpointError(f"{path} is a file, not a checkpoint directory: pass the directory given to "
                               "CheckpointManager (or one of its step directories).")

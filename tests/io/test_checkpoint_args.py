@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -101,3 +102,34 @@ def test_good_manager_options_are_taken(static8, tmp_path, kwargs):
     with se.CheckpointManager(tmp_path, async_save=False, **kwargs) as m:
         assert [m.save(s, plan, tables) for s in (2, 4)] == [True, True]
         assert m.all_steps() == ([2, 4] if kwargs["max_to_keep"] is None else [4])
+
+
+def test_save_steps(static8, tmp_path):
+    """Integers only; without force a step not after the latest is skipped (False), with force it is refused."""
+    plan, tables = static8
+    with se.CheckpointManager(tmp_path, async_save=False) as m:
+        assert m.save(5, plan, tables)
+        assert not m.save(5, plan, tables) and not m.save(3, plan, tables)  # documented: skipped, nothing written
+        for bad in (8.7, 6.0, "6", True, np.float32(6), jnp.array([6])):
+            with pytest.raises(TypeError, match=r"CheckpointManager.save: step must be an integer, got"):
+                m.save(bad, plan, tables)
+        with pytest.raises(ValueError, match=r"save\(force=True\): step 5 is already saved in .* \(latest: step 5\)"):
+            m.save(5, plan, tables, force=True)
+        with pytest.raises(ValueError, match=r"step 4 is before the latest saved step in .* \(latest: step 5\)"):
+            m.save(4, plan, tables, force=True)
+        assert m.save(np.int64(6), plan, tables) and m.save(jnp.int32(7), plan, tables, force=True)
+        assert m.all_steps() == [5, 6, 7]
+
+
+def test_restore_step_must_be_an_integer(static8, tmp_path):
+    plan, tables = static8
+    with se.CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(5, plan, tables)
+        for bad in ("5", 5.0, True):
+            for read in (lambda: m.restore(plan, step=bad), lambda: m.info(bad)):
+                with pytest.raises(TypeError, match=r"CheckpointManager: step must be an integer, got"):
+                    read()
+            with pytest.raises(TypeError, match=r"^step must be an integer, got"):
+                se.read_info(tmp_path, step=bad)
+        assert m.restore(plan, step=np.int64(5)).step == 5 and m.info(jnp.int32(5)).step == 5
+        assert se.read_info(tmp_path, step=np.int32(5)).step == 5
