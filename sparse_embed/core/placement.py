@@ -71,9 +71,16 @@ def stack_mates_alike(fixed: dict[str, str], groups: list[list[str]], loads: dic
             continue
         allowed = [p for p in placements.names() if all(placements.get(p).choosable(loads[n]) for n in group)]
         if allowed:
-            cost = lambda p: (sum(loads[n].cost(p, num_devices) for n in group), _order(p))  # noqa: E731
-            out.update(dict.fromkeys(group, min(allowed, key=cost)))
+            out.update(dict.fromkeys(group, min(allowed, key=lambda p: (_group_cost(p, group, loads, num_devices),
+                                                                        _order(p)))))
     return out
+
+
+def _group_cost(placement: str, group: list[str], loads: dict[str, TableLoad], num_devices: int) -> float:
+    """The cost of a stack of `group`'s tables all placed `placement` (a "table" stack spreads its k tables)."""
+    strategy = placements.get(placement)
+    share = strategy.share(len(group), num_devices) if strategy.shares_stacks else None
+    return sum(loads[n].cost(placement, num_devices, share) for n in group)
 
 
 def to_move(chosen: dict[str, str], fixed: dict[str, str], loads: dict[str, TableLoad],

@@ -337,6 +337,20 @@ def test_auto_replicates_small_tables_and_cuts_traffic(mesh8):
     assert owners.max() - owners.min() <= 1
 
 
+@pytest.mark.parametrize("stacking", ["auto", "explicit"])
+def test_auto_puts_fewer_tables_than_devices_row_wise_when_whole_tables_cost_more(mesh8, stacking):
+    """Two tables on 8 devices: "table" sends every shard a segment as large as a whole table's ids (the
+    exchange's capacity is the busiest shard's); the cost model counted 1/D of that, so auto chose "table" at
+    1.6x the bytes of "row" by the plan's own count."""
+    feats = [se.FeatureSpec(f"f{i}", se.TableSpec(f"t{i}", rows, 8), 64) for i, rows in enumerate((2000, 3000))]
+    kw = dict(ids_per_sample={"f0": 20, "f1": 20}, stacking="auto" if stacking == "auto" else [["t0", "t1"]])
+    auto, row, table = (se.plan(feats, mesh8, placement=p, **kw) for p in ("auto", "row", "table"))
+    assert table.collective_bytes() > row.collective_bytes()
+    assert [s.placement for s in auto.stacks] == ["row"] and auto.collective_bytes() == row.collective_bytes()
+    many = [se.FeatureSpec(f"g{i}", se.TableSpec(f"u{i}", 2000, 8), 64) for i in range(16)]  # 2 a device: spread
+    assert {s.placement for s in se.plan(many, mesh8, placement="auto", ids_per_sample=20).stacks} == {"table"}
+
+
 def test_auto_on_one_device_is_row(mesh):
     plan = se.plan(_mixed_workload(4, 1), mesh, placement="auto")
     if mesh.size == 1:

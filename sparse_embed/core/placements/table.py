@@ -138,12 +138,12 @@ class Table(WholeTables):
         return -(-tables // num_devices) / tables
 
     def traffic(self, load, num_devices, share=None):
-        """`share`: the part of the stack's activation rows this table's device adds to every shard's (default
-        `1/D`, tables spread evenly; 1 for a table alone in its stack)."""
+        """`share`: the part of the stack's ids and activation rows this table's device adds to every shard's
+        (default `1/D`, tables spread evenly; 1 for a table alone in its stack). Both terms scale with it: the
+        exchange's capacity is the busiest shard's, so with fewer tables than devices every source sends every
+        shard a segment as large as one table's ids."""
         D = num_devices
-        activations = 8.0 * load.rows * load.dim * (D - 1)
-        activations *= 1.0 / D if share is None else share
-        return 12.0 * load.ids * ((D - 1) / D) + activations
+        return (12.0 * load.ids + 8.0 * load.rows * load.dim) * (D - 1) * (1.0 / D if share is None else share)
 
     def memory(self, load, num_devices):
         """Every row of the table (the busiest device of the stack may hold more)."""
