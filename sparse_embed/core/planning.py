@@ -568,18 +568,17 @@ def plan(
     per_sample = _ids_per_sample(feats, tables, ids_per_sample, stats)
     loads = cost.table_loads(feats, tables, num_shards, per_sample)
     stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sc),
-                         _fixed_for_stacking(_fixed_placements(tables, placement), stacking, loads, num_shards),
-                         loads, num_shards, memory_budget)
+                         _fixed_placements(tables, placement), _explicit_groups(stacking, loads), loads, num_shards,
+                         memory_budget)
     sparsecore_layout.warn_fallbacks(stacks, sc)  # once, for the stacks chosen (`_fit_budget` tries several)
     return EmbeddingPlan(mesh, axis, stacks, on_overflow, nonfinite_gradients, _check_kernel(kernel), tiered)
 
 
-def _fixed_for_stacking(fixed: dict[str, str], stacking: Any, loads: dict, num_shards: int) -> dict[str, str]:
-    """The fixed placements, and with explicit stacks each stack's one placement (`stack_mates_alike`)."""
+def _explicit_groups(stacking: Any, loads: dict) -> list[list[str]]:
+    """The tables of each explicit stack (`stacking=[[...], ...]`), whose tables share one placement; else []."""
     if isinstance(stacking, str) or not isinstance(stacking, Iterable):
-        return fixed
-    groups = [[n for n in g if n in loads] for g in stacking if not isinstance(g, str) and isinstance(g, Iterable)]
-    return placement_lib.stack_mates_alike(fixed, groups, loads, num_shards)
+        return []
+    return [[n for n in g if n in loads] for g in stacking if not isinstance(g, str) and isinstance(g, Iterable)]
 
 
 def _offloaded(features: Any, budget: int | None, where: str | None, num_shards: int) -> dict[str, FeatureSpec]:
@@ -635,7 +634,7 @@ def _check_batch_sizes(feats: dict[str, FeatureSpec], num_shards: int, axis: str
                              f"{num_shards} devices of mesh axis {axis!r}; use a multiple of {num_shards}.")
 
 
-def _fit_budget(make, fixed: dict[str, str], loads: dict, num_shards: int,
+def _fit_budget(make, fixed: dict[str, str], groups: list[list[str]], loads: dict, num_shards: int,
                 memory_budget: int | None) -> tuple[StackPlan, ...]:
     """`make(placements)` of the cost model's choice, with tables moved to placements cheaper in memory
     (`core.placement.to_move`) until the stacks fit the budget.
@@ -644,26 +643,31 @@ def _fit_budget(make, fixed: dict[str, str], loads: dict, num_shards: int,
     placement (memory per table is exact but for "table", which a move always leaves for "row" on D > 1
     devices), so a budget that the plan with those tables on "row" meets always gives a plan. After each move
     the others are chosen again with the moved tables fixed: a table a move left alone in a "table" stack
-    goes back to its cheapest other placement, as `choose` does for a plan without a budget.
+    goes back to its cheapest other placement, as `choose` does for a plan without a budget. An explicit stack
+    (`groups`) has one placement (`stack_mates_alike`): a move of one of its tables moves them all; only the
+    caller's `fixed` placements never move.
     """
-    groups = lambda chosen: {t.table.name: s.name for s in make(chosen) for t in s.tables}  # noqa: E731
-    chosen = placement_lib.choose(loads, fixed, groups, num_shards)
+    stack_of = lambda chosen: {t.table.name: s.name for s in make(chosen) for t in s.tables}  # noqa: E731
+    group_of = {n: g for g in groups for n in g}
+    held = {n: p for n, p in placement_lib.stack_mates_alike(fixed, groups, loads, num_shards).items()
+            if n in fixed or any(m in fixed for m in group_of.get(n, ()))}  # fixed, and their stack mates
     moved: dict[str, str] = {}
     while True:
+        given = placement_lib.stack_mates_alike({**fixed, **moved}, groups, loads, num_shards)
+        chosen = placement_lib.choose(loads, given, stack_of, num_shards)
         stacks = make(chosen)
         need = sum(cost.memory_per_device(s) for s in stacks)
         if memory_budget is None or need <= memory_budget:
             _check_row_numbers(stacks)
             return stacks
-        move = placement_lib.to_move(chosen, fixed, loads, num_shards)  # (a moved table may move on, lower)
+        move = placement_lib.to_move(chosen, held, loads, num_shards)  # (a moved table may move on, lower)
         if move is None:
             raise ValueError(
                 f"No placement fits memory_budget={memory_budget} bytes per device: the plan needs {need} "
                 f"({', '.join(f'{t}: {p}' for t, p in sorted(chosen.items()))}). Give more devices, a larger "
                 "budget or smaller tables, let more tables be placed \"auto\", or keep the largest on disk "
                 "(offload_to=<directory>, docs/offload.md).")
-        moved[move[0]] = move[1]
-        chosen = placement_lib.choose(loads, {**fixed, **moved}, groups, num_shards)
+        moved.update(dict.fromkeys(group_of.get(move[0], [move[0]]), move[1]))
 
 
 def _fixed_placements(tables: dict[str, TableSpec], placement: Any) -> dict[str, str]:

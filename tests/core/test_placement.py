@@ -404,6 +404,21 @@ def test_memory_budget_moves_padded_columns_back_to_row(mesh8):
         se.plan(feats, mesh8, placement="auto", memory_budget=row.memory_per_device() - 1)
 
 
+def test_memory_budget_moves_an_explicit_stack_as_a_whole(mesh8):
+    """An explicit stack's one placement was recorded as if the caller had fixed it: a budget the all-row plan
+    meets gave "No placement fits ... let more tables be placed auto" (every table was). Now the stack moves as
+    a whole; a stack holding a table the caller placed still never moves."""
+    feats = [se.FeatureSpec(f"f{i}", se.TableSpec(f"t{i}", rows, 16), 64) for i, rows in enumerate((2000, 3000, 500))]
+    kw = dict(stacking=[["t0", "t1", "t2"]], ids_per_sample=20)
+    row = se.plan(feats, mesh8, placement="row", **kw)
+    free = se.plan(feats, mesh8, placement="auto", **kw)
+    assert [s.placement for s in free.stacks] == ["table"] and free.memory_per_device() > row.memory_per_device()
+    fit = se.plan(feats, mesh8, placement="auto", memory_budget=row.memory_per_device(), **kw)
+    assert [s.placement for s in fit.stacks] == ["row"] and fit.memory_per_device() <= row.memory_per_device()
+    with pytest.raises(ValueError, match="No placement fits"):  # t2 is the caller's: its stack stays "table"
+        se.plan(feats, mesh8, placement={"t2": "table"}, memory_budget=row.memory_per_device(), **kw)
+
+
 def test_table_load_memory_is_what_the_plan_holds(mesh8):
     """`TableLoad.memory` counts the rows and columns that the plan pads, for every placement it can size."""
     rowwise = se.TableSpec("rw", 1001, 12, optimizer=opt.RowwiseAdagrad(0.1))  # a per-row slot, whole by columns
