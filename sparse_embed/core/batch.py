@@ -178,6 +178,9 @@ class Stats:
     """SparseCore stacks: the most ids a SparseCore partition got from one slice (before merging duplicates)."""
     batches: int = 1
     """How many batches these stats count (`merge` adds them): `num_ids / batches` is a batch's ids."""
+    layouts: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Each stack's `BatchLayout.digest`: the layout its counts were measured under (`grow_capacity` refuses
+    stats of another; empty for stats built by hand)."""
 
     def merge(self, other: "Stats") -> "Stats":
         """Combines the stats of two batches (max of maxima, sum of counts)."""
@@ -191,4 +194,14 @@ class Stats:
             mx(self.capacity, other.capacity),
             mx(self.sparsecore_ids_per_partition, other.sparsecore_ids_per_partition),
             self.batches + other.batches,
+            _same_layouts(self.layouts, other.layouts),
         )
+
+
+def _same_layouts(a: dict[str, str], b: dict[str, str]) -> dict[str, str]:
+    """The union of two stats' stack layouts; a stack measured under two layouts is a ValueError."""
+    other = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+    if other:
+        raise ValueError(f"Stats.merge: stacks {other} were measured under different plans' layouts (placement, "
+                         "shards or tables): merge stats of one plan.")
+    return {**a, **b}

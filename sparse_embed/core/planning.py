@@ -823,6 +823,11 @@ def grow_capacity(plan: EmbeddingPlan, stats, *, headroom: float = 1.0) -> Embed
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float, np.integer, np.floating)) or not (
             1.0 <= headroom < math.inf):
         raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}.")
+    other = [s.name for s in plan.stacks if stats.layouts.get(s.name, s.batch_layout.digest) != s.batch_layout.digest]
+    if other:
+        raise ValueError(f"grow_capacity: the stats of stacks {other} were measured under another plan's layout "
+                         "(placement, shards or tables), so their counts do not size this plan's capacities: "
+                         "preprocess a batch with this plan and grow from its stats.")
     stacks = []
     for s in plan.stacks:
         seen = stats.max_ids_per_partition.get(s.name)

@@ -252,6 +252,7 @@ def preprocess_cached(plan: EmbeddingPlan, ids: Mapping[str, Any], weights: Mapp
     parts, agreed = _partitions(plan, ids, weights, positions, several, failure)
     state, batch = plan_state.of(plan), {}
     fields = {k: {} for k in Stats.__dataclass_fields__ if k != "batches"}  # (per stack; batches: one)
+    fields["layouts"] = {s.name: s.batch_layout.digest for s in plan.stacks}
     for s in plan.stacks:  # before any stack's capacity grows: a failed preprocess changes nothing
         if s.capacity is not None and agreed[s.name].needed > s.capacity and plan.on_overflow == "error":
             raise _overflow_error(s, parts[s.name], agreed[s.name], s.capacity, positions)

@@ -185,6 +185,24 @@ def test_grow_capacity_fits_observed_stats(mesh8):
         se.grow_capacity(plan, stats.max_ids_per_partition)
 
 
+def test_grow_capacity_refuses_stats_of_another_placement_of_the_same_stacks(mesh8):
+    """Stats of a "row" plan sized a "table" plan of the same stack names: capacities too small for the batch
+    the stats came from (its next preprocess overflowed). Stats carry each stack's layout now."""
+    row, table = (_plan(mesh8, stacking=[["a", "b"]], placement=p) for p in ("row", "table"))
+    assert row.stack_names == table.stack_names
+    ids = _hot_ids(row, 6)
+    _, stats = se.preprocess(row, ids)
+    assert stats.layouts == {s.name: s.batch_layout.digest for s in row.stacks}
+    with pytest.raises(ValueError, match=r"grow_capacity: the stats of stacks \['a_b'\] were measured under "):
+        se.grow_capacity(table, stats)
+    _, table_stats = se.preprocess(table, ids)
+    grown = se.grow_capacity(table, table_stats)
+    se.preprocess(grown, ids)  # fits the batch it was grown from
+    assert se.grow_capacity(row, stats.merge(stats)).capacity("a_b") >= stats.max_ids_per_partition["a_b"]
+    with pytest.raises(ValueError, match=r"Stats.merge: stacks \['a_b'\] were measured under different plans"):
+        stats.merge(table_stats)
+
+
 @pytest.mark.parametrize("headroom", [0.5, float("nan"), float("inf"), "2", True])
 def test_grow_capacity_refuses_a_headroom_that_is_no_finite_number_from_one(mesh8, headroom):
     """nan / inf / "2" raised Python's own conversion and comparison errors."""
