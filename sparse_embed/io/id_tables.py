@@ -189,24 +189,24 @@ def _place(plan: EmbeddingPlan, stack: StackPlan, t: IdTable, with_slots: bool):
             if k in t.slots:
                 a[slot[kept]] = t.slots[k][kept]
             slots[k] = a
-    pend, counts = None, None
+    pend, counts, p_dropped = None, None, 0
     P = pending_per_shard(stack)
     if P:
         p_shards, p_dropped = _per_shard(t.pending_ids, t.pending_last, S, [P] * S)
-        dropped += p_dropped
         pend, p_slot = _sets(p_shards, t.pending_ids, t.pending_last, P)
         counts = np.zeros(S * P, np.int32)
         p_kept = np.concatenate(p_shards)
         counts[p_slot[p_kept]] = t.pending_counts[p_kept]
     seed = np.tile(np.asarray(t.seed, np.uint32)[None], (S, 1))
-    return EmbeddingVariables(table, slots), IdMap(rows, pend, counts, seed), dropped
+    return EmbeddingVariables(table, slots), IdMap(rows, pend, counts, seed), (dropped, p_dropped)
 
 
 def load_id_tables(plan: EmbeddingPlan, contents: Mapping[str, IdTable], *, with_slots: bool = True):
     """`IdTable`s -> `({stack: EmbeddingVariables}, {stack: IdMap})` of the plan's raw-id stacks, sharded.
 
     Warns with the count when a shard of this plan has fewer rows than the
-    ids it owns (the least recently used are dropped).
+    ids it owns, or fewer waiting places (`pending_capacity`) than the ids
+    waiting for admission it owns (the least recently used are dropped).
     """
     tables, maps = {}, {}
     for s in dynamic_stacks(plan):
@@ -219,11 +219,16 @@ def load_id_tables(plan: EmbeddingPlan, contents: Mapping[str, IdTable], *, with
         if bits is not None and top >= 2**bits:
             raise ValueError(f"Table {name!r}: the contents hold id {top}, but the plan's table takes ids below "
                              f"2**{bits} (Dynamic(id_bits={bits})).")
-        v, m, dropped = _place(plan, s, t, with_slots)
+        v, m, (dropped, waiting) = _place(plan, s, t, with_slots)
         if dropped:
             warnings.warn(f"Table {name!r}: {dropped} ids did not fit their owner shards under this plan "
                           f"({s.num_shards} shards of {s.rows_per_shard} rows); the least recently used were dropped.",
                           stacklevel=2)
+        if waiting:
+            warnings.warn(f"Table {name!r}: {waiting} ids waiting for admission did not fit their owner shards' "
+                          f"waiting places under this plan ({s.num_shards} shards of {pending_per_shard(s)}: "
+                          "Dynamic.pending_capacity); the least recently seen were forgotten (their counts start "
+                          "again).", stacklevel=2)
         put = lambda x: jax.device_put(jnp.asarray(x), plan.table_sharding()) if x is not None else None
         tables[s.name], maps[s.name] = jax.tree.map(put, v), jax.tree.map(put, m)
     return tables, with_directories(plan, maps) if maps else maps

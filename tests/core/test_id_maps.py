@@ -931,3 +931,19 @@ def test_native_key_sets_on_each_lower_instruction_set():
 
     require_native("kernel")
     rerun_on_each_lower_isa(__file__, "key_set_finds_exactly or take_rows", passed_at_least=12)
+
+
+def test_waiting_ids_past_the_pending_capacity_warn_as_waiting_ids_not_live_ones():
+    """Restoring 64 waiting ids onto 4 shards of 8 waiting places warned that ids "did not fit their owner shards
+    (4 shards of N rows)", as if live ids were lost; the live ids were all kept."""
+    plan = _train_plan(make_mesh(4), vocab=120, dyn=se.Dynamic(admit_after=2, pending_capacity=8))
+    ids, waiting = np.arange(6, dtype=np.int64) * 7, np.arange(1000, 1064, dtype=np.int64)
+    t = IdTable(ids, np.ones((6, 4), np.float32), {}, np.zeros(6, np.int32), waiting, np.ones(64, np.int32),
+                np.arange(64, dtype=np.int32), np.zeros(2, np.uint32))
+    with pytest.warns(UserWarning, match=r"Table 'users': 32 ids waiting for admission did not fit their owner "
+                                         r"shards' waiting places under this plan \(4 shards of 8: "
+                                         r"Dynamic.pending_capacity\)") as record:
+        tables, maps = load_id_tables(plan, {"users": t})
+    assert not any("did not fit their owner shards under" in str(w.message) for w in record)
+    back = id_table_contents(plan, tables, maps)["users"]
+    assert sorted(back.ids.tolist()) == ids.tolist() and back.pending_ids.size == 32
