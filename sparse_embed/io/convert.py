@@ -260,13 +260,19 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     read = lambda group, key: _dropped(read_host_array(step_dir, info, group, key), gone.get(group), -1)  # noqa: E731
     raw = (x for r in info.tables if r.dynamic for x in raw_arrays(read, r.name, serving))
     _save(out_dir, itertools.chain(arrays, raw), new_info)
-    if not serving and info.has_user:  # the user pytree is mesh-independent: copy it as is, once verified
+    if not serving:
+        _copy_as_saved(step_dir, out_dir, info, offload_records)
+    return out_dir
+
+
+def _copy_as_saved(step_dir: str, out_dir: str, info: CheckpointInfo, offload_records: list[str]) -> None:
+    """Into a converted training step, what no mesh changes: the user pytree (once verified), the input's position
+    (`data`) and the offloaded tables' store commits (checksummed records)."""
+    if info.has_user:
         read_user_host(step_dir, info)
         shutil.copytree(os.path.join(step_dir, USER), os.path.join(out_dir, USER))
-    if not serving:  # the input's position and the offloaded tables' store commits (checksummed records): as saved
-        if os.path.isdir(os.path.join(step_dir, DATA)):
-            shutil.copytree(os.path.join(step_dir, DATA), os.path.join(out_dir, DATA))
-        for name in offload_records:
-            shutil.copy2(os.path.join(step_dir, EMBEDDINGS, name), os.path.join(out_dir, EMBEDDINGS, name))
-    return out_dir
+    if os.path.isdir(os.path.join(step_dir, DATA)):
+        shutil.copytree(os.path.join(step_dir, DATA), os.path.join(out_dir, DATA))
+    for name in offload_records:
+        shutil.copy2(os.path.join(step_dir, EMBEDDINGS, name), os.path.join(out_dir, EMBEDDINGS, name))
 

@@ -143,7 +143,7 @@ def test_bad_input_gives_the_same_error(monkeypatch, plan8, case):
     ids, weights = BAD[case]
     native, numpy_ = _both(monkeypatch, lambda: se.preprocess(plan8(), {**GOOD, **ids}, weights, device_put=False))
     _assert_same(native, numpy_, error=True)
-    assert native.startswith("ValueError: Feature '"), native
+    assert native.startswith("FeatureInputError: Feature '"), native  # (a ValueError)
 
 
 @pytest.mark.parametrize("weights", [None, "nan_on_padding"])
