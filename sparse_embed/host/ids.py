@@ -27,7 +27,7 @@ NaN/inf, with the same errors.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -99,20 +99,23 @@ def _bad_weight(feature: FeatureSpec, weight: np.float32, sample: int) -> ValueE
 _SUM_LIMIT = 0.99 * float(np.finfo(np.float32).max)
 
 
-def check_divisors(feature: FeatureSpec, w: np.ndarray, samples: np.ndarray, most: int) -> None:
+def check_divisors(feature: FeatureSpec, weights: np.ndarray, most: int,
+                   entries: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
     """mean / sqrtn: each output row's divisor (`Σw`, `√Σw²`) is summed in float32; finite weights whose sum (of
     |w| or w²) passes float32's range would make it inf and the row's activation silently 0: a ValueError.
 
-    `w`: finite float32 weights `[N]` of the ids of `samples` `[N]`; `most`: the most ids a sample has (a bound
-    that skips the sums for ordinary weights). A sequence feature's rows are its positions: one id each.
+    `weights`: the feature's finite float32 weights, any shape (padding's too: they only bound the sums);
+    `most`: the most ids a sample has; `entries()`: `(w [N], samples [N])` of its ids, taken only when that bound
+    says a sum may pass. A sequence feature's rows are its positions: one id each.
     """
     combiner = feature.table.combiner
-    if combiner == "sum" or w.size == 0:
+    if combiner == "sum" or weights.size == 0:
         return
     seq = bool(feature.max_sequence_length)
-    top = float(np.max(np.abs(w)))
+    top = float(np.max(np.abs(weights)))
     if (top if combiner == "mean" else top * top) * (1 if seq else most) < _SUM_LIMIT:
         return
+    w, samples = entries()
     per_id = np.abs(w.astype(np.float64)) if combiner == "mean" else np.square(w.astype(np.float64))
     sums = per_id if seq else np.bincount(samples, per_id)
     if (sums < _SUM_LIMIT).all():
@@ -359,14 +362,18 @@ def validated(feature: FeatureSpec, c: CanonicalIds, *, raw: bool = False) -> Ca
         raise _bad_id(feature, int(c.ids.flat[bad_id]), c.sample_of(bad_id), c.dense)
     if bad_weight >= 0:
         raise _bad_weight(feature, c.weights.flat[bad_weight], c.sample_of(bad_weight))
-    if c.weights is not None and feature.table.combiner != "sum":
-        if c.dense:
-            keep = c.ids != PADDING_ID
-            check_divisors(feature, c.weights[keep], np.nonzero(keep)[0], c.ids.shape[1])
-        else:
-            samples = np.repeat(np.arange(c.lengths.size), c.lengths)
-            check_divisors(feature, c.weights, samples, int(c.lengths.max(initial=0)))
+    if c.weights is not None:
+        check_divisors(feature, c.weights, c.ids.shape[1] if c.dense else int(c.lengths.max(initial=0)),
+                       lambda: _weighted_entries(c))
     return c
+
+
+def _weighted_entries(c: CanonicalIds) -> tuple[np.ndarray, np.ndarray]:
+    """`(weights [N], samples [N])` of the ids that are not padding."""
+    if c.dense:
+        keep = c.ids != PADDING_ID
+        return c.weights[keep], np.nonzero(keep)[0]
+    return c.weights, np.repeat(np.arange(c.lengths.size), c.lengths)
 
 
 def flatten(feature: FeatureSpec, ids: Any, weights: Any = None, *, raw: bool = False) -> FlatIds:
@@ -397,6 +404,6 @@ def flattened(feature: FeatureSpec, c: CanonicalIds, *, raw: bool = False) -> Fl
         i = int(np.argmax(~np.isfinite(w)))
         raise _bad_weight(feature, w[i], int(samples[i]))
     else:
-        check_divisors(feature, w, samples, c.ids.shape[1] if c.dense else int(c.lengths.max(initial=0)))
+        check_divisors(feature, w, c.ids.shape[1] if c.dense else int(c.lengths.max(initial=0)), lambda: (w, samples))
     return FlatIds(values.astype(np.int64, copy=False), w, samples.astype(np.int64, copy=False),
                    positions.astype(np.int64, copy=False))

@@ -70,9 +70,9 @@ def _coo_entries(feature: FeatureSpec, ids: tuple, weights: Any) -> Entries:
     """SparseTensor-style `(indices [N, 2], values [N], dense_shape)`; the weights' `values` are used."""
     indices, values, dense_shape = ids
     for what, a in (("indices", indices), ("values", values)):
-        kind = np.dtype(getattr(a, "dtype", None) or np.asarray(a).dtype).kind
-        if kind not in "iu":
-            raise error(feature, f"COO {what} must be integers, got {np.dtype(a.dtype) if kind else kind}.")
+        dtype = np.dtype(a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype)
+        if dtype.kind not in "iu":
+            raise error(feature, f"COO {what} must be integers, got {dtype}.")
     indices, values = jnp.asarray(indices), jnp.asarray(values)
     if indices.ndim != 2 or indices.shape[1] != 2 or values.shape != indices.shape[:1]:
         raise error(feature, f"COO ids need indices [N, 2] and values [N], got {indices.shape} and {values.shape}.")
@@ -176,9 +176,9 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
     if isinstance(oov, str) and oov == "error":
         _check_oov_eagerly(feature, e)
     if weights is not None and not isinstance(e.weights, jax.core.Tracer):  # (under jit: the row reads 0)
-        samples = np.asarray(e.samples)[np.asarray(e.valid)]
-        check_divisors(feature, np.asarray(e.weights)[np.asarray(e.valid)], samples,
-                       int(np.bincount(samples).max(initial=0)) if samples.size else 0)
+        valid = np.asarray(e.valid)
+        check_divisors(feature, np.asarray(e.weights), valid.size,
+                       lambda: (np.asarray(e.weights)[valid], np.asarray(e.samples)[valid]))
     L = feature.max_sequence_length
     valid = e.valid & (e.positions < L) if L else e.valid
     n_rows = e.batch * max(L, 1)
