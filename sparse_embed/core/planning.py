@@ -649,8 +649,7 @@ def _fit_budget(make, fixed: dict[str, str], groups: list[list[str]], loads: dic
     """
     stack_of = lambda chosen: {t.table.name: s.name for s in make(chosen) for t in s.tables}  # noqa: E731
     group_of = {n: g for g in groups for n in g}
-    held = {n: p for n, p in placement_lib.stack_mates_alike(fixed, groups, loads, num_shards).items()
-            if n in fixed or any(m in fixed for m in group_of.get(n, ()))}  # fixed, and their stack mates
+    held = dict.fromkeys([*fixed, *(n for g in groups if any(m in fixed for m in g) for n in g)])  # + stack mates
     moved: dict[str, str] = {}
     while True:
         given = placement_lib.stack_mates_alike({**fixed, **moved}, groups, loads, num_shards)
