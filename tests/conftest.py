@@ -2,6 +2,8 @@
 
 import importlib
 import os
+import pathlib
+import shutil
 import sys
 import tempfile
 import warnings
@@ -14,6 +16,12 @@ _TEST_XLA_FLAGS = ["--xla_force_host_platform_device_count=8", "--xla_cpu_copy_i
 _flags = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _TEST_XLA_FLAGS if f not in _flags])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's optimizations mostly off (LLVM at -O0, none of its expensive passes): the same programs, compiled in about
+# a third less time (compiling is a third of the suite's time). Float results may then differ in their last bits from
+# a fully optimized build of the same program, so every process of a test compiles alike: subprocesses inherit the
+# variable, tests/host/multiprocess/launch.py passes it on. `JAX_DISABLE_MOST_OPTIMIZATIONS=0 pytest` runs the suite
+# fully optimized, as users' programs compile.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -137,12 +145,44 @@ def pytest_sessionstart(session) -> None:
                     + "\n- ".join(missing), returncode=pytest.ExitCode.TESTS_FAILED)
 
 
+RESOLUTIONS_ENV = "SPARSE_EMBED_TESTS_RESOLUTIONS"  # where `test_package.start_resolutions` started them
+
+
+def _runs_test_package(config) -> bool:
+    """Whether this session runs tests/test_package.py's resolver test: its paths reach the file, no -k or -m."""
+    if config.option.keyword or config.option.markexpr or config.option.collectonly:
+        return False
+    target = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_package.py")
+    if not os.path.exists(target):  # a copy of the suite with some of its files (tests/test_ci.py)
+        return False
+    for arg in config.args:
+        path = os.path.abspath(str(arg).split("::")[0])
+        if target == path or target.startswith(path.rstrip(os.sep) + os.sep):
+            return True
+    return False
+
+
+def pytest_configure(config) -> None:
+    """pip's resolutions for tests/test_package.py start with the session, in the background (once: xdist's
+    controller, or the one process without xdist; the workers find them by the environment), so that their wait
+    on the package index overlaps the other tests."""
+    if hasattr(config, "workerinput") or os.environ.get(RESOLUTIONS_ENV) or not _runs_test_package(config):
+        return
+    import test_package  # as pytest imports it (pyproject: pythonpath has tests/)
+
+    workdir = tempfile.mkdtemp(prefix="sparse_embed_tests_resolutions_")
+    test_package.start_resolutions(pathlib.Path(workdir))
+    os.environ[RESOLUTIONS_ENV] = workdir
+    config.add_cleanup(lambda: (test_package.stop_resolutions(pathlib.Path(workdir)),
+                                shutil.rmtree(workdir, ignore_errors=True)))
+
+
 # The slowest files (by `--durations`), slowest first, run before the rest: xdist (`--dist loadfile`, with
 # `--no-loadscope-reorder` in pyproject.toml, else it orders files by their number of tests) hands out files in
 # collection order, and one of these left for the end keeps one worker busy while the others are done.
-SLOW_FILES_FIRST = ("core/test_id_maps.py", "io/test_resume.py", "test_dlrm_resume.py", "core/test_placement.py",
-                    "host/test_multiprocess.py", "tiers/test_offload_raw_ids.py", "core/test_kernels.py",
-                    "core/test_sparsecore.py", "test_benchmarks.py", "core/test_optimizers.py", "core/test_lookup.py",
+SLOW_FILES_FIRST = ("core/test_id_maps.py", "test_dlrm_resume.py", "io/test_resume.py", "tiers/test_offload_raw_ids.py",
+                    "core/test_placement.py", "host/test_multiprocess.py", "core/test_kernels.py",
+                    "core/test_sparsecore.py", "core/test_optimizers.py", "test_benchmarks.py", "core/test_lookup.py",
                     "tiers/test_offload_training.py", "io/test_integrity.py")
 
 

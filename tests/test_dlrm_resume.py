@@ -28,9 +28,10 @@ FLAGS = ["--steps", str(STEPS), "--batch-size", "64", "--eval-batches", "2", "--
 
 def demo(data: str, ckpt: str, kill_at: int | None = None) -> bool:
     """Runs the demo (4 CPU devices); True if it ended, False if killed once it saved step `kill_at` or later."""
-    # every run compiles the same step: from a shared cache after the first
+    # every run compiles the same step: from a shared cache after the first; fully optimized, as a user's run
+    # compiles (the suite's other tests mostly do not, tests/conftest.py)
     env = launch.worker_env(4, JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(ckpt), "jax_cache"),
-                            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+                            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_DISABLE_MOST_OPTIMIZATIONS="0")
     with tempfile.TemporaryDirectory(prefix="demo_") as logs:
         p = launch.start("-m sparse_embed.examples.dlrm", ["--data", data, "--checkpoint-dir", ckpt, *FLAGS], env,
                          os.path.join(logs, "demo.log"))

@@ -19,6 +19,7 @@ import types
 import pytest
 
 import sparse_embed
+from conftest import RESOLUTIONS_ENV
 
 ROOT = pathlib.Path(sparse_embed.__file__).resolve().parent
 LAYERS = ["core", "host", "tiers", "io", "integrations"]  # each imports only those before it
@@ -125,8 +126,8 @@ def test_the_tpu_extra_picks_the_jax_tpu_embedding_that_has_wheels_for_the_pytho
 # Python's line), so each Python's own interpreter runs the resolver: `pip --python TARGET` where the running pip is
 # >= 25.3 (the test extra asks for it), else TARGET's own pip. The registry this runs against serves no metadata
 # files, so pip reads each wheel's metadata with range requests (`--use-feature=fast-deps`; a dry run of pip >= 25.3
-# then downloads no wheel): ~25-35 s for all of it, in parallel. An older pip downloads every wheel it considers
-# (~1.5 GB for the bench extra's CUDA torch on 3.12+, nothing is cached here): ~90-150 s.
+# then downloads no wheel); an older pip downloads every wheel it considers (~1.5 GB for the bench extra's CUDA torch
+# on 3.12+, nothing is cached here). Either way most of it is waiting on the index: they start with the session.
 
 PYTHONS = ("3.11", "3.12", "3.13")
 EXTRAS = ("test", "tpu", "bench")
@@ -189,65 +190,94 @@ def _pip_version(python: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", out.stdout)[:2]) if out.returncode == 0 else (0,)
 
 
-def _start_resolve(python: str, extras, workdir: pathlib.Path, new_pip: bool) -> tuple[subprocess.Popen, pathlib.Path]:
+def _resolve_command(python: str, extras, workdir: pathlib.Path, new_pip: bool) -> list[str]:
+    """pip's dry run installing `extras` for `python`; its report goes to `<workdir>/<extras>.json`."""
     name = "_".join(extras)
-    reqs, report = workdir / f"{name}.txt", workdir / f"{name}.json"
+    reqs = workdir / f"{name}.txt"
     reqs.write_text("\n".join(_requirements(extras)) + "\n")
     if new_pip:  # metadata by range requests, and no wheel downloaded
         pip = [sys.executable, "-m", "pip", *(["--python", python] if python != sys.executable else []),
                "install", "--use-feature=fast-deps"]
     else:
         pip = [python, "-m", "pip", "install"]
-    cmd = [*pip, "--dry-run", "--ignore-installed", "--quiet", "--no-input", "--disable-pip-version-check",
-           "--timeout", "30", "--retries", "2", "--report", str(report), "-r", str(reqs)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), report
+    return [*pip, "--dry-run", "--ignore-installed", "--quiet", "--no-input", "--disable-pip-version-check",
+            "--timeout", "30", "--retries", "2", "--report", str(workdir / f"{name}.json"), "-r", str(reqs)]
+
+
+# Runs a command with its output into argv[1], then writes its exit code into argv[2] (whole, by a rename): the
+# `resolutions` fixture may run in another process than the one that started it (an xdist worker, see
+# `start_resolutions`).
+_WRAP = ("import os, subprocess, sys\n"
+         "with open(sys.argv[1], 'w') as f:\n"
+         "    code = subprocess.run(sys.argv[3:], stdout=f, stderr=subprocess.STDOUT).returncode\n"
+         "open(sys.argv[2] + '.tmp', 'w').write(str(code))\n"
+         "os.replace(sys.argv[2] + '.tmp', sys.argv[2])\n")
+RESOLVE_TIMEOUT = 420.0  # seconds from the start
+
+
+def start_resolutions(workdir: pathlib.Path) -> None:
+    """Starts pip's resolver for each Python of PYTHONS that is installed, on every extra together (a subset of an
+    installable set is installable, so this covers every combination of the extras) and on the tpu extra alone
+    (what a [tpu] user gets), all at once in the background, each in its own process group; what they give lands
+    in `workdir` (its `runs.json` lists them). tests/conftest.py calls this when the session starts, so that the
+    ~1.5 minutes of waiting on the package index overlap the other tests."""
+    runs, new_pip = [], _pip_version(sys.executable) >= (25, 3)
+    for version in PYTHONS:
+        python = _interpreter(version)
+        for extras in (EXTRAS, ("tpu",)) if python is not None else ((),):
+            run = {"version": version, "python": python, "extras": list(extras), "pid": None}
+            if python is not None:
+                name = f"py{version}_{'_'.join(extras)}"
+                (workdir / name).mkdir()
+                cmd = _resolve_command(python, extras, workdir / name, new_pip)
+                run.update(dir=str(workdir / name), report=str(workdir / name / f"{'_'.join(extras)}.json"))
+                run["pid"] = subprocess.Popen([sys.executable, "-c", _WRAP, run["dir"] + "/out", run["dir"] + "/rc",
+                                               *cmd], start_new_session=True).pid
+            runs.append(run)
+    (workdir / "runs.json").write_text(json.dumps({"started": time.time(), "runs": runs}))
+
+
+def stop_resolutions(workdir: pathlib.Path) -> None:
+    """Kills what `start_resolutions` started and is still running (the session ends, or a run timed out)."""
+    for run in json.loads((workdir / "runs.json").read_text())["runs"]:
+        if run["pid"] is not None and not os.path.exists(run["dir"] + "/rc"):
+            try:
+                os.killpg(run["pid"], 9)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture(scope="module")
 def resolutions(tmp_path_factory):
-    """{python: (interpreter, {extras: (pip's return code, its output, {package: version} or None)})}: every extra
-    together (a subset of an installable set is installable, so this one resolution covers every combination of the
-    extras) and the tpu extra alone (what a [tpu] user gets), all started at once; seconds taken in "elapsed"."""
-    started, out, t0 = {}, {}, time.monotonic()
-    new_pip = _pip_version(sys.executable) >= (25, 3)
-    for version in PYTHONS:
-        python = _interpreter(version)
-        out[version] = (python, {})
-        for extras in (EXTRAS, ("tpu",)) if python is not None else ():
-            workdir = tmp_path_factory.mktemp(f"py{version}")
-            started[version, extras] = _start_resolve(python, extras, workdir, new_pip)
-    for (version, extras), (proc, report) in started.items():
-        try:
-            text = proc.communicate(timeout=max(1.0, 420 - (time.monotonic() - t0)))[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            text = proc.communicate()[0] + "\n(pip was stopped after 420 s: ReadTimeout?)"
+    """{python: (interpreter, {extras: (pip's return code, its output, {package: version} or None)})}, from the
+    resolutions started with the session (`start_resolutions`), or now; the seconds they took in "elapsed"."""
+    workdir = pathlib.Path(os.environ.get(RESOLUTIONS_ENV) or tmp_path_factory.mktemp("resolutions"))
+    if not (workdir / "runs.json").exists():
+        start_resolutions(workdir)
+    index = json.loads((workdir / "runs.json").read_text())
+    deadline, out = index["started"] + RESOLVE_TIMEOUT, {}
+    while time.time() < deadline and not all(r["pid"] is None or os.path.exists(r["dir"] + "/rc")
+                                              for r in index["runs"]):
+        time.sleep(0.5)
+    stop_resolutions(workdir)
+    for run in index["runs"]:
+        versions = out.setdefault(run["version"], (run["python"], {}))[1]
+        if run["python"] is None:
+            continue
+        rc_file, text = pathlib.Path(run["dir"]) / "rc", (pathlib.Path(run["dir"]) / "out").read_text()
+        rc = int(rc_file.read_text()) if rc_file.exists() else None
+        if rc is None:
+            text += f"\n(pip was stopped after {RESOLVE_TIMEOUT:.0f} s: ReadTimeout?)"
         noise = ("' is ignored: it is neither a file", "pip is using lazily downloaded wheels")
         lines = "\n".join(line for line in text.splitlines() if not any(n in line for n in noise))
         got = None
-        if proc.returncode == 0:
+        if rc == 0:
             got = {_canonical(i["metadata"]["name"]): i["metadata"]["version"]
-                   for i in json.loads(report.read_text())["install"]}
-        out[version][1][extras] = (proc.returncode, lines, got)
-    out["elapsed"] = time.monotonic() - t0
+                   for i in json.loads(pathlib.Path(run["report"]).read_text())["install"]}
+        versions[tuple(run["extras"])] = (rc, lines, got)
+    out["elapsed"] = (max((os.path.getmtime(r["dir"] + "/rc") for r in index["runs"] if r["pid"] is not None
+                           and os.path.exists(r["dir"] + "/rc")), default=time.time()) - index["started"])
     return out
-
-
-def test_the_test_extra_asks_for_the_jax_tpu_embedding_the_tpu_extra_asks_for():
-    """So that the SparseCore tests run against what a [tpu] user gets, on every Python and platform."""
-    from packaging.requirements import Requirement
-
-    def jte(extra):
-        return sorted(r for r in _requirements([extra]) if _canonical(Requirement(r).name) == "jax-tpu-embedding")
-
-    assert jte("tpu") and jte("test") == jte("tpu")
-
-
-def test_the_requirement_expansion_follows_self_references(monkeypatch):
-    project = {"name": "sparse-embed", "dependencies": ["numpy"],
-               "optional-dependencies": {"a": ["Sparse_Embed[b]", "x"], "b": ["y; python_version >= '3.12'"]}}
-    monkeypatch.setitem(globals(), "_project", lambda: project)
-    assert _requirements(["a"]) == ["numpy", "x", "y; python_version >= '3.12'"]
 
 
 @pytest.mark.parametrize("version", PYTHONS)

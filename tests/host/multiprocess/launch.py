@@ -37,7 +37,11 @@ PRELOAD = ["numpy", "jax", "jax.numpy", "optax", "grain", "orbax.checkpoint", "s
 # settings jax reads from the environment at import (already done by the server): applied as config instead
 _JAX_ENV = {"JAX_PLATFORMS": ("jax_platforms", str), "JAX_COMPILATION_CACHE_DIR": ("jax_compilation_cache_dir", str),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": ("jax_persistent_cache_min_compile_time_secs", float),
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": ("jax_persistent_cache_min_entry_size_bytes", int)}
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": ("jax_persistent_cache_min_entry_size_bytes", int),
+            "JAX_DISABLE_MOST_OPTIMIZATIONS": ("jax_disable_most_optimizations",
+                                               lambda v: v.strip().lower() in ("1", "y", "yes", "t", "true", "on"))}
+# passed on to scripts: the suite compiles every process of a test alike (tests/conftest.py)
+_PASSED_ON = ("JAX_DISABLE_MOST_OPTIMIZATIONS",)
 
 
 def free_port() -> int:
@@ -51,8 +55,9 @@ class WorkersFailed(AssertionError):
 
 
 def worker_env(devices: int, **extra: str) -> dict[str, str]:
-    """This process's environment without its XLA/JAX/SE settings, for a script on `devices` CPU devices."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SE_"))}
+    """This process's environment without its XLA/JAX/SE settings but those `_PASSED_ON`, for a script on `devices`
+    CPU devices."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SE_")) or k in _PASSED_ON}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
                          "--xla_cpu_copy_insertion_use_region_analysis=true",
