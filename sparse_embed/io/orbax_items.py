@@ -62,6 +62,26 @@ def checkpointer(*, write: bool = False) -> ocp.Checkpointer:
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers(write=write)))
 
 
+def _check_saveable(user: Any) -> None:
+    """Refuses, before anything is written, the user leaves orbax would refuse after starting the step (leaving its
+    temporary directory behind): leaves of size 0, and types it has no handler for (a `np.bool_` scalar, a complex
+    number, any other object)."""
+    leaves = jax.tree_util.tree_leaves_with_path(user)
+    empty = [leaf_key(p) for p, x in leaves if getattr(x, "size", 1) == 0]
+    if empty:
+        raise ValueError(f"The user pytree has leaves of size 0 {empty}, which orbax cannot save; leave them out "
+                         "(or give them a size).")
+    unknown = []
+    for p, x in leaves:
+        try:
+            ocp.type_handlers.get_type_handler(type(x))
+        except ValueError:
+            unknown.append(f"{leaf_key(p)!r} ({type(x).__module__}.{type(x).__qualname__})")
+    if unknown:
+        raise TypeError(f"The user pytree has leaves orbax cannot save: {', '.join(unknown)}; it saves arrays, "
+                        "numbers, strings and bytes: convert them (e.g. np.asarray), or leave them out.")
+
+
 def write_step(save: Callable[[dict], Any], staging: str, write_tables: Callable[[str], dict[str, str]],
                info: CheckpointInfo, user: Any = None, data: Any = None) -> Any:
     """Writes the tables into `staging` (`write_tables(dir) -> checksums`), then `save(items)` with orbax.
@@ -70,10 +90,7 @@ def write_step(save: Callable[[dict], Any], staging: str, write_tables: Callable
 
     The staging directory is removed if anything fails.
     """
-    empty = [leaf_key(p) for p, x in jax.tree_util.tree_leaves_with_path(user) if getattr(x, "size", 1) == 0]
-    if empty:  # orbax refuses them after starting the step: refused here, before anything is written
-        raise ValueError(f"The user pytree has leaves of size 0 {empty}, which orbax cannot save; leave them out "
-                         "(or give them a size).")
+    _check_saveable(user)
     try:
         if jax.process_index() == 0:
             shutil.rmtree(staging, ignore_errors=True)

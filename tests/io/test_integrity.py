@@ -445,7 +445,7 @@ def test_a_damaged_input_position_falls_back_like_any_damage(tmp_path, damage):
     assert not se.verify_checkpoint(tmp_path, step=2).ok and se.verify_checkpoint(tmp_path, step=1).ok
 
 
-def test_numpy_scalar_leaves_round_trip_and_empty_leaves_are_refused_before_writing(tmp_path):
+def test_numpy_scalar_leaves_round_trip_and_unsaveable_leaves_are_refused_before_writing(tmp_path):
     plan = se.plan(_specs(), make_mesh(2))
     tables = se.init_tables(plan, jax.random.key(0))
     user = {"count": np.int32(4), "lr": np.float32(0.5), "w": np.arange(3, dtype=np.float32)}
@@ -458,5 +458,10 @@ def test_numpy_scalar_leaves_round_trip_and_empty_leaves_are_refused_before_writ
     with se.CheckpointManager(tmp_path / "b") as m:
         with pytest.raises(ValueError, match=r"The user pytree has leaves of size 0 \['e'\], which orbax cannot save"):
             m.save(1, plan, tables, user={"e": np.zeros((0, 3), np.float32), "w": user["w"]})
+        for leaf, kind in [(np.bool_(True), "numpy.bool"), (1j, "builtins.complex"), (object(), "builtins.object")]:
+            with pytest.raises(TypeError, match=rf"leaves orbax cannot save: 'bad' \({kind}\); it saves arrays"):
+                m.save(1, plan, tables, user={"bad": leaf, "w": user["w"]})
         assert m.all_steps() == []
     assert [p.name for p in (tmp_path / "b").iterdir() if "tmp" in p.name or "staging" in p.name] == []
+    with se.CheckpointManager(tmp_path / "b") as m:  # nothing left behind that a later save trips on
+        assert m.save(1, plan, tables, user={"name": "run", "w": user["w"]})
