@@ -124,11 +124,16 @@ def read_user(step_dir: str, info: CheckpointInfo, target: Any) -> Any:
         raise CheckpointError(f"{step_dir} has no user pytree; call restore without user=.")
     # a numpy scalar leaf (np.int32(4)) saves as a 0-d array, but orbax takes no numpy scalar as a target
     target = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, np.generic) else x, target)
+    saved = {k: v.split(" ", 1)[1] for k, v in (info.user_checksums or {}).items()}  # "dtype shape"
+    shapes = {k: m.split(" ", 1)[1] for k, m in leaf_meanings(target).items()}
+    # a target of the saved record's leaves and shapes is right: where orbax's metadata says otherwise, it is damaged
+    # (the restore below reports that); else orbax's metadata names what the target gets wrong
+    if not saved or shapes != {k: m.split(" ", 1)[1] for k, m in saved.items()}:
+        _check_target(step_dir, target)
     args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
     try:
         user = checkpointer().restore(step_dir, args=ocp.args.Composite(**{USER: args}))[USER]
     except Exception as e:  # noqa: BLE001
-        saved = {k: v.split(" ", 1)[1] for k, v in (info.user_checksums or {}).items()}
         if saved and saved == leaf_meanings(target):  # the target fits what was saved: the stored data is damaged
             raise CorruptCheckpointError(f"{step_dir}: its user pytree cannot be read ({type(e).__name__}: "
                                          f"{first_line(e)}); {WHAT_TO_DO}.") from None
@@ -139,6 +144,28 @@ def read_user(step_dir: str, info: CheckpointInfo, target: Any) -> Any:
         warnings.warn(f"{step_dir}: {unchecked} leaves of the user pytree were restored with another dtype or shape "
                       "than saved (as the target asked), so their checksums could not be checked.", stacklevel=3)
     return user
+
+
+def _check_target(step_dir: str, target: Any) -> None:
+    """Refuses a target that is not the saved user pytree's structure, or that asks an array leaf in another shape
+    than saved (orbax would hand back the saved shape, or fail deep inside its restore), naming the leaves; a dtype
+    may differ (the leaf is cast). Metadata that cannot be read is left to the restore to report."""
+    try:
+        tree = ocp.Checkpointer(item_handlers()[USER]).metadata(os.path.join(step_dir, USER)).item_metadata.tree
+    except Exception:  # noqa: BLE001
+        return
+    saved, asked = ({leaf_key(p): getattr(x, "shape", None) for p, x in jax.tree_util.tree_leaves_with_path(t)}
+                    for t in (tree, target))
+    problems = []
+    if missing := sorted(set(saved) - set(asked)):
+        problems.append(f"its leaves {missing} are not in the target")
+    if extra := sorted(set(asked) - set(saved)):
+        problems.append(f"the target's leaves {extra} were not saved")
+    problems += [f"{k!r} is {tuple(saved[k])} in the checkpoint, {tuple(asked[k])} in the target"
+                 for k in sorted(set(saved) & set(asked))
+                 if saved[k] is not None and asked[k] is not None and tuple(saved[k]) != tuple(asked[k])]
+    if problems:
+        raise CheckpointError(f"{step_dir}: its user pytree does not match the target given: {'; '.join(problems)}.")
 
 
 def read_user_host(step_dir: str, info: CheckpointInfo) -> Any:
