@@ -458,7 +458,8 @@ def test_numpy_scalar_leaves_round_trip_and_unsaveable_leaves_are_refused_before
     with se.CheckpointManager(tmp_path / "b") as m:
         with pytest.raises(ValueError, match=r"The user pytree has leaves of size 0 \['e'\], which orbax cannot save"):
             m.save(1, plan, tables, user={"e": np.zeros((0, 3), np.float32), "w": user["w"]})
-        for leaf, kind in [(np.bool_(True), "numpy.bool"), (1j, "builtins.complex"), (object(), "builtins.object")]:
+        for leaf, kind in [(np.bool_(True), "numpy.bool"), (1j, "builtins.complex"), (b"xy", "builtins.bytes"),
+                           (object(), "builtins.object")]:
             with pytest.raises(TypeError, match=rf"leaves orbax cannot save: 'bad' \({kind}\); it saves arrays"):
                 m.save(1, plan, tables, user={"bad": leaf, "w": user["w"]})
         assert m.all_steps() == []
