@@ -16,11 +16,11 @@ _TEST_XLA_FLAGS = ["--xla_force_host_platform_device_count=8", "--xla_cpu_copy_i
 _flags = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _TEST_XLA_FLAGS if f not in _flags])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA's optimizations mostly off (LLVM at -O0, none of its expensive passes): the same programs, compiled in about
-# a third less time (compiling is a third of the suite's time). Float results may then differ in their last bits from
-# a fully optimized build of the same program, so every process of a test compiles alike: subprocesses inherit the
-# variable, tests/host/multiprocess/launch.py passes it on. `JAX_DISABLE_MOST_OPTIMIZATIONS=0 pytest` runs the suite
-# fully optimized, as users' programs compile.
+# XLA's optimizations mostly off (LLVM at -O0, none of its expensive passes; the HLO passes run as ever): the
+# same programs, compiled faster (compiling is the largest part of most tests). Float results may differ in their
+# last bits from a fully optimized build of the same program, so every process of a test compiles alike:
+# subprocesses inherit the variable, tests/host/multiprocess/launch.py passes it on.
+# `JAX_DISABLE_MOST_OPTIMIZATIONS=0 pytest` runs the suite fully optimized, as users' programs compile.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
