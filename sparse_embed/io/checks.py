@@ -32,6 +32,15 @@ def leaf_key(path: tuple) -> str:
     return "/".join(parts)
 
 
+def _key_data(x: Any) -> Any:
+    """A typed PRNG key array (`jax.random.key`) as its key data, uint32 with one more axis (a `ShapeDtypeStruct`
+    of one as the struct of its data): what it holds, in a dtype numpy knows; any other leaf as it is."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return x
+    return jax.eval_shape(jax.random.key_data, x) if isinstance(x, jax.ShapeDtypeStruct) else jax.random.key_data(x)
+
+
 def user_checksums(user: Any) -> dict[str, str]:
     """`{leaf_key: "checksum dtype shape"}` of a user pytree's array leaves (others, e.g. strings, are skipped).
 
@@ -40,6 +49,7 @@ def user_checksums(user: Any) -> dict[str, str]:
     """
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(user):
+        leaf = _key_data(leaf)
         a = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
         if a.dtype.kind in "biufcV" and a.dtype.itemsize in (1, 2, 4, 8):
             out[leaf_key(path)] = bind(checksum(a), a.dtype, a.shape)
@@ -78,6 +88,7 @@ def _typed_leaves(tree: Any) -> dict[str, Any]:
     for p, x in jax.tree_util.tree_leaves_with_path(tree):
         if isinstance(x, (bool, int, float, complex)):
             x = np.asarray(x)
+        x = _key_data(x)
         if hasattr(x, "dtype"):
             out[leaf_key(p)] = x
     return out

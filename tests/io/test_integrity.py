@@ -489,3 +489,27 @@ def test_a_user_target_of_another_structure_or_shape_names_the_leaves(tmp_path, 
             r = m.restore(plan, user={"w": np.zeros((3, 2), np.float64), "n": 0, "s": ""})  # a cast: allowed
     np.testing.assert_array_equal(np.asarray(r.user["w"]), user["w"])
     assert np.asarray(r.user["w"]).dtype == np.float64 and int(r.user["n"]) == 4 and r.user["s"] == "run"
+
+
+def test_typed_prng_key_leaves_save_checksummed_and_restore(tmp_path):
+    """A train state's `jax.random.key` (a typed key array: its dtype is no numpy dtype) saves with a checksum of
+    its key data and restores into itself or `ShapeDtypeStruct`s of it, verified (save failed: 'KeyTy' object has no
+    attribute 'kind')."""
+    from sparse_embed.io.orbax_items import read_info
+
+    plan = se.plan(_specs(), make_mesh(2))
+    tables = se.init_tables(plan, jax.random.key(0))
+    user = {"rng": jax.random.split(jax.random.key(3), 4), "old": jax.random.PRNGKey(5), "w": np.ones(3, np.float32)}
+    with se.CheckpointManager(tmp_path) as m:
+        m.save(1, plan, tables, user=user)
+    assert read_info(tmp_path, 1).user_checksums["rng"].endswith(" uint32 (4, 2)")
+    assert se.verify_checkpoint(tmp_path, step=1).ok
+    user = jax.device_put(user, jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec()))
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), user)
+    for target in (user, structs):  # (a struct without a sharding restores as numpy: the key's data, uint32)
+        with se.CheckpointManager(tmp_path) as m:
+            r = m.restore(plan, user=target)
+        assert jax.dtypes.issubdtype(r.user["rng"].dtype, jax.dtypes.prng_key)
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(r.user["rng"])),
+                                      np.asarray(jax.random.key_data(user["rng"])))
+        np.testing.assert_array_equal(np.asarray(r.user["old"]), np.asarray(user["old"]))
