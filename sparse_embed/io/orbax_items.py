@@ -65,8 +65,10 @@ def checkpointer(*, write: bool = False) -> ocp.Checkpointer:
 def _check_saveable(user: Any) -> None:
     """Refuses, before anything is written, the user leaves orbax would refuse after starting the step (leaving its
     temporary directory behind): leaves of size 0, and types it has no working handler for (a `np.bool_` scalar, a
-    complex number, bytes, any other object)."""
+    complex number, bytes, any other object), and an empty one (`{}`, `[]`: orbax's "Found empty item")."""
     leaves = jax.tree_util.tree_leaves_with_path(user)
+    if user is not None and not leaves and not user:
+        raise ValueError(f"The user pytree is empty ({user!r}), which orbax cannot save; pass user=None to save none.")
     empty = [leaf_key(p) for p, x in leaves if getattr(x, "size", 1) == 0]
     if empty:
         raise ValueError(f"The user pytree has leaves of size 0 {empty}, which orbax cannot save; leave them out "

@@ -462,6 +462,10 @@ def test_numpy_scalar_leaves_round_trip_and_unsaveable_leaves_are_refused_before
                            (object(), "builtins.object")]:
             with pytest.raises(TypeError, match=rf"leaves orbax cannot save: 'bad' \({kind}\); it saves arrays"):
                 m.save(1, plan, tables, user={"bad": leaf, "w": user["w"]})
+        for empty in ({}, [], ()):
+            with pytest.raises(ValueError, match=r"The user pytree is empty \(.*\), which orbax cannot save; pass "
+                                                 "user=None to save none"):
+                m.save(1, plan, tables, user=empty)
         assert m.all_steps() == []
     assert [p.name for p in (tmp_path / "b").iterdir() if "tmp" in p.name or "staging" in p.name] == []
     with se.CheckpointManager(tmp_path / "b") as m:  # nothing left behind that a later save trips on
