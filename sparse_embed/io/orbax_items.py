@@ -159,8 +159,10 @@ def _check_target(step_dir: str, target: Any) -> None:
         tree = ocp.Checkpointer(item_handlers()[USER]).metadata(os.path.join(step_dir, USER)).item_metadata.tree
     except Exception:  # noqa: BLE001
         return
-    saved, asked = ({leaf_key(p): getattr(x, "shape", None) for p, x in jax.tree_util.tree_leaves_with_path(t)}
-                    for t in (tree, target))
+    def shape(x: Any) -> tuple | None:  # a Python number is a scalar; a string has none
+        return () if isinstance(x, (bool, int, float, complex)) else getattr(x, "shape", None)
+
+    saved, asked = ({leaf_key(p): shape(x) for p, x in jax.tree_util.tree_leaves_with_path(t)} for t in (tree, target))
     problems = []
     if missing := sorted(set(saved) - set(asked)):
         problems.append(f"its leaves {missing} are not in the target")

@@ -476,6 +476,7 @@ def test_numpy_scalar_leaves_round_trip_and_unsaveable_leaves_are_refused_before
     ({"w": np.ones((4, 2), np.float32), "n": 0, "s": ""}, r"'w' is \(3, 2\) in the checkpoint, \(4, 2\) in the target"),
     ({"w": np.ones((3, 2), np.float32), "n": 0, "s": "", "extra": np.ones(2)}, r"the target's leaves \['extra'\] were"),
     ({"w": np.ones((3, 2), np.float32), "s": ""}, r"its leaves \['n'\] are not in the target"),
+    ({"w": 0.0, "n": 0, "s": ""}, r"'w' is \(3, 2\) in the checkpoint, \(\) in the target"),  # a Python number
     ({"v": np.ones((3, 2), np.float32), "n": 0, "s": ""},
      r"its leaves \['w'\] are not in the target; the target's leaves \['v'\] were not saved"),
 ])
