@@ -73,18 +73,21 @@ def _check_saveable(user: Any) -> None:
     if empty:
         raise ValueError(f"The user pytree has leaves of size 0 {empty}, which orbax cannot save; leave them out "
                          "(or give them a size).")
-    unknown = []
-    for p, x in leaves:
-        try:  # bytes: orbax lists a handler, whose write then fails in tensorstore ("bytes16"), in the background
-            ocp.type_handlers.get_type_handler(type(x))
-            saveable = not isinstance(x, bytes)
-        except ValueError:
-            saveable = False
-        if not saveable:
-            unknown.append(f"{leaf_key(p)!r} ({type(x).__module__}.{type(x).__qualname__})")
+    unknown = [f"{leaf_key(p)!r} ({type(x).__module__}.{type(x).__qualname__})" for p, x in leaves
+               if not _saveable(x)]
     if unknown:
         raise TypeError(f"The user pytree has leaves orbax cannot save: {', '.join(unknown)}; it saves arrays, "
                         "numbers and strings: convert them (e.g. np.asarray), or leave them out.")
+
+
+def _saveable(x: Any) -> bool:
+    """Whether orbax has a working handler for a leaf: bytes have one listed, whose write then fails in
+    tensorstore ("bytes16"), in the background."""
+    try:
+        ocp.type_handlers.get_type_handler(type(x))
+    except ValueError:
+        return False
+    return not isinstance(x, bytes)
 
 
 def write_step(save: Callable[[dict], Any], staging: str, write_tables: Callable[[str], dict[str, str]],
@@ -130,10 +133,10 @@ def read_user(step_dir: str, info: CheckpointInfo, target: Any) -> Any:
     # a numpy scalar leaf (np.int32(4)) saves as a 0-d array, but orbax takes no numpy scalar as a target
     target = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, np.generic) else x, target)
     saved = {k: v.split(" ", 1)[1] for k, v in (info.user_checksums or {}).items()}  # "dtype shape"
-    shapes = {k: m.split(" ", 1)[1] for k, m in leaf_meanings(target).items()}
+    shapes = lambda meanings: {k: m.split(" ", 1)[1] for k, m in meanings.items()}  # noqa: E731
     # a target of the saved record's leaves and shapes is right: where orbax's metadata says otherwise, it is damaged
     # (the restore below reports that); else orbax's metadata names what the target gets wrong
-    if not saved or shapes != {k: m.split(" ", 1)[1] for k, m in saved.items()}:
+    if not saved or shapes(leaf_meanings(target)) != shapes(saved):
         _check_target(step_dir, target)
     args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
     try:
