@@ -215,6 +215,9 @@ _WRAP = ("import os, subprocess, sys\n"
 RESOLVE_TIMEOUT = 420.0  # seconds from the start
 
 
+_STARTED: list[subprocess.Popen] = []  # this process's resolutions, reaped by `stop_resolutions`
+
+
 def start_resolutions(workdir: pathlib.Path) -> None:
     """Starts pip's resolver for each Python of PYTHONS that is installed, on every extra together (a subset of an
     installable set is installable, so this covers every combination of the extras) and on the tpu extra alone
@@ -231,8 +234,9 @@ def start_resolutions(workdir: pathlib.Path) -> None:
                 (workdir / name).mkdir()
                 cmd = _resolve_command(python, extras, workdir / name, new_pip)
                 run.update(dir=str(workdir / name), report=str(workdir / name / f"{'_'.join(extras)}.json"))
-                run["pid"] = subprocess.Popen([sys.executable, "-c", _WRAP, run["dir"] + "/out", run["dir"] + "/rc",
-                                               *cmd], start_new_session=True).pid
+                _STARTED.append(subprocess.Popen([sys.executable, "-c", _WRAP, run["dir"] + "/out", run["dir"] + "/rc",
+                                                  *cmd], start_new_session=True))
+                run["pid"] = _STARTED[-1].pid
             runs.append(run)
     (workdir / "runs.json").write_text(json.dumps({"started": time.time(), "runs": runs}))
 
@@ -245,6 +249,8 @@ def stop_resolutions(workdir: pathlib.Path) -> None:
                 os.killpg(run["pid"], 9)
             except ProcessLookupError:
                 pass
+    while _STARTED:  # reaped (a dropped Popen still running warns when it is collected)
+        _STARTED.pop().wait()
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,11 @@ from typing import Callable, Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository: tests/host/multiprocess/..
-# imported once by the fork server; nothing in them starts a backend or a thread that a fork would lose
+# imported once by the fork server; nothing in them starts a backend or a thread that a fork would lose. The demo's
+# heavy imports too (a second less for each of its runs in tests/test_dlrm_resume.py), not the demo itself: runpy
+# warns when the module it runs was imported before.
 PRELOAD = ["numpy", "jax", "jax.numpy", "optax", "grain", "orbax.checkpoint", "sparse_embed", "sparse_embed.data",
-           "sparse_embed.io.checkpoint", "sparse_embed.offload"]
+           "sparse_embed.io.checkpoint", "sparse_embed.offload", "flax.linen", "tqdm", "sparse_embed.flax.linen"]
 # settings jax reads from the environment at import (already done by the server): applied as config instead
 _JAX_ENV = {"JAX_PLATFORMS": ("jax_platforms", str), "JAX_COMPILATION_CACHE_DIR": ("jax_compilation_cache_dir", str),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": ("jax_persistent_cache_min_compile_time_secs", float),
