@@ -232,15 +232,22 @@ def _shard_slices(shard: Any) -> tuple[slice, ...]:
     return tuple(slice(int(o), int(o) + int(n)) for o, n in zip(md.shard_offsets, md.shard_sizes))
 
 
+def _dtype(t: Any) -> Any:
+    return t.dtype if hasattr(t, "detach") else np.asarray(t).dtype
+
+
+def _floating(t: Any) -> bool:
+    """Whether a tensor or array holds floating-point values."""
+    return t.is_floating_point() if hasattr(t, "detach") else np.asarray(t).dtype.kind == "f"
+
+
 def _numpy(key: str, t: Any) -> np.ndarray:
     """A CPU tensor (any float dtype) or array -> float32 numpy; ValueError naming `key` for integer ones (a
     quantized inference table's codes would read as values)."""
-    tensor = hasattr(t, "detach")
-    dtype = t.dtype if tensor else np.asarray(t).dtype
-    if (not t.is_floating_point()) if tensor else dtype.kind in "iub":
-        raise ValueError(f"{key}: TorchRec's tensor is {dtype}, not floating point (a quantized inference "
+    if not _floating(t):
+        raise ValueError(f"{key}: TorchRec's tensor is {_dtype(t)}, not floating point (a quantized inference "
                          "table?); from_torchrec reads float tables and optimizer states.")
-    if tensor:
+    if hasattr(t, "detach"):
         t = t.detach().cpu()
         t = t.float() if t.element_size() < 4 else t
         return t.numpy().astype(np.float32, copy=False)
@@ -362,6 +369,14 @@ def from_torchrec(plan: EmbeddingPlan, state: Any, *, prefix: str = "",
     return stack_tables(plan, arrays, slots)
 
 
+def _check_float(table: str, key: str, leaf: Any) -> None:
+    """A leaf to write a table or its slot into holds floats (an integer one would truncate them silently)."""
+    for t in [shard.tensor for shard in leaf.local_shards()] if _is_sharded(leaf) else [leaf]:
+        if not _floating(t):
+            raise ValueError(f"Table {table!r}: TorchRec's {key} is {_dtype(t)}, not floating point; to_torchrec "
+                             "writes float tables and optimizer states (an integer tensor would truncate them).")
+
+
 def _write(key: str, leaf: Any, a: np.ndarray) -> None:
     """Writes `a` (the whole array) into a leaf of TorchRec's state in place (its local shards, if sharded)."""
     if _is_sharded(leaf):
@@ -396,17 +411,19 @@ def to_torchrec(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], i
         model, optim = {}, {}
         for t in specs:
             weight_key, _ = _keys(t.name)
-            model[weight_key] = torch.from_numpy(np.ascontiguousarray(natural[t.name][TABLE_KEY], np.float32))
+            # copies: unstack_state's arrays may be read-only views of the tables' buffers, which torch.from_numpy
+            # would hand out writable (an in-place op on the result changed the jax tables)
+            model[weight_key] = torch.tensor(np.asarray(natural[t.name][TABLE_KEY], np.float32))
             want = _slot_shape(t)
             if want is not None and with_optimizer_state:
-                optim[weight_key] = {f"{t.name}.{MOMENTUM}": torch.from_numpy(natural[t.name][SLOT].reshape(want))}
+                optim[weight_key] = {f"{t.name}.{MOMENTUM}": torch.tensor(natural[t.name][SLOT].reshape(want))}
         return {"model": model, "optim": {"state": optim}}
     if isinstance(into, (str, os.PathLike)):
         raise TypeError(f"to_torchrec writes into live tensors, and {os.fspath(into)!r} is a path: a DCP checkpoint "
                         "is not written in place. Save to_torchrec(plan, tables) (or the state it wrote into) with "
                         "torch.distributed.checkpoint instead.")
-    leaves = _state_leaves(into, prefix)
-    for t in specs:
+    leaves, writes = _state_leaves(into, prefix), []
+    for t in specs:  # every target checked before the first is written: a refusal leaves `into` as it was
         want = _slot_shape(t)
         pairs = [(TABLE_KEY, (t.vocabulary_size, t.embedding_dim), 0)]
         pairs += [(SLOT, want, 1)] if want is not None and with_optimizer_state else []
@@ -415,5 +432,8 @@ def to_torchrec(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], i
             if hit is None:
                 raise ValueError(f"Table {t.name!r}: no {_keys(t.name)[i]!r} in the TorchRec state to write into.")
             _check_shape(t.name, hit[0], _shape(hit[1]), shape)
-            _write(hit[0], hit[1], natural[t.name][ours].reshape(shape))
+            _check_float(t.name, *hit)
+            writes.append((*hit, natural[t.name][ours].reshape(shape)))
+    for key, leaf, values in writes:
+        _write(key, leaf, values)
     return into

@@ -385,6 +385,41 @@ def test_an_optimizer_state_for_an_sgd_table_and_an_unconvertible_optimizer_are_
         tr.to_torchrec(adam, se.init_tables(adam, jax.random.key(0)))
 
 
+@pytest.mark.parametrize("devices, placement", [(1, "row"), (8, "column"), (8, "table"), (8, "replicated")])
+def test_to_torchrec_returns_tensors_of_its_own(devices, placement):
+    """Training the returned tensors in place leaves the tables and slots as they were (they were views of the
+    tables' buffers under some placements: an add_ changed the jax tables)."""
+    o = opt.Adagrad(0.1)
+    plan = se.plan(tr.features_from_torchrec(CONFIGS, B, o), make_mesh(devices), placement=placement)
+    tables = se.init_tables(plan, jax.random.key(0))
+    before = se.unstack_state(plan, tables)
+    out = tr.to_torchrec(plan, tables)
+    for t in [*out["model"].values(), *(x for v in out["optim"]["state"].values() for x in v.values())]:
+        t.add_(1.0)
+    for name, arrays in se.unstack_state(plan, tables).items():
+        for key, a in arrays.items():
+            np.testing.assert_array_equal(a, before[name][key], err_msg=f"{name}/{key}")
+        np.testing.assert_array_equal(out["model"][f"embedding_bags.{name}.weight"].numpy(),
+                                      before[name]["table"] + 1)
+
+
+def test_into_integer_tensors_is_refused_before_anything_is_written():
+    plan = _plan(opt.Adagrad(0.1), 1)
+    into = _state(plan)
+    into["optim"]["state"]["embedding_bags.c.weight"]["c.momentum1"] = torch.zeros(17, 4, dtype=torch.int32)
+    kept = {k: v.clone() for k, v in into["model"].items()}
+    tables = se.init_tables(plan, jax.random.key(1))
+    with pytest.raises(ValueError, match=r"Table 'c': TorchRec's optim.state.embedding_bags.c.weight.c.momentum1 is "
+                                         r"torch.int32, not floating point"):
+        tr.to_torchrec(plan, tables, into=into)
+    for k, v in kept.items():  # a and b come before c: not written either
+        np.testing.assert_array_equal(into["model"][k].numpy(), v.numpy(), err_msg=k)
+    into["optim"]["state"]["embedding_bags.c.weight"]["c.momentum1"] = torch.zeros(17, 4, dtype=torch.bfloat16)
+    tr.to_torchrec(plan, tables, into=into)  # a narrower float: rounded, as documented
+    np.testing.assert_array_equal(into["model"]["embedding_bags.a.weight"].numpy(),
+                                  se.unstack_tables(plan, tables)["a"])
+
+
 def test_two_collections_need_a_prefix_and_into_needs_every_table():
     plan = _plan(opt.SGD(0.1), 1)
     one = _state(plan)["model"]
