@@ -204,6 +204,9 @@ class RowStore:
         if not create and not os.path.exists(os.path.join(self.path, "tier.json")):
             raise FileNotFoundError(f"Table {table.name!r}: there is no store at {self.path!r} (no tier.json): "
                                     "check the path of its Offload(...).")
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise NotADirectoryError(f"Table {table.name!r}: its store path {self.path!r} is a file; Offload(...) "
+                                     "takes a directory (one for each table).")
         os.makedirs(self.path, exist_ok=True)
         self._lock_file = _lock(table.name, self.path)
         try:

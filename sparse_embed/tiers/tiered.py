@@ -186,7 +186,7 @@ class Tiers:
                              "(TableSpec(storage=sparse_embed.offload.Offload(...))).")
         self.plan = plan
         self._procs = procs = Processes(plan)
-        self.tables = {}
+        self.tables, self._closed = {}, False
         try:
             for t in plan.tiered:
                 self.tables[t.name] = _Table(plan, t, rng, procs)
@@ -231,6 +231,7 @@ class Tiers:
         `step`: the step that trains the batch, which an offloaded raw-id table's map needs (the `step` the
         table in memory would be given to `map_ids`: its last-use steps and expiry); no other table reads it.
         """
+        self._check_open()
         with self._plan_lock:
             return self._preprocess(ids, weights, train, device_put, step)
 
@@ -460,6 +461,7 @@ class Tiers:
         Swaps must run in the order `preprocess` made them. Evicted rows that changed are written back in
         the background.
         """
+        self._check_open()
         self._raise_writer_error()
         if self._queued.get(swap.index) is not swap:
             raise ValueError(f"Tiers.swap: swap {swap.index} already ran (or is not this Tiers'): swaps run in the "
@@ -562,6 +564,7 @@ class Tiers:
         already preprocessed for later steps (by hand, or by a `prefetch` still running) are not affected:
         their swaps run as usual, and what their steps change is written back later.
         """
+        self._check_open()
         step = step_number(step)
         self.wait()
         out = dict(tables)
@@ -605,6 +608,7 @@ class Tiers:
         `buffer_size` batches ahead of the loop. `step`: the first batch's step (`preprocess`'s; the next
         batches' count up from it in training, stay at it in evaluation). Under several processes with a raw-id
         table, each batch is prepared in the loop when asked for (an `InLoop` prefetcher: no look-ahead)."""
+        self._check_open()
         buffer_size = _check_buffer_size(buffer_size)
         steps = itertools.count(step) if step is not None and train else itertools.repeat(step)
 
@@ -631,6 +635,12 @@ class Tiers:
             self._writer.join()
         for t in self.tables.values():
             t.store.close()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"This Tiers (tables {sorted(self.tables)}) is closed, and its stores with it: make a "
+                             "new Tiers(plan, rng) to go on (it opens each store at its last commit).")
 
 
 class _Timed:

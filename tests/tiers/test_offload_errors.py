@@ -345,6 +345,33 @@ def test_a_store_open_for_training_is_not_opened_again(tmp_path):
     tiers.close()
 
 
+def test_a_closed_tiers_refuses_every_use_naming_its_tables(tmp_path):
+    """After close (its stores closed), each call says so and how to go on (preprocess raised 'the store is
+    closed', naming nothing, once it reached a store read)."""
+    plan, rng = _plan(_spec(tmp_path / "t")), jax.random.key(0)
+    tiers = se.offload.Tiers(plan, rng)
+    batch, _, swap = tiers.preprocess({"f_t": _ids(1, 2)})
+    tables = tiers.flush(tiers.swap(se.init_tables(plan, rng), swap), 1)
+    tiers.close()
+    match = r"This Tiers \(tables \['t'\]\) is closed, and its stores with it: make a new Tiers\(plan, rng\)"
+    for use in (lambda: tiers.preprocess({"f_t": _ids(3, 4)}), lambda: tiers.prefetch([{"f_t": _ids(3)}]),
+                lambda: tiers.swap(tables, swap), lambda: tiers.flush(tables, 2)):
+        with pytest.raises(ValueError, match=match):
+            use()
+    tiers.close()  # a second close is fine
+    tiers = se.offload.Tiers(plan, rng)  # and the store opens again at its commit
+    assert tiers.tables["t"].store.step == 1
+    tiers.close()
+
+
+def test_a_store_path_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "t").write_text("not a store")
+    with pytest.raises(NotADirectoryError, match=rf"Table 't': its store path '{tmp_path / 't'}' is a file; "
+                                                 r"Offload\(...\) takes a directory"):
+        se.offload.Tiers(_plan(_spec(tmp_path / "t")), jax.random.key(0))
+    assert (tmp_path / "t").read_text() == "not a store"
+
+
 def test_reading_or_restoring_a_store_that_is_not_there_creates_nothing(tmp_path):
     spec = _spec(tmp_path / "typo")
     with pytest.raises(FileNotFoundError, match=rf"Table 't': there is no store at '{tmp_path / 'typo'}' \(no "
