@@ -602,11 +602,24 @@ def _cached_features(feats: dict[str, FeatureSpec]) -> tuple[dict, dict[str, Tab
     tables as declared."""
     declared = _collect_tables(feats)
     tiered = tuple(declared[n] for n in sorted(declared) if declared[n].storage is not None)
+    _check_one_store_each(tiered)
     # a raw-id table's ids are mapped (to rows, then cache rows) before its stack sees them: the cache is static
     cached = {t.name: dataclasses.replace(t, vocabulary_size=t.cache_rows, dynamic=None) for t in tiered}
     feats = {n: dataclasses.replace(f, table=cached[f.table.name]) if f.table.name in cached else f
              for n, f in feats.items()}
     return feats, {**declared, **cached}, tiered
+
+
+def _check_one_store_each(tiered: tuple[TableSpec, ...]) -> None:
+    """Each offloaded table has a store directory of its own (a second table on one would find it locked by the
+    first, or open a store of another table)."""
+    seen: dict[str, str] = {}
+    for t in tiered:
+        where = os.path.realpath(t.storage.path)
+        if where in seen:
+            raise ValueError(f"Tables {seen[where]!r} and {t.name!r} are offloaded to the same store directory "
+                             f"{t.storage.path!r}: give each table's Offload(...) a directory of its own.")
+        seen[where] = t.name
 
 
 _INT32_MAX = 2**31 - 1

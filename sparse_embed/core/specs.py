@@ -108,7 +108,8 @@ class Offload:
     in-memory table's (docs/offload.md).
 
     Attributes:
-      path: the store's directory (created if absent; an existing store is reopened).
+      path: the store's directory (created if absent; an existing store is reopened), one per table;
+        `~` is expanded.
       cache_rows: rows the device holds; at least the distinct ids of one
         batch, or the step raises naming the table.
     """
@@ -120,7 +121,8 @@ class Offload:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
             raise ValueError(f"Offload: path must be a directory path, got {self.path!r}.")
         _check_positive_int("Offload: cache_rows", self.cache_rows)
-        object.__setattr__(self, "path", os.fspath(self.path))
+        # "~" is the user's home (else a directory named "~" appeared in the working directory)
+        object.__setattr__(self, "path", os.path.expanduser(os.fspath(self.path)))
         object.__setattr__(self, "cache_rows", int(self.cache_rows))
 
 

@@ -231,6 +231,19 @@ def test_cache_rows_must_be_positive(tmp_path, cache_rows):
         se.offload.Offload(str(tmp_path), cache_rows)
 
 
+def test_each_offloaded_table_needs_a_store_of_its_own(tmp_path, monkeypatch):
+    """Two tables on one directory (however it is spelled) are refused by plan(), naming both (Tiers failed on
+    the second with 'open for training elsewhere'); '~' is the home directory, not a directory named '~'."""
+    a = _spec(tmp_path / "same", "a")
+    for spelling in (tmp_path / "same", tmp_path / "." / "same", tmp_path / "x" / ".." / "same"):
+        with pytest.raises(ValueError, match=r"Tables 'a' and 'b' are offloaded to the same store directory .*: "
+                                             r"give each table's Offload\(...\) a directory of its own"):
+            _plan(a, _spec(spelling, "b"))
+    assert sorted(_plan(a, _spec(tmp_path / "other", "b")).tables) == ["a", "b"]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert se.offload.Offload("~/stores/t", 8).path == str(tmp_path / "stores" / "t")
+
+
 def test_storage_must_be_an_offload(tmp_path):
     with pytest.raises(TypeError, match=r"Table 't': storage must be a sparse_embed\.offload\.Offload"):
         se.TableSpec("t", V, D, storage=str(tmp_path))
