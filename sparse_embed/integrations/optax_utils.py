@@ -41,24 +41,62 @@ def param_labels(params: Any) -> Any:
     return jax.tree.map(lambda x: EMBEDDING if is_embedding(x) else DENSE, params, is_leaf=is_embedding)
 
 
+@jax.tree_util.register_pytree_node_class
+class NewState:
+    """An embedding state's update from `optax_tx`: its new value, which `apply_updates` swaps in.
+
+    A pytree node of its own, so that `optax.apply_updates`, which would add
+    the new state to the old one (every row doubled, silently), fails on it
+    with a structure mismatch that shows this type's message.
+    """
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return ("NewState(an embedding state's new value from sparse_embed.optax_tx: apply it with "
+                "sparse_embed.apply_updates, not optax.apply_updates, which would add it to the old state)")
+
+    def tree_flatten(self):
+        return (self.state,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(children[0])
+
+
+def _new_states() -> optax.GradientTransformation:
+    """Wraps each embedding update (the new state `jax.grad` returned) in `NewState`; no optimizer state."""
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda x: NewState(x) if is_embedding(x) else x, updates, is_leaf=is_embedding), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def optax_tx(dense_tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     """`dense_tx` on the dense leaves; embedding "grads" pass through unchanged.
 
     Embedding leaves hold no optimizer state and are never seen by `dense_tx`
     (so e.g. `optax.clip_by_global_norm` inside it measures dense grads only).
-    The updates this returns must be applied with `sparse_embed.apply_updates`,
-    not `optax.apply_updates` (which would add the new table to the old one).
+    The updates this returns must be applied with `sparse_embed.apply_updates`:
+    an embedding update is a `NewState`, on which `optax.apply_updates` (which
+    would add the new table to the old one) fails.
     Wrap `dense_tx`, not the result, in transforms that rewrite updates
     (`optax.MultiSteps`, `optax.apply_if_finite`): an embedding update is a
     new state, not a delta, and zeroing it would zero the tables.
     """
     # multi_transform: the name every optax >= 0.2.4 has (later also `optax.partition`).
-    return optax.multi_transform({DENSE: dense_tx, EMBEDDING: optax.identity()}, param_labels)
+    return optax.multi_transform({DENSE: dense_tx, EMBEDDING: _new_states()}, param_labels)
 
 
 def _apply_one(param: Any, update: Any) -> Any:
     if not is_embedding(param):
         return optax.apply_updates(param, update)
+    update = update.state if isinstance(update, NewState) else update
     if not is_embedding(update):
         raise TypeError(
             f"apply_updates: an embedding state's update must be the EmbeddingVariables that jax.grad returned "
@@ -72,6 +110,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
 
     Embedding leaves are replaced, not added to: no arithmetic and no pass
     over the tables (with donation the new tables are the backward's
-    in-place scatter). `updates` must come from `optax_tx(...).update`.
+    in-place scatter). `updates` must come from `optax_tx(...).update` (or
+    hold the `EmbeddingVariables` jax.grad returned where params hold one).
     """
-    return jax.tree.map(_apply_one, params, updates, is_leaf=is_embedding)
+    return jax.tree.map(_apply_one, params, updates, is_leaf=lambda x: is_embedding(x) or isinstance(x, NewState))

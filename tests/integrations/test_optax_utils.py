@@ -87,10 +87,17 @@ def test_labels_and_exact_replacement():
     new_state = se.EmbeddingVariables(jnp.full((6, 2), 7.0), {"acc": jnp.full((6, 2), 3.0)})
     grads = {"emb": {"s": new_state}, "w": jnp.full(3, 2.0)}
     updates, state = tx.update(grads, state, params)
-    assert updates["emb"]["s"] is new_state  # passed through untouched
+    assert updates["emb"]["s"].state is new_state  # passed through untouched (wrapped: see below)
     new = se.apply_updates(params, updates)
     assert new["emb"]["s"] is new_state  # replaced, no arithmetic on the table
     np.testing.assert_array_equal(np.asarray(new["w"]), np.zeros(3))
+    # optax.apply_updates would add the new state to the old one (every row doubled, silently): it fails instead
+    with pytest.raises(ValueError, match=r"(?s)\['emb'\]\['s'\].*EmbeddingVariables.*NewState"):
+        optax.apply_updates(params, updates)
+    # an update tree built by hand from param_labels (optax.identity on the embeddings) is applied as well
+    by_hand = optax.multi_transform({"dense": optax.sgd(0.5), "embedding": optax.identity()}, se.param_labels)
+    updates, _ = by_hand.update(grads, by_hand.init(params), params)
+    assert se.apply_updates(params, updates)["emb"]["s"] is new_state
 
 
 def test_plain_trees_behave_like_plain_optax():
