@@ -237,8 +237,9 @@ def _dtype(t: Any) -> Any:
 
 
 def _floating(t: Any) -> bool:
-    """Whether a tensor or array holds floating-point values."""
-    return t.is_floating_point() if hasattr(t, "detach") else np.asarray(t).dtype.kind == "f"
+    """Whether a tensor or array holds floating-point values (numpy: not integers or bools, so that ml_dtypes'
+    bfloat16, of kind "V", counts)."""
+    return t.is_floating_point() if hasattr(t, "detach") else np.asarray(t).dtype.kind not in "iub"
 
 
 def _numpy(key: str, t: Any) -> np.ndarray:

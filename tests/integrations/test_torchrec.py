@@ -418,6 +418,12 @@ def test_into_integer_tensors_is_refused_before_anything_is_written():
     tr.to_torchrec(plan, tables, into=into)  # a narrower float: rounded, as documented
     np.testing.assert_array_equal(into["model"]["embedding_bags.a.weight"].numpy(),
                                   se.unstack_tables(plan, tables)["a"])
+    import ml_dtypes  # numpy's bfloat16 (dtype kind "V") is a float too, both ways
+
+    half = {k: np.asarray(v.float().numpy(), ml_dtypes.bfloat16) for k, v in into["model"].items()}
+    tr.to_torchrec(plan, tables, into=half, with_optimizer_state=False)
+    back = se.unstack_tables(plan, tr.from_torchrec(plan, half, with_optimizer_state=False))
+    np.testing.assert_array_equal(back["a"], se.unstack_tables(plan, tables)["a"].astype(ml_dtypes.bfloat16))
 
 
 def test_two_collections_need_a_prefix_and_into_needs_every_table():
