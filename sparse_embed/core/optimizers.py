@@ -76,6 +76,8 @@ def _check_learning_rate(name: str, lr) -> LearningRate:
         return lr
     if isinstance(lr, bool) or not isinstance(lr, (int, float)):
         raise TypeError(f"{name}: learning_rate must be a float or an optax schedule, got {lr!r}.")
+    if not 0 <= float(lr) < np.inf:  # a NaN or infinite rate trained every touched row into NaN, silently
+        raise ValueError(f"{name}: learning_rate must be finite and >= 0, got {lr!r}.")
     return float(lr)
 
 
@@ -132,9 +134,7 @@ class Optimizer:
         set_("learning_rate", _check_learning_rate(name, self.learning_rate))
         set_("clip_gradient", _check_range(name, "clip_gradient", self.clip_gradient))
         set_("clip_weight", _check_range(name, "clip_weight", self.clip_weight))
-        if isinstance(self.weight_decay, bool) or not float(self.weight_decay) >= 0:
-            raise ValueError(f"{name}: weight_decay must be >= 0, got {self.weight_decay!r}.")
-        set_("weight_decay", float(self.weight_decay))
+        self._non_negative(weight_decay=self.weight_decay)
         self._check()
 
     def _check(self) -> None:
@@ -142,8 +142,14 @@ class Optimizer:
 
     def _positive(self, **values) -> None:
         for k, v in values.items():
-            if isinstance(v, bool) or not float(v) > 0:
-                raise ValueError(f"{type(self).__name__}: {k} must be > 0, got {v!r}.")
+            if isinstance(v, bool) or not 0 < float(v) < np.inf:
+                raise ValueError(f"{type(self).__name__}: {k} must be finite and > 0, got {v!r}.")
+            object.__setattr__(self, k, float(v))
+
+    def _non_negative(self, **values) -> None:
+        for k, v in values.items():
+            if isinstance(v, bool) or not 0 <= float(v) < np.inf:
+                raise ValueError(f"{type(self).__name__}: {k} must be finite and >= 0, got {v!r}.")
             object.__setattr__(self, k, float(v))
 
     def _decay_rates(self, *names: str) -> None:
@@ -280,9 +286,7 @@ class RowwiseAdagrad(Optimizer):
 
     def _check(self):
         self._positive(initial_accumulator_value=self.initial_accumulator_value)
-        if not float(self.epsilon) >= 0:
-            raise ValueError(f"RowwiseAdagrad: epsilon must be >= 0, got {self.epsilon!r}.")
-        object.__setattr__(self, "epsilon", float(self.epsilon))
+        self._non_negative(epsilon=self.epsilon)
 
     def slots(self, dim):
         return {"accumulator": SlotSpec(1, self.initial_accumulator_value)}
@@ -349,8 +353,9 @@ class AdagradMomentum(Optimizer):
         if not 0 < float(self.beta2) <= 1:
             raise ValueError(f"AdagradMomentum: beta2 must be in (0, 1], got {self.beta2!r}.")
         self._positive(exponent=self.exponent)
-        if float(self.initial_accumulator_value) + float(self.epsilon) <= 0:
-            raise ValueError("AdagradMomentum: initial_accumulator_value + epsilon must be > 0.")
+        self._non_negative(momentum=self.momentum)
+        if not 0 < float(self.initial_accumulator_value) + float(self.epsilon) < np.inf:
+            raise ValueError("AdagradMomentum: initial_accumulator_value + epsilon must be finite and > 0.")
         object.__setattr__(self, "use_nesterov", bool(self.use_nesterov))
 
     def slots(self, dim):
@@ -393,9 +398,7 @@ class FTRL(Optimizer):
     def _check(self):
         if not float(self.learning_rate_power) <= 0:
             raise ValueError(f"FTRL: learning_rate_power must be <= 0, got {self.learning_rate_power!r}.")
-        for k in ("l1", "l2", "beta"):
-            if not float(getattr(self, k)) >= 0:
-                raise ValueError(f"FTRL: {k} must be >= 0, got {getattr(self, k)!r}.")
+        self._non_negative(l1=self.l1, l2=self.l2, beta=self.beta)
         self._positive(initial_accumulator_value=self.initial_accumulator_value)
         object.__setattr__(self, "multiply_linear_by_learning_rate", bool(self.multiply_linear_by_learning_rate))
 
@@ -433,6 +436,7 @@ class LaProp(Optimizer):
 
     def _check(self):
         self._decay_rates("b1", "b2")
+        self._non_negative(eps=self.eps)
 
     def slots(self, dim):
         return {"mu": SlotSpec(dim, 0.0), "nu": SlotSpec(dim, 0.0)}

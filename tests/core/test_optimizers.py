@@ -219,15 +219,27 @@ def test_auto_stacking_never_mixes_optimizers(mesh8):
 
 @pytest.mark.parametrize("make, match", [
     (lambda: opt.Adam(0.1, b1=1.0), "b1 must be in"),
-    (lambda: opt.Adagrad(0.1, initial_accumulator_value=-1), "initial_accumulator_value must be > 0"),
+    (lambda: opt.Adagrad(0.1, initial_accumulator_value=-1), "initial_accumulator_value must be finite and > 0"),
     (lambda: opt.FTRL(0.1, learning_rate_power=0.5), "learning_rate_power must be <= 0"),
-    (lambda: opt.FTRL(0.1, l1=-1), "l1 must be >= 0"),
+    (lambda: opt.FTRL(0.1, l1=-1), "l1 must be finite and >= 0"),
     (lambda: opt.SGD(0.1, clip_gradient=(1, -1)), "clip_gradient needs min <= max"),
     (lambda: opt.SGD(0.1, clip_weight=3), "clip_weight must be a"),
-    (lambda: opt.SGD(0.1, weight_decay=-0.1), "weight_decay must be >= 0"),
+    (lambda: opt.SGD(0.1, weight_decay=-0.1), "weight_decay must be finite and >= 0"),
     (lambda: opt.AdagradMomentum(0.1, beta2=0), "beta2 must be in"),
     (lambda: opt.LaProp(0.1, b2=1.5), "b2 must be in"),
     (lambda: opt.Custom(None), "fn must be a function"),
+    # non-finite values trained every touched row into NaN (or froze it), silently
+    (lambda: opt.Adagrad(float("nan")), r"Adagrad: learning_rate must be finite and >= 0, got nan"),
+    (lambda: opt.SGD(float("inf")), r"SGD: learning_rate must be finite and >= 0, got inf"),
+    (lambda: opt.SGD(-0.1), r"SGD: learning_rate must be finite and >= 0, got -0.1"),
+    (lambda: opt.SGD(0.1, weight_decay=float("inf")), "weight_decay must be finite and >= 0"),
+    (lambda: opt.Adam(0.1, eps=float("nan")), "eps must be finite and > 0"),
+    (lambda: opt.RowwiseAdagrad(0.1, epsilon=float("nan")), "epsilon must be finite and >= 0"),
+    (lambda: opt.Adagrad(0.1, initial_accumulator_value=float("inf")), "initial_accumulator_value must be finite"),
+    (lambda: opt.FTRL(0.1, l2=float("nan")), "l2 must be finite and >= 0"),
+    (lambda: opt.LaProp(0.1, eps=float("nan")), "eps must be finite and >= 0"),
+    (lambda: opt.AdagradMomentum(0.1, momentum=float("nan")), "momentum must be finite and >= 0"),
+    (lambda: opt.AdagradMomentum(0.1, epsilon=float("nan")), "initial_accumulator_value \\+ epsilon must be finite"),
     (lambda: opt.Custom(_momentum_sign_sgd, {"m": (4, 0.0)}), "must be a SlotSpec"),
 ])
 def test_bad_hyperparameters(make, match):
