@@ -40,7 +40,7 @@ from sparse_embed.core.initializers import TruncatedNormal, mix32, seeds, trunca
 from sparse_embed.core.key_set import FREE, KeySet
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state, checked_step
-from sparse_embed.core.tables import table_key
+from sparse_embed.core.tables import check_rng, table_key
 
 
 class IdMap(NamedTuple):
@@ -114,6 +114,7 @@ def _empty_sets(n: int, S: int, compact: bool = False) -> KeySet:
 
 def init_id_maps(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, IdMap]:
     """Empty maps of every raw-id stack, `{stack: IdMap}`, sharded; `rng` as given to `init_tables`."""
+    check_rng(rng)
     return _init_jit(plan, rng)
 
 

@@ -22,8 +22,22 @@ from sparse_embed.core.relayout import (TABLE_KEY, block_rows, blocks_to_mod, fr
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state
 
 
+def check_rng(rng) -> None:
+    """One PRNG key: a typed one (`jax.random.key`) of shape (), or raw `uint32` key data (`jax.random.PRNGKey`);
+    else a TypeError saying so (jax's own was "invalid PRNG key data: expected key_data.ndim >= 1")."""
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        ok = rng.shape == ()
+    else:
+        ok = dtype == np.uint32 and np.ndim(rng) == 1
+    if not ok:
+        got = f"{type(rng).__name__} {rng!r}" if dtype is None else f"{dtype} of shape {tuple(rng.shape)}"
+        raise TypeError(f"rng must be one PRNG key, jax.random.key(seed) (or jax.random.PRNGKey(seed)), got {got}.")
+
+
 def table_key(rng: jax.Array, table_name: str) -> jax.Array:
     """The init key of one table: independent of stacking, mesh and other tables."""
+    check_rng(rng)
     return jax.random.fold_in(rng, zlib.crc32(table_name.encode()) & 0x7FFFFFFF)
 
 
@@ -57,6 +71,7 @@ def init_tables(plan: EmbeddingPlan, rng: jax.Array, *, with_slots: bool = True)
     `with_slots=False` creates no optimizer slots (inference/eval memory);
     such tables can be looked up but not trained.
     """
+    check_rng(rng)  # before jit: names what was given (an int seed, not the tracer it becomes)
     return _init_jit(plan, with_slots, rng)
 
 

@@ -88,6 +88,22 @@ def test_initializer_with_wrong_shape_is_an_error(mesh8):
         se.init_tables(plan, jax.random.key(0))
 
 
+@pytest.mark.parametrize("rng, got", [(0, "int 0"), (np.int64(3), r"int64 of shape \(\)"),
+                                      (jax.random.split(jax.random.key(0), 2), r"key<fry> of shape \(2,\)"),
+                                      (jnp.zeros((2, 2), jnp.uint32), r"uint32 of shape \(2, 2\)")])
+def test_an_rng_that_is_not_one_key_is_named(rng, got):
+    """An int seed or a batch of keys: a TypeError saying what rng must be (jax said "invalid PRNG key data:
+    expected key_data.ndim >= 1", or asked for jax.vmap); both key kinds are taken, alike."""
+    t = se.TableSpec("t", 30, 4, optimizer=opt.Adagrad(0.1))
+    raw = se.TableSpec("r", 30, 4, optimizer=opt.Adagrad(0.1), dynamic=se.Dynamic())
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8), "g": se.FeatureSpec("g", raw, 8)}, make_mesh(2))
+    for init in (se.init_tables, se.init_id_maps):
+        with pytest.raises(TypeError, match=rf"rng must be one PRNG key, jax.random.key\(seed\).*, got {got}\."):
+            init(plan, rng)
+    typed, raw_key = se.init_tables(plan, jax.random.key(4)), se.init_tables(plan, jax.random.PRNGKey(4))
+    np.testing.assert_array_equal(np.asarray(typed["t"].table), np.asarray(raw_key["t"].table))
+
+
 @pytest.mark.parametrize("stacking", STACKINGS, ids=["auto", "none", "explicit"])
 def test_stack_unstack_round_trip_with_slots(mesh, stacking):
     plan = se.plan(_features(), mesh, stacking=stacking)
