@@ -44,6 +44,9 @@ def check_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -
         )
     for s in plan.stacks:
         v = tables[s.name]
+        if not isinstance(v, EmbeddingVariables):
+            raise TypeError(f"Stack {s.name!r}: expected the EmbeddingVariables init_tables (or stack_tables) made, "
+                            f"got {type(v).__name__}.")
         shape = tuple(v.table.shape)
         if shape != (s.array_rows, s.array_dim):
             raise ValueError(f"Stack {s.name!r}: table has shape {shape}, the plan expects {(s.array_rows, s.array_dim)}.")

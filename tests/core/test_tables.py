@@ -142,6 +142,20 @@ def test_a_bf16_tables_unstacked_state_stacks_back(mesh8):
         se.stack_tables(plan, {"h": w}, {"h": {"accumulator": acc + 0j}})
 
 
+def test_state_that_is_not_embedding_variables_is_named():
+    """A stack's value of another type (a dict, an array) in unstack_state, lookup and save: a TypeError naming
+    the stack (was an AttributeError on `.table`)."""
+    t = se.TableSpec("t", 30, 4, optimizer=opt.Adagrad(0.1))
+    plan = se.plan({"f": se.FeatureSpec("f", t, 8)}, make_mesh(2))
+    tables = se.init_tables(plan, jax.random.key(0))
+    batch, _ = se.preprocess(plan, {"f": np.arange(16).reshape(8, 2) % 30})
+    for bad in ({"t": tables["t"]._asdict()}, {"t": tables["t"].table}):
+        for use in (lambda: se.unstack_state(plan, bad), lambda: se.lookup(plan, batch, bad, 0)):
+            with pytest.raises(TypeError, match=r"Stack 't': expected the EmbeddingVariables init_tables \(or "
+                                                r"stack_tables\) made, got (dict|ArrayImpl)\."):
+                use()
+
+
 def test_stacked_layout_is_mod_sharding(mesh8):
     """Row r of a table lives on shard r % 8 (in a single-table stack)."""
     t = se.TableSpec("t", 64, 2)
