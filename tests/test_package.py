@@ -286,6 +286,24 @@ def resolutions(tmp_path_factory):
     return out
 
 
+def test_the_test_extra_asks_for_the_jax_tpu_embedding_the_tpu_extra_asks_for():
+    """So that the SparseCore tests run against what a [tpu] user gets, on every Python and platform."""
+    from packaging.requirements import Requirement
+
+    def jte(extra):
+        return sorted(r for r in _requirements([extra]) if _canonical(Requirement(r).name) == "jax-tpu-embedding")
+
+    assert jte("tpu") and jte("test") == jte("tpu")
+
+
+def test_the_requirement_expansion_follows_self_references(monkeypatch):
+    project = {"name": "sparse-embed", "dependencies": ["numpy"],
+               "optional-dependencies": {"a": ["Sparse_Embed[b]", "x"], "b": ["y; python_version >= '3.12'"]}}
+    monkeypatch.setitem(globals(), "_project", lambda: project)
+    assert _requirements(["a"]) == ["numpy", "x", "y; python_version >= '3.12'"]
+
+
+
 @pytest.mark.parametrize("version", PYTHONS)
 def test_every_combination_of_the_extras_resolves(resolutions, version):
     """pip's resolver (`pip install --dry-run`) on each supported Python: [test,tpu,bench] installs, so does every
