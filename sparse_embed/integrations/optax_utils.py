@@ -47,7 +47,7 @@ class NewState:
 
     A pytree node of its own, so that `optax.apply_updates`, which would add
     the new state to the old one (every row doubled, silently), fails on it
-    with a structure mismatch that shows this type's message.
+    with jax's structure error at the table's key path, naming this type.
     """
 
     __slots__ = ("state",)
