@@ -94,6 +94,9 @@ def test_demo_with_hashed_tables_goes_on_with_more_steps(tmp_path, capsys):
         dlrm.main(["--steps", "8", *flags])
     with pytest.raises(SystemExit, match="was trained with --seed 0: resume with it"):
         dlrm.main(["--steps", "20", "--seed", "7", *flags])
+    # a record is a batch: at 32 the loader's position would be other examples (and the eval's batches others)
+    with pytest.raises(SystemExit, match="was trained with --batch-size 64: resume with it"):
+        dlrm.main(["--steps", "20", *flags, "--batch-size", "32"])
 
 
 def test_demo_with_data_of_a_few_batches_holds_one_out(tmp_path, capsys):

@@ -132,9 +132,10 @@ def _restore(args, plan, tables, id_maps, state: State):
     if r.step > args.steps:
         raise SystemExit(f"{args.checkpoint_dir} is at step {r.step}, past --steps {args.steps}: pass --steps "
                          f"{r.step} or more to go on from it, or another --checkpoint-dir.")
-    if r.data.get("seed", args.seed) != args.seed:  # the shuffle and the loader's position are the seed's
-        raise SystemExit(f"{args.checkpoint_dir} was trained with --seed {r.data['seed']}: resume with it, or "
-                         "use another --checkpoint-dir.")
+    for flag in ("seed", "batch_size"):  # the shuffle and the loader's position (in batches) are theirs
+        if r.data.get(flag, getattr(args, flag)) != getattr(args, flag):
+            raise SystemExit(f"{args.checkpoint_dir} was trained with --{flag.replace('_', '-')} {r.data[flag]}: "
+                             "resume with it, or use another --checkpoint-dir.")
     losses = np.zeros(args.steps, np.float32)
     saved = [float.fromhex(x) for x in r.data["losses"]][:args.steps]
     losses[:len(saved)] = saved
@@ -143,11 +144,13 @@ def _restore(args, plan, tables, id_maps, state: State):
     return r.tables, r.id_maps, state, r.step, r.data["loader"]
 
 
-def _save(ckpt, step: int, plan, tables, id_maps, state: State, loader: sed.Loader, seed: int) -> None:
-    """Step `step`: tables, id maps, dense state; the loader's state, the losses so far and the seed as `data`."""
+def _save(ckpt, step: int, plan, tables, id_maps, state: State, loader: sed.Loader, args) -> None:
+    """Step `step`: tables, id maps, dense state; the loader's state, the losses so far, the seed and the batch
+    size as `data`."""
     losses = [float(x).hex() for x in np.asarray(state.losses)[:step]]
     if not ckpt.save(step, plan, tables, id_maps=id_maps or None, user={"params": state.params, "opt": state.opt},
-                     data={"loader": loader.get_state(), "losses": losses, "seed": seed}):
+                     data={"loader": loader.get_state(), "losses": losses, "seed": args.seed,
+                           "batch_size": args.batch_size}):
         raise SystemExit(f"{ckpt.directory} already holds step {step}; use another --checkpoint-dir.")
     ckpt.wait()
     print(f"checkpoint of step {step} saved", flush=True)
@@ -181,7 +184,7 @@ def train(args, plan, source, train_batches: int):
             tables, id_maps, state = train_step(tables, id_maps, state, sparse, _rows(plan, b.dense),
                                                 _rows(plan, b.labels), jnp.int32(step))
             if ckpt is not None and ((step + 1) % every == 0 or step + 1 == args.steps):
-                _save(ckpt, step + 1, plan, tables, id_maps, state, batches, args.seed)
+                _save(ckpt, step + 1, plan, tables, id_maps, state, batches, args)
     if ckpt is not None:
         ckpt.close()
     return tables, id_maps, state, start, time.perf_counter() - began

@@ -19,10 +19,16 @@ it cannot run in a worker process.
 
 `Loader.get_state()` is the state *after the last batch the loop took*
 (not after the batches prepared ahead): grain's iterator state after that
-element, and the plan's capacity marks right after its `preprocess`. A
-loader made with that `state` yields the next batch exactly as the first
-run would have, with the same capacities (so the same shapes and the same
-numbers).
+element, the plan's capacity marks right after its `preprocess`, and the
+plan's batch sizes. A loader made with that `state` yields the next batch
+exactly as the first run would have, with the same capacities (so the same
+shapes and the same numbers).
+
+grain's position counts the dataset's elements. Where an element is a
+whole batch (`CriteoSource`: record `i` is batch `i`), the same position
+under another batch size is other examples: a loader resumed so over a
+`CriteoSource` is refused, and over any other dataset warned about (right
+only where an element is one example, batched after it).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import warnings
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import grain
@@ -37,6 +44,7 @@ from absl import flags
 
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.host import plan_state
+from sparse_embed.host.criteo_source import CriteoSource
 from sparse_embed.host.prefetching import Prefetched, Prefetcher, _check_buffer_size, _prepare
 
 
@@ -99,10 +107,47 @@ def _with_states(iterator) -> Iterator[tuple[Any, Any]]:
 
 
 def _checked_state(state: Any) -> dict:
-    if not isinstance(state, Mapping) or set(state) != {"input", "plan"}:
-        raise ValueError("state must be what Loader.get_state() returned (a dict with 'input' and 'plan'), got "
+    # a state saved before "batch_sizes" was kept has only the first two
+    if not isinstance(state, Mapping) or not {"input", "plan"} <= set(state) <= {"input", "plan", "batch_sizes"} \
+            or not isinstance(state.get("batch_sizes", {}), Mapping):
+        raise ValueError("state must be what Loader.get_state() returned (a dict with 'input', 'plan' and "
+                         "'batch_sizes'), got "
                          f"{type(state).__name__}{sorted(state) if isinstance(state, Mapping) else ''}.")
     return dict(state)
+
+
+def _batch_sizes(plan: EmbeddingPlan) -> dict[str, int]:
+    return {name: f.batch_size for name, f in sorted(plan.features.items())}
+
+
+def _counts_batches(dataset: Any) -> bool:
+    """Whether a `CriteoSource` is among the dataset's sources: grain's `parents` up to each source dataset
+    (its `_source`), and `mp_prefetch`'s per-worker datasets (an interleave's `_datasets`, which has no parents)."""
+    todo, seen = [dataset], set()
+    while todo:
+        d = todo.pop()
+        if id(d) not in seen:
+            seen.add(id(d))
+            if isinstance(getattr(d, "_source", None), CriteoSource):
+                return True
+            todo.extend((*getattr(d, "parents", ()), *getattr(d, "_datasets", ())))
+    return False
+
+
+def _check_batch_sizes(plan: EmbeddingPlan, dataset: Any, state: Mapping) -> None:
+    """A state saved under other batch sizes: ValueError over a `CriteoSource`, else a warning (module doc)."""
+    saved, now = state.get("batch_sizes"), _batch_sizes(plan)
+    if saved is None or saved == now:
+        return
+    diff = sorted(set(saved) ^ set(now)) or [n for n in now if saved[n] != now[n]]
+    what = (f"the state was saved under batch sizes {saved}, this plan's are {now} (first difference: feature "
+            f"{diff[0]!r}); grain's position is restored as saved, in the dataset's elements")
+    if _counts_batches(dataset):
+        raise ValueError(f"{what}, and a CriteoSource element is a whole batch: the resumed run would read other "
+                         "examples than those after the saved step. Resume with the batch size it was saved with, "
+                         "or start the input over (state=None).")
+    warnings.warn(f"{what}: right if an element is one example (batched after it), other examples than those "
+                  "after the saved step if an element is a batch.", stacklevel=3)
 
 
 class Loader(Iterator[Prefetched]):
@@ -126,6 +171,7 @@ class Loader(Iterator[Prefetched]):
         state = None if state is None else _checked_state(state)
         iterator = _iterator(dataset)
         if state is not None:
+            _check_batch_sizes(plan, dataset, state)
             for part, restore in (("input", iterator.set_state), ("plan", plan_state.of(plan).restore)):
                 try:
                     restore(copy.deepcopy(state[part]))
@@ -133,6 +179,7 @@ class Loader(Iterator[Prefetched]):
                     raise ValueError(f"state must be what Loader.get_state() returned over the same dataset: its "
                                      f"{part!r} could not be restored ({type(e).__name__}: {e}).") from e
         self._state = {"input": iterator.get_state(), "plan": plan_state.of(plan).snapshot()}
+        self._batch_sizes = _batch_sizes(plan)
         self._prefetcher = Prefetcher(functools.partial(_prepare_with_state, transform), _with_states(iterator),
                                       buffer_size)
 
@@ -145,11 +192,12 @@ class Loader(Iterator[Prefetched]):
         return ready.prefetched
 
     def get_state(self) -> dict:
-        """The state after the last batch taken: `{"input": grain's iterator state, "plan": capacity marks}`.
+        """The state after the last batch taken: `{"input": grain's iterator state, "plan": capacity marks,
+        "batch_sizes": {feature: global batch size}}`.
 
         JSON-serialisable (a `CheckpointManager` step holds it as `data=`).
         """
-        return json.loads(json.dumps(self._state))
+        return json.loads(json.dumps({**self._state, "batch_sizes": self._batch_sizes}))
 
     def close(self) -> None:
         self._prefetcher.close()

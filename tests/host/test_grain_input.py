@@ -170,3 +170,55 @@ def test_loader_over_grain_batches_of_examples():
     for k, p in enumerate(got):
         ids = {n: np.stack([e[n] for e in examples[k * B:(k + 1) * B]]) for n in ("f", "g")}
         assert_same_batches(host(p.batch), host(se.preprocess(reference, ids)[0]))
+
+
+def _criteo_loader(path: str, batch: int, state=None, mp: bool = False):
+    """A loader over a shuffled CriteoSource of global batch `batch` (one feature, C1)."""
+    plan = se.plan([se.FeatureSpec("C1", se.TableSpec("c", 97, 4), batch)], make_mesh(8))
+    ds = grain.MapDataset.source(sed.CriteoSource(path, batch, vocabulary=97, process_index=0, process_count=1))
+    ds = ds.shuffle(seed=2).repeat(None).to_iter_dataset()
+    if mp:
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=1))
+    return sed.Loader(plan, ds, inputs=lambda b: {"C1": b.categorical[:, 0]}, state=state)
+
+
+@pytest.mark.parametrize("mp", [False, True], ids=["in_process", "mp_prefetch"])
+def test_a_criteo_loader_resumed_under_another_batch_size_is_refused(tmp_path, mp):
+    """A CriteoSource record is a whole batch, so grain's saved position under another batch size is other
+    examples: the resumed run read batch 3 of 64 where the first run had stopped after batch 3 of 32, silently."""
+    from sparse_embed.examples.criteo_data import write_criteo
+
+    path = write_criteo(str(tmp_path / "day.txt"), 32 * 12, vocabulary=60)
+    with _criteo_loader(path, 32, mp=mp) as it:
+        [next(it) for _ in range(3)]
+        state = it.get_state()
+    assert state["batch_sizes"] == {"C1": 32}
+    with pytest.raises(ValueError, match=r"saved under batch sizes \{'C1': 32\}, this plan's are \{'C1': 64\} "
+                                         r"\(first difference: feature 'C1'\).*CriteoSource element is a whole batch"):
+        _criteo_loader(path, 64, state, mp)
+    with _criteo_loader(path, 32, state, mp) as it:  # the same batch size: goes on
+        next(it)
+    old = {k: v for k, v in state.items() if k != "batch_sizes"}  # a state saved before batch_sizes: taken as is
+    with _criteo_loader(path, 64, old, mp) as it:
+        next(it)
+
+
+def test_a_loader_resumed_under_another_batch_size_warns_over_other_datasets():
+    """Where elements are examples batched after them, grain's position (in examples) is right at any batch size;
+    the loader cannot tell that from a dataset of whole batches, so it warns, and goes on."""
+    examples = [{"f": np.array([i % 50]), "g": np.array([-1])} for i in range(8 * B)]
+
+    def loader(batch, state=None):
+        plan = se.plan([se.FeatureSpec(n, se.TableSpec("t", 50, 4), batch) for n in ("f", "g")], make_mesh(8))
+        return sed.Loader(plan, grain.MapDataset.source(examples).to_iter_dataset().batch(batch), state=state)
+
+    with loader(B) as it:
+        next(it)
+        state = it.get_state()
+    with pytest.warns(UserWarning, match=r"saved under batch sizes \{'f': 128, 'g': 128\}, this plan's are "
+                                          r"\{'f': 256, 'g': 256\}.*right if an element is one example"):
+        resumed = loader(2 * B, state)
+    with resumed:
+        assert np.asarray(next(resumed).item["f"])[:, 0].tolist() == [i % 50 for i in range(B, 3 * B)]
+    with pytest.raises(ValueError, match="state must be what Loader.get_state"):
+        loader(B, {**state, "batch_sizes": [B, B]})
