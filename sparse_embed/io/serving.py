@@ -288,7 +288,8 @@ def serving_lookup(
     feats = dict(features) if isinstance(features, Mapping) else {f.name: f for f in features}
     unknown, missing = sorted(set(ids) - set(feats)), sorted(set(feats) - set(ids))
     if unknown or missing:
-        raise ValueError(f"ids have unknown features {unknown} and lack {missing}; features are {sorted(feats)}.")
+        parts = [f"unknown features {unknown}"] * bool(unknown) + [f"no ids for features {missing}"] * bool(missing)
+        raise ValueError(f"ids have {' and '.join(parts)}; the features are {sorted(feats)}.")
     weights = weights or {}
     if set(weights) - set(feats):
         raise ValueError(f"weights have unknown features {sorted(set(weights) - set(feats))}; features are "

@@ -130,8 +130,12 @@ def test_raw_ids_in_every_format_read_their_rows_and_never_under_jit():
         jax.jit(lambda t, i: se.serving_lookup(raw, t, i))(served, {"g": np.array([[3], [7]])})
 
 
-def test_weights_of_an_unknown_feature_are_refused():
+def test_ids_and_weights_of_unknown_or_missing_features_are_refused():
     feats, tables, ids, _ = _oov_setup()
+    with pytest.raises(ValueError, match=r"ids have no ids for features \['f'\]; the features are \['f'\]\.$"):
+        se.serving_lookup(feats, tables, {})
+    with pytest.raises(ValueError, match=r"ids have unknown features \['ff'\]; the features"):
+        se.serving_lookup(feats, tables, {**ids, "ff": ids["f"]})
     with pytest.raises(ValueError, match=r"weights have unknown features \['ff'\]; features are \['f'\]"):
         se.serving_lookup(feats, tables, ids, {"ff": np.ones((3, 2), np.float32)})
 
