@@ -98,6 +98,7 @@ class CheckpointManager:
             create=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=item_handlers(write=True))
+        self._closed = False
         if jax.process_index() == 0:  # tables staged by a save that was killed
             for name in os.listdir(self.directory):
                 if name.startswith(STAGING):
@@ -120,6 +121,11 @@ class CheckpointManager:
         the data position and the plan's capacity marks), for an exact resume.
         """
         step = as_step(step, "CheckpointManager.save: step")
+        if step < 0:
+            raise ValueError(f"CheckpointManager.save: step must be >= 0, got {step}.")
+        if self._closed:  # orbax's closed manager would wait forever on the save's background thread
+            raise RuntimeError(f"CheckpointManager.save: the manager of {self.directory} is closed (close(), or the "
+                               "end of its `with` block); open a new one to save (restores still work).")
         # offloaded tables: their `tiers`, flushed at `step` (each store's commit is recorded, docs/offload.md)
         plan, tables, commits = offload_checkpoint.for_save(plan, tables, tiers, step)
         if force:
@@ -218,8 +224,9 @@ class CheckpointManager:
                         read_data(step_dir, info.has_data))
 
     def close(self) -> None:
-        """Waits for pending saves and releases the manager."""
+        """Waits for pending saves and releases the manager (saving after it is an error; restoring works)."""
         self._manager.close()
+        self._closed = True
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -119,6 +119,21 @@ def test_save_steps(static8, tmp_path):
             m.save(4, plan, tables, force=True)
         assert m.save(np.int64(6), plan, tables) and m.save(jnp.int32(7), plan, tables, force=True)
         assert m.all_steps() == [5, 6, 7]
+    with se.CheckpointManager(tmp_path / "fresh", async_save=False) as m:  # was skipped: False, as a saved step
+        for force in (False, True):
+            with pytest.raises(ValueError, match=r"CheckpointManager.save: step must be >= 0, got -1"):
+                m.save(-1, plan, tables, force=force)
+        assert m.all_steps() == []
+
+
+def test_saving_after_close_is_an_error_and_restoring_still_works(static8, tmp_path):
+    """Saving through a closed manager (after its `with` block) waited forever on orbax's background thread."""
+    plan, tables = static8
+    with se.CheckpointManager(tmp_path) as m:
+        assert m.save(1, plan, tables)
+    with pytest.raises(RuntimeError, match=r"CheckpointManager.save: the manager of .* is closed"):
+        m.save(2, plan, tables)
+    assert m.latest_step() == 1 and m.restore(plan).step == 1
 
 
 def test_restore_step_must_be_an_integer(static8, tmp_path):
