@@ -369,6 +369,29 @@ def test_a_table_missing_a_shape_mismatch_and_missing_slots_are_named():
     assert float(fresh["a_b"].slots["accumulator"][0, 0]) == pytest.approx(0.1)  # the spec's initial value
 
 
+@pytest.mark.parametrize("where, value, match", [
+    ("weight", float("nan"), r"Table 'c': TorchRec's model.embedding_bags.c.weight is not finite in 2 row\(s\), the first "
+                             r"row 3: \[[0-9.]+, nan, "),
+    ("weight", float("-inf"), r"Table 'c': .*weight is not finite in 2 row\(s\), the first row 3"),
+    ("momentum", -0.5, r"Table 'c': TorchRec's .*c.momentum1 is not a finite value >= 0 \(a sum of squares\) in 2 "
+                       r"row\(s\), the first row 3: -0.5; fix or reset"),
+    ("momentum", float("nan"), r"Table 'c': .*momentum1 is not a finite value >= 0 .* the first row 3: nan"),
+])
+def test_non_finite_weights_and_negative_accumulators_are_named(where, value, match):
+    """TorchRec keeps them as they are; converted, a NaN row is looked up and trained as NaN, and a negative
+    accumulator makes the row's next update NaN (both were taken silently)."""
+    plan = _plan(opt.RowwiseAdagrad(0.1), 1)
+    state = _state(plan)
+    if where == "weight":
+        state["model"]["embedding_bags.c.weight"][[3, 9], 1] = value
+    else:
+        state["optim"]["state"]["embedding_bags.c.weight"]["c.momentum1"][[3, 9]] = value
+    with pytest.raises(ValueError, match=match):
+        tr.from_torchrec(plan, state)
+    if where == "momentum":  # fresh slots: the weights alone are fine
+        tr.from_torchrec(plan, state, with_optimizer_state=False)
+
+
 def test_an_optimizer_state_for_an_sgd_table_and_an_unconvertible_optimizer_are_refused():
     state = _state(_plan(opt.Adagrad(0.1), 1))
     with pytest.raises(ValueError, match="Table 'a': .*momentum1, but its optimizer SGD keeps no state"):
