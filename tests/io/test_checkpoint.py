@@ -110,6 +110,40 @@ def test_user_pytree_with_optax_state_restores_onto_another_mesh(saved8, tmp_pat
     assert r.user["params"]["w"].devices() == {jax.devices()[3]}
 
 
+def test_saving_small_replicated_user_arrays_compiles_nothing(tmp_path):
+    """orbax's replica-parallel writing sliced each replicated leaf into one piece per device, a program each,
+    compiled at the first save of every process (here: 8 programs for "n", the leaf whose rows divide by 8);
+    small leaves are now written by their first replica. A typed PRNG key (in orbax's array metadata) restores."""
+    plan = se.plan(_specs(), make_mesh(8))
+    replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
+    user = {"w": jnp.arange(1001 * 3, dtype=jnp.float32).reshape(1001, 3), "b": jnp.ones((997, 5), jnp.bfloat16),
+            "n": jnp.arange(8 * 131, dtype=jnp.int32), "key": jax.random.key(3)}
+    user = jax.device_put(user, replicated)
+    tables = se.init_tables(plan, jax.random.key(0))
+    programs = []
+
+    def note(name, secs, **kw):
+        if name.endswith(("backend_compile_duration", "cache_retrieval_time_sec")):
+            programs.append(kw.get("fun_name", name))
+
+    with se.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, plan, tables)  # the tables' programs
+        ckpt.wait()
+        jax.monitoring.register_event_duration_secs_listener(note)
+        try:
+            ckpt.save(2, plan, tables, user=user)
+            ckpt.wait()
+        finally:
+            jax.monitoring.unregister_event_duration_listener(note)
+    assert programs == []
+    target = jax.tree.map(lambda x: jax.device_put(x, replicated), user)
+    with se.CheckpointManager(tmp_path) as ckpt:
+        back = ckpt.restore(plan, user=target).user
+    for k in ("w", "b", "n"):
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(user[k]))
+    np.testing.assert_array_equal(jax.random.key_data(back["key"]), jax.random.key_data(user["key"]))
+
+
 def _train_step(plan, tables, ids, step):
     batch, _ = se.preprocess(plan, ids)
 
