@@ -24,6 +24,11 @@ the new tables to `tx` as gradients and keep optimizer state of table size.
 Raw-id (dynamic) tables: map the batch's ids to rows first, in the same step,
 with `batch, id_maps, id_stats = model.embed.map_ids(batch, id_maps, step)`
 (docs/raw_ids.md); the new ids' rows are initialised in the module's tables.
+
+Checkpoints: save `model.embed.embedding_variables()` as the tables and
+`nnx.state(model, nnx.Not(EmbeddingTable))` as the user pytree; restore
+with `model.embed.set_embedding_variables(restored.tables)` and
+`nnx.update(model, restored.user)` (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from sparse_embed.core.batch import ShardedCooMatrix
 from sparse_embed.core.id_maps import IdMap, IdMapStats, map_ids
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.sharded_lookup import lookup
-from sparse_embed.core.state import EmbeddingVariables
+from sparse_embed.core.state import EmbeddingVariables, check_state
 from sparse_embed.core.tables import init_tables
 
 
@@ -101,12 +106,25 @@ class Embed(nnx.Module):
         """
         batch, tables, id_maps, stats = map_ids(self.plan, batch, self.embedding_variables(), id_maps, step,
                                                 train=train)
+        self.set_embedding_variables(tables)
+        return batch, id_maps, stats
+
+    def set_embedding_variables(self, tables: Mapping[str, EmbeddingVariables]) -> None:
+        """Sets the module's tables and slots to `tables` (`{stack: EmbeddingVariables}`, e.g. the `tables` of
+        `CheckpointManager.restore(plan)`), which must fit the plan (a ValueError naming the stack otherwise).
+
+        A module made with `with_slots=False` (eval) takes the tables and leaves their slots out; a module that
+        trains needs them.
+        """
+        check_state(self.plan, tables)
         for name, v in tables.items():
             held = self.tables[name]
+            if held["slots"] and not v.slots:
+                raise ValueError(f"Stack {name!r}: the module trains, so it needs the optimizer's slots "
+                                 f"{sorted(held['slots'])}, and these tables have none (made for inference?).")
             held["table"].set_value(v.table)
-            for k, a in v.slots.items():
+            for k, a in (v.slots if held["slots"] else {}).items():
                 held["slots"][k].set_value(a)
-        return batch, id_maps, stats
 
 
 class Optimizer(nnx.Optimizer):

@@ -278,3 +278,58 @@ def test_a_model_calling_its_embed_twice_under_grad_is_refused(mesh8):
         nnx.grad(twice)(model, batch)
     first, second = nnx.jit(lambda m, b: (m.embed(b), m.embed(b)))(model, batch)
     assert_trees_equal(first, second)
+
+
+def test_a_checkpointed_model_and_optimizer_restore_into_a_fresh_one_and_train_on_alike(mesh8, tmp_path):
+    """The documented nnx checkpoint: tables from `embedding_variables()`, the rest as the user pytree;
+    restored into a model and optimizer made afresh (other initial values), two more steps equal the run's."""
+    plan = make_plan(mesh8)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch, step):
+        (loss, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, step)
+        optimizer.update(model, grads)
+        return loss
+
+    def dense(model, optimizer):  # the user pytree, replicated over the mesh (the restore target's placement)
+        state = {"model": nnx.state(model, nnx.Not(sen.EmbeddingTable)), "opt": nnx.state(optimizer)}
+        return jax.device_put(state, jax.sharding.NamedSharding(mesh8, jax.sharding.PartitionSpec()))
+
+    model = Tower(plan, nnx.Rngs(0))
+    optimizer = sen.Optimizer(model, optax.adam(0.01))
+    for step in range(2):
+        train_step(model, optimizer, make_batch(plan, step), jnp.int32(step))
+    with se.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(2, plan, model.embed.embedding_variables(), user=dense(model, optimizer))
+    fresh = Tower(plan, nnx.Rngs(7))
+    fresh_opt = sen.Optimizer(fresh, optax.adam(0.01))
+    with se.CheckpointManager(tmp_path) as ckpt:
+        r = ckpt.restore(plan, user=dense(fresh, fresh_opt))
+    fresh.embed.set_embedding_variables(r.tables)
+    nnx.update(fresh, r.user["model"])
+    nnx.update(fresh_opt, r.user["opt"])
+    for step in range(2, 4):
+        want = train_step(model, optimizer, make_batch(plan, step), jnp.int32(step))
+        got = train_step(fresh, fresh_opt, make_batch(plan, step), jnp.int32(step))
+        assert float(got) == float(want)
+    assert_trees_equal(fresh.embed.embedding_variables(), model.embed.embedding_variables())
+    assert_trees_equal(nnx.as_pure(nnx.state(fresh.head)), nnx.as_pure(nnx.state(model.head)))
+
+
+def test_set_embedding_variables_checks_the_tables_and_an_eval_module_takes_no_slots(mesh8):
+    plan = make_plan(mesh8)
+    trained = se.init_tables(plan, jax.random.key(5))
+    ev = sen.Embed(plan, rngs=nnx.Rngs(0), with_slots=False)
+    ev.set_embedding_variables(trained)  # a training state into an eval module: the tables only
+    assert_trees_equal({k: v.table for k, v in ev.embedding_variables().items()},
+                       {k: v.table for k, v in trained.items()})
+    assert all(not v.slots for v in ev.embedding_variables().values())
+    module = sen.Embed(plan, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"Stack 'items': the module trains, so it needs the optimizer's slots "
+                                         r"\['accumulator'\], and these tables have none"):
+        module.set_embedding_variables(se.init_tables(plan, jax.random.key(5), with_slots=False))
+    with pytest.raises(ValueError, match=r"tables do not match the plan: stacks missing \['items'\]"):
+        module.set_embedding_variables({k: v for k, v in trained.items() if k != "items"})
+    wrong = {**trained, "items": trained["items"]._replace(table=trained["items"].table[:-1])}
+    with pytest.raises(ValueError, match=r"Stack 'items': table has shape"):
+        module.set_embedding_variables(wrong)
