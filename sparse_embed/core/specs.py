@@ -167,6 +167,9 @@ class TableSpec:
 
     def __post_init__(self):
         _check_name("Table", self.name)
+        if {"", ".", ".."} & set(self.name.split("/")) or "\0" in self.name:  # a path in checkpoints and exports
+            raise ValueError(f"Table name {self.name!r} cannot name a directory: a table is a directory of its "
+                             "checkpoints (embeddings/<name>/), so no part between slashes may be empty, '.' or '..'.")
         if self.storage is not None:
             _check_storage(self)
         if self.dynamic is not None and not isinstance(self.dynamic, Dynamic):

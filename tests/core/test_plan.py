@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -31,6 +33,15 @@ def test_table_spec_validation(kwargs, match):
     args = dict(name="tbl", vocabulary_size=10, embedding_dim=4) | kwargs
     with pytest.raises(ValueError, match=f"'tbl'.*{match}"):
         se.TableSpec(**args)
+
+
+@pytest.mark.parametrize("name", [".", "..", "a/../b", "a//b", "/a", "a/", "a\0b"])
+def test_a_table_name_that_cannot_be_a_directory_is_refused(name):
+    """A table is a directory of its checkpoints: "." and ".." failed in tensorstore after the save had started
+    ("Invalid file path"), and "a/../b" would have written into table "b"'s directory."""
+    with pytest.raises(ValueError, match=f"Table name {re.escape(repr(name))} cannot name a directory"):
+        se.TableSpec(name, 10, 4)
+    se.TableSpec(name.replace("..", "x").replace(".", "y").strip("/").replace("//", "/").replace("\0", "_"), 10, 4)
 
 
 def test_table_spec_rejects_optax_transform():
