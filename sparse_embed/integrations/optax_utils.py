@@ -41,13 +41,15 @@ def param_labels(params: Any) -> Any:
     return jax.tree.map(lambda x: EMBEDDING if is_embedding(x) else DENSE, params, is_leaf=is_embedding)
 
 
-@jax.tree_util.register_pytree_node_class
 class NewState:
     """An embedding state's update from `optax_tx`: its new value, which `apply_updates` swaps in.
 
-    A pytree node of its own, so that `optax.apply_updates`, which would add
-    the new state to the old one (every row doubled, silently), fails on it
-    with jax's structure error at the table's key path, naming this type.
+    Not a pytree node but an opaque leaf, so that what would corrupt the tables silently fails loudly
+    instead: `optax.apply_updates` (which would add the new state to the old one) with jax's structure error
+    at the table's key path, naming this type; a transform around `optax_tx` or after it in a chain
+    (`optax.MultiSteps`, which emits zero updates between its steps, `optax.scale`, `optax.apply_if_finite`)
+    because arithmetic, `jax.lax.cond` and `jit` outputs take arrays only. Apply it inside the `jit`
+    that computed it.
     """
 
     __slots__ = ("state",)
@@ -57,14 +59,8 @@ class NewState:
 
     def __repr__(self) -> str:
         return ("NewState(an embedding state's new value from sparse_embed.optax_tx: apply it with "
-                "sparse_embed.apply_updates, not optax.apply_updates, which would add it to the old state)")
-
-    def tree_flatten(self):
-        return (self.state,), None
-
-    @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(children[0])
+                "sparse_embed.apply_updates in the jit that computed it; wrap the dense transform in "
+                "MultiSteps / chains, never optax_tx's result)")
 
 
 def _new_states() -> optax.GradientTransformation:
@@ -85,9 +81,11 @@ def optax_tx(dense_tx: optax.GradientTransformation) -> optax.GradientTransforma
     The updates this returns must be applied with `sparse_embed.apply_updates`:
     an embedding update is a `NewState`, on which `optax.apply_updates` (which
     would add the new table to the old one) fails.
-    Wrap `dense_tx`, not the result, in transforms that rewrite updates
-    (`optax.MultiSteps`, `optax.apply_if_finite`): an embedding update is a
-    new state, not a delta, and zeroing it would zero the tables.
+    Put every transform inside `dense_tx` (`optax_tx(optax.chain(clip, adam))`,
+    `optax_tx(optax.MultiSteps(adam, k))`): an embedding update is a new
+    state, not a delta. Around or after `optax_tx` a transform fails on the
+    `NewState`; before it in a chain it would take the new tables for
+    gradients (silently: docs/concepts.md).
     """
     # multi_transform: the name every optax >= 0.2.4 has (later also `optax.partition`).
     return optax.multi_transform({DENSE: dense_tx, EMBEDDING: _new_states()}, param_labels)

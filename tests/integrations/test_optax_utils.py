@@ -116,3 +116,33 @@ def test_an_embedding_update_that_is_not_the_new_state_is_rejected():
     params = {"s": _tiny_embedding()}
     with pytest.raises(TypeError, match=r"must be the EmbeddingVariables that jax.grad returned.*optax_tx"):
         se.apply_updates(params, {"s": {"table": jnp.zeros((6, 2))}})
+
+
+@pytest.mark.parametrize("wrap, match", [
+    (lambda tx: optax.MultiSteps(tx, 2), "NewState"),  # its zero updates between steps zeroed the tables
+    (lambda tx: optax.apply_if_finite(tx, 3), "NewState"),
+    (lambda tx: optax.chain(tx, optax.scale(2.0)), "NewState"),  # scaled the new tables
+], ids=["MultiSteps", "apply_if_finite", "chain_then_scale"])
+def test_a_transform_around_or_after_optax_tx_fails_instead_of_corrupting_the_tables(wrap, match):
+    """optax.MultiSteps(optax_tx(adam)) moved rows no batch had touched (its zeros between steps became the
+    tables), silently; a NewState is an opaque leaf, so what would rewrite one fails."""
+    params = {"emb": {"s": _tiny_embedding()}, "w": jnp.ones(3)}
+    grads = {"emb": {"s": _tiny_embedding()._replace(table=jnp.full((6, 2), 7.0))}, "w": jnp.full(3, 2.0)}
+    tx = wrap(se.optax_tx(optax.adam(0.1)))
+    with pytest.raises(TypeError, match=match):
+        jax.jit(lambda g, st, p: se.apply_updates(p, tx.update(g, st, p)[0]))(grads, tx.init(params), params)
+    plain = se.optax_tx(optax.adam(0.1))
+    with pytest.raises(TypeError, match="NewState"):  # out of the jit that computed it
+        jax.jit(lambda g, st, p: plain.update(g, st, p)[0])(grads, plain.init(params), params)
+
+
+def test_optax_tx_of_multisteps_swaps_the_tables_each_step_and_accumulates_the_dense_grads():
+    params = {"emb": {"s": _tiny_embedding()}, "w": jnp.ones(3)}
+    tx = se.optax_tx(optax.MultiSteps(optax.sgd(1.0), 2))
+    state = tx.init(params)
+    for k in range(2):
+        new = _tiny_embedding()._replace(table=jnp.full((6, 2), float(k)))
+        updates, state = tx.update({"emb": {"s": new}, "w": jnp.full(3, float(k + 1))}, state, params)
+        params = se.apply_updates(params, updates)
+        assert params["emb"]["s"] is new
+        np.testing.assert_array_equal(np.asarray(params["w"]), np.ones(3) if k == 0 else np.full(3, -0.5))
