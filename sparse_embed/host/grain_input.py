@@ -169,9 +169,10 @@ class Loader(Iterator[Prefetched]):
         transform = Preprocess(plan, inputs, device_put=device_put)
         buffer_size = _check_buffer_size(buffer_size)
         state = None if state is None else _checked_state(state)
+        if state is not None:  # before the iterator (mp_prefetch's starts worker processes)
+            _check_batch_sizes(plan, dataset, state)
         iterator = _iterator(dataset)
         if state is not None:
-            _check_batch_sizes(plan, dataset, state)
             for part, restore in (("input", iterator.set_state), ("plan", plan_state.of(plan).restore)):
                 try:
                     restore(copy.deepcopy(state[part]))

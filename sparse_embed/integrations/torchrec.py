@@ -354,7 +354,7 @@ def from_torchrec(plan: EmbeddingPlan, state: Any, *, prefix: str = "",
         if hit is None:
             raise ValueError(f"Table {t.name!r}: no {weight_key!r} in the TorchRec state (prefix {prefix!r}).")
         _check_shape(t.name, hit[0], _shape(hit[1]), (t.vocabulary_size, t.embedding_dim))
-        arrays[t.name] = _checked(t.name, hit[0], _read(*hit), "not finite")
+        arrays[t.name] = _checked(t.name, hit[0], _read(*hit))
         want, momentum = _slot_shape(t), _find(leaves, momentum_key, t.name)
         if want is None and momentum is not None and with_optimizer_state:
             raise ValueError(f"Table {t.name!r}: the TorchRec state has {momentum[0]}, but its optimizer SGD keeps "
@@ -366,20 +366,23 @@ def from_torchrec(plan: EmbeddingPlan, state: Any, *, prefix: str = "",
                              "TorchRec state; pass the fused optimizer's state_dict() too, or "
                              "with_optimizer_state=False for fresh slots.")
         _check_shape(t.name, momentum[0], _shape(momentum[1]), want)
-        acc = _checked(t.name, momentum[0], _read(*momentum), "not a finite value >= 0 (a sum of squares)")
+        acc = _checked(t.name, momentum[0], _read(*momentum), accumulator=True)
         slots[t.name] = {SLOT: acc.reshape(t.vocabulary_size, -1)}
     return stack_tables(plan, arrays, slots)
 
 
-def _checked(table: str, key: str, a: np.ndarray, what: str) -> np.ndarray:
+def _checked(table: str, key: str, a: np.ndarray, *, accumulator: bool = False) -> np.ndarray:
     """`a`, or a ValueError naming the table and its first bad row: a NaN or infinite weight (TorchRec keeps
     one as it is; it would be looked up and trained as NaN), or a negative or non-finite Adagrad accumulator
     (the next update's square root would be NaN)."""
-    bad = ~np.isfinite(a) if what == "not finite" else ~(a >= 0) | ~np.isfinite(a)
+    rows = a.reshape(a.shape[0], -1)
+    bad = ~np.isfinite(rows) | (rows < 0) if accumulator else ~np.isfinite(rows)
     if bad.any():
-        rows = np.flatnonzero(bad.reshape(a.shape[0], -1).any(axis=1))
-        raise ValueError(f"Table {table!r}: TorchRec's {key} is {what} in {rows.size} row(s), the first row "
-                         f"{int(rows[0])}: {a[rows[0]].tolist()}; fix or reset those rows before converting.")
+        which = np.flatnonzero(bad.any(axis=1))
+        what = "not a finite value >= 0 (a sum of squares)" if accumulator else "not finite"
+        raise ValueError(f"Table {table!r}: TorchRec's {key} is {what} in {which.size} row(s), the first row "
+                         f"{int(which[0])} holding {rows[which[0]][bad[which[0]]][0]}; fix or reset those rows "
+                         "before converting.")
     return a
 
 
