@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import jax
 import numpy as np
@@ -62,13 +62,15 @@ class LayoutMap:
 
     Args:
       mesh: the mesh dense params and optimizer state are sharded over.
-      rules: `(pattern, spec)` pairs, tried in order; `spec=None` (or `P()`)
-        replicates, and stops later rules from matching.
+      rules: `(pattern, spec)` pairs, tried in order, or a `{pattern: spec}`
+        mapping (in its order, as Keras' `LayoutMap` keys); `spec=None` (or
+        `P()`) replicates, and stops later rules from matching.
       plan: the `EmbeddingPlan`; needed when the tree holds embedding state,
         which always gets `plan.table_sharding()` (the layout `lookup` needs).
     """
 
-    def __init__(self, mesh: Mesh, rules: Iterable[Rule] = (), *, plan: EmbeddingPlan | None = None):
+    def __init__(self, mesh: Mesh, rules: Iterable[Rule] | Mapping[str, P | None] = (), *,
+                 plan: EmbeddingPlan | None = None):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"LayoutMap: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
         if plan is not None and list(plan.mesh.devices.flat) != list(mesh.devices.flat):
@@ -80,7 +82,7 @@ class LayoutMap:
             )
         self.mesh, self.plan = mesh, plan
         self.rules: list[tuple[re.Pattern, P]] = []
-        for i, rule in enumerate(rules):
+        for i, rule in enumerate(rules.items() if isinstance(rules, Mapping) else rules):
             if not isinstance(rule, (tuple, list)) or len(rule) != 2:
                 raise ValueError(f"LayoutMap rule {i}: expected a (regex, PartitionSpec) pair, got {rule!r}.")
             pattern, spec = rule

@@ -45,6 +45,10 @@ def test_first_matching_rule_wins_and_unmatched_leaves_are_replicated(mesh8):
         "count": P(),
     }
     assert layout.spec_for("decoder/dense/kernel") == P("x", None) and layout.spec_for("nothing") is None
+    # the same rules as a mapping, in its order (Keras' LayoutMap is keyed so): the same shardings
+    as_dict = se.LayoutMap(mesh8, {r"^decoder/.*kernel$": P("x", None), r"kernel$": P(None, "x"),
+                                   r"layers/0$": P(None, ("x",)), r"bias": None})
+    assert _specs(as_dict.shardings(tree)) == _specs(got)
 
 
 class _Model(nn.Module):
