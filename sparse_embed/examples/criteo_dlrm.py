@@ -156,8 +156,13 @@ def _save(ckpt, step: int, plan, tables, id_maps, state: State, loader: sed.Load
     print(f"checkpoint of step {step} saved", flush=True)
 
 
+# A record is a whole batch, and the Loader prepares batches ahead itself: grain's default read-ahead (16 threads,
+# 500 records) would parse hundreds of batches ahead of the loop, a second of CPU at every start and their memory.
+READ = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+
+
 def _dataset(args, source: sed.CriteoSource, train_batches: int):
-    ds = grain.MapDataset.source(source)[:train_batches].shuffle(seed=args.seed).repeat(None).to_iter_dataset()
+    ds = grain.MapDataset.source(source)[:train_batches].shuffle(seed=args.seed).repeat(None).to_iter_dataset(READ)
     return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=args.workers)) if args.workers else ds
 
 

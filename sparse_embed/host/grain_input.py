@@ -1,7 +1,8 @@
 """Input pipelines with grain: `preprocess` as a grain transform, and a loader whose state resumes exactly.
 
     source = se.data.CriteoSource(paths, batch_size=B, vocabulary=V)  # this process's rows of each batch
-    ds = grain.MapDataset.source(source).shuffle(seed=0).repeat(None).to_iter_dataset()
+    read = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)  # records are batches: a few ahead
+    ds = grain.MapDataset.source(source).shuffle(seed=0).repeat(None).to_iter_dataset(read)
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))  # reading and parsing in worker processes
     with se.data.Loader(plan, ds, inputs=se.data.criteo_ids, state=saved) as batches:
         for batch, stats, item in batches:
