@@ -68,6 +68,9 @@ def process_rows(plan, feature: str) -> slice:
     Only valid when the process's positions are contiguous (as they are for
     a mesh built from `jax.devices()` in order); raises otherwise.
     """
+    if not isinstance(feature, str) or feature not in plan.features:
+        raise ValueError(f"process_rows: feature must name one of the plan's features {sorted(plan.features)}, got "
+                         f"{feature!r} (process_slice cuts a whole {{feature: ids}} batch).")
     pos = local_positions(plan)
     if pos != list(range(pos[0], pos[0] + len(pos))):
         raise ValueError(f"This process's devices sit at non-contiguous mesh positions {pos}; "

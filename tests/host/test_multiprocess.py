@@ -155,3 +155,21 @@ def test_raw_id_tables_map_alike_on_two_processes(tmp_path):
     r = se.CheckpointManager(tmp_path / "ckpt").restore(plan)
     for k, v in raw_scenario.contents(plan, r.tables, r.id_maps).items():
         np.testing.assert_allclose(v, want[k], rtol=0, atol=1e-6, err_msg=k)
+
+
+def test_one_process_feeds_every_row_and_a_bad_feature_is_named():
+    """`process_rows` / `process_slice` in the one process of an 8-device mesh: every row, every format (the
+    worker processes above check their own slices against this process's run)."""
+    t = se.TableSpec("t", 30, 4)
+    plan = se.plan([se.FeatureSpec("d", t, 16), se.FeatureSpec("r", t, 16)], make_mesh(8))
+    assert se.distributed.local_positions(plan) == list(range(8))
+    assert se.distributed.process_rows(plan, "d") == slice(0, 16)
+    dense, lengths = np.arange(32).reshape(16, 2) % 30, np.arange(16) % 3
+    got = se.distributed.process_slice(plan, {"d": dense, "r": (np.arange(lengths.sum()) % 30, lengths)})
+    np.testing.assert_array_equal(got["d"], dense)
+    np.testing.assert_array_equal(got["r"][1], lengths)
+    assert got["r"][0].size == lengths.sum()
+    for bad in ({"d": dense}, "zz"):  # was: TypeError: unhashable type: 'dict' / KeyError
+        with pytest.raises(ValueError, match=r"process_rows: feature must name one of the plan's features "
+                                             r"\['d', 'r'\]"):
+            se.distributed.process_rows(plan, bad)
