@@ -211,6 +211,7 @@ class Tiers:
         self._queued: dict[int, Swap] = {}  # planned, not yet run
         self._plan_lock = threading.Lock()  # one batch planned at a time (the cache maps are sequential)
         self._swapped = 0  # swaps run (swap)
+        self._taken = -1  # the last batch a loop took from `prefetch` (its swap must run before the next is taken)
         self._lock = threading.Lock()
         self._evicted: dict[int, dict[str, dict[str, jax.Array]]] = {}  # swap -> table -> evicted device rows
         self._written_through = -1  # every swap up to this one is written back
@@ -565,6 +566,7 @@ class Tiers:
         their swaps run as usual, and what their steps change is written back later.
         """
         self._check_open()
+        self._check_taken_swapped("flush")
         step = step_number(step)
         self.wait()
         out = dict(tables)
@@ -637,6 +639,15 @@ class Tiers:
             t.store.close()
         self._closed = True
 
+    def _check_taken_swapped(self, what: str) -> None:
+        """A batch the loop took from `prefetch` whose swap never ran: its step read cache rows of other ids (a
+        later swap would have run it late, and the loop trained on, silently)."""
+        if self._taken >= self._swapped:
+            raise RuntimeError(f"Tiers ({what}): batch {self._taken} was taken from prefetch but its swap never ran, "
+                               "so its step read the cache rows of other ids: run tables = tiers.swap(tables, "
+                               "item.swap) before the step of every batch taken (also one you skip: a swap changes "
+                               "no values). The tables may be wrong since that step: restore the last checkpoint.")
+
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"This Tiers (tables {sorted(self.tables)}) is closed, and its stores with it: make a "
@@ -650,11 +661,13 @@ class _Timed:
     _tiers: Tiers
 
     def __next__(self) -> TieredItem:
+        self._tiers._check_taken_swapped("prefetch")
         t0 = time.perf_counter()
         item = super().__next__()
         waited = time.perf_counter() - t0
         for t in self._tiers.tables.values():
             t.stats.wait_seconds += waited
+        self._tiers._taken = item.swap.index
         return item
 
 

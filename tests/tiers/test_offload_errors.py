@@ -114,6 +114,28 @@ def test_swap_ahead_of_its_turn(tmp_path):
         tiers.close()
 
 
+@pytest.mark.parametrize("then", ["next", "flush"])
+def test_a_batch_taken_from_prefetch_without_its_swap_is_refused_at_the_next(tmp_path, then):
+    """A loop that forgot `tiers.swap` for one batch trained it on the cache rows of other ids, and the next
+    swap ran the missed one late: the loop went on, silently. Now the next batch (or the flush) refuses."""
+    plan = _plan(_spec(tmp_path / "t"))
+    rng = jax.random.key(0)
+    tiers = se.offload.Tiers(plan, rng)
+    try:
+        tables = se.init_tables(plan, rng)
+        with tiers.prefetch([{"f_t": _ids(i)} for i in range(4)]) as items:
+            tables = tiers.swap(tables, next(items).swap)
+            next(items)  # batch 1: no swap
+            with pytest.raises(RuntimeError, match=r"Tiers \(prefetch\): batch 1 was taken from prefetch but its "
+                                                   r"swap never ran, so its step read the cache rows of other ids"):
+                next(items)
+            if then == "flush":
+                with pytest.raises(RuntimeError, match=r"Tiers \(flush\): batch 1 was taken"):
+                    tiers.flush(tables, 2)
+    finally:
+        tiers.close()
+
+
 # ------------------------------------------------------------------------------ a damaged or foreign store
 def _train_and_flush(path, steps: int = 4, **kw):
     """Trains table "t" (feature "f") a few steps into the store at `path`, flushes; returns `(plan, batches)`."""
