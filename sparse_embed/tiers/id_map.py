@@ -92,6 +92,9 @@ class IdMaps:
         self.swapped = {n: fresh[n] if m is None else self._placed(m, self._shapes[n]) for n, m in saved.items()}
         self.seeds = {n: np.asarray(m.seed.addressable_shards[0].data)[0] for n, m in self.swapped.items()}
         self._latest = self.swapped  # after the last batch planned
+        # a training batch's step is not before the stores' commit nor the last training batch's: the map's
+        # last-use steps would lie in its future (never evicted, never expired), as after a resume at step 0
+        self._floor = max((st.step for st in stores.values() if st.step is not None), default=0)
         self._after: dict[int, dict] = {}  # batch planned, its swap not yet run -> the maps after it
         self.stacks = {n: self.plan.stack_of_table(n)[0] for n in specs}
         self._cache_stacks = {n: plan.stack_of_table(n)[0] for n in specs}
@@ -108,6 +111,10 @@ class IdMaps:
             ) -> tuple[dict[str, Mapped], Any]:
         """Preprocesses and maps the raw-id features of batch `index` (planned in order): `({table: Mapped},
         Stats)`. The maps advance only when `keep(index)` is called (a batch refused later changes nothing)."""
+        if train and step < self._floor:
+            raise ValueError(f"Tables {sorted(self.stacks)}: a training batch at step {step} comes after step "
+                             f"{self._floor} (the stores' last commit, or an earlier batch): steps count up, and after "
+                             "a resume they go on from the restored step (Tiers.prefetch(..., step=restored_step)).")
         batch, stats = preprocess(self.plan, ids, weights or None)
         mapped, maps, id_stats, new = id_lib.map_rows(self.plan, batch, self._latest, step, train=train)
         out = {}
@@ -122,14 +129,15 @@ class IdMaps:
             table_rows = (new_rows * S + np.arange(new_rows.size) // (new_rows.size // S))[given]
             out[name] = Mapped(b, rows, table_rows.astype(np.int64), keys[given],
                                jax.tree.map(lambda x: int(np.asarray(x)), id_stats[s.name]))
-        self._pending = (index, maps)
+        self._pending = (index, maps, step if train else None)
         return out, stats
 
     def keep(self, index: int) -> None:
         """The batch `map` last mapped was planned: its maps are the latest."""
-        at, maps = self._pending
+        at, maps, step = self._pending
         assert at == index, (at, index)
         self._latest = self._after[index] = maps
+        self._floor = self._floor if step is None else max(self._floor, int(step))
 
     def ran(self, index: int) -> None:
         """Batch `index`'s swap ran: the maps as of the swaps run are the ones after it."""
@@ -157,6 +165,7 @@ class IdMaps:
     def save(self, name: str, store: RowStore, step: int | None) -> None:
         """Writes the map of table `name` as of the swaps run (this process's shards) as the store's next commit's
         (call right before `store.commit_step`), and removes those of commits the store no longer keeps."""
+        self._floor = self._floor if step is None else max(self._floor, int(step))
         leaves = [_local(x) for x in jax.tree.leaves(self.swapped[name])]
         meta = {"table": name, "shards": self.plan.num_shards, "process": self.process, "step": step,
                 "crc32": [zlib.crc32(np.ascontiguousarray(x).tobytes()) for x in leaves]}

@@ -306,6 +306,14 @@ def test_bad_input(tmp_path):
             tiers.preprocess(batches(1, tables=SMALL)[0][0])
         with pytest.raises(ValueError, match=r"Feature 'a' \(table 'adagrad'\): id -5 .*out of range"):
             tiers.preprocess({**batches(1, tables=SMALL)[0][0], "a": np.full((B, L), -5, np.int64)}, step=3)
+        # a step before the stores' commit (a resume handed step 0): the map's last uses would lie ahead of it
+        with pytest.raises(ValueError, match=r"Tables \['adagrad'\]: a training batch at step 0 comes after step 3 "
+                                             r"\(the stores' last commit"):
+            tiers.preprocess(batches(1, tables=SMALL)[0][0], step=0)
+        tiers.preprocess(batches(1, tables=SMALL)[0][0], step=0, train=False)  # evaluation: any step
+        tiers.preprocess(batches(1, tables=SMALL)[0][0], step=5)
+        with pytest.raises(ValueError, match=r"a training batch at step 4 comes after step 5"):
+            tiers.preprocess(batches(1, tables=SMALL)[0][0], step=4)
     finally:
         tiers.close()
     spec = plan.tiered_tables["adagrad"]
