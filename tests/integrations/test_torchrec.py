@@ -370,8 +370,8 @@ def test_a_table_missing_a_shape_mismatch_and_missing_slots_are_named():
 
 
 @pytest.mark.parametrize("where, value, match", [
-    ("weight", float("nan"), r"Table 'c': TorchRec's model.embedding_bags.c.weight is not finite in 2 row\(s\), the first "
-                             r"row 3 holding nan; fix or reset those rows"),
+    ("weight", float("nan"), r"Table 'c': TorchRec's model.embedding_bags.c.weight is not finite in 2 "
+                             r"row\(s\), the first row 3 holding nan; fix or reset those rows"),
     ("weight", float("-inf"), r"Table 'c': .*weight is not finite in 2 row\(s\), the first row 3"),
     ("momentum", -0.5, r"Table 'c': TorchRec's .*c.momentum1 is not a finite value >= 0 \(a sum of squares\) in 2 "
                        r"row\(s\), the first row 3 holding -0.5; fix or reset"),
