@@ -107,10 +107,12 @@ def _with_states(iterator) -> Iterator[tuple[Any, Any]]:
         iterator.close()
 
 
+_STATE_PARTS = {"input", "plan", "batch_sizes"}  # a state saved before "batch_sizes" was kept has the first two
+
+
 def _checked_state(state: Any) -> dict:
-    # a state saved before "batch_sizes" was kept has only the first two
-    if not isinstance(state, Mapping) or not {"input", "plan"} <= set(state) <= {"input", "plan", "batch_sizes"} \
-            or not isinstance(state.get("batch_sizes", {}), Mapping):
+    if (not isinstance(state, Mapping) or not {"input", "plan"} <= set(state) <= _STATE_PARTS
+            or not isinstance(state.get("batch_sizes", {}), Mapping)):
         raise ValueError("state must be what Loader.get_state() returned (a dict with 'input', 'plan' and "
                          "'batch_sizes'), got "
                          f"{type(state).__name__}{sorted(state) if isinstance(state, Mapping) else ''}.")
@@ -135,9 +137,10 @@ def _counts_batches(dataset: Any) -> bool:
     return False
 
 
-def _check_batch_sizes(plan: EmbeddingPlan, dataset: Any, state: Mapping) -> None:
-    """A state saved under other batch sizes: ValueError over a `CriteoSource`, else a warning (module doc)."""
-    saved, now = state.get("batch_sizes"), _batch_sizes(plan)
+def _check_batch_sizes(now: dict[str, int], dataset: Any, state: Mapping) -> None:
+    """A state saved under other batch sizes than `now`: ValueError over a `CriteoSource`, else a warning (module
+    doc)."""
+    saved = state.get("batch_sizes")
     if saved is None or saved == now:
         return
     diff = sorted(set(saved) ^ set(now)) or [n for n in now if saved[n] != now[n]]
@@ -170,8 +173,9 @@ class Loader(Iterator[Prefetched]):
         transform = Preprocess(plan, inputs, device_put=device_put)
         buffer_size = _check_buffer_size(buffer_size)
         state = None if state is None else _checked_state(state)
+        self._batch_sizes = _batch_sizes(plan)
         if state is not None:  # before the iterator (mp_prefetch's starts worker processes)
-            _check_batch_sizes(plan, dataset, state)
+            _check_batch_sizes(self._batch_sizes, dataset, state)
         iterator = _iterator(dataset)
         if state is not None:
             for part, restore in (("input", iterator.set_state), ("plan", plan_state.of(plan).restore)):
@@ -181,7 +185,6 @@ class Loader(Iterator[Prefetched]):
                     raise ValueError(f"state must be what Loader.get_state() returned over the same dataset: its "
                                      f"{part!r} could not be restored ({type(e).__name__}: {e}).") from e
         self._state = {"input": iterator.get_state(), "plan": plan_state.of(plan).snapshot()}
-        self._batch_sizes = _batch_sizes(plan)
         self._prefetcher = Prefetcher(functools.partial(_prepare_with_state, transform), _with_states(iterator),
                                       buffer_size)
 

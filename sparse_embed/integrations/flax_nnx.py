@@ -106,7 +106,7 @@ class Embed(nnx.Module):
         """
         batch, tables, id_maps, stats = map_ids(self.plan, batch, self.embedding_variables(), id_maps, step,
                                                 train=train)
-        self.set_embedding_variables(tables)
+        self._set(tables)  # map_ids checked them against the plan
         return batch, id_maps, stats
 
     def set_embedding_variables(self, tables: Mapping[str, EmbeddingVariables]) -> None:
@@ -122,6 +122,12 @@ class Embed(nnx.Module):
             if held["slots"] and not v.slots:
                 raise ValueError(f"Stack {name!r}: the module trains, so it needs the optimizer's slots "
                                  f"{sorted(held['slots'])}, and these tables have none (made for inference?).")
+        self._set(tables)
+
+    def _set(self, tables: Mapping[str, EmbeddingVariables]) -> None:
+        """The values of `tables` into the module's variables, unchecked (a module for eval takes no slots)."""
+        for name, v in tables.items():
+            held = self.tables[name]
             held["table"].set_value(v.table)
             for k, a in (v.slots if held["slots"] else {}).items():
                 held["slots"][k].set_value(a)

@@ -376,7 +376,9 @@ def _checked(table: str, key: str, a: np.ndarray, *, accumulator: bool = False) 
     one as it is; it would be looked up and trained as NaN), or a negative or non-finite Adagrad accumulator
     (the next update's square root would be NaN)."""
     rows = a.reshape(a.shape[0], -1)
-    bad = ~np.isfinite(rows) | (rows < 0) if accumulator else ~np.isfinite(rows)
+    bad = ~np.isfinite(rows)
+    if accumulator:
+        bad |= rows < 0
     if bad.any():
         which = np.flatnonzero(bad.any(axis=1))
         what = "not a finite value >= 0 (a sum of squares)" if accumulator else "not finite"

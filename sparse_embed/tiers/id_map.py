@@ -132,12 +132,17 @@ class IdMaps:
         self._pending = (index, maps, step if train else None)
         return out, stats
 
+    def _raise_floor(self, step: int | None) -> None:
+        """The earliest step a training batch may have from now on: at least `step` (None: unchanged)."""
+        if step is not None:
+            self._floor = max(self._floor, int(step))
+
     def keep(self, index: int) -> None:
         """The batch `map` last mapped was planned: its maps are the latest."""
         at, maps, step = self._pending
         assert at == index, (at, index)
         self._latest = self._after[index] = maps
-        self._floor = self._floor if step is None else max(self._floor, int(step))
+        self._raise_floor(step)
 
     def ran(self, index: int) -> None:
         """Batch `index`'s swap ran: the maps as of the swaps run are the ones after it."""
@@ -165,7 +170,7 @@ class IdMaps:
     def save(self, name: str, store: RowStore, step: int | None) -> None:
         """Writes the map of table `name` as of the swaps run (this process's shards) as the store's next commit's
         (call right before `store.commit_step`), and removes those of commits the store no longer keeps."""
-        self._floor = self._floor if step is None else max(self._floor, int(step))
+        self._raise_floor(step)
         leaves = [_local(x) for x in jax.tree.leaves(self.swapped[name])]
         meta = {"table": name, "shards": self.plan.num_shards, "process": self.process, "step": step,
                 "crc32": [zlib.crc32(np.ascontiguousarray(x).tobytes()) for x in leaves]}
