@@ -40,7 +40,7 @@ from sparse_embed.core.initializers import TruncatedNormal, mix32, seeds, trunca
 from sparse_embed.core.key_set import FREE, KeySet
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state, checked_step
-from sparse_embed.core.tables import check_rng, table_key
+from sparse_embed.core.tables import check_rng, table_seeds
 
 
 class IdMap(NamedTuple):
@@ -120,10 +120,12 @@ def init_id_maps(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, IdMap]:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _init_jit(plan: EmbeddingPlan, rng: jax.Array) -> dict[str, IdMap]:
+    stacks = dynamic_stacks(plan)
+    all_seeds = table_seeds(rng, [s.first.name for s in stacks])
     out = {}
-    for s in dynamic_stacks(plan):
+    for s, one in zip(stacks, all_seeds):
         S, pend = s.num_shards, pending_per_shard(s)
-        seed = jnp.tile(seeds(table_key(rng, s.first.name))[None], (S, 1))
+        seed = jnp.tile(one[None], (S, 1))
         out[s.name] = IdMap(_empty_sets(s.rows_per_shard, S, compact_keys(s)), _empty_sets(pend, S) if pend else None,
                             jnp.zeros((S * pend,), jnp.int32) if pend else None, seed)
     return jax.lax.with_sharding_constraint(out, plan.table_sharding())

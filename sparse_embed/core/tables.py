@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +35,25 @@ def check_rng(rng) -> None:
         raise TypeError(f"rng must be one PRNG key, jax.random.key(seed) (or jax.random.PRNGKey(seed)), got {got}.")
 
 
+def _name_hash(table_name: str) -> int:
+    return zlib.crc32(table_name.encode()) & 0x7FFFFFFF
+
+
 def table_key(rng: jax.Array, table_name: str) -> jax.Array:
     """The init key of one table: independent of stacking, mesh and other tables."""
     check_rng(rng)
-    return jax.random.fold_in(rng, zlib.crc32(table_name.encode()) & 0x7FFFFFFF)
+    return jax.random.fold_in(rng, _name_hash(table_name))
+
+
+def table_seeds(rng: jax.Array, table_names: Sequence[str]) -> jax.Array:
+    """`[len(table_names), 2]` uint32: each table's `seeds(table_key(rng, name))`, the same values computed as one
+    batched hash. Two threefry hashes per table each became a piece of the init program to compile: a plan of
+    dozens of tables compiled its init for seconds."""
+    check_rng(rng)
+    if not table_names:
+        return jnp.zeros((0, 2), jnp.uint32)
+    hashes = jnp.asarray(np.array([_name_hash(n) for n in table_names], np.uint32))
+    return jax.vmap(lambda h: seeds(jax.random.fold_in(rng, h)))(hashes)
 
 
 def natural_table(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array, i: int) -> jax.Array:
@@ -78,9 +93,11 @@ def init_tables(plan: EmbeddingPlan, rng: jax.Array, *, with_slots: bool = True)
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _init_jit(plan: EmbeddingPlan, with_slots: bool, rng: jax.Array) -> dict[str, EmbeddingVariables]:
     """One compiled init per (plan, with_slots); outputs carry the table sharding."""
+    positional = [p.table.name for s in plan.stacks if _is_positional(s) for p in s.tables]
+    seed_of = dict(zip(positional, table_seeds(rng, positional))) if positional else {}
     out = {}
     for s in plan.stacks:
-        table = _positional_stack(plan, s, rng) if _is_positional(s) else _relaid_stack(plan, s, rng)
+        table = _positional_stack(plan, s, seed_of) if _is_positional(s) else _relaid_stack(plan, s, rng)
         out[s.name] = EmbeddingVariables(table, _slot_arrays(s) if with_slots else {})
     return jax.lax.with_sharding_constraint(out, plan.table_sharding())
 
@@ -89,7 +106,7 @@ def _is_positional(stack: StackPlan) -> bool:
     return all(isinstance(p.table.resolved_initializer, TruncatedNormal) for p in stack.tables)
 
 
-def _positional_stack(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array) -> jax.Array:
+def _positional_stack(plan: EmbeddingPlan, stack: StackPlan, seed_of: Mapping[str, jax.Array]) -> jax.Array:
     """The stacked table generated where its rows live: each element from (table key, id, column); padding zero."""
     g = jax.lax.with_sharding_constraint(jnp.arange(stack.array_rows, dtype=jnp.uint32), plan.table_sharding())
     srow = stack_rows(stack, g)  # the stack row each global row holds
@@ -98,7 +115,7 @@ def _positional_stack(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array) -> 
     which = jnp.searchsorted(jnp.asarray(offsets), srow, side="right") - 1
     ids = srow - jnp.asarray(offsets)[which]
     vocab = jnp.asarray(np.array([p.table.vocabulary_size for p in tables], np.uint32))[which]
-    keys = jnp.stack([seeds(table_key(rng, p.table.name)) for p in tables])[which]
+    keys = jnp.stack([seed_of[p.table.name] for p in tables])[which]
     stddev = jnp.asarray(np.array([p.table.resolved_initializer.stddev for p in tables], np.float32))[which]
     values = truncated_normal_rows(keys, ids, stack.embedding_dim, stddev, stack.dtype)
     values = stack.strategy.local_columns(stack, g, values, 0, jnp)  # the columns each global row holds

@@ -68,6 +68,28 @@ def test_init_tables_values_depend_only_on_key_and_name(devices):
         assert sum(int(np.count_nonzero(np.asarray(v.table).any(1))) for v in state.values()) == 1001 + 77 + 40 <= rows
 
 
+@pytest.mark.parametrize("rng", [jax.random.key(5), jax.random.PRNGKey(5)], ids=["typed", "raw"])
+def test_table_seeds_are_each_tables_seeds(rng):
+    names = ["a", "b/c", "d"]
+    want = np.stack([np.asarray(jax.random.bits(core_tables.table_key(rng, n), (2,), jnp.uint32)) for n in names])
+    np.testing.assert_array_equal(core_tables.table_seeds(rng, names), want)
+    assert core_tables.table_seeds(rng, []).shape == (0, 2)
+
+
+def test_init_hashes_its_keys_once_for_any_number_of_tables():
+    """Each table's key hashed apart made init's program (its compile time) grow with the tables: dozens of tables
+    compiled for seconds. Static tables (unstacked) and raw-id tables' maps alike."""
+    def hashes(n: int) -> int:
+        feats = {f"f{i}": se.FeatureSpec(f"f{i}", se.TableSpec(f"t{i}", 30 + i, 4, dynamic=se.Dynamic() if i % 2 else
+                                                                 None), 4) for i in range(n)}
+        plan = se.plan(feats, make_mesh(2), stacking=None)
+        init = lambda k: (se.init_tables(plan, k), se.init_id_maps(plan, k))
+        text = str(jax.make_jaxpr(init)(jax.random.key(0)))
+        return text.count("random_bits") + text.count("random_fold_in")
+
+    assert hashes(2) == hashes(12) == 4  # a fold_in and a bits in each of init_tables and init_id_maps
+
+
 def test_bad_arguments():
     for make in (se.initializers.truncated_normal, se.initializers.TruncatedNormal):
         for bad in (0, -1.0, float("inf"), float("nan"), "0.1", None, True):
