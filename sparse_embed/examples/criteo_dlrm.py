@@ -118,17 +118,20 @@ def evaluate(plan, predict, tables, id_maps, params, source, batches: range) -> 
     return auc(np.concatenate(labels), np.concatenate(scores))
 
 
-def _restore(args, plan, tables, id_maps, state: State):
-    """The last checkpoint of `--checkpoint-dir` if there is one: (tables, id maps, state, step, loader state).
+def _restore(args, plan, key: jax.Array, state: State):
+    """The last checkpoint of `--checkpoint-dir` if there is one, else fresh tables and id maps: (tables, id maps,
+    state, step, loader state). Fresh ones are made only then: a restore needs no tables to restore into, and
+    initialising them first would cost their programs and their memory at every start.
 
     The losses so far come from the step's `data` (float hex, exact), so a run may go on with a larger --steps.
     """
-    if not args.checkpoint_dir:
-        return tables, id_maps, state, 0, None
-    with se.CheckpointManager(args.checkpoint_dir) as ckpt:
-        if ckpt.latest_step() is None:
-            return tables, id_maps, state, 0, None
-        r = ckpt.restore(plan, user={"params": state.params, "opt": state.opt})
+    r = None
+    if args.checkpoint_dir:
+        with se.CheckpointManager(args.checkpoint_dir) as ckpt:
+            if ckpt.latest_step() is not None:
+                r = ckpt.restore(plan, user={"params": state.params, "opt": state.opt})
+    if r is None:
+        return se.init_tables(plan, key), se.init_id_maps(plan, key), state, 0, None
     if r.step > args.steps:
         raise SystemExit(f"{args.checkpoint_dir} is at step {r.step}, past --steps {args.steps}: pass --steps "
                          f"{r.step} or more to go on from it, or another --checkpoint-dir.")
@@ -177,8 +180,7 @@ def train(args, plan, source, train_batches: int):
 
     # replicated: a restore puts it back the same way
     state = jax.jit(initial, out_shardings=NamedSharding(plan.mesh, P()))(key)
-    tables, id_maps, state, start, data = _restore(args, plan, se.init_tables(plan, key), se.init_id_maps(plan, key),
-                                                   state)
+    tables, id_maps, state, start, data = _restore(args, plan, key, state)
     train_step = make_train_step(plan, tx)
     every = args.checkpoint_every or args.steps
     ckpt = se.CheckpointManager(args.checkpoint_dir, max_to_keep=2) if args.checkpoint_dir else None
