@@ -80,14 +80,17 @@ def global_array(plan, x: np.ndarray) -> jax.Array:
 def main(data: str, ckpt_dir: str, losses_path: str, steps: int) -> None:
     plan = make_plan(Mesh(np.array(jax.devices()), ("x",)))
     key = jax.random.key(0)
-    tables, id_maps, dense_state, start, state = se.init_tables(plan, key), se.init_id_maps(plan, key), \
-        init_dense(plan.mesh), 0, None
     ckpt = se.CheckpointManager(ckpt_dir, max_to_keep=2, async_save=False)
-    if ckpt.latest_step() is not None:
-        r = ckpt.restore(plan, user=dense_state)
+    if ckpt.latest_step() is not None:  # tables made only when there is nothing to restore (as the demo)
+        r = ckpt.restore(plan, user=init_dense(plan.mesh))
         tables, id_maps, dense_state, start, state = r.tables, r.id_maps, r.user, r.step, r.data
+    else:
+        tables, id_maps, dense_state, start, state = se.init_tables(plan, key), se.init_id_maps(plan, key), \
+            init_dense(plan.mesh), 0, None
     source = sed.CriteoSource(data, BATCH)
-    dataset = grain.MapDataset.source(source).shuffle(seed=3).repeat(None).to_iter_dataset()
+    # a record is a batch: a few read ahead (grain's default, 500 records on 16 threads, parses the file at start)
+    read = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+    dataset = grain.MapDataset.source(source).shuffle(seed=3).repeat(None).to_iter_dataset(read)
     step_fn = make_step(plan)
     with sed.Loader(plan, dataset, inputs=inputs, state=state) as batches, open(losses_path, "a") as log:
         for step in range(start, steps):
