@@ -3,6 +3,8 @@ made from `get_state()` continues exactly (same batches, same capacities) where 
 
 from __future__ import annotations
 
+import time
+
 import grain
 import jax
 import numpy as np
@@ -110,6 +112,25 @@ def test_preprocess_as_a_grain_map_transform():
     assert p.stats == stats
     with pytest.raises(TypeError, match="plan must be an EmbeddingPlan"):
         sed.Preprocess("plan")
+
+
+def test_a_loader_reads_a_map_dataset_a_few_batches_ahead():
+    """An element is a whole batch and the Loader prepares batches ahead itself: a `MapDataset` given to it is read
+    a few records ahead of the loop (grain's default read hundreds, 500 records on 16 threads, at every start)."""
+    read = []
+
+    class Counting(Source):
+        def __len__(self) -> int:
+            return 200
+
+        def __getitem__(self, i: int) -> dict:
+            read.append(i)
+            return super().__getitem__(i % 12)
+
+    with sed.Loader(make_plan(), grain.MapDataset.source(Counting()), inputs=ids_of, buffer_size=2) as batches:
+        assert int(next(batches).item["i"]) == 0
+        time.sleep(0.5)  # time to read ahead
+        assert 1 <= len(read) <= 16, len(read)
 
 
 def test_loader_bad_arguments():
