@@ -23,6 +23,7 @@ from sparse_embed.raw_ids import IdTable, id_table_contents, load_id_tables
 from sparse_embed.io.restoring import restore_state
 from tests.cases import Failures
 from tests.conftest import make_mesh, require_native
+from tests.lower_isa import on_each_isa
 
 M64 = (1 << 64) - 1
 
@@ -651,12 +652,20 @@ def test_inspect_shows_occupancy_and_verify_checks_the_map(tmp_path, capsys):
     assert not se.verify_checkpoint(tmp_path / "ck").ok
 
 
+@functools.cache
+def _jitted(owner, name: str, static: tuple[int, ...] = ()):
+    """`owner.name` jitted once for the module: the tests that run on each instruction set trace it once."""
+    return jax.jit(getattr(owner, name), static_argnums=static)
+
+
 @pytest.mark.parametrize("compact", [False, True], ids=["wide", "compact"])
 @pytest.mark.parametrize("spread", ["uniform", "clustered", "sequential", "extremes"])
+@on_each_isa
 def test_key_set_finds_exactly_the_keys_it_holds(spread, compact):
     """The per-shard set (directory of buckets + search in one bucket) against a Python dict, over rounds of
     inserts with LRU eviction, for keys spread in different ways; searched by each kernel's `find_keys`
-    and `touch_keys` (the native one where its extension is built; touch against a numpy update of `last`).
+    and `touch_keys` (the native one where its extension is built, on each instruction set; touch against a
+    numpy update of `last`).
     Compact sets (4-byte keys) hold ids below 2**compact_bits(n), here 2**39."""
     from sparse_embed.core import key_set
     from sparse_embed.core.kernels import GENERIC, NATIVE, native_cpu
@@ -677,10 +686,10 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread, compact):
         return gen.choice(np.array([0, 1, top, top - 1, 2**31, 2**32 - 1, 2**32] +
                                    list(gen.integers(0, top, 50))), q)
 
-    insert = jax.jit(lambda s, k, w, step: key_set.insert(s, jnp.int32(n), k, w, jnp.zeros(n, bool), step))
+    insert = _jitted(key_set, "insert")
     kernels = [k for k in (GENERIC, NATIVE) if k is GENERIC or _native_here()]
-    finders = [jax.jit(k.find_keys) for k in kernels]
-    touchers = [jax.jit(k.touch_keys) for k in kernels]
+    finders = [_jitted(k, "find_keys") for k in kernels]
+    touchers = [_jitted(k, "touch_keys") for k in kernels]
 
     def find(s, q):  # every kernel's answer, checked equal
         got = [np.asarray(f(s, q)) for f in finders]
@@ -718,7 +727,7 @@ def test_key_set_finds_exactly_the_keys_it_holds(spread, compact):
         s = touch(s, jnp.full((5, 2), -1, jnp.int32), step, step - 2)  # nothing but free markers
         s = touch(s, words, step, step - 2)
         want = jnp.asarray(np.arange(q) < len(ids)).at[:len(ids)].set(slot < 0)
-        res = insert(s, words, want, jnp.int32(step))
+        res = insert(s, jnp.int32(n), words, want, jnp.zeros(n, bool), jnp.int32(step))
         s, new = res.set, np.asarray(res.slots)
         assert s.sorted_keys.ndim == (1 if compact else 2)
         size, keys, order = int(s.size), np.asarray(key_set.full_keys(s)), np.asarray(s.order)
@@ -857,10 +866,11 @@ def test_native_unique_equals_the_generic_unique_bit_for_bit(spread, q):
 
 
 @pytest.mark.parametrize("q,e", [(1, 10), (7, 0), (300, 1000), (20000, 70000)])  # the last: several chunks
+@on_each_isa
 def test_take_rows_equals_numpy_on_each_kernel(q, e):
     """`take_rows` (each entry's row: `values[index]`, `fill` where the index is outside `[0, Q)` or the value is
     negative, i.e. no row) of the generic and the native kernel against numpy, with negative and too-large indices
-    and negative values, on 1 and on all threads."""
+    and negative values, on 1 and on all threads (on each instruction set)."""
     from sparse_embed.core.kernels import GENERIC, native_cpu
 
     gen = np.random.default_rng(q + e)
@@ -873,7 +883,7 @@ def test_take_rows_equals_numpy_on_each_kernel(q, e):
     kernels = [GENERIC] + ([native_cpu.NativeCpuKernel(), native_cpu.NativeCpuKernel(threads=1)]
                            if _native_here() else [])
     for k in kernels:
-        got = jax.jit(k.take_rows, static_argnums=2)(jnp.asarray(values), jnp.asarray(index), 777)
+        got = _jitted(k, "take_rows", (2,))(jnp.asarray(values), jnp.asarray(index), 777)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=type(k).__name__)
 
 
@@ -921,16 +931,6 @@ def test_touch_hands_entries_their_rows_on_each_kernel():
     if _native_here():
         with pytest.raises(ValueError, match="entries for every set or for none"):
             native_cpu.NativeCpuKernel().touch_keys_many(mixed, jnp.int32(3))
-
-
-def test_native_key_sets_on_each_lower_instruction_set():
-    """The key-set and take_rows tests above again, in a process capped to each instruction set below the CPU's
-    best (last in the file: the capped processes find the programs the tests above compiled in this process's
-    cache; test_kernels.py reruns its kernel tests the same way)."""
-    from lower_isa import rerun_on_each_lower_isa
-
-    require_native("kernel")
-    rerun_on_each_lower_isa(__file__, "key_set_finds_exactly or take_rows", passed_at_least=12)
 
 
 def test_waiting_ids_past_the_pending_capacity_warn_as_waiting_ids_not_live_ones():

@@ -6,11 +6,9 @@ import dataclasses
 import functools
 import os
 import pathlib
-import pickle
 import re
 import subprocess
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +18,7 @@ import pytest
 import sparse_embed as se
 import test_lookup
 from conftest import make_mesh
-from lower_isa import ISAS, cpu_isas, rerun_on_each_lower_isa
+from lower_isa import ISAS, isas_here, on_each_isa
 from sparse_embed import optimizers as opt
 from sparse_embed.core import kernels
 from sparse_embed.core.collectives import kernel_stack
@@ -246,28 +244,16 @@ def _train(kernel, cases: tuple[Case, ...], mesh, *, steps=3, bad_step=None, dim
     return jax.tree.map(np.asarray, (outs, se.unstack_state(plan, tables)))
 
 
-# The generic kernel's results of `_train`, by cases: computed once per process, and handed to the capped processes
-# of the file's last test in a file ($SPARSE_EMBED_TESTS_GENERIC_RESULTS): the generic kernel's programs do not
-# depend on the native kernel's instruction set, so those processes compare their native results with these.
-_GENERIC_ENV = "SPARSE_EMBED_TESTS_GENERIC_RESULTS"
+# The generic kernel's results of `_train`, by cases: computed once per process (its programs do not depend on
+# the native kernel's instruction set: each set's native results are compared with these).
 _GENERIC: dict[str, tuple] = {}
-
-
-@functools.cache
-def _handed_generic_results() -> dict[str, tuple]:
-    path = os.environ.get(_GENERIC_ENV)
-    if not path:
-        return {}
-    with open(path, "rb") as f:
-        return pickle.load(f)
 
 
 def _generic(cases: tuple[Case, ...], devices: int, **kw):
     """`_train` on the generic kernel, for `cases` on `devices` devices (the same inputs every time)."""
     key = repr((cases, devices, sorted(kw.items())))
     if key not in _GENERIC:
-        handed = _handed_generic_results()
-        _GENERIC[key] = handed[key] if key in handed else _train("generic", cases, make_mesh(devices), **kw)
+        _GENERIC[key] = _train("generic", cases, make_mesh(devices), **kw)
     return _GENERIC[key]
 
 
@@ -295,6 +281,7 @@ def _assert_agree(got, want, tolerances: dict[str, tuple]) -> None:
 @needs_native
 @pytest.mark.parametrize("max_norm", [None, 0.4], ids=["plain", "max_norm"])
 @pytest.mark.parametrize("devices", [1, 2], ids=["1dev", "2dev"])  # 1: activations and gradients per feature
+@on_each_isa
 def test_native_agrees_with_generic(max_norm, devices):
     """Every optimizer case of CASES at once (a stack each; one compiled train step on each kernel). Width 8 on
     one device, 32 on two: the native loops for a width known only at run time, and compiled for a common one
@@ -312,6 +299,7 @@ def test_native_agrees_with_generic(max_norm, devices):
 
 @needs_native
 @pytest.mark.parametrize("dim", [16, 64, 128, 24])
+@on_each_isa
 def test_native_agrees_with_generic_at_every_width(dim):
     """Widths the native forward pools in registers (16, 64, 128) and one it does not (24; the others use 8): SGD,
     RowwiseAdagrad with max_norm, and Adagrad on bf16 tables, in one plan."""
@@ -334,6 +322,7 @@ def test_native_bf16_tables_agree_with_generic():
 
 
 @needs_native
+@on_each_isa
 def test_native_skips_nonfinite_rows_like_generic():
     """A NaN cotangent on step 1: every touched row keeps its values on both kernels."""
     cases = tuple((name, None, "float32") for name in ("sgd", "adagrad", "adam"))
@@ -346,9 +335,20 @@ def test_native_skips_nonfinite_rows_like_generic():
 # ---------------------------------------------------------------- instruction sets
 @needs_native
 def test_native_runs_on_the_best_instruction_set_under_the_cap():
-    """The CPU's best instruction set, or the best at or below `$SPARSE_EMBED_NATIVE_ISA`."""
-    cap = ISAS.index(os.environ.get(native_cpu.ISA_ENV) or "avx512")
-    assert native_cpu.isa() == next(i for i in cpu_isas() if ISAS.index(i) >= cap)
+    """The CPU's best instruction set, or the best at or below the cap: `capped_isa` in a block,
+    `$SPARSE_EMBED_NATIVE_ISA` for a whole process (here a fresh one, capped to the baseline)."""
+    assert native_cpu.isa() == isas_here()[0]
+    for cap in ISAS:
+        with native_cpu.capped_isa(cap) as running:
+            assert running == native_cpu.isa() == next(i for i in isas_here() if ISAS.index(i) >= ISAS.index(cap))
+    assert native_cpu.isa() == isas_here()[0]  # the block's cap is lifted at its end
+    with pytest.raises(ValueError, match="cap_isa takes 'avx512', 'avx2', 'baseline' or None, got 'sse4'"):
+        with native_cpu.capped_isa("sse4"):
+            pass
+    env = dict(os.environ, **{native_cpu.ISA_ENV: "baseline"})
+    out = subprocess.run([sys.executable, "-c", "from sparse_embed.core.kernels import native_cpu as n; "
+                          "print(n.isa())"], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["baseline"], out.stderr
 
 
 _MOVES_NOTHING = {"parameter", "custom-call", "get-tuple-element", "bitcast", "tuple"}
@@ -409,6 +409,7 @@ def _big_batch_train(threads: int, optimizer, rows: int = 5000, kernel=None):
 
 @needs_native
 @pytest.mark.parametrize("optimizer", [opt.SGD(0.1), opt.Adagrad(0.1)], ids=["sgd", "adagrad"])
+@on_each_isa
 def test_native_results_do_not_depend_on_the_thread_count(optimizer):
     one = _big_batch_train(1, optimizer)
     assert_trees_equal(_big_batch_train(2, optimizer), one)
@@ -493,6 +494,7 @@ def test_native_huge_pages_back_a_new_table_at_a_freed_tables_address():
 @pytest.mark.parametrize("dim", [64, 8])
 @pytest.mark.parametrize("order", ["sorted", "unsorted"])
 @pytest.mark.parametrize("blocks", [False, True])
+@on_each_isa
 def test_native_forward_of_any_entry_order_matches_numpy(dim, order, blocks):
     """The per-shard forward on hand-made entries: rows in order (chunks own row ranges, rows without entries
     are zero) or shuffled (one chunk, a row's entries in several runs), with padding, against numpy; written
@@ -530,22 +532,3 @@ def test_native_forward_of_any_entry_order_matches_numpy(dim, order, blocks):
             np.add.at(want[d], rows[d][ok], table[cols[d][ok]].astype(np.float64) * vals[d][ok, None])
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
         assert not got[:, 1 - i % 2::2].any()  # rows without entries are zero
-
-
-# ---------------------------------------------------------------- each lower instruction set (the file's last test)
-# Run again in a process capped to each lower instruction set: the kernels against generic and numpy
-# (test_id_maps.py reruns its key-set and take_rows tests the same way).
-_ON_EACH_ISA = ("agrees_with_generic_at_every_width or skips_nonfinite or forward_of_any_entry_order or thread_count"
-                " or best_instruction_set or (agrees_with_generic and 2dev)")
-
-
-@needs_native
-def test_native_agrees_with_generic_on_each_lower_instruction_set():
-    """The kernel tests above again, in a process capped to each instruction set below the CPU's best (last in
-    the file: the capped processes find the programs the tests above compiled in this process's cache, and
-    compare their native results with the generic results the tests above computed here)."""
-    with tempfile.TemporaryDirectory(prefix="sparse_embed_generic_results_") as tmp:
-        handed = os.path.join(tmp, "generic.pkl")
-        with open(handed, "wb") as f:
-            pickle.dump(_GENERIC, f)
-        rerun_on_each_lower_isa(__file__, _ON_EACH_ISA, passed_at_least=18, env={_GENERIC_ENV: handed})

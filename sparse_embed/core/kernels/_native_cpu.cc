@@ -1077,6 +1077,21 @@ static PyObject* handlers(PyObject*, PyObject*) {
 
 static PyObject* native_isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name(process_isa())); }
 
+static PyObject* cap_isa(PyObject*, PyObject* arg) {
+  int cap = -1;
+  if (arg != Py_None) {
+    const char* name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : nullptr;
+    for (Isa isa : {Isa::kBaseline, Isa::kAvx2, Isa::kAvx512})
+      if (name && std::string(name) == isa_name(isa)) cap = static_cast<int>(isa);
+    if (cap < 0) {
+      PyErr_Format(PyExc_ValueError, "cap_isa takes 'avx512', 'avx2', 'baseline' or None, got %R", arg);
+      return nullptr;
+    }
+  }
+  sparse_embed_isa_cap.store(cap, std::memory_order_relaxed);
+  return native_isa(nullptr, nullptr);
+}
+
 static PyObject* optimizers(PyObject*, PyObject*) {
   PyObject* d = PyDict_New();
   if (!d) return nullptr;
@@ -1099,6 +1114,8 @@ static PyMethodDef methods[] = {
     {"handlers", handlers, METH_NOARGS, "handlers() -> {name: PyCapsule of an XLA FFI handler}"},
     {"isa", native_isa, METH_NOARGS,
      "isa() -> 'avx512', 'avx2' or 'baseline': the instruction set of the hot loops in this process"},
+    {"cap_isa", cap_isa, METH_O,
+     "cap_isa(name or None) -> isa(): the hot loops run on no more than `name` from now on (None: no cap)"},
     {"optimizers", optimizers, METH_NOARGS,
      "optimizers() -> {case name: code}: the optimizers the backward has a case for (see Optimizer.native())"},
     {nullptr, nullptr, 0, nullptr},

@@ -1,19 +1,25 @@
 // The instruction set the native kernels' hot loops run on (_native_cpu.cc's forward and update loops,
-// _native_keys.cc's key search), chosen once per process: the best the CPU has (AVX-512, AVX2, the x86-64
-// baseline), or a lower one with $SPARSE_EMBED_NATIVE_ISA=avx2|baseline (tests run each that way). Every choice
-// computes the same values: elementwise IEEE operations, no FMA contraction, reductions in a fixed order.
+// _native_keys.cc's key search): the best the CPU has (AVX-512, AVX2, the x86-64 baseline), chosen once per
+// process, or a lower one with $SPARSE_EMBED_NATIVE_ISA=avx2|baseline, or below the cap `cap_isa()` sets (the
+// tests run the kernels on each set in one process). Every choice computes the same values: elementwise IEEE
+// operations, no FMA contraction, reductions in a fixed order.
 #ifndef SPARSE_EMBED_NATIVE_ISA_H_
 #define SPARSE_EMBED_NATIVE_ISA_H_
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
+
+// The cap `cap_isa()` sets, an `Isa` value (-1: none): one object for every file of the extension (an inline
+// variable), read at each call of a hot loop.
+inline std::atomic<int> sparse_embed_isa_cap{-1};
 
 namespace {
 
 enum class Isa { kBaseline, kAvx2, kAvx512 };
 
 inline Isa process_isa() {
-  static const Isa isa = [] {
+  static const Isa best_here = [] {
     Isa best = Isa::kBaseline;
 #if defined(__x86_64__)
     if (__builtin_cpu_supports("avx512f")) best = Isa::kAvx512;
@@ -25,7 +31,8 @@ inline Isa process_isa() {
     if (cap == "avx2" && best == Isa::kAvx512) return Isa::kAvx2;
     return best;
   }();
-  return isa;
+  const int cap = sparse_embed_isa_cap.load(std::memory_order_relaxed);
+  return cap >= 0 && cap < static_cast<int>(best_here) ? static_cast<Isa>(cap) : best_here;
 }
 
 inline const char* isa_name(Isa isa) {

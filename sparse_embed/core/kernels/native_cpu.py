@@ -44,12 +44,13 @@ jaxlib's FFI headers are there; without it, "auto" picks the generic kernel.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import os
 from types import ModuleType
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -114,10 +115,24 @@ def isa() -> str | None:
     """The instruction set of the native kernel's hot loops in this process: "avx512", "avx2" or "baseline"
     (None: not built).
 
-    The best the CPU has, chosen once per process; `$SPARSE_EMBED_NATIVE_ISA=avx2|baseline` caps it (tests
-    run each). Every choice computes the same values.
+    The best the CPU has, chosen once per process; `$SPARSE_EMBED_NATIVE_ISA=avx2|baseline` caps it, and
+    `capped_isa` caps it inside a block (the tests run each). Every choice computes the same values.
     """
     return None if _extension() is None else _extension().isa()
+
+
+@contextlib.contextmanager
+def capped_isa(isa: str) -> Iterator[str]:
+    """Inside the block, the hot loops of this process run on no more than `isa` ("avx512", "avx2" or
+    "baseline"), as `$SPARSE_EMBED_NATIVE_ISA` caps a process from its start: the tests run the kernels on each
+    instruction set in one process. Yields the set they run on. Every set computes the same values."""
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError("the native CPU kernel is not built: no instruction set to cap.")
+    try:
+        yield ext.cap_isa(isa)
+    finally:
+        ext.cap_isa(None)
 
 
 def native_cases() -> dict[str, int]:
