@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import warnings
@@ -63,6 +64,19 @@ def item_handlers(*, write: bool = False) -> dict[str, ocp.CheckpointHandler]:
 
 
 REPLICA_PARALLEL_MIN_BYTES = 4 << 20
+
+
+class _NoOcdbtMergeNotice(logging.Filter):
+    """orbax's save ends by merging per-process OCDBT files whatever the handler writes, and warns at every save
+    that it found none: the items here are written without OCDBT (`item_handlers`), so that warning says nothing.
+    It, and only it, is dropped from absl's logger (orbax logs through absl)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.pathname.endswith("ocdbt_utils.py") and
+                    str(record.msg).startswith("[process=%s][thread=%s] Skipping merge of OCDBT checkpoints"))
+
+
+logging.getLogger("absl").addFilter(_NoOcdbtMergeNotice())
 
 
 def _user_types() -> ocp.type_handlers.TypeHandlerRegistry:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import shutil
 import signal
@@ -142,6 +143,20 @@ def test_saving_small_replicated_user_arrays_compiles_nothing(tmp_path):
     for k in ("w", "b", "n"):
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(user[k]))
     np.testing.assert_array_equal(jax.random.key_data(back["key"]), jax.random.key_data(user["key"]))
+
+
+def test_saving_a_user_pytree_warns_of_nothing(tmp_path, caplog):
+    """orbax tries to merge per-process OCDBT files at the end of every save, and warned at every save that it
+    found none ("Skipping merge of OCDBT checkpoints"): this library writes without OCDBT, nothing to warn of."""
+    plan = se.plan(_specs(), make_mesh(2))
+    user = jax.device_put({"w": jnp.ones(3)}, jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec()))
+    with caplog.at_level(logging.WARNING), se.CheckpointManager(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, plan, se.init_tables(plan, jax.random.key(0)), user=user)
+            ckpt.wait()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    with se.CheckpointManager(tmp_path) as ckpt:
+        np.testing.assert_array_equal(np.asarray(ckpt.restore(plan, user=user).user["w"]), np.ones(3))
 
 
 def _train_step(plan, tables, ids, step):
