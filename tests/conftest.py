@@ -10,8 +10,7 @@ import warnings
 
 # 8 simulated devices; region-analysis copy insertion keeps the generic kernel's train steps copy-free
 # (sparse_embed.tuning.configure_xla_cpu() adds the same flag). Each added once: pytest-xdist's workers and a test's
-# pytest subprocess inherit the flags already added, and jax's compilation cache key hashes the flags as listed
-# (duplicates too), so that a subprocess handed this process's cache (XLA_CACHE_ENV) finds its programs there.
+# pytest subprocess inherit the flags already added.
 _TEST_XLA_FLAGS = ["--xla_force_host_platform_device_count=8", "--xla_cpu_copy_insertion_use_region_analysis=true"]
 _flags = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _TEST_XLA_FLAGS if f not in _flags])
@@ -32,10 +31,7 @@ from jax.sharding import Mesh  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # One XLA compilation cache for the session, in a fresh directory: many tests build the same programs from
 # fresh closures, and a hit skips XLA's compile (never the tracing). Fresh per run, so no stale entries; this
-# process only (subprocesses compile for themselves: jax's cache files are not written atomically), except
-# that a test running pytest in subprocesses one after another, waiting for each, may hand them its own
-# (XLA_CACHE_ENV): one writer at a time.
-XLA_CACHE_ENV = "SPARSE_EMBED_TESTS_XLA_CACHE"
+# process only (subprocesses compile for themselves: jax's cache files are not written atomically).
 
 
 def _made_cache_dir() -> str:
@@ -50,7 +46,7 @@ def _made_cache_dir() -> str:
     return _XLA_CACHE.name
 
 
-XLA_CACHE_DIR = os.environ.get(XLA_CACHE_ENV) or _made_cache_dir()
+XLA_CACHE_DIR = _made_cache_dir()
 jax.config.update("jax_compilation_cache_dir", XLA_CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -94,7 +94,7 @@ def init_tables(plan: EmbeddingPlan, rng: jax.Array, *, with_slots: bool = True)
 def _init_jit(plan: EmbeddingPlan, with_slots: bool, rng: jax.Array) -> dict[str, EmbeddingVariables]:
     """One compiled init per (plan, with_slots); outputs carry the table sharding."""
     positional = [p.table.name for s in plan.stacks if _is_positional(s) for p in s.tables]
-    seed_of = dict(zip(positional, table_seeds(rng, positional))) if positional else {}
+    seed_of = dict(zip(positional, table_seeds(rng, positional)))
     out = {}
     for s in plan.stacks:
         table = _positional_stack(plan, s, seed_of) if _is_positional(s) else _relaid_stack(plan, s, rng)
