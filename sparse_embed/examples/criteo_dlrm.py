@@ -72,11 +72,16 @@ def logits(plan, params, tables, sparse, dense, step) -> jax.Array:
 
 
 class State(NamedTuple):
-    """The dense state (a checkpoint's user pytree: params, opt) and the losses so far (in its `data`)."""
+    """The dense state: a checkpoint's user pytree."""
 
     params: Any
     opt: Any
-    losses: jax.Array  # [steps] float32, each step's loss (0 for steps not run yet)
+
+
+# Each step's loss stays on the device until this many are pending (or a checkpoint saves them): no sync per step.
+# (Not an array of `--steps` losses in the state: the step's program would then depend on `--steps`, and a run
+# resumed with a larger one would compile it again.)
+LOSSES_PENDING = 100
 
 
 def make_train_step(plan: se.EmbeddingPlan, tx: optax.GradientTransformation):
@@ -88,8 +93,7 @@ def make_train_step(plan: se.EmbeddingPlan, tx: optax.GradientTransformation):
         loss, (g, tables) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params, tables, sparse, dense,
                                                                          labels, step)
         updates, opt = tx.update(g, state.opt, state.params)
-        return tables, id_maps, State(optax.apply_updates(state.params, updates), opt,
-                                      state.losses.at[step].set(loss))
+        return tables, id_maps, State(optax.apply_updates(state.params, updates), opt), loss
 
     return jax.jit(train_step, donate_argnums=(0, 1, 2))
 
@@ -120,8 +124,8 @@ def evaluate(plan, predict, tables, id_maps, params, source, batches: range) -> 
 
 def _restore(args, plan, key: jax.Array, state: State):
     """The last checkpoint of `--checkpoint-dir` if there is one, else fresh tables and id maps: (tables, id maps,
-    state, step, loader state). Fresh ones are made only then: a restore needs no tables to restore into, and
-    initialising them first would cost their programs and their memory at every start.
+    state, step, loader state, losses so far). Fresh ones are made only then: a restore needs no tables to restore
+    into, and initialising them first would cost their programs and their memory at every start.
 
     The losses so far come from the step's `data` (float hex, exact), so a run may go on with a larger --steps.
     """
@@ -131,7 +135,7 @@ def _restore(args, plan, key: jax.Array, state: State):
             if ckpt.latest_step() is not None:
                 r = ckpt.restore(plan, user={"params": state.params, "opt": state.opt})
     if r is None:
-        return se.init_tables(plan, key), se.init_id_maps(plan, key), state, 0, None
+        return se.init_tables(plan, key), se.init_id_maps(plan, key), state, 0, None, []
     if r.step > args.steps:
         raise SystemExit(f"{args.checkpoint_dir} is at step {r.step}, past --steps {args.steps}: pass --steps "
                          f"{r.step} or more to go on from it, or another --checkpoint-dir.")
@@ -139,18 +143,16 @@ def _restore(args, plan, key: jax.Array, state: State):
         if r.data.get(flag, getattr(args, flag)) != getattr(args, flag):
             raise SystemExit(f"{args.checkpoint_dir} was trained with --{flag.replace('_', '-')} {r.data[flag]}: "
                              "resume with it, or use another --checkpoint-dir.")
-    losses = np.zeros(args.steps, np.float32)
-    saved = [float.fromhex(x) for x in r.data["losses"]][:args.steps]
-    losses[:len(saved)] = saved
     print(f"resumed from step {r.step} of {args.checkpoint_dir}")
-    state = State(r.user["params"], r.user["opt"], jax.device_put(losses, state.losses.sharding))
-    return r.tables, r.id_maps, state, r.step, r.data["loader"]
+    losses = [float.fromhex(x) for x in r.data["losses"]]
+    return r.tables, r.id_maps, State(r.user["params"], r.user["opt"]), r.step, r.data["loader"], losses
 
 
-def _save(ckpt, step: int, plan, tables, id_maps, state: State, loader: sed.Loader, args) -> None:
-    """Step `step`: tables, id maps, dense state; the loader's state, the losses so far, the seed and the batch
-    size as `data`."""
-    losses = [float(x).hex() for x in np.asarray(state.losses)[:step]]
+def _save(ckpt, step: int, plan, tables, id_maps, state: State, losses: list[float], loader: sed.Loader,
+          args) -> None:
+    """Step `step`: tables, id maps, dense state; the loader's state, the losses so far (`step` of them), the
+    seed and the batch size as `data`."""
+    losses = [float(x).hex() for x in losses]
     if not ckpt.save(step, plan, tables, id_maps=id_maps or None, user={"params": state.params, "opt": state.opt},
                      data={"loader": loader.get_state(), "losses": losses, "seed": args.seed,
                            "batch_size": args.batch_size}):
@@ -176,25 +178,30 @@ def train(args, plan, source, train_batches: int):
 
     def initial(key):  # one program, not an eager op (and a compile) per layer and slot
         params = init_params(key, args.embedding_dim)
-        return State(params, tx.init(params), jnp.zeros(args.steps, jnp.float32))
+        return State(params, tx.init(params))
 
     # replicated: a restore puts it back the same way
     state = jax.jit(initial, out_shardings=NamedSharding(plan.mesh, P()))(key)
-    tables, id_maps, state, start, data = _restore(args, plan, key, state)
+    tables, id_maps, state, start, data, losses = _restore(args, plan, key, state)
     train_step = make_train_step(plan, tx)
     every = args.checkpoint_every or args.steps
     ckpt = se.CheckpointManager(args.checkpoint_dir, max_to_keep=2) if args.checkpoint_dir else None
     began = time.perf_counter()
     with sed.Loader(plan, _dataset(args, source, train_batches), inputs=sed.criteo_ids, state=data) as batches:
+        pending = []
         for step in range(start, args.steps):
             sparse, _, b = next(batches)
-            tables, id_maps, state = train_step(tables, id_maps, state, sparse, _rows(plan, b.dense),
-                                                _rows(plan, b.labels), jnp.int32(step))
-            if ckpt is not None and ((step + 1) % every == 0 or step + 1 == args.steps):
-                _save(ckpt, step + 1, plan, tables, id_maps, state, batches, args)
+            tables, id_maps, state, loss = train_step(tables, id_maps, state, sparse, _rows(plan, b.dense),
+                                                      _rows(plan, b.labels), jnp.int32(step))
+            pending.append(loss)
+            save = ckpt is not None and ((step + 1) % every == 0 or step + 1 == args.steps)
+            if save or len(pending) == LOSSES_PENDING or step + 1 == args.steps:
+                losses, pending = losses + [float(x) for x in jax.device_get(pending)], []
+            if save:
+                _save(ckpt, step + 1, plan, tables, id_maps, state, losses, batches, args)
     if ckpt is not None:
         ckpt.close()
-    return tables, id_maps, state, start, time.perf_counter() - began
+    return tables, id_maps, state, losses, start, time.perf_counter() - began
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -210,8 +217,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{len(jax.devices())} device(s), {source}, {args.steps} steps, {held_out} batches held out; "
           f"{'hashed' if args.hashed else 'raw-id'} tables of {args.table_rows} rows")
     print(describe_kernels(plan))
-    tables, id_maps, state, start, seconds = train(args, plan, source, len(source) - held_out)
-    losses = np.asarray(state.losses)
+    tables, id_maps, state, losses, start, seconds = train(args, plan, source, len(source) - held_out)
+    losses = np.asarray(losses, np.float32)
     eval_auc = evaluate(plan, make_predict(plan), tables, id_maps, state.params, source,
                         range(len(source) - held_out, len(source)))
     ran = args.steps - start
