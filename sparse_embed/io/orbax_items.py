@@ -69,7 +69,8 @@ REPLICA_PARALLEL_MIN_BYTES = 4 << 20
 class _NoOcdbtMergeNotice(logging.Filter):
     """orbax's save ends by merging per-process OCDBT files whatever the handler writes, and warns at every save
     that it found none: the items here are written without OCDBT (`item_handlers`), so that warning says nothing.
-    It, and only it, is dropped from absl's logger (orbax logs through absl)."""
+    It, and only it, is dropped from absl's logger (orbax logs through absl), for the whole process: orbax logs it
+    for any save that had nothing to merge, and merges nothing then either."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.pathname.endswith("ocdbt_utils.py") and
