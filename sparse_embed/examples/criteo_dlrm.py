@@ -196,7 +196,8 @@ def train(args, plan, source, train_batches: int):
             pending.append(loss)
             save = ckpt is not None and ((step + 1) % every == 0 or step + 1 == args.steps)
             if save or len(pending) == LOSSES_PENDING or step + 1 == args.steps:
-                losses, pending = losses + [float(x) for x in jax.device_get(pending)], []
+                losses += [float(x) for x in jax.device_get(pending)]
+                pending = []
             if save:
                 _save(ckpt, step + 1, plan, tables, id_maps, state, losses, batches, args)
     if ckpt is not None:
