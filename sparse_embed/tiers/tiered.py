@@ -523,12 +523,14 @@ class Tiers:
                 return
             index, per_table = job
             try:
+                if self._error is not None:  # a write failed: the later ones are dropped, not waited for forever
+                    continue
                 for name, (rows, evicted) in per_table.items():
                     if rows.size:
                         self._write_back(self.tables[name], rows, evicted)
             except BaseException as e:  # noqa: BLE001 - handed to the loop's thread
                 self._error = e
-                return
+                continue
             finally:
                 self._writes.task_done()
             with self._lock:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -448,3 +449,45 @@ def test_a_store_reopened_with_another_key_or_initializer_is_refused(tmp_path):
             open_other()
     assert se.offload.store_state(spec, jax.random.key(0))["table"].shape == (spec.vocabulary_size, D)
     se.offload.Tiers(plan, jax.random.key(0)).close()
+
+
+def test_a_failed_write_back_is_raised_by_flush_not_waited_for_forever(tmp_path):
+    """A write-back that fails (a full disk) while later swaps' write-backs are queued: `flush` raises the
+    failure (it waited forever on the queued ones), and so does the next swap."""
+    plan = _plan(_spec(tmp_path / "t", cache_rows=16))
+    rng = jax.random.key(0)
+    tiers = se.offload.Tiers(plan, rng)
+    store, write, calls, release = tiers.tables["t"].store, tiers.tables["t"].store.write, [], threading.Event()
+
+    def failing(rows, values):  # the first write-back fails once the loop has queued the later ones
+        calls.append(rows.size)
+        if len(calls) == 1:
+            release.wait(60)
+            raise OSError(28, "No space left on device")
+        return write(rows, values)
+
+    store.write = failing
+    try:
+        tables, step = se.init_tables(plan, rng), train_step(plan)
+        batches = [tiers.preprocess({"f_t": _ids(*range(16 * i, 16 * i + 16))})[::2] for i in range(4)]
+        for i, (batch, swap) in enumerate(batches[:3]):  # each evicts the last one's rows: a write-back each
+            _, tables = step(tiers.swap(tables, swap), batch, i)
+        release.set()
+        result = {}
+
+        def flush():
+            try:
+                tiers.flush(tables, 3)
+            except RuntimeError as e:
+                result["error"] = e
+
+        waiter = threading.Thread(target=flush, daemon=True)
+        waiter.start()
+        waiter.join(60)
+        assert not waiter.is_alive(), "flush waited forever on the write-backs queued after the failed one"
+        assert "writing evicted rows back to the store failed" in str(result["error"])
+        assert isinstance(result["error"].__cause__, OSError) and calls
+        with pytest.raises(RuntimeError, match="writing evicted rows back to the store failed"):
+            tiers.swap(tables, batches[3][1])
+    finally:
+        tiers.close()
