@@ -194,7 +194,11 @@ class CheckpointManager:
             with the shardings to restore into); None skips it.
           allow_vocab_growth: allow tables with a larger vocabulary than saved;
             new rows get the initializer (from `rng`) and fresh slots.
+
+        Saves of this manager still in progress are waited for first (a step
+        just saved is restored, not reported missing).
         """
+        self.wait()  # a save of this manager still in progress is part of what there is to restore
         kwargs = dict(user=user, allow_vocab_growth=allow_vocab_growth, rng=rng)
         if step is not None:
             return self._restore(plan, self._step_dir(step), **kwargs)

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -265,6 +266,20 @@ def test_max_to_keep_latest_step_and_interval(tmp_path):
         assert ckpt.all_steps() == [4, 6] and ckpt.latest_step() == 6
         assert ckpt.info().step == 6 and ckpt.info().num_shards == 2
 
+
+
+def test_a_step_just_saved_restores_without_waiting_first(tmp_path):
+    """`restore` right after an asynchronous `save` of the same manager restores that step (it reported it
+    missing: "No step 4 ...; complete steps are [2]"): saves in progress are waited for first."""
+    plan = se.plan(_specs(), make_mesh(1))
+    state = se.init_tables(plan, jax.random.key(0))
+    with se.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(2, plan, state)
+        later = jax.tree.map(lambda x: x + 1, state)
+        ckpt.save(4, plan, later)
+        r = ckpt.restore(plan)
+    assert r.step == 4
+    chex.assert_trees_all_equal(se.unstack_state(plan, r.tables), se.unstack_state(plan, later))
 
 _CHILD = textwrap.dedent("""
     import os, sys, time
