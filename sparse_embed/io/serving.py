@@ -24,6 +24,9 @@ follow a per-table policy, as a serving parameter server's default vector:
   combiner, as a default vector of zeros would);
 - a `[dim]` array: the id looks up that default vector.
 
+A default vector is read as given: `max_norm` clips the table's rows, not
+it (as `lookup` reads a raw-id table's `Dynamic.default`).
+
 Example (export, serialise, reload, run):
 
     >>> import jax, numpy as np, sparse_embed as se
@@ -132,7 +135,8 @@ def _take(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 def _rows(table: jax.Array, dim: int, ids: jax.Array, oov: Any, max_norm: float | None) -> jax.Array:
-    """Looked-up rows `[N, dim]`: f32 (quantized ones dequantized), OOV ids replaced per policy, clipped to max_norm."""
+    """Looked-up rows `[N, dim]`: f32 (quantized ones dequantized), clipped to max_norm, OOV ids replaced per
+    policy (a default vector is read as given, unclipped: `lookup` adds a raw-id table's default so)."""
     vocab = table.shape[0]
     in_vocab = (ids >= 0) & (ids < vocab)
     rows = _take(table, jnp.where(in_vocab, ids, 0))
@@ -141,10 +145,9 @@ def _rows(table: jax.Array, dim: int, ids: jax.Array, oov: Any, max_norm: float 
         default = jnp.full((dim,), jnp.nan if oov == "error" else 0.0, jnp.float32)
     else:
         default = jnp.asarray(oov, jnp.float32)
-    rows = jnp.where(in_vocab[:, None], rows, default[None, :])
     if max_norm is not None:
         rows = rows * pooling.max_norm_scale(rows, max_norm, jnp)[0]
-    return rows
+    return jnp.where(in_vocab[:, None], rows, default[None, :])
 
 
 def _resolve_oov(oov: Any, table: str, dim: int) -> Any:

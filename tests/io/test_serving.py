@@ -130,6 +130,27 @@ def test_raw_ids_in_every_format_read_their_rows_and_never_under_jit():
         jax.jit(lambda t, i: se.serving_lookup(raw, t, i))(served, {"g": np.array([[3], [7]])})
 
 
+@pytest.mark.parametrize("dtype", [None, "int8"])
+def test_a_raw_id_tables_default_vector_is_served_as_lookup_reads_it_under_max_norm(tmp_path, dtype):
+    """`max_norm` clips the table's rows, not the default vector of ids without a row: `lookup` adds the
+    default unclipped, and serving did clip it ([0.6, 0.8] for a default of [3, 4] under max_norm 1)."""
+    users = se.TableSpec("users", 8, 2, combiner="sum", max_norm=1.0, dynamic=se.Dynamic(default=(3.0, 4.0)))
+    plan = se.plan([se.FeatureSpec("u", users, 2)], make_mesh(1))
+    key = jax.random.key(0)
+    tables, maps = se.init_tables(plan, key), se.init_id_maps(plan, key)
+    batch = se.preprocess(plan, {"u": np.array([[5], [6]], np.int64)})[0]
+    _, tables, maps, _ = se.map_ids(plan, batch, tables, maps, 0)  # ids 5 and 6 get rows; 777 has none
+    ids = {"u": np.array([[777], [5]], np.int64)}
+    b = se.map_ids(plan, se.preprocess(plan, ids)[0], tables, maps, 1, train=False)[0]
+    want = np.asarray(se.lookup(plan, b, tables, 1)["u"])
+    np.testing.assert_array_equal(want[0], [3.0, 4.0])  # the default, whole (its norm is 5)
+    assert 0 < np.linalg.norm(want[1]) <= 1 + 1e-6
+    se.export_serving(str(tmp_path / "served"), plan, tables, id_maps=maps, dtype=dtype)
+    arrays, specs = se.load_serving(str(tmp_path / "served"))
+    got = np.asarray(se.serving_lookup([se.FeatureSpec("u", specs["users"], 2)], arrays, ids)["u"])
+    np.testing.assert_array_equal(got[0], [3.0, 4.0])
+    np.testing.assert_allclose(got[1], want[1], atol=0 if dtype is None else 0.01)
+
 def test_ids_and_weights_of_unknown_or_missing_features_are_refused():
     feats, tables, ids, _ = _oov_setup()
     with pytest.raises(ValueError, match=r"ids have no ids for features \['f'\]; the features are \['f'\]\.$"):
