@@ -39,7 +39,7 @@ from sparse_embed.core.tables import unstack_tables
 from sparse_embed.host.ids import canonical, flattened
 from sparse_embed.io import delta_file
 from sparse_embed.io.ckpt_format import resolve
-from sparse_embed.io.convert import serving_rows
+from sparse_embed.io.convert import check_not_offloaded, serving_rows
 from sparse_embed.io.id_checkpoint import IDS_KEY
 from sparse_embed.io.id_tables import id_table_contents, live_at
 from sparse_embed.io.orbax_items import read_info
@@ -226,6 +226,7 @@ def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapp
     tables to the host as `export_serving` does; writes only their touched rows.
     `step`: as `export_serving`'s (the ids of a raw-id table expired at `step` leave the served copy).
     """
+    check_not_offloaded(plan, "export_delta")
     raw_names = sorted(t.name for t in plan.tables.values() if t.dynamic is not None)
     if raw_names and id_maps is None:
         raise ValueError(f"The plan has raw-id tables {raw_names}: pass export_delta(..., id_maps=id_maps).")

@@ -57,7 +57,24 @@ def _dtype(dtype) -> str | None:
         if dtype not in DTYPES:
             raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(DTYPES)}.")
         dtype = DTYPES[dtype]
-    return dtype if dtype in BITS else np.dtype(dtype).name
+    if dtype in BITS:
+        return dtype
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in DTYPES:  # a dtype object names one of them too (float64 would be written, then fail its checksum)
+        raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(DTYPES)}.")
+    return name
+
+
+def check_not_offloaded(plan: EmbeddingPlan, what: str) -> None:
+    """Raises unless no table of `plan` is offloaded: such a table's array holds its cache's rows (a cache slot's
+    row, not row i), and the table itself is in its store."""
+    if plan.tiered_tables:
+        raise ValueError(f"{what}: tables {sorted(plan.tiered_tables)} are offloaded: their arrays hold their caches' "
+                         "rows, the tables are in their stores. Serve them from their stores "
+                         "(sparse_embed.offload.StoreServer, docs/offload.md).")
 
 
 def serving_rows(a: np.ndarray, dtype: str | None, table: str, names: np.ndarray | None = None,
@@ -126,6 +143,7 @@ def export_serving(path: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping
     with `step`, without the ids a lookup at `step` finds expired.
     """
     check_state(plan, tables)
+    check_not_offloaded(plan, "export_serving")
     dtype = _dtype(dtype)
     raw = {s.first.name for s in plan.stacks if s.dynamic is not None}
     if raw and id_maps is None:

@@ -180,8 +180,12 @@ def test_bad_dtype_damaged_file_and_wrong_table_are_refused(tmp_path):
     feats = {n: f for n, f in _features().items() if "sum_pooled" in n}
     plan = se.plan(feats, make_mesh(1))
     state = se.init_tables(plan, jax.random.key(1))
-    with pytest.raises(ValueError, match="Unknown dtype 'int3'"):
-        se.export_serving(tmp_path / "bad", plan, state, dtype="int3")
+    for bad in ("int3", np.float64, jnp.float8_e4m3fn, "float64", object):  # objects too: float64 was written,
+        with pytest.raises(ValueError, match="Unknown dtype"):               # then failed its checksum on load
+            se.export_serving(tmp_path / "bad", plan, state, dtype=bad)
+        assert not (tmp_path / "bad").exists()
+    se.export_serving(tmp_path / "f16", plan, state, dtype=np.float16)  # a dtype object of an offered one
+    assert se.load_serving(tmp_path / "f16")[1][next(iter(feats.values())).table.name].dtype == jnp.float16
     tables, specs = _served(tmp_path / "s", plan, state, "int4")
     name = next(iter(tables))
     chunks = [p for p in (tmp_path / "s" / "embeddings").rglob("*") if p.is_file() and "/c/" in str(p)]

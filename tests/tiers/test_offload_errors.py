@@ -491,3 +491,19 @@ def test_a_failed_write_back_is_raised_by_flush_not_waited_for_forever(tmp_path)
             tiers.swap(tables, batches[3][1])
     finally:
         tiers.close()
+
+
+def test_exporting_an_offloaded_table_for_serving_is_refused(tmp_path):
+    """Its array holds the cache's rows (a slot's row, not row i): `export_serving` wrote them as a 64-row table
+    ids 0-63 read, silently; `export_delta` too. Both refuse, pointing to the store."""
+    plan = _plan(_spec(tmp_path / "t"))
+    tables = se.init_tables(plan, jax.random.key(0))
+    match = r"tables \['t'\] are offloaded: .*StoreServer"
+    with pytest.raises(ValueError, match="export_serving: " + match):
+        se.export_serving(tmp_path / "served", plan, tables, dtype="int8")
+    assert not (tmp_path / "served").exists()
+    in_memory = se.plan([se.FeatureSpec("f_t", se.TableSpec("t", V, D, optimizer=se.optimizers.SGD(0.1)), B)],
+                        make_mesh(1))
+    se.export_serving(tmp_path / "base", in_memory, se.init_tables(in_memory, jax.random.key(0)))
+    with pytest.raises(ValueError, match="export_delta: " + match):
+        se.serving.export_delta(tmp_path / "deltas", plan, tables, se.serving.Changes.since(tmp_path / "base"))
