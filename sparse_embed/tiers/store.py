@@ -246,14 +246,28 @@ class RowStore:
         meta_path = os.path.join(self.path, "tier.json")
         table = self.table
         if not os.path.exists(meta_path):
+            left = sorted(os.path.relpath(os.path.join(d, n), self.path) for d, _, names in os.walk(self.path)
+                          for n in names)
+            left = [n for n in left if n not in ("lock", "tier.json.tmp", os.path.join("records", "zarr.json"))]
+            if left:  # a store whose commit record is lost: starting it over would drop its trained rows, silently
+                raise CorruptStoreError(f"Table {table.name!r}: the store at {self.path!r} has no tier.json (its "
+                                        f"commit record) but holds a store's files ({', '.join(left[:4])}"
+                                        f"{', ...' if len(left) > 4 else ''}): restore the directory from a backup or "
+                                        "a checkpoint, or remove it to start the table over.")
             _write_json(os.path.join(self.path, "records", "zarr.json"), _zarr_json(shape))
             first = _new_id()
             meta = {**_spec_json(table), "step": None, "commit": 0, "id": first,
                     "history": [{"commit": 0, "id": first, "step": None}], **self._init_json()}
             _write_json(meta_path, meta)
             return meta
-        with open(meta_path) as f:
-            meta = json.load(f)
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+            if not isinstance(meta, dict):
+                raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptStoreError(f"Table {table.name!r}: the store's tier.json at {meta_path!r} is damaged "
+                                    f"({type(e).__name__}: {e}).") from None
         want = _spec_json(table)
         got = {k: meta.get(k, want[k] if k == "raw_ids" else None) for k in want}  # (raw_ids: older stores lack it)
         if got != want:

@@ -507,3 +507,31 @@ def test_exporting_an_offloaded_table_for_serving_is_refused(tmp_path):
     se.export_serving(tmp_path / "base", in_memory, se.init_tables(in_memory, jax.random.key(0)))
     with pytest.raises(ValueError, match="export_delta: " + match):
         se.serving.export_delta(tmp_path / "deltas", plan, tables, se.serving.Changes.since(tmp_path / "base"))
+
+
+@pytest.mark.parametrize("damage", ["lost", "empty", "garbage", "a list"])
+def test_a_lost_or_damaged_tier_json_is_a_corrupt_store_naming_the_table(tmp_path, damage):
+    """A store without its tier.json (its commit record) was silently started over, its trained rows dropped
+    (and its logs removed); a damaged one raised a bare JSONDecodeError. Both are a CorruptStoreError naming the
+    table, and the store's files are left as they were."""
+    plan, _ = _train_and_flush(tmp_path)
+    meta = tmp_path / "t" / "tier.json"
+    if damage == "lost":
+        meta.unlink()
+    else:
+        meta.write_text({"empty": "", "garbage": "{not json", "a list": "[1, 2]"}[damage])
+    files = sorted(p.relative_to(tmp_path) for p in (tmp_path / "t").rglob("*"))
+    match = r"Table 't': the store" + (r" at .* has no tier.json .* holds a store's files" if damage == "lost"
+                                       else r"'s tier.json at .* is damaged")
+    with pytest.raises(se.offload.CorruptStoreError, match=match):
+        se.offload.Tiers(plan, jax.random.key(0))
+    with pytest.raises(se.offload.CorruptStoreError if damage != "lost" else FileNotFoundError,
+                       match=match if damage != "lost" else r"Table 't': there is no store at .* \(no tier.json\)"):
+        se.offload.store_state(plan.tiered_tables["t"], jax.random.key(0))
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "t").rglob("*")) == files
+
+
+def test_a_store_directory_made_beforehand_is_a_new_store(tmp_path):
+    (tmp_path / "t").mkdir()  # empty: a new store, as a path that is not there
+    se.offload.Tiers(_plan(_spec(tmp_path / "t")), jax.random.key(0)).close()
+    assert (tmp_path / "t" / "tier.json").exists()
