@@ -226,8 +226,8 @@ class StoreServer:
         self.refresh_seconds, self.retries, self.retry_seconds = refresh_seconds, int(retries), float(retry_seconds)
         self.read_threads = max(1, int(read_threads))
         self._readers: ThreadPoolExecutor | None = None  # started by the first lookup that needs it
-        self.cache = _RowCache(self.vocabulary_size, self.embedding_dim,
-                               self.cache_bytes // (4 * self.embedding_dim + 9))
+        self.cache = _RowCache(self.vocabulary_size, self.embedding_dim,  # (never more rows than the table has)
+                               min(self.cache_bytes // (4 * self.embedding_dim + 9), self.vocabulary_size))
         self._lock = threading.Lock()  # the cache, the bitmap, the counters
         self._refreshing = threading.Lock()  # one refresh at a time
         self._stats = ServingStats()

@@ -114,6 +114,7 @@ def test_lookups_equal_the_stored_rows_and_rows_never_written_read_the_default(t
             s = server.stats()
             assert s.not_found == 2 * (~written[ids] & (ids >= 0)).sum() and s.padding == 2 * (ids == -1).sum()
             assert s.commit == 1 and s.step == 6 and s.cached_rows == np.unique(ids[(ids >= 0) & written[ids]]).size
+            assert server.cache.capacity == V  # 1 MiB holds more rows than the table has: no memory for them
 
 
 def test_hits_misses_and_reads_are_counted_exactly(tmp_path):
