@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.relayout import TABLE_KEY
 from sparse_embed.core.row_swap import cache_positions, initial_rows, swap_rows, write_rows
-from sparse_embed.core.specs import TableSpec
+from sparse_embed.core.specs import FeatureSpec, TableSpec
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import table_key
 from sparse_embed.host import ids as ids_lib
@@ -130,6 +130,17 @@ def _padded(a: np.ndarray, n: int, fill: Any) -> np.ndarray:
     out = np.full((n,) + a.shape[1:], fill, a.dtype)
     out[:a.shape[0]] = a
     return out
+
+
+def _past_length(f: FeatureSpec, c: ids_lib.CanonicalIds) -> np.ndarray | None:
+    """Where a sequence feature's canonical ids lie past its `max_sequence_length` (the lookup truncates them:
+    they must take no cache row), shaped as `c.ids`; None when none can."""
+    L = f.max_sequence_length
+    if not f.is_sequence or (c.dense and c.ids.shape[1] <= L) or (not c.dense and (c.lengths <= L).all()):
+        return None
+    if c.dense:
+        return np.broadcast_to(np.arange(c.ids.shape[1]) >= L, c.ids.shape)
+    return np.arange(c.ids.size) - np.repeat(np.cumsum(c.lengths) - c.lengths, c.lengths) >= L
 
 
 class _Table:
@@ -311,16 +322,20 @@ class Tiers:
         return batch, raw_stats if stats is None else stats if raw_stats is None else stats.merge(raw_stats)
 
     def _mapped(self, canon: dict, admitted: dict[str, Admission]) -> dict[str, np.ndarray]:
-        """`{feature: int32 cache rows of its ids}` (the shape of its canonical ids; -1 stays -1)."""
-        if self._procs.several:  # the admissions were of every process's distinct rows
-            return {name: self.tables[self._features[name].table.name].cache.map(c.ids.astype(np.int64))
-                    .astype(np.int32) for name, c in canon.items()}
+        """`{feature: int32 cache rows of its ids}` (the shape of its canonical ids; -1 stays -1; ids past a
+        sequence's length, which took no row, read row 0 in ragged input: preprocess truncates them)."""
         out, at = {}, {}
         for name, c in canon.items():  # the order `_table_rows` concatenated them in
             table = self._features[name].table.name
-            lo = at.get(table, 0)
-            at[table] = lo + c.ids.size
-            out[name] = admitted[table].mapped[lo:at[table]].reshape(c.ids.shape)
+            if self._procs.several:  # the admissions were of every process's distinct rows
+                out[name] = self.tables[table].cache.map(c.ids.astype(np.int64)).astype(np.int32)
+            else:
+                lo = at.get(table, 0)
+                at[table] = lo + c.ids.size
+                out[name] = admitted[table].mapped[lo:at[table]].reshape(c.ids.shape)
+            past = _past_length(self._features[name], c)
+            if past is not None:
+                out[name] = np.where(past, -1 if c.dense else 0, out[name]).astype(np.int32)
         return out
 
     def _table_rows(self, ids: dict, weights: dict, raw: dict[str, Mapped]) -> tuple[dict, dict[str, np.ndarray],
@@ -345,7 +360,9 @@ class Tiers:
                 else:
                     ids_lib.flattened(f, c)  # the same checks, in numpy
                 canon[name] = c
-                rows[f.table.name].append(c.ids[c.ids >= 0] if c.dense and self._procs.several else c.ids.reshape(-1))
+                past = _past_length(f, c)
+                read = c.ids if past is None else np.where(past, -1, c.ids)  # -1: no row
+                rows[f.table.name].append(read[read >= 0] if self._procs.several else read.reshape(-1))
         except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
             if not self._procs.several:
                 raise

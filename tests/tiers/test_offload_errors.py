@@ -535,3 +535,33 @@ def test_a_store_directory_made_beforehand_is_a_new_store(tmp_path):
     (tmp_path / "t").mkdir()  # empty: a new store, as a path that is not there
     se.offload.Tiers(_plan(_spec(tmp_path / "t")), jax.random.key(0)).close()
     assert (tmp_path / "t" / "tier.json").exists()
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_ids_past_a_sequences_length_take_no_cache_row(tmp_path, ragged):
+    """A sequence feature given more ids than its `max_sequence_length`: the lookup truncates them, and the cache
+    admitted them anyway (a cache of the rows read was "too small", they counted as lookups and were written back
+    dirty). Now: a cache of exactly the rows read suffices, only those count and are stored, and training equals
+    the in-memory table's."""
+    g, L, n = np.random.default_rng(0), 2, 3
+    head = [g.choice(50, (B, L), replace=True) for _ in range(n)]  # rows < 50 read; rows >= 400 only past L
+    full = [np.concatenate([h, g.integers(400, V, (B, 3))], 1) for h in head]
+    batches = [{"ids": {"s": [r[: 1 + i % 5] for i, r in enumerate(x)] if ragged else x}, "weights": {}}
+               for x in full]
+    read = [np.concatenate([r[:L] for r in b["ids"]["s"]]) if ragged else b["ids"]["s"][:, :L] for b in batches]
+    cache = max(np.unique(r).size for r in read)
+    feats = lambda storage: [se.FeatureSpec("s", se.TableSpec("t", V, D, optimizer=se.optimizers.SGD(0.1),
+                                                              storage=storage), B, max_sequence_length=L)]
+    _, state = train_in_memory(feats(None), make_mesh(1), batches, jax.random.key(0))
+    plan = se.plan(feats(se.offload.Offload(str(tmp_path / "t"), cache)), make_mesh(1))
+    tiers = se.offload.Tiers(plan, jax.random.key(0))
+    try:
+        _, tables = train_tiered(tiers, plan, se.init_tables(plan, jax.random.key(0)), batches, ahead=1)
+        tiers.flush(tables, n)
+        s = tiers.stats()["t"]
+        assert s.lookups == sum(r.size for r in read)
+        assert not tiers.tables["t"].store.written[50:].any()  # no truncated row was stored
+        touched = {"t": np.isin(np.arange(V), np.concatenate([r.ravel() for r in read]))}
+        assert_store_equals(tiers, state, touched)
+    finally:
+        tiers.close()
