@@ -396,15 +396,33 @@ def _check_float(table: str, key: str, leaf: Any) -> None:
                              "writes float tables and optimizer states (an integer tensor would truncate them).")
 
 
+def _check_writable(table: str, key: str, leaf: Any) -> None:
+    """A leaf `_write` can write in place, whole: a tensor (or ShardedTensor's local shards) with no element in
+    two places (an `expand`ed one), or a writable numpy array; checked before anything is written."""
+    why = None
+    if hasattr(leaf, "full_tensor") and not _is_sharded(leaf):
+        why = "a DTensor, which is not written in place; write a ShardedTensor or plain tensor state, or save " \
+              "to_torchrec(plan, tables) with DCP"
+    elif _is_sharded(leaf) or hasattr(leaf, "copy_"):
+        for t in [shard.tensor for shard in leaf.local_shards()] if _is_sharded(leaf) else [leaf]:
+            if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+                why = "a tensor whose elements share memory (expanded): writing it would write each row many times"
+    elif isinstance(leaf, np.ndarray):
+        if not leaf.flags.writeable:
+            why = "a read-only numpy array (np.load(mmap_mode='r'), np.frombuffer, ...)"
+    else:
+        why = f"a {type(leaf).__name__}, which cannot be written in place (a torch tensor or numpy array can)"
+    if why is not None:
+        raise ValueError(f"Table {table!r}: TorchRec's {key} is {why}; nothing was written.")
+
+
 def _write(key: str, leaf: Any, a: np.ndarray) -> None:
-    """Writes `a` (the whole array) into a leaf of TorchRec's state in place (its local shards, if sharded)."""
+    """Writes `a` (the whole array) into a leaf of TorchRec's state in place (its local shards, if sharded;
+    `_check_writable` first)."""
     if _is_sharded(leaf):
         for shard in leaf.local_shards():
             where = _shard_slices(shard)
             shard.tensor.detach().copy_(shard.tensor.new_tensor(a[where]))
-    elif hasattr(leaf, "full_tensor"):
-        raise ValueError(f"{key}: a DTensor is not written in place; write a ShardedTensor or plain tensor state, "
-                         "or save to_torchrec(plan, tables) with DCP.")
     elif hasattr(leaf, "copy_"):
         leaf.detach().copy_(leaf.new_tensor(a))
     else:
@@ -452,6 +470,7 @@ def to_torchrec(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], i
                 raise ValueError(f"Table {t.name!r}: no {_keys(t.name)[i]!r} in the TorchRec state to write into.")
             _check_shape(t.name, hit[0], _shape(hit[1]), shape)
             _check_float(t.name, *hit)
+            _check_writable(t.name, *hit)
             writes.append((*hit, natural[t.name][ours].reshape(shape)))
     for key, leaf, values in writes:
         _write(key, leaf, values)

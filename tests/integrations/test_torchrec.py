@@ -449,6 +449,25 @@ def test_into_integer_tensors_is_refused_before_anything_is_written():
     np.testing.assert_array_equal(back["a"], se.unstack_tables(plan, tables)["a"].astype(ml_dtypes.bfloat16))
 
 
+@pytest.mark.parametrize("target", ["read-only numpy", "expanded tensor", "jax array", "list"])
+def test_into_targets_that_cannot_be_written_are_refused_before_anything_is_written(target):
+    """Table 'c''s accumulator cannot be written in place: refused naming it, tables 'a' and 'b' (written first
+    before) left as they were."""
+    plan = _plan(opt.Adagrad(0.1), 1)
+    into = _state(plan)
+    key = "embedding_bags.c.weight"
+    good = into["optim"]["state"][key]["c.momentum1"].numpy()
+    into["optim"]["state"][key]["c.momentum1"] = {
+        "read-only numpy": np.frombuffer(good.tobytes(), np.float32).reshape(good.shape),
+        "expanded tensor": torch.zeros(1, 4).expand(*good.shape),
+        "jax array": jnp.zeros(good.shape), "list": good.tolist()}[target]
+    kept = {k: v.clone() for k, v in into["model"].items()}
+    with pytest.raises(ValueError, match=rf"Table 'c': TorchRec's optim.state.{key}.c.momentum1 is a .*; nothing "
+                                         r"was written"):
+        tr.to_torchrec(plan, se.init_tables(plan, jax.random.key(1)), into=into)
+    for k, v in kept.items():
+        np.testing.assert_array_equal(into["model"][k].numpy(), v.numpy(), err_msg=k)
+
 def test_two_collections_need_a_prefix_and_into_needs_every_table():
     plan = _plan(opt.SGD(0.1), 1)
     one = _state(plan)["model"]
