@@ -171,6 +171,10 @@ def features_from_torchrec(configs: Any, batch_size: int, optimizer: opt.Optimiz
     MEAN is refused: TorchRec divides a sample's weighted sum by its number
     of ids, sparse_embed's "mean" by the sum of its weights.
     """
+    if hasattr(configs, "embedding_configs") and not hasattr(configs, "embedding_bag_configs"):
+        raise ValueError("features_from_torchrec takes an EmbeddingBagCollection (or its EmbeddingBagConfigs), not an "
+                         "EmbeddingCollection: its tables are not pooled, and are not converted. Declare sequence "
+                         "features as FeatureSpec(..., max_sequence_length=L).")
     if hasattr(configs, "embedding_bag_configs"):  # the EmbeddingBagCollection
         weighted = configs.is_weighted() if weighted is None else weighted
         configs = configs.embedding_bag_configs()
@@ -352,7 +356,10 @@ def from_torchrec(plan: EmbeddingPlan, state: Any, *, prefix: str = "",
         weight_key, momentum_key = _keys(t.name)
         hit = _find(leaves, weight_key, t.name)
         if hit is None:
-            raise ValueError(f"Table {t.name!r}: no {weight_key!r} in the TorchRec state (prefix {prefix!r}).")
+            unpooled = _find(leaves, f"embeddings.{t.name}.weight", t.name)
+            raise ValueError(f"Table {t.name!r}: no {weight_key!r} in the TorchRec state (prefix {prefix!r})" + (
+                f"; {unpooled[0]!r} is an EmbeddingCollection's table, which from_torchrec does not read (only an "
+                "EmbeddingBagCollection's)." if unpooled is not None else "."))
         _check_shape(t.name, hit[0], _shape(hit[1]), (t.vocabulary_size, t.embedding_dim))
         arrays[t.name] = _checked(t.name, hit[0], _read(*hit))
         want, momentum = _slot_shape(t), _find(leaves, momentum_key, t.name)
@@ -365,7 +372,13 @@ def from_torchrec(plan: EmbeddingPlan, state: Any, *, prefix: str = "",
             raise ValueError(f"Table {t.name!r}: no {momentum_key!r} (its {type(t.optimizer).__name__} state) in the "
                              "TorchRec state; pass the fused optimizer's state_dict() too, or "
                              "with_optimizer_state=False for fresh slots.")
-        _check_shape(t.name, momentum[0], _shape(momentum[1]), want)
+        got = _shape(momentum[1])
+        if len(want) == 1 and len(got) == 1 and got[0] > want[0] and got[0] % want[0] == 0:
+            raise ValueError(f"Table {t.name!r}: TorchRec's {momentum[0]} holds {got[0] // want[0]} row-wise "
+                             f"accumulators per row ({got[0]} for {want[0]} rows): one per column shard of a "
+                             "COLUMN_WISE (or TABLE_COLUMN_WISE) sharded table, which differ and do not convert into "
+                             "the one a row has here. Convert it sharded otherwise, or with_optimizer_state=False.")
+        _check_shape(t.name, momentum[0], got, want)
         acc = _checked(t.name, momentum[0], _read(*momentum), accumulator=True)
         slots[t.name] = {SLOT: acc.reshape(t.vocabulary_size, -1)}
     return stack_tables(plan, arrays, slots)

@@ -252,6 +252,9 @@ def test_weighted_mean_and_sequence_tables_are_refused_as_they_mean_another_thin
     sequence = torchrec.EmbeddingConfig(name="s", num_embeddings=9, embedding_dim=4, feature_names=["q"])
     with pytest.raises(ValueError, match=r"Table 's': an EmbeddingConfig .* is not pooled"):
         tr.features_from_torchrec([sequence], B, opt.SGD(0.1))
+    ec = torchrec.EmbeddingCollection(tables=[sequence], device=torch.device("meta"))
+    with pytest.raises(ValueError, match=r"takes an EmbeddingBagCollection .* not an EmbeddingCollection"):
+        tr.features_from_torchrec(ec, B, opt.SGD(0.1))  # (was: 'EmbeddingCollection' object is not iterable)
 
 
 def test_to_torchrec_then_from_torchrec_is_exact_on_another_mesh_and_stacking():
@@ -363,8 +366,16 @@ def test_a_table_missing_a_shape_mismatch_and_missing_slots_are_named():
     state["optim"]["state"]["embedding_bags.a.weight"]["a.momentum1"] = torch.zeros(40, 8)  # Adagrad's, not row-wise
     with pytest.raises(ValueError, match=r"Table 'a': .*momentum1 has shape \(40, 8\).*needs \(40,\)"):
         tr.from_torchrec(plan, state)
+    state["optim"]["state"]["embedding_bags.a.weight"]["a.momentum1"] = torch.zeros(80)  # one per column shard
+    with pytest.raises(ValueError, match=r"Table 'a': .*momentum1 holds 2 row-wise accumulators per row \(80 for 40 "
+                                         r"rows\): one per column shard of a COLUMN_WISE"):
+        tr.from_torchrec(plan, state)
     with pytest.raises(ValueError, match="Table 'a': no .*momentum1.*fused optimizer's state_dict"):
         tr.from_torchrec(plan, {"model": _state(plan)["model"]})
+    unpooled = {k.replace("embedding_bags.", "embeddings."): v for k, v in _state(plan)["model"].items()}
+    with pytest.raises(ValueError, match=r"Table 'a': no 'embedding_bags.a.weight' .*embeddings.a.weight' is an "
+                                         r"EmbeddingCollection's table, which from_torchrec does not read"):
+        tr.from_torchrec(plan, {"model": unpooled}, with_optimizer_state=False)
     fresh = tr.from_torchrec(plan, {"model": _state(plan)["model"]}, with_optimizer_state=False)
     assert float(fresh["a_b"].slots["accumulator"][0, 0]) == pytest.approx(0.1)  # the spec's initial value
 
