@@ -5,7 +5,8 @@ per device than the budget, the largest tables that can be offloaded are
 moved to stores under `offload_to`, one at a time, until the rest fits with
 room for caches; the room left is then shared among the offloaded tables'
 caches in proportion to their sizes (a larger cache, a higher hit rate). A
-table already declared with `storage=` keeps it.
+table already declared with `storage=` keeps it as declared, cache and all
+(its cache counts against the budget).
 """
 
 from __future__ import annotations
@@ -47,24 +48,30 @@ def offload_to_fit(tables: dict[str, TableSpec], budget: int, where: str, num_sh
         return tables
     candidates = sorted((n for n, t in tables.items() if t.storage is None and offloadable(t)),
                         key=lambda n: (-size[n], n))
-    offloaded = [n for n, t in tables.items() if t.storage is not None]
-    in_memory = sum(s for n, s in size.items() if n not in offloaded)
+    declared = sorted(n for n, t in tables.items() if t.storage is not None)  # their caches as declared
+    fixed = sum(size[n] for n in declared)
+    in_memory = sum(s for n, s in size.items() if n not in declared)
+    offloaded: list[str] = []
     for n in candidates:
-        if in_memory < budget and offloaded:
+        if in_memory + fixed < budget and (offloaded or declared):
             break
         offloaded.append(n)
         in_memory -= size[n]
-    room = budget - in_memory
+    room = budget - in_memory - fixed
+    kept = f"the tables kept in memory need {in_memory}" + (
+        f", the declared caches of {declared} {fixed}" if declared else "")
+    if not offloaded:
+        raise ValueError(f"memory_budget={budget} bytes per device is too small: {kept}, and no other table can be "
+                         "offloaded; give a larger budget or more devices.")
     full = {n: per_device(tables[n].vocabulary_size, tables[n], num_shards) for n in offloaded}
     out = dict(tables)
     for n in offloaded:
         t = tables[n]
         share = room * full[n] / sum(full.values())
-        rows = min(t.vocabulary_size, int(share // row_bytes(t)) * num_shards)
-        if rows < 1 or in_memory > budget:
+        rows = min(t.vocabulary_size, int(share // row_bytes(t)) * num_shards) if room > 0 else 0
+        if rows < 1:
             raise ValueError(f"memory_budget={budget} bytes per device leaves no room for table {n!r}'s cache "
-                             f"even with {sorted(offloaded)} offloaded (the tables kept in memory need "
-                             f"{in_memory}); give a larger budget or more devices.")
-        path = t.storage.path if t.storage is not None else os.path.join(where, n)
-        out[n] = dataclasses.replace(t, storage=Offload(path, cache_rows=rows))
+                             f"even with {sorted(offloaded)} offloaded ({kept}); give a larger budget or more "
+                             "devices.")
+        out[n] = dataclasses.replace(t, storage=Offload(os.path.join(where, n), cache_rows=rows))
     return out

@@ -52,6 +52,29 @@ def test_a_budget_that_fits_offloads_nothing_and_a_tighter_one_offloads_more(tmp
     assert caches["big"] / caches["mid"] == pytest.approx(full["big"] / full["mid"], rel=1e-3)  # shared by size
 
 
+def test_a_declared_offload_keeps_its_cache_and_counts_against_the_budget(tmp_path):
+    """A table declared with `storage=Offload(path, cache_rows)` keeps both: the planner shared the room among
+    every offloaded table's caches, overriding the declared cache (123 rows became 10,686 under this budget)."""
+    feats = _features()
+    mid = feats[1].table
+    declared = se.TableSpec("mid", mid.vocabulary_size, 64, optimizer=mid.optimizer,
+                            storage=se.offload.Offload(str(tmp_path / "mine"), cache_rows=123))
+    feats[1] = se.FeatureSpec("b", declared, 64)
+    kept = _bytes(1000, 64, 1) + _bytes(300_000, 128, 1) + _bytes(123, 512, 1)  # small, raw, mid's cache
+    budget = kept + 10 * MIB
+    plan = se.plan(feats, make_mesh(1), memory_budget=budget, offload_to=str(tmp_path))
+    mid = plan.tiered_tables["mid"]
+    assert mid.cache_rows == 123 and mid.storage.path == str(tmp_path / "mine")
+    assert plan.tiered_tables["big"].cache_rows == 10 * MIB // 260  # the room left, all big's
+    assert plan.memory_per_device() <= budget
+    with pytest.raises(ValueError, match=r"no room for table 'small''s cache .*the declared caches of \['mid'\] 62976"):
+        se.plan(feats, make_mesh(1), memory_budget=kept - 1, offload_to=str(tmp_path))
+    only_raw = [feats[1], feats[3]]  # raw ids are never offloaded: nothing the planner could move
+    with pytest.raises(ValueError, match=r"too small: the tables kept in memory need \d+, the declared caches of "
+                                         r"\['mid'\] 62976, and no other table can be offloaded"):
+        se.plan(only_raw, make_mesh(1), memory_budget=MIB, offload_to=str(tmp_path))
+
+
 def test_offload_errors_name_the_problem(tmp_path):
     mesh = make_mesh(1)
     with pytest.raises(ValueError, match="offload_to needs a memory_budget"):
