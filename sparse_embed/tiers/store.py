@@ -559,6 +559,8 @@ def step_number(step: Any) -> int | None:
     a = np.asarray(step)
     if a.shape != () or not np.issubdtype(a.dtype, np.integer):
         raise TypeError(f"A commit's step must be an integer (int, or a numpy/jax integer scalar), got {step!r}.")
+    if int(a) < 0:
+        raise ValueError(f"A commit's step must be >= 0 (as a checkpoint's), got {int(a)}.")
     return int(a)
 
 

@@ -183,12 +183,12 @@ class Tiers:
 
     Use `prefetch` (or `preprocess`) instead of the module-level ones, and `swap` before each step:
 
-        tiers = se.offload.Tiers(plan, rng)
-        tables = se.init_tables(plan, rng)
-        for item in tiers.prefetch(batches):
-            tables = tiers.swap(tables, item.swap)
-            tables, loss = train_step(tables, item.batch)
-        tables = tiers.flush(tables, step)      # the store now holds every row (before a checkpoint)
+        with se.offload.Tiers(plan, rng) as tiers:  # closed at the end: its stores released
+            tables = se.init_tables(plan, rng)
+            for item in tiers.prefetch(batches):
+                tables = tiers.swap(tables, item.swap)
+                tables, loss = train_step(tables, item.batch)
+            tables = tiers.flush(tables, step)  # the store now holds every row (before a checkpoint)
     """
 
     def __init__(self, plan: EmbeddingPlan, rng: jax.Array) -> None:
@@ -223,6 +223,7 @@ class Tiers:
         self._plan_lock = threading.Lock()  # one batch planned at a time (the cache maps are sequential)
         self._swapped = 0  # swaps run (swap)
         self._taken = -1  # the last batch a loop took from `prefetch` (its swap must run before the next is taken)
+        self._workers: list[threading.Thread] = []  # the prefetchers' threads (`preprocess` refuses other callers)
         self._lock = threading.Lock()
         self._evicted: dict[int, dict[str, dict[str, jax.Array]]] = {}  # swap -> table -> evicted device rows
         self._written_through = -1  # every swap up to this one is written back
@@ -244,6 +245,13 @@ class Tiers:
         table in memory would be given to `map_ids`: its last-use steps and expiry); no other table reads it.
         """
         self._check_open()
+        self._workers = [w for w in self._workers if w.is_alive()]
+        if self._workers and threading.current_thread() not in self._workers:
+            raise RuntimeError(f"Tiers.preprocess (tables {sorted(self.tables)}): a prefetch of this Tiers is still "
+                               "running, planning its batches' swaps in order; a batch preprocessed beside it would "
+                               "take a place in that order, and its swap run the prefetch's early. Take evaluation "
+                               "batches after it ends or is closed (prefetcher.close()), e.g. through "
+                               "tiers.prefetch(eval_batches, train=False).")
         with self._plan_lock:
             return self._preprocess(ids, weights, train, device_put, step)
 
@@ -642,7 +650,9 @@ class Tiers:
 
         if self._ids is not None and self._procs.several:
             return _TimedInLoop(self, prepare, iter(batches))
-        return _TimedPrefetcher(self, prepare, iter(batches), buffer_size)
+        prefetcher = _TimedPrefetcher(self, prepare, iter(batches), buffer_size)
+        self._workers.append(prefetcher._thread)
+        return prefetcher
 
     def stats(self) -> dict[str, TierStats]:
         """`{table: TierStats}` so far (a copy)."""
@@ -657,6 +667,14 @@ class Tiers:
         for t in self.tables.values():
             t.store.close()
         self._closed = True
+
+    def __enter__(self) -> "Tiers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """Closes it (its stores' locks released: a `Tiers` dropped unclosed, after an error say, keeps them
+        for the life of the process, its writer thread holding it)."""
+        self.close()
 
     def _check_taken_swapped(self, what: str) -> None:
         """A batch the loop took from `prefetch` whose swap never ran: its step read cache rows of other ids (a

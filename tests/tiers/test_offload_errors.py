@@ -565,3 +565,29 @@ def test_ids_past_a_sequences_length_take_no_cache_row(tmp_path, ragged):
         assert_store_equals(tiers, state, touched)
     finally:
         tiers.close()
+
+
+def test_a_batch_preprocessed_beside_a_running_prefetch_is_refused(tmp_path):
+    """An evaluation batch preprocessed by hand while a training prefetch runs took a place in its swap order
+    (its swap ran the prefetch's planned swaps early, and the loop failed later, or not, by timing). Refused while
+    the prefetch runs; fine once it ended or was closed. `Tiers` is a context manager; a commit's step is >= 0."""
+    plan = _plan(_spec(tmp_path / "t"))
+    rng = jax.random.key(0)
+    with se.offload.Tiers(plan, rng) as tiers:
+        tables, step = se.init_tables(plan, rng), train_step(plan)
+        batches = [{"f_t": _ids(*range(4 * i, 4 * i + 4))} for i in range(6)]
+        prefetcher = tiers.prefetch(batches, buffer_size=2)
+        item = next(prefetcher)
+        _, tables = step(tiers.swap(tables, item.swap), item.batch, 0)
+        with pytest.raises(RuntimeError, match=r"Tiers.preprocess \(tables \['t'\]\): a prefetch of this Tiers is "
+                                               r"still running"):
+            tiers.preprocess({"f_t": _ids(7)}, train=False)
+        for i, item in enumerate(prefetcher, 1):  # the loop goes on as if nothing happened
+            _, tables = step(tiers.swap(tables, item.swap), item.batch, i)
+        batch, _, swap = tiers.preprocess({"f_t": _ids(7)}, train=False)  # it ended: evaluation batches are fine
+        tiers.swap(tables, swap)
+        with pytest.raises(ValueError, match=r"A commit.s step must be >= 0 \(as a checkpoint.s\), got -1"):
+            tiers.flush(tables, -1)
+        assert tiers.tables["t"].store.commit == 0
+    with pytest.raises(ValueError, match="is closed"):
+        tiers.preprocess({"f_t": _ids(7)})
