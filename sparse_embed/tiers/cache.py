@@ -177,7 +177,9 @@ class CacheMap:
 
 
 class ShardedCacheMap:
-    """A raw-id table's cache: one `CacheMap` per shard, so that a row stays on the shard its id map put it on.
+    """A raw-id table's cache (or a static table's under an explicit capacity, which bounds each shard's
+    entries: a row on its in-memory shard overflows alike): one `CacheMap` per shard, so that a row stays on the
+    shard its id map (its row number) put it on.
 
     The id map gives each id a row on the id's owner shard (`core.id_maps`), and the batch sends each id there;
     so table row `t` (shard `t % S`'s row `t // S`) is cached in a cache row `c` with `c % S == t % S` (that
@@ -188,7 +190,8 @@ class ShardedCacheMap:
 
     def __init__(self, table: str, vocabulary_size: int, cache_rows: int, num_shards: int) -> None:
         if cache_rows < num_shards:
-            raise ValueError(f"Table {table!r}: a raw-id table's cache is spread over its {num_shards} shards; "
+            raise ValueError(f"Table {table!r}: its cache is spread over its {num_shards} shards (raw ids, or an "
+                             "explicit capacity); "
                              f"give it at least {num_shards} rows (Offload(cache_rows={cache_rows})).")
         self.table, self.rows, self.num_shards = table, cache_rows, num_shards
         self.shards = [CacheMap(table, len(range(s, vocabulary_size, num_shards)),
@@ -212,7 +215,7 @@ class ShardedCacheMap:
                     need = distinct(flat[at]).size
                     raise ValueError(f"Table {self.table!r}: a batch reads {need} distinct rows on shard {s} of {S}, "
                                      f"more than that shard's {c.rows} cache rows (Offload(cache_rows={self.rows}) "
-                                     f"is spread over the shards as the id map spreads its rows); give it at least "
+                                     f"is spread over the shards as the table's rows are); give it at least "
                                      f"{need * S} rows, and several batches' worth for a useful hit rate.") from None
                 mapped[at] = self._global(a.mapped, s)
                 parts.append(a)

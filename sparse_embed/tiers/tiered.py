@@ -150,8 +150,11 @@ class _Table:
         self.spec, self.stack = spec, plan.stack_of_table(spec.name)[0]
         check_layout(spec.name, spec.storage.path, procs.count)
         self.raw = spec.dynamic is not None  # its rows are its id map's (`tiers.id_map`), each on its shard
+        # an explicit capacity bounds each shard's entries: rows cached on their in-memory shards overflow (drop,
+        # or raise) as in memory; else any cache row serves (one CLOCK over the whole cache)
+        per_shard = self.raw or (self.stack.capacity is not None and self.stack.num_shards > 1)
         self.cache = ShardedCacheMap(spec.name, spec.vocabulary_size, spec.cache_rows, self.stack.num_shards) \
-            if self.raw else CacheMap(spec.name, spec.vocabulary_size, spec.cache_rows)
+            if per_shard else CacheMap(spec.name, spec.vocabulary_size, spec.cache_rows)
         self.key = table_key(rng, spec.name)
         self.store = RowStore(spec, path=shard_path(spec.storage.path, procs.index, procs.count),
                               init=init_record(spec, jax.random.key_data(self.key)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -591,3 +592,41 @@ def test_a_batch_preprocessed_beside_a_running_prefetch_is_refused(tmp_path):
         assert tiers.tables["t"].store.commit == 0
     with pytest.raises(ValueError, match="is closed"):
         tiers.preprocess({"f_t": _ids(7)})
+
+
+@pytest.mark.parametrize("on_overflow", ["drop", "error"])
+def test_an_explicit_capacity_overflows_as_in_memory_on_several_devices(tmp_path, on_overflow):
+    """An explicit capacity bounds each (device, shard) partition's ids: a cache row's shard must be its row's
+    in-memory shard, else other ids overflow. Ids all on even rows (shard 0 of 2 in memory): the in-memory table
+    dropped 16 a batch and the offloaded one 0-4 (and trained otherwise), silently; "error" raised at other
+    batches. Now both drop the same ids and train alike, or raise alike."""
+    g = np.random.default_rng(0)
+    batches = [{"f_t": 2 * g.integers(0, 100, (B, 4))} for _ in range(4)]
+    results = {}
+    for where in ("memory", "offloaded"):
+        spec = _spec(tmp_path / "t", cache_rows=200) if where == "offloaded" else \
+            se.TableSpec("t", V, D, optimizer=se.optimizers.SGD(0.1))
+        plan = se.plan([se.FeatureSpec("f_t", spec, B)], make_mesh(2), capacity=3, on_overflow=on_overflow)
+        rng = jax.random.key(0)
+        tables, step, out = se.init_tables(plan, rng), train_step(plan), []
+        tiers = se.offload.Tiers(plan, rng) if where == "offloaded" else None
+        try:
+            for i, b in enumerate(batches):
+                if tiers is None:
+                    batch, stats = se.preprocess(plan, b)
+                else:
+                    batch, stats, swap = tiers.preprocess(b)
+                    tables = tiers.swap(tables, swap)
+                loss, tables = step(tables, batch, i)
+                out.append((float(loss), int(sum(np.sum(v) for v in stats.dropped_ids.values()))))
+        except ValueError as e:
+            out.append(str(e))
+        finally:
+            if tiers is not None:
+                tiers.close()
+        results[where] = out
+    assert results["offloaded"] == results["memory"]
+    if on_overflow == "drop":
+        assert len(results["memory"]) == 4 and all(d > 0 for _, d in results["memory"])  # ids were dropped
+    else:
+        assert re.search(r"partition \(device \d, shard 0\) has \d+ ids but the capacity is", results["memory"][0])

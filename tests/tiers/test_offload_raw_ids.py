@@ -336,7 +336,7 @@ def test_bad_input(tmp_path):
     with pytest.raises(se.offload.CorruptStoreError, match=r"Table 'adagrad': the store .* has no id map"):
         se.offload.Tiers(plan, jax.random.key(0))
     tiny = se.plan(features(str(tmp_path / "t"), SMALL, cache={"adagrad": 4}), make_mesh(8))
-    with pytest.raises(ValueError, match=r"Table 'adagrad': a raw-id table's cache is spread over its 8 shards"):
+    with pytest.raises(ValueError, match=r"Table 'adagrad': its cache is spread over its 8 shards"):
         se.offload.Tiers(tiny, jax.random.key(0))
 
 
