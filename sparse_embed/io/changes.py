@@ -66,8 +66,8 @@ def _merged(parts: tuple[np.ndarray, ...]) -> np.ndarray:
 class Changes:
     """What changed since the served copy was made: a pure tracker (every update returns a new one).
 
-    base / seq: the export id and the number of the last delta written
-    after it (0: none yet); dtypes: `{table: serving dtype}` of the export
+    base / seq / last: the export id, the number of the last delta written
+    after it (0: none yet) and that delta's checksum (None); dtypes: `{table: serving dtype}` of the export
     (deltas use them); touched: `{table: tuple of int64 arrays}` (rows, or raw ids of a
     raw-id table) looked up since; served_ids: `{raw-id table: sorted int64
     ids}` the served copy holds; shapes: `{table: (vocabulary_size,
@@ -80,6 +80,7 @@ class Changes:
     touched: Mapping[str, tuple[np.ndarray, ...]]
     served_ids: Mapping[str, np.ndarray]
     shapes: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    last: str | None = None  # the checksum of the last delta written (None: none yet), which the next names
 
     @classmethod
     def since(cls, export: str | os.PathLike) -> "Changes":
@@ -193,7 +194,8 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
     sequence number once, so other content under the same name would never reach it."""
     path = _next_path(directory, changes)
     _check_rows(changes, rows, raw or {})
-    header: dict[str, Any] = {"base": changes.base, "seq": changes.seq + 1, "tables": {}}
+    # "after": the delta it follows (None: the export), so that two runs' chains after one export never mix
+    header: dict[str, Any] = {"base": changes.base, "seq": changes.seq + 1, "after": changes.last, "tables": {}}
     arrays: dict[str, np.ndarray] = {}
     served = dict(changes.served_ids)
     for name, (r, values) in rows.items():
@@ -213,8 +215,8 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
                                                                              upsert, "raw id"),
                        f"{name}/evicted": evicted})
     os.makedirs(directory, exist_ok=True)
-    delta_file.write(path, header, arrays, ids=[k for k in arrays if not k.endswith("/values")])
-    return path, dataclasses.replace(changes, seq=changes.seq + 1, touched={}, served_ids=served)
+    digest = delta_file.write(path, header, arrays, ids=[k for k in arrays if not k.endswith("/values")])
+    return path, dataclasses.replace(changes, seq=changes.seq + 1, touched={}, served_ids=served, last=digest)
 
 
 def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables],

@@ -61,9 +61,10 @@ def decode_ids(blob: bytes) -> np.ndarray:
 
 
 def write(path: str, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], *,
-          ids: Collection[str] = ()) -> None:
+          ids: Collection[str] = ()) -> str:
     """Writes `header` (JSON-able) and `arrays` to `path` atomically; the arrays named in `ids` (sorted distinct
-    int64 ids) with the "gaps" codec, the others raw (see the module doc)."""
+    int64 ids) with the "gaps" codec, the others raw (see the module doc). Returns the file's checksum (what
+    `read` returns as the header's "checksum": the next delta of a chain names it)."""
     blobs, index, offset = [], [], 0
     for name, a in arrays.items():
         a = np.ascontiguousarray(a)
@@ -75,12 +76,14 @@ def write(path: str, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
     head = json.dumps({**header, "arrays": index}, sort_keys=True).encode()
     body = b"".join([MAGIC, len(head).to_bytes(8, "little"), head, *blobs])
     tmp = f"{path}.tmp{os.getpid()}"
+    digest = checksum(np.frombuffer(body, np.uint8))
     with open(tmp, "wb") as f:
         f.write(body)
-        f.write(checksum(np.frombuffer(body, np.uint8)).encode())
+        f.write(digest.encode())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return digest
 
 
 def _format(path: str, body: np.ndarray) -> int | None:
@@ -112,8 +115,8 @@ def _array(path: str, data: np.ndarray, a: Mapping[str, Any]) -> np.ndarray:
 
 
 def read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """`(header, {name: array})` of a delta file, ids decoded; CorruptCheckpointError if any byte differs from
-    what was written, CheckpointError if it is in another format."""
+    """`(header, {name: array})` of a delta file, ids decoded, the header's "checksum" the file's; CorruptCheckpointError
+    if any byte differs from what was written, CheckpointError if it is in another format."""
     data = np.fromfile(path, np.uint8)
     body = data[:-_SUM]
     found = _format(path, body)
@@ -129,4 +132,5 @@ def read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     start = len(MAGIC) + 8
     header = json.loads(body[start: start + n].tobytes())
     data_at = body[start + n:]
+    header["checksum"] = data[-_SUM:].tobytes().decode("ascii")
     return header, {a["name"]: _array(path, data_at, a) for a in header.pop("arrays")}

@@ -36,12 +36,14 @@ from sparse_embed.io.convert import load_serving
 
 class Snapshot(NamedTuple):
     """One version of served tables: `tables` as `load_serving` returns them (arrays, or `(ids, array)` for a
-    raw-id table), `specs` their `TableSpec`s, at delta `seq` (0: the export itself) after export `base`."""
+    raw-id table), `specs` their `TableSpec`s, at delta `seq` (0: the export itself) after export `base`, the
+    last delta applied's checksum `last` (None: none)."""
 
     base: str
     seq: int
     tables: Mapping[str, Any]
     specs: Mapping[str, TableSpec]
+    last: str | None = None
 
 
 def load_snapshot(export: str | os.PathLike, *, device: jax.Device | None = None) -> Snapshot:
@@ -90,6 +92,11 @@ def _check(snapshot: Snapshot, path: str, header: Mapping[str, Any], arrays: Map
     if seq != snapshot.seq + 1:
         raise CheckpointError(f"The delta {path} is number {seq} after export {base}, but the served tables are at "
                               f"number {snapshot.seq}: apply {delta_name(base, snapshot.seq + 1)} next.")
+    if "after" in header and header["after"] != snapshot.last:  # (deltas written before the field: unchecked)
+        raise CheckpointError(f"The delta {path} follows another delta number {seq - 1} (checksum "
+                              f"{header['after']}) than the one the served tables applied ({snapshot.last}): two "
+                              f"runs wrote deltas after export {base}. Load the export again and apply one run's "
+                              "deltas (a run that starts over exports in full, into a directory of its own).")
     for name, kind in header["tables"].items():
         if name not in snapshot.tables or (kind == "ids") != isinstance(snapshot.tables[name], tuple):
             raise CheckpointError(f"The delta {path} has table {name!r} ({kind}), which the served tables do not "
@@ -119,7 +126,7 @@ def apply_delta(snapshot: Snapshot, path: str | os.PathLike) -> Snapshot:
             tables[name] = _raw(name, path, *snapshot.tables[name], rows, values, arrays[f"{name}/evicted"])
         else:
             tables[name] = _static(snapshot.tables[name], rows, values)
-    return Snapshot(snapshot.base, snapshot.seq + 1, tables, snapshot.specs)
+    return Snapshot(snapshot.base, snapshot.seq + 1, tables, snapshot.specs, header["checksum"])
 
 
 class LiveTables:

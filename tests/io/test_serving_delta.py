@@ -139,7 +139,12 @@ def chain(tmp_path_factory):
         path, changes = ss.export_delta(tmp_path / "d", plan, tables, changes.touched_ids(plan, ids), id_maps=maps)
         paths.append(path)
     foreign, _ = ss.export_delta(tmp_path / "o", plan, tables, other, id_maps=maps)
-    return tmp_path / "base", paths, foreign
+    # another run from the same export (its export id the same): its second delta follows its own first
+    tables, maps, fork = se.init_tables(plan, rng), se.init_id_maps(plan, rng), ss.Changes.since(tmp_path / "base")
+    for step, ids in enumerate(_batches(6, 2)):
+        tables, maps = train(tables, maps, se.preprocess(plan, ids)[0], step)
+        forked, fork = ss.export_delta(tmp_path / "fork", plan, tables, fork.touched_ids(plan, ids), id_maps=maps)
+    return tmp_path / "base", paths, foreign, forked
 
 
 def _flipped(path, part, tmp_path):
@@ -160,13 +165,15 @@ PARTS = ("magic", "length", "header", "items/rows", "items/values", "tags/rows",
     ("foreign", se.CheckpointError, "applies to export .*, but the served tables come from export"),
     ("second_first", se.CheckpointError, r"is number 2 after export .* at number 0: apply .*\.000001\.delta next"),
     ("first_twice", se.CheckpointError, "is number 1 after export .* at number 1"),
+    ("forked", se.CheckpointError, r"follows another delta number 1 \(checksum \w+\) than the one the served "
+                                   r"tables applied \(\w+\): two runs wrote deltas after export"),
     *[(f"flip_{part}", se.CorruptCheckpointError, "is damaged or incomplete") for part in PARTS],
     ("truncated", se.CorruptCheckpointError, "is damaged or incomplete"),
 ])
 def test_a_bad_delta_is_refused_and_changes_nothing(chain, case, error, match, tmp_path):
-    base, (first, second), foreign = chain
+    base, (first, second), foreign, forked = chain
     live = ss.LiveTables(base)
-    if case == "first_twice":
+    if case in ("first_twice", "forked"):
         live.apply(first)
     before = live.snapshot
     copies = {n: np.array(a[1] if isinstance(a, tuple) else a) for n, a in before.tables.items()}
@@ -176,13 +183,13 @@ def test_a_bad_delta_is_refused_and_changes_nothing(chain, case, error, match, t
         bad = tmp_path / "short.delta"
         bad.write_bytes(pathlib.Path(first).read_bytes()[:-100])
     else:
-        bad = {"foreign": foreign, "second_first": second, "first_twice": first}[case]
+        bad = {"foreign": foreign, "second_first": second, "first_twice": first, "forked": forked}[case]
     with pytest.raises(error, match=match):
         live.apply(bad)
     assert live.snapshot is before
     for n, a in before.tables.items():
         np.testing.assert_array_equal(np.asarray(a[1] if isinstance(a, tuple) else a), copies[n])
-    if case != "first_twice":
+    if case not in ("first_twice", "forked"):
         live.apply(first)
     live.apply(second)  # the good chain still applies
     assert live.snapshot.seq == 2
