@@ -66,6 +66,17 @@ _UNCONVERTED = ("counter_based_regularization", "cowclip_regularization", "globa
 
 
 # ------------------------------------------------------------------ optimizers
+def _number(params: Mapping[str, Any], names: tuple[str, ...], default: float) -> float:
+    """The first of `names` in `params` as a float (else `default`); a ValueError naming it if it is no number."""
+    for name in names:
+        if name in params:
+            try:
+                return float(params[name])
+            except (TypeError, ValueError):
+                raise ValueError(f"TorchRec's fused param {name}={params[name]!r} is not a number.") from None
+    return default
+
+
 def _kind(value: Any) -> str:
     """An `EmbOptimType` (or its name or value) -> its name in lower case, e.g. "exact_rowwise_adagrad"."""
     return str(getattr(value, "name", value)).lower().replace("row_wise", "rowwise")
@@ -93,9 +104,12 @@ def optimizer_from_fused_params(params: Mapping[str, Any], *,
     (cache, precision of the output, ...) are ignored.
     """
     kind = _kind(params.get("optimizer", "exact_sgd"))
-    lr = float(params.get("learning_rate", params.get("lr", 0.01)))
-    eps = float(params.get("eps", 1e-8))  # FBGEMM's default
-    wd = float(params.get("weight_decay", 0.0))
+    if isinstance(params.get("optimizer"), type):  # apply_optimizer_in_backward's torch.optim class
+        raise ValueError(f"TorchRec's optimizer {params['optimizer'].__name__} is a torch.optim class: pass the "
+                         "fused optimizer's EmbOptimType (or its name, e.g. 'exact_rowwise_adagrad').")
+    lr = _number(params, ("learning_rate", "lr"), 0.01)
+    eps = _number(params, ("eps",), 1e-8)  # FBGEMM's default
+    wd = _number(params, ("weight_decay",), 0.0)
     mode = _decay_mode(params.get("weight_decay_mode", _NO_DECAY))
     if params.get("gradient_clipping"):
         raise ValueError("TorchRec's gradient_clipping (FBGEMM's max_gradient) clips where sparse_embed's "

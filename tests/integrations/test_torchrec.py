@@ -326,6 +326,9 @@ def test_optimizers_map_both_ways(name):
     ({"optimizer": "exact_rowwise_adagrad", "max_norm": 0.5}, "max_norm=0.5 rescales each updated row"),
     ({"optimizer": "exact_rowwise_adagrad", "counter_based_regularization": object(),
       "global_weight_decay": object()}, "counter_based_regularization, global_weight_decay change"),
+    ({"optimizer": "exact_rowwise_adagrad", "eps": None}, r"fused param eps=None is not a number"),
+    ({"optimizer": "exact_sgd", "lr": "fast"}, r"fused param lr='fast' is not a number"),
+    ({"optimizer": torch.optim.SGD, "lr": 0.1}, r"optimizer SGD is a torch.optim class: pass the fused"),
 ])
 def test_fused_params_that_do_not_map_exactly_are_refused(fused, match):
     with pytest.raises(ValueError, match=match):
