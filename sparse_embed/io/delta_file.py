@@ -115,8 +115,8 @@ def _array(path: str, data: np.ndarray, a: Mapping[str, Any]) -> np.ndarray:
 
 
 def read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """`(header, {name: array})` of a delta file, ids decoded, the header's "checksum" the file's; CorruptCheckpointError
-    if any byte differs from what was written, CheckpointError if it is in another format."""
+    """`(header, {name: array})` of a delta file, ids decoded, the header's "checksum" the file's;
+    CorruptCheckpointError if any byte differs from what was written, CheckpointError if it is in another format."""
     data = np.fromfile(path, np.uint8)
     body = data[:-_SUM]
     found = _format(path, body)
