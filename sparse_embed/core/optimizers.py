@@ -418,11 +418,16 @@ class FTRL(Optimizer):
         if self.multiply_linear_by_learning_rate:
             linear = slots["linear"] + lr * grads - delta_p * rows
             l1, denom = lr * self.l1, p_new + self.beta + 2.0 * lr * self.l2
-        else:
+        else:  # linear in units of 1/lr: at a rate of 0 (a schedule's warmup) the row and slots stay as they are
+            moves = lr != 0
+            lr = jnp.where(moves, lr, 1.0)
             linear = slots["linear"] + grads - delta_p / lr * rows
             l1, denom = self.l1, (p_new + self.beta) / lr + 2.0 * self.l2
         numer = -linear if self.l1 == 0 else jnp.clip(linear, -l1, l1) - linear
-        return numer / denom, {"accumulator": acc_new, "linear": linear}
+        new = numer / denom, {"accumulator": acc_new, "linear": linear}
+        if self.multiply_linear_by_learning_rate:
+            return new
+        return jax.tree.map(lambda a, b: jnp.where(moves, a, b), new, (rows, dict(slots)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,7 +441,7 @@ class LaProp(Optimizer):
 
     def _check(self):
         self._decay_rates("b1", "b2")
-        self._non_negative(eps=self.eps)
+        self._positive(eps=self.eps)  # 0: a row whose gradient is 0 (a weight of 0) would be 0 * rsqrt(0) = NaN
 
     def slots(self, dim):
         return {"mu": SlotSpec(dim, 0.0), "nu": SlotSpec(dim, 0.0)}

@@ -12,6 +12,7 @@ import sparse_embed as se
 from sparse_embed import optimizers as opt
 import reference as ref
 from cases import assert_states_close
+from conftest import make_mesh
 
 pytestmark = pytest.mark.usefixtures("each_kernel")  # every test on the generic and the native kernel
 
@@ -217,6 +218,28 @@ def test_auto_stacking_never_mixes_optimizers(mesh8):
         se.plan(feats, mesh8, stacking=[["a", "c"]])
 
 
+def test_ftrl_at_a_learning_rate_of_0_leaves_rows_and_slots_as_they_are(each_kernel):
+    """A schedule's warmup from 0: FTRL's linear slot is in units of 1/lr, and every touched row became NaN at
+    lr 0 (both kernels). Now a step at 0 changes nothing, the next (lr > 0) trains as from the same state, and the
+    multiply-by-lr form trains at 0 as its math says (finite)."""
+    for mult in (False, True):
+        t = se.TableSpec("t", 16, 4, optimizer=opt.FTRL(optax.linear_schedule(0.0, 0.1, 2), l2=0.01,
+                                                          multiply_linear_by_learning_rate=mult))
+        plan = se.plan({"f": se.FeatureSpec("f", t, 4)}, make_mesh(2))
+        tables = se.init_tables(plan, jax.random.key(0))
+        before = se.unstack_state(plan, tables)["t"]
+        batch, _ = se.preprocess(plan, {"f": np.array([[1, 2], [3, -1], [1, 5], [7, 7]])})
+        train = jax.jit(jax.grad(lambda tb, s: jnp.sum(jnp.sin(se.lookup(plan, batch, tb, s)["f"]))))
+        first = se.unstack_state(plan, train(tables, jnp.int32(0)))["t"]
+        second = se.unstack_state(plan, train(train(tables, jnp.int32(0)), jnp.int32(1)))["t"]
+        for k in first:
+            assert np.all(np.isfinite(first[k])) and np.all(np.isfinite(second[k])), (mult, k)
+            if not mult:
+                np.testing.assert_array_equal(first[k], before[k], err_msg=k)
+        touched = [1, 2, 3, 5, 7]
+        assert not np.allclose(second["table"][touched], before["table"][touched])
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: opt.Adam(0.1, b1=1.0), "b1 must be in"),
     (lambda: opt.Adagrad(0.1, initial_accumulator_value=-1), "initial_accumulator_value must be finite and > 0"),
@@ -237,7 +260,8 @@ def test_auto_stacking_never_mixes_optimizers(mesh8):
     (lambda: opt.RowwiseAdagrad(0.1, epsilon=float("nan")), "epsilon must be finite and >= 0"),
     (lambda: opt.Adagrad(0.1, initial_accumulator_value=float("inf")), "initial_accumulator_value must be finite"),
     (lambda: opt.FTRL(0.1, l2=float("nan")), "l2 must be finite and >= 0"),
-    (lambda: opt.LaProp(0.1, eps=float("nan")), "eps must be finite and >= 0"),
+    (lambda: opt.LaProp(0.1, eps=float("nan")), "eps must be finite and > 0"),
+    (lambda: opt.LaProp(0.1, eps=0.0), "eps must be finite and > 0"),  # a zero gradient's row became NaN
     (lambda: opt.AdagradMomentum(0.1, momentum=float("nan")), "momentum must be finite and >= 0"),
     (lambda: opt.AdagradMomentum(0.1, epsilon=float("nan")), "initial_accumulator_value \\+ epsilon must be finite"),
     (lambda: opt.Custom(_momentum_sign_sgd, {"m": (4, 0.0)}), "must be a SlotSpec"),

@@ -543,6 +543,9 @@ void update_row(const Options& o, int64_t width, float* w, float* g, float* tmp,
       break;
     }
     case kFTRL: {  // h: k = -learning_rate_power, l1, l2, beta, multiply_linear_by_learning_rate
+      // linear is kept in units of 1/lr unless multiplied by it: a rate of 0 (a schedule's warmup) has no finite
+      // state; the row and its slots stay as they are (the generic rule does the same)
+      if (h[4] == 0.0f && lr == 0.0f) break;
       const float k = h[0], l1 = h[1], l2 = h[2], beta = h[3];
       // The accumulator's power before and after: for the default power -0.5 a sqrt in the rule's own pass
       // (passes through scratch rows, one per quantity, would store and reload every element); else pow in a
