@@ -123,6 +123,14 @@ def test_demo_with_hashed_tables_goes_on_with_more_steps(tmp_path, capsys):
     # a record is a batch: at 32 the loader's position would be other examples (and the eval's batches others)
     with pytest.raises(SystemExit, match="was trained with --batch-size 64: resume with it"):
         dlrm.main(["--steps", "20", *flags, "--batch-size", "32"])
+    # the training batches' shuffle is over the batches not held out: other --eval-batches or files shuffle others
+    # (and a batch trained on could be held out), so the resumed run silently trained on another order
+    with pytest.raises(SystemExit, match=r"was trained on train batches 20, this run has 19: .* same --data and "
+                                         r"--eval-batches"):
+        dlrm.main(["--steps", "20", *flags, "--eval-batches", "5"])
+    other = write_criteo(str(tmp_path / "day_1.txt"), 64 * 24, vocabulary=200)
+    with pytest.raises(SystemExit, match=r"was trained on files \['day_0.txt'\], this run has \['day_1.txt'\]"):
+        dlrm.main(["--steps", "20", *[other if f == data else f for f in flags]])
 
 
 def test_demo_with_data_of_a_few_batches_holds_one_out(tmp_path, capsys):

@@ -17,6 +17,7 @@ out for eval AUC.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any, NamedTuple
 
@@ -122,7 +123,13 @@ def evaluate(plan, predict, tables, id_maps, params, source, batches: range) -> 
     return auc(np.concatenate(labels), np.concatenate(scores))
 
 
-def _restore(args, plan, key: jax.Array, state: State):
+def _layout(args, train_batches: int) -> dict[str, Any]:
+    """What the shuffle of the training batches depends on besides --seed and --batch-size: the files (by name:
+    a moved directory is the same data) and how many of their batches train (--eval-batches holds the rest out)."""
+    return {"files": [os.path.basename(os.fspath(f)) for f in args.data], "train_batches": train_batches}
+
+
+def _restore(args, plan, key: jax.Array, state: State, layout: dict[str, Any]):
     """The last checkpoint of `--checkpoint-dir` if there is one, else fresh tables and id maps: (tables, id maps,
     state, step, loader state, losses so far). Fresh ones are made only then: a restore needs no tables to restore
     into, and initialising them first would cost their programs and their memory at every start.
@@ -143,19 +150,24 @@ def _restore(args, plan, key: jax.Array, state: State):
         if r.data.get(flag, getattr(args, flag)) != getattr(args, flag):
             raise SystemExit(f"{args.checkpoint_dir} was trained with --{flag.replace('_', '-')} {r.data[flag]}: "
                              "resume with it, or use another --checkpoint-dir.")
+    for k, v in layout.items():  # (checkpoints saved before these were kept: unchecked)
+        if r.data.get(k, v) != v:
+            raise SystemExit(f"{args.checkpoint_dir} was trained on {k.replace('_', ' ')} {r.data[k]}, this run has "
+                             f"{v}: the shuffle of the training batches is theirs (and the held-out ones must stay "
+                             "out). Resume with the same --data and --eval-batches, or use another --checkpoint-dir.")
     print(f"resumed from step {r.step} of {args.checkpoint_dir}")
     losses = [float.fromhex(x) for x in r.data["losses"]]
     return r.tables, r.id_maps, State(r.user["params"], r.user["opt"]), r.step, r.data["loader"], losses
 
 
 def _save(ckpt, step: int, plan, tables, id_maps, state: State, losses: list[float], loader: sed.Loader,
-          args) -> None:
+          args, layout: dict[str, Any]) -> None:
     """Step `step`: tables, id maps, dense state; the loader's state, the losses so far (`step` of them), the
-    seed and the batch size as `data`."""
+    seed, the batch size and the data's layout (`_layout`) as `data`."""
     losses = [float(x).hex() for x in losses]
     if not ckpt.save(step, plan, tables, id_maps=id_maps or None, user={"params": state.params, "opt": state.opt},
                      data={"loader": loader.get_state(), "losses": losses, "seed": args.seed,
-                           "batch_size": args.batch_size}):
+                           "batch_size": args.batch_size, **layout}):
         raise SystemExit(f"{ckpt.directory} already holds step {step}; use another --checkpoint-dir.")
     ckpt.wait()
     print(f"checkpoint of step {step} saved", flush=True)
@@ -182,7 +194,8 @@ def train(args, plan, source, train_batches: int):
 
     # replicated: a restore puts it back the same way
     state = jax.jit(initial, out_shardings=NamedSharding(plan.mesh, P()))(key)
-    tables, id_maps, state, start, data, losses = _restore(args, plan, key, state)
+    layout = _layout(args, train_batches)
+    tables, id_maps, state, start, data, losses = _restore(args, plan, key, state, layout)
     train_step = make_train_step(plan, tx)
     every = args.checkpoint_every or args.steps
     ckpt = se.CheckpointManager(args.checkpoint_dir, max_to_keep=2) if args.checkpoint_dir else None
@@ -199,7 +212,7 @@ def train(args, plan, source, train_batches: int):
                 losses += [float(x) for x in jax.device_get(pending)]
                 pending = []
             if save:
-                _save(ckpt, step + 1, plan, tables, id_maps, state, losses, batches, args)
+                _save(ckpt, step + 1, plan, tables, id_maps, state, losses, batches, args, layout)
     if ckpt is not None:
         ckpt.close()
     return tables, id_maps, state, losses, start, time.perf_counter() - began
