@@ -184,12 +184,14 @@ class Loader(Iterator[Prefetched]):
             _check_batch_sizes(self._batch_sizes, dataset, state)
         iterator = _iterator(dataset)
         if state is not None:
-            for part, restore in (("input", iterator.set_state), ("plan", plan_state.of(plan).restore)):
-                try:
+            for part, restore in (("input", lambda s: (iterator.set_state(s), iterator.get_state())),
+                                  ("plan", plan_state.of(plan).restore)):
+                try:  # (grain's state of another mp_prefetch worker count fails only when read back)
                     restore(copy.deepcopy(state[part]))
                 except (TypeError, KeyError, AttributeError, ValueError, IndexError) as e:
-                    raise ValueError(f"state must be what Loader.get_state() returned over the same dataset: its "
-                                     f"{part!r} could not be restored ({type(e).__name__}: {e}).") from e
+                    raise ValueError(f"state must be what Loader.get_state() returned over the same dataset (under "
+                                     f"mp_prefetch: as many workers): its {part!r} could not be restored "
+                                     f"({type(e).__name__}: {e}).") from e
         self._state = {"input": iterator.get_state(), "plan": plan_state.of(plan).snapshot()}
         self._prefetcher = Prefetcher(functools.partial(_prepare_with_state, transform), _with_states(iterator),
                                       buffer_size)

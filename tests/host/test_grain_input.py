@@ -161,10 +161,10 @@ def test_loader_with_grain_worker_processes_resumes_exactly(tmp_path):
     table = se.TableSpec("c", 97, 4)
     plans = [se.plan([se.FeatureSpec("C1", table, 32)], make_mesh(8)) for _ in range(2)]
 
-    def batches(plan, state=None):
+    def batches(plan, state=None, workers=2):
         source = sed.CriteoSource(path, 32, vocabulary=97, process_index=0, process_count=1)
         ds = grain.MapDataset.source(source).shuffle(seed=2).to_iter_dataset()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
         return sed.Loader(plan, ds, inputs=lambda b: {"C1": b.categorical[:, 0]}, state=state)
 
     with batches(plans[0]) as it:
@@ -173,6 +173,10 @@ def test_loader_with_grain_worker_processes_resumes_exactly(tmp_path):
         rest = [p.item for p in it]
     with batches(plans[1], state) as it:
         again = [p.item for p in it]
+    # another worker count: a named refusal (grain's own IndexError escaped from the state read back)
+    with pytest.raises(ValueError, match=r"over the same dataset \(under mp_prefetch: as many workers\): its "
+                                         r"'input' could not be restored \(IndexError"):
+        batches(plans[1], state, workers=3)
     assert len(first) + len(rest) == 12 and len(again) == len(rest)
     for g, w in zip(again, rest):
         np.testing.assert_array_equal(g.categorical, w.categorical)
