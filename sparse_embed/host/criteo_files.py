@@ -50,8 +50,9 @@ def _is_gzip(path: str) -> bool:
         return f.read(2) == b"\x1f\x8b"
 
 
-def _blocks(path: str, is_gzip: bool, on_malformed: str) -> Iterator[tuple[int, bytes, bool]]:
-    """(offset, whole lines, truncated) blocks of about BLOCK_BYTES; a truncated gzip stream raises or ends them.
+def _blocks(path: str, is_gzip: bool, on_malformed: str) -> Iterator[tuple[int, bytes, str | None]]:
+    """(offset, whole lines, why the stream ended early or None) blocks of about BLOCK_BYTES; a truncated gzip
+    stream raises or ends them (with a last, empty block saying so).
 
     Reads with `read1` (at most one decompressed piece a call), so an error loses no line before it.
     """
@@ -69,8 +70,10 @@ def _blocks(path: str, is_gzip: bool, on_malformed: str) -> Iterator[tuple[int, 
                                      f"({type(e).__name__}: {e}); pass "
                                      "on_malformed='skip' to read the lines before it.") from None
                 if cut:
-                    yield offset, data[:cut], False
-                yield offset + cut, b"", len(data) > cut  # the part line after the last newline is lost
+                    yield offset, data[:cut], None
+                # always noted: also a stream cut at a line's end, or before anything decompressed, lost what followed
+                yield offset + cut, b"", ("the gzip stream ends inside this line" if len(data) > cut else
+                                          "the gzip stream ends early or is corrupt here (what followed is lost)")
                 return
             pending.append(piece)
             size += len(piece)
@@ -79,7 +82,7 @@ def _blocks(path: str, is_gzip: bool, on_malformed: str) -> Iterator[tuple[int, 
                 cut = data.rfind(b"\n") + 1 if piece else len(data)
                 if cut:
                     lines += data.count(b"\n", 0, cut)
-                    yield offset, data[:cut], False
+                    yield offset, data[:cut], None
                     offset += cut
                 pending, size = [data[cut:]], len(data) - cut
                 if not piece:
@@ -106,9 +109,13 @@ def _check_args(paths, chunk_rows: int, on_malformed: str) -> list[str]:
         raise ValueError(f"on_malformed must be 'error' or 'skip', got {on_malformed!r}.")
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be an int >= 1, got {chunk_rows!r}.")
-    paths = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
+    one = isinstance(paths, (str, bytes, os.PathLike))  # (bytes: one path, not a sequence of ints)
+    paths = [os.fsdecode(p) for p in ([paths] if one else paths)]
     if not paths:
         raise ValueError("paths is empty: give one or more Criteo-format files.")
+    folders = [p for p in paths if os.path.isdir(p)]
+    if folders:
+        raise IsADirectoryError(f"Criteo files are directories: {folders}; give the files in them.")
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         raise FileNotFoundError(f"Criteo files not found: {missing}.")
@@ -146,7 +153,7 @@ class CriteoFiles:
         offsets, good, line, end = [], 0, 0, 0
         for offset, block, truncated in _blocks(path, is_gzip, self.on_malformed):
             if truncated:
-                self._malformed(path, line + 1, "the gzip stream ends inside this line")
+                self._malformed(path, line + 1, truncated)
             if not block:
                 continue
             starts, parsed = _line_starts(block), parse_lines(block)

@@ -220,6 +220,21 @@ def test_truncated_gzip(tmp_path):
     np.testing.assert_array_equal(got, np.array([r[2] for r in good_rows(lines)[:got.shape[0]]]))
 
 
+def test_a_gzip_file_cut_before_anything_decompressed_is_noted(tmp_path):
+    """Cut at its first bytes: no line decompressed, so none ended inside a line, and under "skip" its lines were
+    lost with no count and no note (the file beside it read as if it were all). Now noted, naming the file."""
+    rng = np.random.default_rng(16)
+    whole = write(tmp_path / "a.gz", [random_line(rng) for _ in range(30)], compress=True)
+    cut = write(tmp_path / "b.gz", [random_line(rng) for _ in range(300)], compress=True)
+    with open(cut, "rb") as f:
+        data = f.read()
+    with open(cut, "wb") as f:
+        f.write(data[:40])
+    files = sed.CriteoFiles([whole, cut], 10, on_malformed="skip")
+    assert len(files) == 3 and files.skipped == 1
+    assert files.malformed == [f"{cut}:1: the gzip stream ends early or is corrupt here (what followed is lost)"]
+
+
 def test_files_bad_arguments(tmp_path):
     path = write(tmp_path / "a.txt", [random_line(np.random.default_rng(7))])
     with pytest.raises(ValueError, match="on_malformed must be"):
@@ -230,6 +245,9 @@ def test_files_bad_arguments(tmp_path):
         sed.CriteoFiles(str(tmp_path / "nope.txt"), 2)
     with pytest.raises(ValueError, match="paths is empty"):
         sed.CriteoFiles([], 2)
+    with pytest.raises(IsADirectoryError, match=r"Criteo files are directories: \[.*\]; give the files in them"):
+        sed.CriteoFiles(str(tmp_path), 2)
+    assert sed.CriteoFiles(path.encode(), 1).paths == (path,)  # a bytes path is one path (was: a sequence of ints)
 
 
 # ---------------------------------------------------------------- the grain source
