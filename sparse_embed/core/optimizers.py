@@ -505,9 +505,20 @@ class Custom(Optimizer):
         return False  # fn sees whole rows: "column" placement gathers them for it
 
     def rule(self, rows, slots, grads, step, lr, row_mean):
-        new_rows, new_slots = self.fn(rows, slots, grads, step)
+        shapes = (f"rows {tuple(rows.shape)}, slots {({k: tuple(v.shape) for k, v in slots.items()})}, grads "
+                  f"{tuple(grads.shape)}")
+        try:
+            new_rows, new_slots = self.fn(rows, slots, grads, step)
+        except (TypeError, ValueError) as e:  # (a slot width that does not fit fn: name what it was given)
+            raise type(e)(f"Custom optimizer {getattr(self.fn, '__name__', self.fn)!r} failed on {shapes} (slot "
+                          f"widths from its slot_specs): {e}") from e
         if set(new_slots) != set(slots):
             raise ValueError(f"Custom optimizer {self.fn!r} returned slots {sorted(new_slots)}, expected {sorted(slots)}.")
+        if tuple(new_rows.shape) != tuple(rows.shape) or any(
+                tuple(new_slots[k].shape) != tuple(v.shape) for k, v in slots.items()):
+            raise ValueError(f"Custom optimizer {getattr(self.fn, '__name__', self.fn)!r} was given {shapes} and "
+                             f"returned rows {tuple(new_rows.shape)}, slots "
+                             f"{({k: tuple(v.shape) for k, v in new_slots.items()})}: each must keep its shape.")
         return new_rows, new_slots
 
 

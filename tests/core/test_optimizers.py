@@ -240,6 +240,31 @@ def test_ftrl_at_a_learning_rate_of_0_leaves_rows_and_slots_as_they_are(each_ker
         assert not np.allclose(second["table"][touched], before["table"][touched])
 
 
+def test_a_custom_optimizer_whose_slots_do_not_fit_its_fn_says_what_it_was_given():
+    """A slot 64 wide on a table of dim 4 (the docs' example on a smaller table) failed inside jax with "add got
+    incompatible shapes for broadcasting", naming nothing; an fn that changes a shape is refused too."""
+    def plan_of(o):
+        return se.plan({"f": se.FeatureSpec("f", se.TableSpec("t", 16, 4, optimizer=o), 4)}, make_mesh(1),
+                       kernel="generic")  # Custom: the generic kernel, whatever the module runs
+
+    def step(plan):
+        tables = se.init_tables(plan, jax.random.key(0))
+        batch, _ = se.preprocess(plan, {"f": np.array([[1], [2], [3], [4]])})
+        return jax.grad(lambda tb: jnp.sum(se.lookup(plan, batch, tb, 0)["f"]))(tables)
+
+    wide = plan_of(opt.Custom(_momentum_sign_sgd, {"m": opt.SlotSpec(64, 0.0)}))
+    with pytest.raises(TypeError, match=r"Custom optimizer '_momentum_sign_sgd' failed on rows \(\d+, 4\), slots "
+                                        r"\{'m': \(\d+, 64\)\}, grads \(\d+, 4\) \(slot widths from its "
+                                        r"slot_specs\): .*incompatible shapes"):
+        step(wide)
+
+    def shrinks(rows, slots, grads, step):
+        return rows[:, :2], slots
+
+    with pytest.raises(ValueError, match=r"'shrinks' was given rows \(\d+, 4\).* returned rows \(\d+, 2\)"):
+        step(plan_of(opt.Custom(shrinks, {"m": opt.SlotSpec(4, 0.0)})))
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: opt.Adam(0.1, b1=1.0), "b1 must be in"),
     (lambda: opt.Adagrad(0.1, initial_accumulator_value=-1), "initial_accumulator_value must be finite and > 0"),
