@@ -75,9 +75,11 @@ def _parts(data: bytes) -> dict[str, tuple[int, int]]:
 
 def test_a_file_round_trips_and_its_ids_are_encoded(tmp_path):
     path = str(tmp_path / "x.delta")
-    delta_file.write(path, {"base": "b", "seq": 1}, ARRAYS, ids=IDS)
+    digest = delta_file.write(path, {"base": "b", "seq": 1}, ARRAYS, ids=IDS)
     header, arrays = delta_file.read(path)
-    assert header == {"base": "b", "seq": 1}
+    assert header == {"base": "b", "seq": 1, "checksum": digest}  # the file's (the next delta of a chain names it)
+    with open(path, "rb") as f:
+        assert f.read()[-16:].decode() == digest
     for name, a in ARRAYS.items():
         assert arrays[name].dtype == a.dtype and np.array_equal(arrays[name], a), name
     data = pathlib.Path(path).read_bytes()
