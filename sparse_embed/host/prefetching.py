@@ -115,6 +115,11 @@ class _Slots:
             self._cond.notify_all()
             return self._items.popleft()
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` ran: the worker takes no item after its current one."""
+        return self._closed
+
     def close(self) -> None:
         """Drops the buffered items and wakes both sides."""
         with self._cond:

@@ -226,7 +226,8 @@ class Tiers:
         self._plan_lock = threading.Lock()  # one batch planned at a time (the cache maps are sequential)
         self._swapped = 0  # swaps run (swap)
         self._taken = -1  # the last batch a loop took from `prefetch` (its swap must run before the next is taken)
-        self._workers: list[threading.Thread] = []  # the prefetchers' threads (`preprocess` refuses other callers)
+        # the prefetchers' threads and buffers (`preprocess` refuses other callers while one runs, not closed)
+        self._workers: list[tuple[threading.Thread, Any]] = []
         self._lock = threading.Lock()
         self._evicted: dict[int, dict[str, dict[str, jax.Array]]] = {}  # swap -> table -> evicted device rows
         self._written_through = -1  # every swap up to this one is written back
@@ -248,8 +249,12 @@ class Tiers:
         table in memory would be given to `map_ids`: its last-use steps and expiry); no other table reads it.
         """
         self._check_open()
-        self._workers = [w for w in self._workers if w.is_alive()]
-        if self._workers and threading.current_thread() not in self._workers:
+        here = threading.current_thread()
+        for w, slots in self._workers:  # a closed (or collected) prefetcher's worker ends after its current batch
+            if slots.closed and w.is_alive() and w is not here:
+                w.join()
+        self._workers = [(w, slots) for w, slots in self._workers if w.is_alive()]
+        if self._workers and here not in [w for w, _ in self._workers]:
             raise RuntimeError(f"Tiers.preprocess (tables {sorted(self.tables)}): a prefetch of this Tiers is still "
                                "running, planning its batches' swaps in order; a batch preprocessed beside it would "
                                "take a place in that order, and its swap run the prefetch's early. Take evaluation "
@@ -654,7 +659,7 @@ class Tiers:
         if self._ids is not None and self._procs.several:
             return _TimedInLoop(self, prepare, iter(batches))
         prefetcher = _TimedPrefetcher(self, prepare, iter(batches), buffer_size)
-        self._workers.append(prefetcher._thread)
+        self._workers.append((prefetcher._thread, prefetcher._slots))
         return prefetcher
 
     def stats(self) -> dict[str, TierStats]:

@@ -586,7 +586,12 @@ def test_a_batch_preprocessed_beside_a_running_prefetch_is_refused(tmp_path):
         for i, item in enumerate(prefetcher, 1):  # the loop goes on as if nothing happened
             _, tables = step(tiers.swap(tables, item.swap), item.batch, i)
         batch, _, swap = tiers.preprocess({"f_t": _ids(7)}, train=False)  # it ended: evaluation batches are fine
-        tiers.swap(tables, swap)
+        tables = tiers.swap(tables, swap)
+        for _ in range(3):  # a loop left early, its prefetcher dropped (closed when collected): fine at once
+            for item in tiers.prefetch(batches, buffer_size=2):
+                tables = tiers.swap(tables, item.swap)
+                break
+            tables = tiers.swap(tables, tiers.preprocess({"f_t": _ids(7)}, train=False)[2])
         with pytest.raises(ValueError, match=r"A commit.s step must be >= 0 \(as a checkpoint.s\), got -1"):
             tiers.flush(tables, -1)
         assert tiers.tables["t"].store.commit == 0
