@@ -505,20 +505,18 @@ class Custom(Optimizer):
         return False  # fn sees whole rows: "column" placement gathers them for it
 
     def rule(self, rows, slots, grads, step, lr, row_mean):
-        shapes = (f"rows {tuple(rows.shape)}, slots {({k: tuple(v.shape) for k, v in slots.items()})}, grads "
-                  f"{tuple(grads.shape)}")
+        name = getattr(self.fn, "__name__", self.fn)
+        shapes = lambda r, s: f"rows {tuple(r.shape)}, slots {({k: tuple(s[k].shape) for k in sorted(s)})}"  # noqa: E731
+        given = f"{shapes(rows, slots)}, grads {tuple(grads.shape)}"
         try:
             new_rows, new_slots = self.fn(rows, slots, grads, step)
         except (TypeError, ValueError) as e:  # (a slot width that does not fit fn: name what it was given)
-            raise type(e)(f"Custom optimizer {getattr(self.fn, '__name__', self.fn)!r} failed on {shapes} (slot "
-                          f"widths from its slot_specs): {e}") from e
+            raise type(e)(f"Custom optimizer {name!r} failed on {given} (slot widths from its slot_specs): {e}") from e
         if set(new_slots) != set(slots):
             raise ValueError(f"Custom optimizer {self.fn!r} returned slots {sorted(new_slots)}, expected {sorted(slots)}.")
-        if tuple(new_rows.shape) != tuple(rows.shape) or any(
-                tuple(new_slots[k].shape) != tuple(v.shape) for k, v in slots.items()):
-            raise ValueError(f"Custom optimizer {getattr(self.fn, '__name__', self.fn)!r} was given {shapes} and "
-                             f"returned rows {tuple(new_rows.shape)}, slots "
-                             f"{({k: tuple(v.shape) for k, v in new_slots.items()})}: each must keep its shape.")
+        if shapes(new_rows, new_slots) != shapes(rows, slots):
+            raise ValueError(f"Custom optimizer {name!r} was given {given} and returned {shapes(new_rows, new_slots)}: "
+                             "each must keep its shape.")
         return new_rows, new_slots
 
 

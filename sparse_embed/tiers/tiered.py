@@ -339,7 +339,8 @@ class Tiers:
 
     def _mapped(self, canon: dict, admitted: dict[str, Admission]) -> dict[str, np.ndarray]:
         """`{feature: int32 cache rows of its ids}` (the shape of its canonical ids; -1 stays -1; ids past a
-        sequence's length, which took no row, read row 0 in ragged input: preprocess truncates them)."""
+        sequence's length, which took no row, read row 0 in ragged input, where -1 is no padding: preprocess
+        truncates them)."""
         out, at = {}, {}
         for name, c in canon.items():  # the order `_table_rows` concatenated them in
             table = self._features[name].table.name
@@ -349,9 +350,8 @@ class Tiers:
                 lo = at.get(table, 0)
                 at[table] = lo + c.ids.size
                 out[name] = admitted[table].mapped[lo:at[table]].reshape(c.ids.shape)
-            past = _past_length(self._features[name], c)
-            if past is not None:
-                out[name] = np.where(past, -1 if c.dense else 0, out[name]).astype(np.int32)
+            if not c.dense and self._features[name].is_sequence:  # truncated ids (-1, `_table_rows`): row 0
+                out[name] = np.maximum(out[name], 0)
         return out
 
     def _table_rows(self, ids: dict, weights: dict, raw: dict[str, Mapped]) -> tuple[dict, dict[str, np.ndarray],
@@ -375,10 +375,11 @@ class Tiers:
                     ids_lib.validated(f, c)  # every id against the whole table, every weight finite
                 else:
                     ids_lib.flattened(f, c)  # the same checks, in numpy
-                canon[name] = c
                 past = _past_length(f, c)
-                read = c.ids if past is None else np.where(past, -1, c.ids)  # -1: no row
-                rows[f.table.name].append(read[read >= 0] if self._procs.several else read.reshape(-1))
+                if past is not None:  # ids the lookup truncates take no row (-1; ragged: row 0 after, `_mapped`)
+                    c = c._replace(ids=np.where(past, -1, c.ids))
+                canon[name] = c
+                rows[f.table.name].append(c.ids[c.ids >= 0] if self._procs.several else c.ids.reshape(-1))
         except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
             if not self._procs.several:
                 raise
