@@ -261,6 +261,11 @@ def sparsecore_csr(features: Mapping[str, FeatureSpec], layout: Sequence[JteTabl
     missing = sorted(set(features) - set(ids))
     if missing:
         raise ValueError(f"sparsecore_csr: no ids for features {missing}.")
+    for what, given in (("ids", ids), ("weights", weights)):  # a misspelt key would be ignored: unweighted gains
+        unknown = sorted(set(given) - set(features), key=str)
+        if unknown:
+            raise ValueError(f"sparsecore_csr: {what} has unknown features {unknown}; the features are "
+                             f"{sorted(features)}.")
     num_sc = _check_shards(num_devices, "num_devices") * _check_shards(sc_per_device, "sc_per_device")
     _stacks(layout, num_sc)
     out = {}

@@ -356,3 +356,19 @@ def test_features_and_layout_must_agree():
     raw = se.TableSpec("t", 19, 8, dynamic=se.Dynamic())
     with pytest.raises(ValueError, match="keyed by raw ids"):
         sparsecore_csr({"f": se.FeatureSpec("f", raw, 4)}, se.jte.jte_layout({"t": raw}, 2), ids, **kw)
+
+
+def test_ids_or_weights_of_unknown_features_are_refused_as_preprocess_refuses_them():
+    """A misspelt weights key was ignored: the feature's gains came out unweighted (1 / n under mean)."""
+    t = se.TableSpec("t", 19, 8, combiner="mean")
+    f = {"f": se.FeatureSpec("f", t, 2)}
+    ids, w = {"f": np.array([[1, 3], [2, -1]])}, np.array([[3.0, 1.0], [2.0, 0.0]], np.float32)
+    kw = dict(num_devices=1, sc_per_device=2, max_ids_per_partition=64)
+    layout = se.jte.jte_layout({"t": t}, 2)
+    gains = sparsecore_csr(f, layout, ids, {"f": w}, **kw)["t"].gains
+    np.testing.assert_array_equal(np.sort(gains[~np.isnan(gains)]), [0.25, 0.75, 1.0])  # 3 / 4, 1 / 4; 2 / 2
+    with pytest.raises(ValueError, match=r"sparsecore_csr: weights has unknown features \['g'\]; the features are "
+                                         r"\['f'\]\."):
+        sparsecore_csr(f, layout, ids, {"g": w}, **kw)
+    with pytest.raises(ValueError, match=r"sparsecore_csr: ids has unknown features \['g'\]"):
+        sparsecore_csr(f, layout, {**ids, "g": ids["f"]}, **kw)
