@@ -254,6 +254,9 @@ def sparsecore_csr(features: Mapping[str, FeatureSpec], layout: Sequence[JteTabl
     the limits is a ValueError naming the stack.
     """
     weights = weights or {}
+    for key, f in features.items():  # (ids and weights are looked up by key, a feature's place by its name)
+        if key != f.name:
+            raise ValueError(f"sparsecore_csr: feature key {key!r} differs from its FeatureSpec name {f.name!r}.")
     where = {t.name: t for t in layout}
     missing = sorted({f.table.name for f in features.values()} - set(where))
     if missing:

@@ -353,6 +353,8 @@ def test_features_and_layout_must_agree():
         sparsecore_csr(f, se.jte.jte_layout({"t": se.TableSpec("t", 20, 8)}, 2), ids, **kw)
     with pytest.raises(ValueError, match="4 samples are not a multiple of 8 SparseCores"):
         sparsecore_csr(f, se.jte.jte_layout({"t": t}, 8), ids, **{**kw, "num_devices": 4})
+    with pytest.raises(ValueError, match="sparsecore_csr: feature key 'g' differs from its FeatureSpec name 'f'"):
+        sparsecore_csr({"g": f["f"]}, se.jte.jte_layout({"t": t}, 2), {"g": ids["f"]}, **kw)  # was a KeyError 'f'
     raw = se.TableSpec("t", 19, 8, dynamic=se.Dynamic())
     with pytest.raises(ValueError, match="keyed by raw ids"):
         sparsecore_csr({"f": se.FeatureSpec("f", raw, 4)}, se.jte.jte_layout({"t": raw}, 2), ids, **kw)
