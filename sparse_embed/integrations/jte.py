@@ -118,7 +118,9 @@ def jte_layout(tables: Mapping[str, TableSpec] | Sequence[TableSpec], num_shards
     if rotation is None and any(len(g) > 1 for g in groups):
         raise ValueError("A stack of several tables needs rotation= (jax-tpu-embedding's stack_tables rotates its "
                          "tables' shards by SparseCores per device by default: pass that).")
-    rotation = 1 if rotation is None else rotation
+    if rotation is not None and (isinstance(rotation, bool) or not isinstance(rotation, (int, np.integer))):
+        raise ValueError(f"rotation must be an int (the shard rotation step), got {rotation!r}.")
+    rotation = 1 if rotation is None else int(rotation)
     listed = [n for g in groups for n in g]
     if sorted(listed) != sorted(specs):
         raise ValueError(f"stacking must name every table once; it names {listed}, the tables are {sorted(specs)}.")

@@ -98,6 +98,10 @@ def test_layouts_used_with_another_shard_count_or_array_are_refused_naming_them(
             se.jte.jte_layout(tables, bad)
     with pytest.raises(ValueError, match="stacking must be a list of non-empty lists"):
         se.jte.jte_layout(tables, 8, stacking=["ab"])
+    for bad in (2.5, "2", True):  # 2.5 was taken, and to_jte then failed in numpy ("Cannot cast array data ...")
+        with pytest.raises(ValueError, match=f"rotation must be an int \\(the shard rotation step\\), got {bad!r}"):
+            se.jte.jte_layout(tables, 8, stacking=[["a", "b"]], rotation=bad)
+    assert se.jte.jte_layout(tables, 8, stacking=[["a", "b"]], rotation=np.int64(2)) == l8
     with pytest.raises(ValueError, match="A stack of several tables needs rotation="):
         se.jte.jte_layout(tables, 8, stacking=[["a", "b"]])
     assert se.jte.jte_layout(tables, 8) == se.jte.jte_layout(tables, 8, rotation=3)  # one table a stack: no rotation
