@@ -272,6 +272,9 @@ def sparsecore_csr(features: Mapping[str, FeatureSpec], layout: Sequence[JteTabl
             raise ValueError(f"sparsecore_csr: {what} has unknown features {unknown}; the features are "
                              f"{sorted(features)}.")
     num_sc = _check_shards(num_devices, "num_devices") * _check_shards(sc_per_device, "sc_per_device")
+    max_ids_per_partition = _check_shards(max_ids_per_partition, "max_ids_per_partition")
+    if max_unique_ids_per_partition is not None:
+        max_unique_ids_per_partition = _check_shards(max_unique_ids_per_partition, "max_unique_ids_per_partition")
     _stacks(layout, num_sc)
     out = {}
     for stack in dict.fromkeys(t.stack_name for t in layout):

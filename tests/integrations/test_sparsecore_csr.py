@@ -312,6 +312,12 @@ def test_partition_over_the_limit_is_a_value_error():
     ids = {"f": np.array([[0, 2, 4, 6], [8, -1, -1, -1], [1, -1, -1, -1], [3, -1, -1, -1]])}
     with pytest.raises(ValueError, match=r"Stack 't'.*max_ids_per_partition=4"):
         sparsecore_csr(f, layout, ids, num_devices=1, sc_per_device=2, max_ids_per_partition=4)
+    for bad, what in ((2.5, "max_ids_per_partition"), (None, "max_ids_per_partition"), (0, "max_ids_per_partition"),
+                      ("8", "max_unique_ids_per_partition")):  # 2.5 and None were numpy / comparison TypeErrors
+        kw = {"max_ids_per_partition": bad} if what == "max_ids_per_partition" else {
+            "max_ids_per_partition": 8, what: bad}
+        with pytest.raises(ValueError, match=f"{what} must be a positive int, got {bad!r}"):
+            sparsecore_csr(f, layout, ids, num_devices=1, sc_per_device=2, **kw)
     same = {"f": np.array([[0, 2], [0, 2], [1, -1], [1, -1]])}  # slice 0 -> partition 0: 4 entries, 2 distinct ids
     with pytest.raises(ValueError, match=r"Stack 't'.*max_unique_ids_per_partition=1"):
         sparsecore_csr(f, layout, same, num_devices=1, sc_per_device=2, max_ids_per_partition=4,
