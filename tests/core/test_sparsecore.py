@@ -442,6 +442,13 @@ def test_a_bad_sparsecore_count_is_an_error(bad):
         se.plan([se.FeatureSpec("f", se.TableSpec("t", 50, 8), 8)], make_mesh(2), sparsecores=bad)
 
 
+def test_a_numpy_int_sparsecore_count_is_an_int():
+    """np.int64(2) was refused: "sparsecores must be an int >= 0 ..., got np.int64(2)"."""
+    feats = [se.FeatureSpec("f", se.TableSpec("t", 50, 8), 8)]
+    plan = se.plan(feats, make_mesh(2), sparsecores=np.int64(2))
+    assert plan == se.plan(feats, make_mesh(2), sparsecores=2) and type(plan.stacks[0].sparsecores) is int
+
+
 def test_cpu_devices_have_no_sparsecores_by_default():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -21,6 +21,8 @@ import importlib.util
 import warnings
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from sparse_embed.core import placements
 from sparse_embed.core.specs import TableSpec
 
@@ -54,9 +56,10 @@ def count(sparsecores: int | None, devices: Sequence) -> int:
                           stacklevel=3)
             return 0
         return found
-    if isinstance(sparsecores, bool) or not isinstance(sparsecores, int) or sparsecores < 0:
+    if isinstance(sparsecores, bool) or not isinstance(sparsecores, (int, np.integer)) or sparsecores < 0:
         raise ValueError(f"sparsecores must be an int >= 0 (SparseCores per device; 0 = none), "
                          f"got {sparsecores!r}.")
+    sparsecores = int(sparsecores)  # (a numpy int, e.g. computed from a mesh shape, is an int too)
     if sparsecores and not available():
         raise ImportError(f"plan(sparsecores={sparsecores}) needs jax-tpu-embedding: "
                           "pip install \"sparse-embed[tpu]\".")
