@@ -180,6 +180,28 @@ def test_matches_jax_tpu_embedding(G, S, fmt, combiner, stacking):
                            pre.lhs_gains[stack]), num_sc, num_sc)
 
 
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_a_sample_whose_divisor_is_zero_gets_gains_zero_where_jax_tpu_embedding_divides_by_zero(combiner):
+    """The one difference from jte's output (docs/sparsecore.md): sample 1's weights are all 0, so its divisor is 0."""
+    t = se.TableSpec("t", 40, 8, combiner=combiner)
+    features = {"f": se.FeatureSpec("f", t, 4)}
+    ids = _objects([np.array([1, 7], np.int32), np.array([3, 9], np.int32), np.array([2], np.int32),
+                    np.array([5, 6], np.int32)])
+    w = _objects([np.array([1.0, 2.0], np.float32), np.zeros(2, np.float32), np.array([0.5], np.float32),
+                  np.array([3.0, 1.0], np.float32)])
+    ours = sparsecore_csr(features, se.jte.jte_layout({"t": t}, 2), {"f": list(ids)}, {"f": list(w)}, num_devices=1,
+                          sc_per_device=2, max_ids_per_partition=64)["t"]
+    specs = _jte_specs(features, [["t"]], 1, 2, 64)
+    pre, _ = embedding.preprocess_sparse_dense_matmul_input({"f": ids}, {"f": w}, specs, local_device_count=1,
+                                                            global_device_count=1, num_sc_per_device=2)
+    theirs = pre.lhs_gains["t"]
+    zero = (ours.sample_ids == 1) & (np.arange(ours.gains.size) < ours.gains.size // 2)  # slice 0's sample 1
+    assert zero.sum() == 2 and (ours.gains[zero] == 0).all() and not np.isfinite(theirs[zero]).any()
+    _assert_same(ours._replace(gains=np.where(zero, np.nan, ours.gains)),
+                 (pre.lhs_row_pointers["t"], pre.lhs_embedding_ids["t"], pre.lhs_sample_ids["t"],
+                  np.where(zero, np.nan, theirs)), 2, 2)
+
+
 # ------------------------------------------------------------------ a SparseCore plan's own preprocessing
 PLAN_STACKINGS = {"unstacked": None, "stacked": [["a", "c", "s"], ["d"], ["b"]]}  # a plan stacks equal dims
 
