@@ -255,7 +255,11 @@ def sparsecore_csr(features: Mapping[str, FeatureSpec], layout: Sequence[JteTabl
     with its errors. A partition with more entries (or distinct ids) than
     the limits is a ValueError naming the stack.
     """
-    weights = weights or {}
+    weights = {} if weights is None else weights
+    for what, given in (("features", features), ("ids", ids), ("weights", weights)):
+        if not isinstance(given, Mapping):
+            raise TypeError(f"sparsecore_csr: {what} must be a mapping keyed by feature name, got "
+                            f"{type(given).__name__}.")
     for key, f in features.items():  # (ids and weights are looked up by key, a feature's place by its name)
         if key != f.name:
             raise ValueError(f"sparsecore_csr: feature key {key!r} differs from its FeatureSpec name {f.name!r}.")

@@ -402,3 +402,9 @@ def test_ids_or_weights_of_unknown_features_are_refused_as_preprocess_refuses_th
         sparsecore_csr(f, layout, ids, {"g": w}, **kw)
     with pytest.raises(ValueError, match=r"sparsecore_csr: ids has unknown features \['g'\]"):
         sparsecore_csr(f, layout, {**ids, "g": ids["f"]}, **kw)
+    for args, what, got in (((f, layout, ids["f"]), "ids", "ndarray"),  # was "unhashable type: 'numpy.ndarray'"
+                            ((f, layout, ids, [w]), "weights", "list"),  # was "'list' object has no attribute 'get'"
+                            ((list(f.values()), layout, ids), "features", "list")):
+        with pytest.raises(TypeError, match=f"sparsecore_csr: {what} must be a mapping keyed by feature name, "
+                                            f"got {got}"):
+            sparsecore_csr(*args, **kw)
