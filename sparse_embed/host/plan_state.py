@@ -137,7 +137,9 @@ def _layout_key(plan: EmbeddingPlan) -> tuple:
         (s.name, s.num_shards, s.capacity,
          tuple((t.table.name, t.table.vocabulary_size, t.row_offset) for t in s.tables),
          tuple((f.feature.name, f.feature.batch_size, f.feature.max_sequence_length, f.feature.table.combiner,
-                f.row_offset) for f in s.features))
+                f.row_offset) for f in s.features),
+         # SparseCores lay the rows out over D x S shards (a key without them stays as it was: saved marks hold)
+         *((("sparsecores", s.sparsecores),) if s.sparsecores else ()))
         for s in plan.stacks)
     devices = tuple(int(d.id) for d in plan.mesh.devices.flat)
     return devices, tuple(plan.mesh.axis_names), plan.axis_name, plan.on_overflow, stacks

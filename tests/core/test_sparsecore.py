@@ -449,6 +449,20 @@ def test_a_numpy_int_sparsecore_count_is_an_int():
     assert plan == se.plan(feats, make_mesh(2), sparsecores=2) and type(plan.stacks[0].sparsecores) is int
 
 
+def test_processes_whose_plans_differ_in_sparsecores_are_told():
+    """The plans' fingerprint (compared at the processes' first exchange) and layout digest (which a checkpoint's
+    capacity marks are restored by) left the SparseCores out: a process with sparsecores=2 and one with 4 (or none)
+    passed the check, though their rows sit on other devices."""
+    from sparse_embed.host import plan_state
+
+    feats = [se.FeatureSpec("f", se.TableSpec("t", 1000, 8), 16)]
+    plans = [se.plan(feats, make_mesh(2), sparsecores=s) for s in (0, 2, 4)]
+    prints = [plan_state.fingerprint(p) for p in plans]
+    assert prints[0] != prints[1] != prints[2] != prints[0]
+    assert "('sparsecores', 2)" in prints[1][0]
+    assert "sparsecores" not in prints[0][0]  # a plan without them keeps the digest its saved marks were stored by
+
+
 def test_cpu_devices_have_no_sparsecores_by_default():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
