@@ -75,10 +75,15 @@ class JteTableLayout:
     shard_rotation: int
 
 
-def jte_layout_from_specs(table_specs: Iterable[Any], num_shards: int) -> tuple[JteTableLayout, ...]:
-    """Layouts from jax-tpu-embedding `TableSpec`s (after its `stack_tables`/`auto_stack_tables`)."""
+def jte_layout_from_specs(table_specs: Iterable[Any] | Mapping[str, Any], num_shards: int
+                          ) -> tuple[JteTableLayout, ...]:
+    """Layouts from jax-tpu-embedding `TableSpec`s (after its `stack_tables`/`auto_stack_tables`), or the
+    `{name: TableSpec}` its `embedding.get_table_specs(feature_specs)` returns."""
     out = []
-    for t in table_specs:
+    for t in table_specs.values() if isinstance(table_specs, Mapping) else table_specs:
+        if not hasattr(t, "setting_in_stack"):
+            raise TypeError(f"jte_layout_from_specs takes jax-tpu-embedding TableSpecs, got a {type(t).__name__} "
+                            f"({t!r:.80}); for its FeatureSpecs pass embedding.get_table_specs(feature_specs).")
         # jax-tpu-embedding's `stacked_table_spec` property asserts on unstacked tables: read the field.
         st, sis = getattr(t, "_stacked_table_spec", None), t.setting_in_stack
         if st is None:  # an unstacked table: jax-tpu-embedding's default placement

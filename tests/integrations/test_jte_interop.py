@@ -47,6 +47,13 @@ def test_matches_jax_tpu_embedding(stack):
     for n in DIMS:
         np.testing.assert_array_equal(back[n], arrays[n])
         np.testing.assert_array_equal(np.asarray(via_jte[n]), arrays[n])
+    # The {name: TableSpec} of its get_table_specs is taken as well (its keys were read as specs: "'str' object has
+    # no attribute 'setting_in_stack'"); anything else that is not its TableSpec is a TypeError saying so.
+    assert se.jte.jte_layout_from_specs(specs, S) == layout
+    feature = jte_spec.FeatureSpec(name="fa", table_spec=specs["a"], input_shape=(8, 1), output_shape=(8, 8))
+    for bad, kind in (([feature], "FeatureSpec"), ([se.TableSpec("a", 37, 8)], "TableSpec"), (["a"], "str")):
+        with pytest.raises(TypeError, match=f"jte_layout_from_specs takes jax-tpu-embedding TableSpecs, got a {kind} "):
+            se.jte.jte_layout_from_specs(bad, S)
     # Our own layout computation agrees with jax-tpu-embedding's stack_tables.
     ours_layout = se.jte.jte_layout({n: se.TableSpec(n, VOCABS[n], DIMS[n]) for n in DIMS}, S,
                                 stacking=[["a", "b"], ["c"]] if stack else [["a"], ["b"], ["c"]], rotation=2)
