@@ -775,7 +775,7 @@ def _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sparse
     def cores(group):  # the stack's SparseCores (0 if they cannot run it: `plan` warns)
         rows = {f.name: f.batch_size // num_shards * max(f.max_sequence_length, 1)
                 for f in feats.values() if f.table.name in group}
-        return sparsecore_layout.resolve([tables[n] for n in group], chosen[group[0]], sparsecores, rows)
+        return sparsecore_layout.resolve([tables[n] for n in group], chosen[group[0]], sparsecores, rows, num_shards)
 
     return tuple(_stack_plan(name, [tables[n] for n in group], feats, num_shards, caps[name], chosen[group[0]],
                              loads, device_load, cores(group))

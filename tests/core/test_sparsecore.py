@@ -188,7 +188,7 @@ def test_the_sparsecore_limit_grows_with_the_data_and_never_shrinks():
     assert small[0] < big[0] == again[0] and big[1] == 16 and again[1] == small[1]
 
 
-@pytest.mark.parametrize("devices,S", [(1, 4), (8, 2), (2, 3)])  # 3: SparseCores not a power of 2
+@pytest.mark.parametrize("devices,S", [(1, 4), (8, 2), (4, 4)])
 def test_the_c_and_numpy_preprocessing_are_bitwise_equal(devices, S, monkeypatch):
     """The partition into the SparseCore layout and the CSR, in C and in numpy: the same bits."""
     from sparse_embed.host import sparsecore_input as csr
@@ -427,6 +427,20 @@ def test_a_feature_that_does_not_split_over_the_sparsecores_falls_back(batch, se
     with pytest.warns(UserWarning, match=r"Stack 't'.*features \['f'\].*not a multiple of its 2 SparseCores"):
         plan = se.plan(feats, make_mesh(2), sparsecores=2)
     assert plan.stacks[0].sparsecores == 0 and all(lay.slices == 1 for lay in plan.stacks[0].features)
+
+
+@pytest.mark.parametrize("devices,S", [(3, 2), (1, 3), (6, 4)])  # (a v5p-24 slice: 12 chips x 4 SparseCores)
+def test_a_sparsecore_count_that_is_not_a_power_of_two_falls_back(devices, S):
+    """jax-tpu-embedding's own input preprocessing aborts unless devices x SparseCores is a power of 2; such a
+    plan ran its stacks on SparseCores all the same, in a layout and input jax-tpu-embedding never makes."""
+    feats = [se.FeatureSpec("f", se.TableSpec("t", 50, 8), 24 * S)]
+    with pytest.warns(UserWarning, match=rf"Stack 't'.*{devices} devices x {S} SparseCores = {devices * S} "
+                                         "SparseCores are not a power of 2"):
+        plan = se.plan(feats, make_mesh(devices), sparsecores=S)
+    assert plan.stacks[0].sparsecores == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert se.plan(feats, make_mesh(4), sparsecores=S if S != 3 else 2).stacks[0].sparsecores
 
 
 def test_a_column_placed_table_falls_back():

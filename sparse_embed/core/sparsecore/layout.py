@@ -67,11 +67,11 @@ def count(sparsecores: int | None, devices: Sequence) -> int:
 
 
 def unsupported(tables: Sequence[TableSpec], placement: str, sparsecores: int = 1,
-                rows: Mapping[str, int] | None = None) -> str | None:
+                rows: Mapping[str, int] | None = None, num_shards: int = 1) -> str | None:
     """Why the SparseCore primitives cannot run a stack of `tables` (None if they can).
 
     `rows`: each feature's output rows per device (samples, or sample-positions), which the device's
-    `sparsecores` slices share evenly.
+    `sparsecores` slices share evenly. `num_shards`: the devices that share the stack's rows.
     """
     t = tables[0]
     opt = t.resolved_optimizer
@@ -96,13 +96,17 @@ def unsupported(tables: Sequence[TableSpec], placement: str, sparsecores: int = 
     if uneven:
         return (f"features {uneven} have per-device rows (batch / devices, times the sequence length) that are not "
                 f"a multiple of its {sparsecores} SparseCores per device, which each take an equal slice")
+    n = num_shards * sparsecores
+    if n & (n - 1):  # jax-tpu-embedding's input preprocessing refuses (aborts) such a count: never run on one
+        return (f"its {num_shards} devices x {sparsecores} SparseCores = {n} SparseCores are not a power of 2, "
+                "which jax-tpu-embedding's input format requires")
     return None
 
 
 def resolve(tables: Sequence[TableSpec], placement: str, sparsecores: int,
-            rows: Mapping[str, int] | None = None) -> int:
+            rows: Mapping[str, int] | None = None, num_shards: int = 1) -> int:
     """The SparseCores a stack of `tables` runs on: `sparsecores`, or 0 if they cannot run it (`unsupported`)."""
-    if not sparsecores or unsupported(tables, placement, sparsecores, rows):
+    if not sparsecores or unsupported(tables, placement, sparsecores, rows, num_shards):
         return 0
     return sparsecores
 
@@ -110,7 +114,7 @@ def resolve(tables: Sequence[TableSpec], placement: str, sparsecores: int,
 def _why_not(stack, sparsecores: int) -> str | None:
     """`unsupported` of a planned stack (a `StackPlan`)."""
     rows = {lay.feature.name: lay.rows_per_device for lay in stack.features}
-    return unsupported([p.table for p in stack.tables], stack.placement, sparsecores, rows)
+    return unsupported([p.table for p in stack.tables], stack.placement, sparsecores, rows, stack.num_shards)
 
 
 def warn_fallbacks(stacks: Sequence, sparsecores: int) -> None:
