@@ -109,9 +109,11 @@ def jte_layout(tables: Mapping[str, TableSpec] | Sequence[TableSpec], num_shards
     """The layout jax-tpu-embedding's `stack_tables(features, group, ...)` gives each group.
 
     `stacking`: groups of table names, in stack order (default: one stack per
-    table); stacks are named by joining their tables' names with "_" (names
-    longer than 50 characters are shortened by jax-tpu-embedding: pass its
-    specs to `jte_layout_from_specs` instead). `rotation` is its shard
+    table, named by the table, as its `prepare_feature_specs_for_training`
+    names a table it was not asked to stack); stacks are named by joining
+    their tables' names with "_" (names longer than 50 characters are
+    shortened by its `stack_tables`: pass its specs to `jte_layout_from_specs`
+    instead). `rotation` is its shard
     rotation step, needed for a stack of several tables (its default there:
     SparseCores per device, which `num_shards` does not say).
     """
@@ -132,7 +134,7 @@ def jte_layout(tables: Mapping[str, TableSpec] | Sequence[TableSpec], num_shards
     out = []
     for g in groups:
         name = "_".join(g)
-        if len(name) > 50:
+        if len(name) > 50 and stacking is not None:
             raise ValueError(f"Stack {name[:50]}...: names over 50 characters are hashed by jax-tpu-embedding; "
                              "use jte_layout_from_specs with its prepared TableSpecs.")
         padded = {n: round_up(specs[n].vocabulary_size, 8 * num_shards) for n in g}

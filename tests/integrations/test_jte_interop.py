@@ -60,6 +60,24 @@ def test_matches_jax_tpu_embedding(stack):
     assert sorted(ours_layout, key=lambda t: t.name) == sorted(layout, key=lambda t: t.name)
 
 
+def test_a_table_with_a_long_name_stacked_alone_keeps_its_name():
+    """jte_layout's default (one stack per table) refused a table name over 50 characters ("hashed by
+    jax-tpu-embedding"), though jax-tpu-embedding names a table it does not stack by the table, unshortened."""
+    name = "user_features/" + "x" * 50
+    t = jte_spec.TableSpec(name=name, vocabulary_size=37, embedding_dim=8, initializer=jax.nn.initializers.zeros,
+                           optimizer=jte_spec.SGDOptimizerSpec(), combiner="sum")
+    features = {"f": jte_spec.FeatureSpec(name="f", table_spec=t, input_shape=(8, 1), output_shape=(8, 8))}
+    importorfail("jax_tpu_embedding.sparsecore.lib.nn.embedding").prepare_feature_specs_for_training(
+        features, global_device_count=4, num_sc_per_device=2)
+    ours = se.jte.jte_layout([se.TableSpec(name, 37, 8)], 8)
+    assert ours == se.jte.jte_layout_from_specs([t], 8) and ours[0].stack_name == name
+    array = np.random.default_rng(0).normal(size=(37, 8)).astype(np.float32)
+    theirs = jte_stacking.stack_and_shard_tables({name: t}, {name: array}, 8)
+    np.testing.assert_array_equal(se.jte.to_jte(ours, {name: array}, 8)[name], np.asarray(theirs[name]).reshape(64, 8))
+    with pytest.raises(ValueError, match="names over 50 characters are hashed"):  # its stack_tables shortens one
+        se.jte.jte_layout([se.TableSpec(name, 37, 8)], 8, stacking=[[name]])
+
+
 def test_training_state_round_trip_through_jte_layout():
     a = se.TableSpec("a", 37, 8, optimizer=se.optimizers.Adagrad(0.1))
     c = se.TableSpec("c", 19, 8, optimizer=se.optimizers.Adagrad(0.1))
