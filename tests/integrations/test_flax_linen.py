@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -141,3 +144,51 @@ def test_documented_train_step_equals_lookup_plus_plain_optax(mesh8):
         assert_trees_equal(params["embed"]["tables"], ref[0])
         assert_trees_equal(params["head"], ref[1])
     assert train_step._cache_size() == 1 and reference_step._cache_size() == 1
+
+
+def _documented_linen_checkpoint() -> tuple[str, str]:
+    """docs/checkpoints.md's linen lines (the "With Flax" block up to its nnx part), as (save, restore) code: the
+    save runs every line but the restore's, the restore every line but the save."""
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
+    block = re.search(r"### With Flax.*?```python\n(.*?)```", text, re.S).group(1).split("\n# nnx:")[0]
+    lines = block.splitlines()
+    cut = next(i for i, line in enumerate(lines) if "manager.restore(" in line)
+    return ("\n".join(lines[:cut]), "\n".join(line for line in lines if "manager.save(" not in line))
+
+
+def test_the_documented_checkpoint_restores_into_a_fresh_run_that_trains_on_bitwise(mesh8, tmp_path):
+    """docs/checkpoints.md's linen code, as it stands: saved after two steps of the README's linen training, restored
+    into params and an optax state made afresh (`jax.jit(model.init)`, `tx.init`: the state's step count lies on
+    one device), two more steps equal the run's, bit for bit."""
+    plan = make_plan(mesh8)
+    model = Tower(plan)
+    tx = se.optax_tx(optax.adam(1e-2))
+    loss_fn = lambda p, b, s: _model_loss(model)(p, b, s)[0]
+
+    @jax.jit(donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch, step):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, step)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return se.apply_updates(params, updates), opt_state, loss
+
+    def fresh(seed):
+        params = jax.jit(model.init)(jax.random.key(seed), make_batch(plan, 0), 0)["params"]
+        return params, tx.init(params)
+
+    save, restore = _documented_linen_checkpoint()
+    params, opt_state = fresh(0)
+    for step in range(2):
+        params, opt_state, _ = train_step(params, opt_state, make_batch(plan, step), jnp.int32(step))
+    with se.CheckpointManager(tmp_path) as manager:
+        exec(save, {"jax": jax, "manager": manager, "step": 2, "plan": plan, "params": params, "opt_state": opt_state})
+    params2, opt_state2 = fresh(5)
+    ns = {"jax": jax, "plan": plan, "params": params2, "opt_state": opt_state2}
+    with se.CheckpointManager(tmp_path) as ns["manager"]:
+        exec(restore, ns)
+    params2, opt_state2 = ns["params"], ns["opt_state"]
+    for step in range(2, 4):
+        params, opt_state, want = train_step(params, opt_state, make_batch(plan, step), jnp.int32(step))
+        params2, opt_state2, got = train_step(params2, opt_state2, make_batch(plan, step), jnp.int32(step))
+        assert float(got) == float(want)
+    assert_trees_equal(params2, params)
+    assert_trees_equal(opt_state2, opt_state)
