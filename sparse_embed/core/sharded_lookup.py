@@ -111,6 +111,11 @@ _lookup_stacks.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def _check_batch(plan: EmbeddingPlan, batch: Mapping[str, ShardedCooMatrix]) -> None:
+    if not isinstance(batch, Mapping):  # (set() of preprocess's whole (batch, stats) said "unhashable type: 'dict'")
+        hint = ("; preprocess returns (batch, stats): batch, stats = sparse_embed.preprocess(plan, ids)"
+                if isinstance(batch, tuple) else "")
+        raise TypeError(f"batch must be the {{stack: ShardedCooMatrix}} mapping that sparse_embed.preprocess builds, "
+                        f"got {type(batch).__name__}{hint}.")
     if set(batch) != set(plan.stack_names):
         raise ValueError(
             f"batch has stacks {sorted(batch)} but the plan has {sorted(plan.stack_names)}; "

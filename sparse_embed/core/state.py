@@ -35,6 +35,9 @@ class EmbeddingVariables(NamedTuple):
 
 def check_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> None:
     """Raises a ValueError naming the stack if `tables` do not have the plan's stacks, shapes, dtypes and slots."""
+    if not isinstance(tables, Mapping):
+        raise TypeError(f"tables must be the {{stack: EmbeddingVariables}} mapping that init_tables (or stack_tables) "
+                        f"makes, got {type(tables).__name__}.")
     missing = sorted(set(plan.stack_names) - set(tables))
     unknown = sorted(set(tables) - set(plan.stack_names))
     if missing or unknown:

@@ -229,6 +229,16 @@ def test_lookup_rejects_foreign_batch_and_tables(setup, mesh8):
         se.lookup(plan, batch, {})
     with pytest.raises(TypeError, match="ShardedCooMatrix"):
         se.lookup(plan, {"tbl": tuple(batch["tbl"])}, tables)
+    # preprocess's whole (batch, stats), or no mapping at all: not set()'s "unhashable type: 'dict'"
+    with pytest.raises(TypeError, match=r"^batch must be the \{stack: ShardedCooMatrix\} mapping that "
+                                        r"sparse_embed.preprocess builds, got tuple; preprocess returns \(batch, "
+                                        r"stats\): batch, stats = sparse_embed.preprocess\(plan, ids\)\.$"):
+        se.lookup(plan, se.preprocess(plan, good), tables)
+    with pytest.raises(TypeError, match=r"^batch must be .* got NoneType\.$"):
+        se.nonfinite_rows(plan, None, {})
+    with pytest.raises(TypeError, match=r"^tables must be the \{stack: EmbeddingVariables\} mapping that init_tables "
+                                        r"\(or stack_tables\) makes, got tuple\.$"):
+        se.lookup(plan, batch, (tables,))
     for dtype in (jnp.bfloat16, jnp.float16, jnp.int32):  # bf16 trained in bf16 silently; the others in the kernel
         cast = {k: v._replace(table=v.table.astype(dtype)) for k, v in tables.items()}
         with pytest.raises(ValueError, match=rf"Stack 'tbl': table has dtype {jnp.dtype(dtype)}, the plan's "
