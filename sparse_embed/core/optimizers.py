@@ -47,6 +47,7 @@ step); optimizers with bias correction require it.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Callable, Mapping, NamedTuple, Union
 
 import jax
@@ -74,7 +75,7 @@ class SlotSpec(NamedTuple):
 def _check_learning_rate(name: str, lr) -> LearningRate:
     if callable(lr):
         return lr
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):  # numpy's scalars too (np.float32 is no float)
         raise TypeError(f"{name}: learning_rate must be a float or an optax schedule, got {lr!r}.")
     if not 0 <= float(lr) < np.inf:  # a NaN or infinite rate trained every touched row into NaN, silently
         raise ValueError(f"{name}: learning_rate must be finite and >= 0, got {lr!r}.")

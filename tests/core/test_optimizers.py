@@ -296,6 +296,17 @@ def test_bad_hyperparameters(make, match):
         make()
 
 
+def test_a_numpy_scalar_learning_rate_is_a_float_as_every_other_hyperparameter_takes_it():
+    """np.float32(0.5) (a config or a sweep's value) was refused: "learning_rate must be a float ..., got
+    np.float32(0.5)"; the other hyperparameters took it. A bool or an array still is refused."""
+    for lr in (np.float32(0.5), np.float16(0.5), np.int64(0)):
+        o = opt.Adagrad(lr, initial_accumulator_value=np.float32(0.5))
+        assert o == opt.Adagrad(float(lr), initial_accumulator_value=0.5) and type(o.learning_rate) is float
+    for bad in (True, np.bool_(True), np.array([0.1]), "0.1"):
+        with pytest.raises(TypeError, match=r"^SGD: learning_rate must be a float or an optax schedule, got "):
+            opt.SGD(bad)
+
+
 def test_specs_hash_by_value_and_have_documented_slots():
     assert hash(opt.FTRL(0.1, l1=0.1)) == hash(opt.FTRL(0.1, l1=0.1))
     assert opt.Adam(0.1) != opt.Adam(0.2)
