@@ -133,6 +133,26 @@ class Embed(nnx.Module):
                 held["slots"][k].set_value(a)
 
 
+def _check_whole_stacks(model: nnx.Module, wrt) -> None:
+    """Refuses a `wrt` that selects part of a stack's state (its table without all its slots, or slots without the
+    table): the lookup's backward updates them together, and the part left out would stay as it was, silently (an
+    Adagrad table trained with its accumulator never growing)."""
+    picked = set(nnx.state(model, wrt).flat_state().paths)
+    stacks: dict[tuple, list[tuple]] = {}
+    for path, var in nnx.state(model, EmbeddingTable).flat_state():
+        stacks.setdefault(path[:-2] if isinstance(var, EmbeddingSlot) else path[:-1], []).append(path)
+    for stack, paths in stacks.items():
+        left = [p for p in paths if p not in picked]
+        if 0 < len(left) < len(paths):
+            name = "/".join(map(str, stack))
+            raise ValueError(
+                f"Optimizer: wrt selects part of the embedding state of stack {name!r}, leaving out "
+                f"{['/'.join(map(str, p[len(stack):])) for p in left]}: the lookup's backward updates a table and "
+                "its optimizer slots together. Select all of them (sparse_embed.flax.nnx.EmbeddingTable covers the "
+                "slots) or none (sparse_embed.flax.nnx.DENSE)."
+            )
+
+
 class Optimizer(nnx.Optimizer):
     """`nnx.Optimizer` for models with `Embed`: `tx` on the dense params, embedding state replaced.
 
@@ -140,12 +160,15 @@ class Optimizer(nnx.Optimizer):
     and its state cover `wrt` minus `EmbeddingTable`. `update(model, grads)`
     sets every `EmbeddingTable` that `wrt` selects to its "gradient" (the
     updated state, bit for bit, no pass over the tables) and applies `tx` to
-    the rest; tables `wrt` leaves out (e.g. `wrt=DENSE`) stay frozen.
+    the rest; tables `wrt` leaves out (e.g. `wrt=DENSE`) stay frozen. `wrt`
+    takes a stack's table and slots together or not at all (a ValueError
+    naming the stack otherwise).
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt=nnx.Param):
         super().__init__(model, tx, wrt=nnx.All(wrt, nnx.Not(EmbeddingTable)))
         self.embedding_wrt = nnx.All(wrt, EmbeddingTable)  # the embedding state it trains
+        _check_whole_stacks(model, self.embedding_wrt)
 
     def update(self, model: nnx.Module, grads: nnx.State, /, **kwargs) -> optax.Updates:
         want = nnx.state(model, self.embedding_wrt).flat_state().paths

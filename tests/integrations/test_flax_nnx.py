@@ -160,6 +160,21 @@ def test_update_rejects_grads_without_embedding_state(mesh8):
         frozen.update(model, nnx.state(model, nnx.Param))
 
 
+def test_an_optimizer_whose_wrt_splits_a_stacks_state_is_refused_naming_it(mesh8):
+    """A wrt with a table but not its slots trained the table while its Adagrad accumulator never grew (and slots
+    without their table changed the slots only), silently; a whole stack, or none, is fine."""
+    plan = make_plan(mesh8)
+    model = Tower(plan, nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^Optimizer: wrt selects part of the embedding state of stack "
+                                         r"'embed/tables/items', leaving out \['slots/accumulator'\]: the lookup's "
+                                         r"backward updates a table and its optimizer slots together\."):
+        sen.Optimizer(model, optax.sgd(0.1), wrt=nnx.All(nnx.Param, nnx.Not(sen.EmbeddingSlot)))
+    with pytest.raises(ValueError, match=r"stack 'embed/tables/items', leaving out \['table'\]"):
+        sen.Optimizer(model, optax.sgd(0.1), wrt=nnx.Any(sen.DENSE, sen.EmbeddingSlot))
+    users_only = sen.Optimizer(model, optax.sgd(0.1), wrt=nnx.Any(sen.DENSE, nnx.PathContains("users")))
+    assert {p[2] for p in nnx.state(model, users_only.embedding_wrt).flat_state().paths} == {"users"}
+
+
 def test_an_optimizer_with_wrt_dense_trains_the_head_and_leaves_the_tables_frozen(mesh8):
     """docs/concepts.md: keep the tables out of wrt to freeze them. The head trains as plain optax on the
     lookup's activations (the reference, with the tables as constants); the tables stay bit for bit."""
