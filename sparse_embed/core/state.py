@@ -69,6 +69,10 @@ def check_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -
                     f"Stack {s.name!r}: slot {name!r} has shape {tuple(a.shape)}, "
                     f"the plan expects {(s.array_rows, specs[name])}."
                 )
+            if jnp.dtype(a.dtype) != jnp.dtype(SLOT_DTYPE):  # (native failed naming nothing; generic did bf16 math)
+                raise ValueError(f"Stack {s.name!r}: slot {name!r} has dtype {jnp.dtype(a.dtype)}, optimizer slots "
+                                 f"are {jnp.dtype(SLOT_DTYPE)}; build the tables with the plan (init_tables, "
+                                 "stack_tables).")
 
 
 def check_trainable(stack, variables: EmbeddingVariables) -> None:

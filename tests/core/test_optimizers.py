@@ -207,6 +207,14 @@ def test_mismatched_slots_are_rejected(mesh8):
     batch, _ = se.preprocess(plan, {"f": np.arange(8)})
     with pytest.raises(ValueError, match=r"Stack 't': slots \['momentum'\] do not match its Adam optimizer's"):
         se.lookup(plan, batch, bad)
+    # slots of another dtype (a tree cast to bf16 but for its tables): the native kernel failed at run time naming
+    # nothing, the generic one trained them in bf16
+    for dtype in (jnp.bfloat16, jnp.float16):
+        cast = {"t": tables["t"]._replace(slots={**tables["t"].slots, "velocity": np.zeros((plan.stacks[0].array_rows,
+                                                                                             4), dtype)})}
+        with pytest.raises(ValueError, match=rf"^Stack 't': slot 'velocity' has dtype {jnp.dtype(dtype)}, optimizer "
+                                             r"slots are float32; build the tables with the plan"):
+            jax.grad(lambda tb: se.lookup(plan, batch, tb, 0)["f"].sum())(cast)
 
 
 def test_auto_stacking_never_mixes_optimizers(mesh8):
