@@ -185,7 +185,19 @@ def read_user(step_dir: str, info: CheckpointInfo, target: Any) -> Any:
     if unchecked and info.verified:
         warnings.warn(f"{step_dir}: {unchecked} leaves of the user pytree were restored with another dtype or shape "
                       "than saved (as the target asked), so their checksums could not be checked.", stacklevel=3)
-    return user
+    return jax.tree.map(_placed_as, user, target)
+
+
+def _placed_as(restored: Any, target: Any) -> Any:
+    """A leaf restored for a target leaf never placed by the user (an uncommitted array: `jnp.zeros(())`, the step
+    count of a fresh `tx.init`) comes back uncommitted too: orbax pins it to the target's one device, and the next
+    jit that meets it beside arrays on a mesh fails on incompatible devices."""
+    if not (isinstance(target, jax.Array) and not target.committed and isinstance(restored, jax.Array)):
+        return restored
+    if jax.dtypes.issubdtype(restored.dtype, jax.dtypes.prng_key):
+        data = jax.numpy.asarray(np.asarray(jax.random.key_data(restored)))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(restored))
+    return jax.numpy.asarray(np.asarray(restored))
 
 
 def _check_target(step_dir: str, target: Any) -> None:

@@ -340,3 +340,28 @@ def test_killed_save_keeps_the_last_good_checkpoint(tmp_path, mode):
         ckpt.wait()
         assert ckpt.all_steps() == [1, 2]
     assert not [n for n in os.listdir(path) if "tmp" in n]
+
+
+def test_leaves_of_a_target_never_placed_restore_unplaced(tmp_path):
+    """A fresh `tx.init(params)`'s step count (`jnp.zeros(())`, never placed: uncommitted) was restored pinned to
+    one device, and the next step, jitted over params on the plan's mesh, failed on incompatible devices."""
+    plan = se.plan(_specs(), make_mesh(8))
+    on_mesh = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
+    params = jax.device_put({"w": jnp.linspace(0, 1, 8, dtype=jnp.float32)}, on_mesh)
+    tx = optax.adam(0.1)
+    user = {"params": params, "opt": tx.init(params), "key": jax.random.key(5)}
+    _, user["opt"] = tx.update(params, user["opt"], params)  # count 1, moments on the mesh
+    with se.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, plan, se.init_tables(plan, jax.random.key(0)), user=user)
+        ckpt.wait()
+        fresh = {"params": params, "opt": tx.init(params), "key": jax.random.key(0)}
+        assert not fresh["opt"][0].count.committed and not fresh["key"].committed  # what a fresh run holds
+        back = ckpt.restore(plan, user=fresh).user
+    assert int(back["opt"][0].count) == 1 and not back["opt"][0].count.committed
+    assert not back["key"].committed
+    np.testing.assert_array_equal(jax.random.key_data(back["key"]), jax.random.key_data(user["key"]))
+    assert back["params"]["w"].sharding == on_mesh  # a placed leaf keeps its placement
+    step = jax.jit(lambda p, s: tx.update(p, s, p))  # the next train step's update: runs beside the mesh's arrays
+    updates, state = step(back["params"], back["opt"])
+    want, _ = tx.update(user["params"], user["opt"], user["params"])
+    np.testing.assert_array_equal(np.asarray(updates["w"]), np.asarray(want["w"]))
