@@ -157,13 +157,14 @@ def describe(plan, capacities: Mapping[str, int] | None = None, offload: Mapping
     rate and rows read and written.
     """
     D, caps = plan.num_shards, checked_capacities(plan, capacities)
+    skip = plan.nonfinite_gradients == "skip"  # the stacks' bytes under the plan's policy, as the total counts them
     lines = [f"EmbeddingPlan on {D} device(s) of mesh axis {plan.axis_name!r}: "
              f"{_size(plan_memory(plan))} of tables and slots per device, "
              f"{_size(plan_collective_bytes(plan, caps))} through collectives per device and train step",
              f"{'table':<24} {'stack':<24} {'placement':<16} {'rows x dim':>16} {'memory/device':>14} "
              f"{'stack bytes/step':>17}"]
     for s in plan.stacks:
-        stack_bytes = _size(collective_bytes(s, caps.get(s.name)))
+        stack_bytes = _size(collective_bytes(s, caps.get(s.name), skip))
         for p in s.tables:
             where = s.placement if p.shard is None else f"{s.placement} (device {p.shard})"
             per_device = s.strategy.held_rows(s, p) * stack_row_bytes(s)

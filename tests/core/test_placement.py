@@ -303,6 +303,20 @@ def test_collective_bytes_equal_the_compiled_train_step(placement, o, devices):
     assert plan.collective_bytes() > 0
 
 
+@pytest.mark.parametrize("nonfinite", ["skip", "apply"])
+def test_describe_gives_each_stack_the_bytes_of_the_plans_policy(nonfinite):
+    """A "column" stack's whole-row statistics count a non-finite flag under "skip" only: describe's stack column
+    gave the "skip" bytes under "apply" too (8.4 KiB for a plan whose total said 7.1 KiB)."""
+    t = se.TableSpec("c", 19, 5, combiner="sqrtn", optimizer=opt.RowwiseAdagrad(0.1), max_norm=0.4)
+    plan = se.plan([se.FeatureSpec("c1", t, 24)], make_mesh(3), placement="column", capacity=80,
+                   nonfinite_gradients=nonfinite)
+    want = {"skip": 8 * 1024 + 384, "apply": 7 * 1024 + 128}[nonfinite]  # 2 (D-1) C * 4 bytes per row sum less
+    assert plan.collective_bytes() == want
+    header, _, line = plan.describe().splitlines()
+    assert f"{want / 1024:.1f} KiB through collectives" in header
+    assert line.split()[-2:] == [f"{want / 1024:.1f}", "KiB"]
+
+
 # ---------------------------------------------------------------- the planner
 def _mixed_workload(small=12, large=2, large_optimizer=None):
     feats = []
