@@ -45,10 +45,19 @@ class KernelStack:
         return partial if self.row_axis is None else jax.lax.psum(partial, self.row_axis)
 
     def row_mean(self, x: jax.Array) -> jax.Array:
-        """`x [U, embedding_dim]` -> the mean over each whole row `[U, 1]`."""
+        """`x [U, embedding_dim]` -> the mean over each whole row `[U, 1]` (its padding columns left out)."""
         if self.row_axis is None:
             return x.mean(axis=-1, keepdims=True)
-        return self.row_sum(x.sum(axis=-1, keepdims=True)) / self.row_width
+        return self.row_sum(self.real_columns(x).sum(axis=-1, keepdims=True)) / self.row_width
+
+    def real_columns(self, x: jax.Array) -> jax.Array:
+        """`x [U, embedding_dim]` with the columns past the row's width (a split row's padding, where the devices
+        do not divide it) zeroed: an update (a `clip_weight` or `clip_gradient` range without 0) must not give
+        them values, which a whole row's statistics (its norm for max_norm, a row-wise mean) would count."""
+        if self.row_axis is None or self.row_width % self.num_shards == 0:
+            return x
+        cols = jax.lax.axis_index(self.row_axis) * self.embedding_dim + jnp.arange(self.embedding_dim)
+        return jnp.where(cols < self.row_width, x, jnp.zeros((), x.dtype))
 
     @property
     def needs_row_sums(self) -> bool:

@@ -229,6 +229,22 @@ def test_column_skips_a_nonfinite_row_on_every_device(mesh8):
             np.testing.assert_allclose(results["column"][t][k], results["row"][t][k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("o, update", [
+    (opt.SGD(0.1, clip_weight=(0.05, 10.0)), ref.with_options(ref.sgd, clip_weight=(0.05, 10.0))),
+    (opt.RowwiseAdagrad(0.2, epsilon=1e-3, clip_gradient=(0.01, 10.0)),
+     ref.with_options(ref.rowwise_adagrad(1e-3), clip_gradient=(0.01, 10.0)))], ids=["clip_weight", "clip_gradient"])
+def test_column_padding_stays_out_of_whole_row_statistics(o, update):
+    """dim 20 on 8 devices: 3 columns each, the last 4 padding. A clip range without 0 gave the padding columns
+    values (clip_weight: 0.05; clip_gradient: their zero gradients clipped to 0.01), which max_norm's norm and
+    RowwiseAdagrad's mean(g²) counted: activations and rows off the row-wise ones by up to 0.005."""
+    feats = _wide_features(o)
+    plan = se.plan(feats, make_mesh(8), placement="column", stacking=None)
+    got, want = _train_against_numpy(plan, feats, o, update, steps=3)
+    for t in want:
+        for k in want[t]:
+            np.testing.assert_allclose(got[t][k], want[t][k], rtol=1e-4, atol=1e-5, err_msg=f"{t}/{k}")
+
+
 def test_forcing_the_native_kernel_on_split_rows_that_need_whole_row_statistics_says_so(mesh8):
     require_native("kernel")
     feats = _wide_features(opt.RowwiseAdagrad(0.1))

@@ -140,6 +140,7 @@ def _update_rows(stack: StackPlan, state: EmbeddingVariables, cols, rows, slots,
         new_rows, new_slots, skipped = _update_whole_rows(stack, rows, slots, grads, step)
     else:
         new_rows, new_slots = stack.optimizer.update(rows, slots, grads, step, stack.row_mean)
+        new_rows = stack.real_columns(new_rows)  # a split row's padding columns stay zero
         skipped = nonfinite(grads)[:, None]
     if skip_nonfinite:
         if stack.needs_row_sums and not stack.gathers_rows:  # skipped on every device that holds its columns
