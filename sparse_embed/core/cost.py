@@ -62,15 +62,18 @@ def row_bytes(table) -> int:
     return int(table.embedding_dim * np.dtype(table.dtype).itemsize + sum(s.width for s in slots.values()) * SLOT_ITEMSIZE)
 
 
-def table_loads(feats: dict, tables: dict, num_devices: int, ids_per_sample: dict[str, float]) -> dict[str, TableLoad]:
-    """`{table: TableLoad}` from the features (`{name: FeatureSpec}`) that read each table."""
+def table_loads(feats: dict, tables: dict, num_devices: int, ids_per_sample: dict[str, float],
+                skip_nonfinite: bool = True) -> dict[str, TableLoad]:
+    """`{table: TableLoad}` from the features (`{name: FeatureSpec}`) that read each table (`skip_nonfinite`: the
+    plan's policy, which decides whether "column" all-reduces a non-finite flag per id)."""
     out = {}
     for name, t in tables.items():
         users = [f for f in feats.values() if f.table.name == name]
         rows = sum(f.batch_size // num_devices * max(f.max_sequence_length, 1) for f in users)
         ids = sum(f.batch_size / num_devices * ids_per_sample[f.name] for f in users)
         o = t.resolved_optimizer
-        sums = column_row_sums(t.max_norm is not None, o.elementwise) if o.splits_columns and not t.dynamic else None
+        sums = (column_row_sums(t.max_norm is not None, o.elementwise, skip_nonfinite)
+                if o.splits_columns and not t.dynamic else None)
         whole = sum(s.width for s in o.slots(t.embedding_dim).values() if s.width != t.embedding_dim) * SLOT_ITEMSIZE
         out[name] = TableLoad(t.vocabulary_size, t.embedding_dim, row_bytes(t), rows, ids, sums, whole)
     return out

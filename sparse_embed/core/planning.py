@@ -566,7 +566,7 @@ def plan(
     _check_policies(on_overflow, nonfinite_gradients)
     _check_batch_sizes(feats, num_shards, axis)
     per_sample = _ids_per_sample(feats, tables, ids_per_sample, stats)
-    loads = cost.table_loads(feats, tables, num_shards, per_sample)
+    loads = cost.table_loads(feats, tables, num_shards, per_sample, nonfinite_gradients == "skip")
     stacks = _fit_budget(lambda chosen: _stacks(tables, feats, chosen, stacking, num_shards, capacity, loads, sc),
                          _fixed_placements(tables, placement), _explicit_groups(stacking, loads), loads, num_shards,
                          memory_budget)

@@ -381,6 +381,18 @@ def test_auto_puts_fewer_tables_than_devices_row_wise_when_whole_tables_cost_mor
     assert {s.placement for s in se.plan(many, mesh8, placement="auto", ids_per_sample=20).stacks} == {"table"}
 
 
+@pytest.mark.parametrize("nonfinite, want", [("skip", "row"), ("apply", "column")])
+def test_auto_counts_column_statistics_under_the_plans_nonfinite_policy(mesh8, nonfinite, want):
+    """RowwiseAdagrad by columns all-reduces its mean per id, and a non-finite flag under "skip" only: under
+    "apply" the cost model still counted the flag and kept this table row-wise (30688 bytes per step) where
+    columns cost 25984."""
+    feats = [se.FeatureSpec("f", se.TableSpec("t", 100_000, 64, optimizer=opt.RowwiseAdagrad(0.1)), 64)]
+    kw = dict(ids_per_sample=20, nonfinite_gradients=nonfinite)
+    cost_of = {p: se.plan(feats, mesh8, placement=p, **kw).collective_bytes() for p in ("row", "column")}
+    assert min(cost_of, key=cost_of.get) == want, cost_of
+    assert se.plan(feats, mesh8, placement="auto", **kw).stacks[0].placement == want
+
+
 def test_auto_on_one_device_is_row(mesh):
     plan = se.plan(_mixed_workload(4, 1), mesh, placement="auto")
     if mesh.size == 1:
