@@ -198,6 +198,8 @@ def _write_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store:
         c0, chunk = nxt
         nxt = dispatch(next(chunks, None))  # convert the next chunk while this one is written
         for shard in chunk.addressable_shards:
+            if shard.replica_id != 0:  # a copy on another mesh axis (tables replicated over it): written once
+                continue
             lo = c0 * S + (shard.index[0].start or 0)
             rows = np.asarray(shard.data)[: max(0, min(m, vocab - lo))]
             if rows.shape[0] == 0:
@@ -339,13 +341,14 @@ def _read_table(plan: EmbeddingPlan, s: StackPlan, i: int, a: jax.Array, store: 
         pieces = ahead.pop(0)
         if n + _IN_FLIGHT < len(starts):
             ahead.append(reads(starts[n + _IN_FLIGHT]))  # read ahead while this chunk is placed
-        host = []
+        host, counted = [], set()
         for lo, future in pieces:
             try:
                 x = future.result()
             except Exception as e:  # noqa: BLE001 - a damaged chunk
                 raise StoreReadError(name, e) from None
-            if valid > lo:
+            if valid > lo and lo not in counted:  # rows a device of another mesh axis also holds: counted once
+                counted.add(lo)
                 xa, xb = partial_sums(x[: valid - lo], lo * row_words)
                 sa, sb = sa + xa, sb + xb
             host.append(x)

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import Mesh
 
 import sparse_embed as se
 from sparse_embed import optimizers as opt
-from conftest import make_mesh
+from conftest import devices as conftest_devices, make_mesh
 
 B = 8
 STACKINGS = {"auto": "auto", "none": None, "explicit": [["a", "c"]]}
@@ -92,6 +93,21 @@ def test_restore_n_to_8_is_exact(tmp_path, stacking, saved_on):
         ckpt.wait()
         plan8 = se.plan(feats, make_mesh(8), stacking="auto")
         _assert_state(plan8, ckpt.restore(plan8).tables, tables, slots)
+
+
+def test_restore_between_a_one_axis_and_a_two_axis_mesh_is_exact(tmp_path):
+    """Tables sharded over one axis of a 2-D mesh are replicated over the other: the store counted every
+    replica's rows in the checksums it saved and compared, so a save on a 1-D mesh restored onto a 2-D one (or
+    back) raised CorruptCheckpointError on a good checkpoint."""
+    feats = _specs()
+    tables, slots = _random_state(feats, seed=2)
+    flat = se.plan(feats, make_mesh(4))
+    two_axes = se.plan(feats, Mesh(conftest_devices(8).reshape(2, 4), ("data", "model")), axis_name="model")
+    for k, (saved, restored) in enumerate(((flat, two_axes), (two_axes, flat), (two_axes, two_axes))):
+        with se.CheckpointManager(tmp_path / str(k)) as ckpt:
+            ckpt.save(1, saved, se.stack_tables(saved, tables, slots))
+            ckpt.wait()
+            _assert_state(restored, ckpt.restore(restored).tables, tables, slots)
 
 
 def test_user_pytree_with_optax_state_restores_onto_another_mesh(saved8, tmp_path):
