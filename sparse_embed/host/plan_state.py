@@ -31,6 +31,7 @@ import zlib
 from typing import Any, Callable, Hashable
 
 import jax
+import numpy as np
 
 from sparse_embed.core.planning import CAPACITY_ALIGNMENT, EmbeddingPlan, StackPlan, round_up
 from sparse_embed.host import distributed
@@ -155,10 +156,16 @@ def _plain(x: Any) -> str:
 
 
 def fingerprint(plan: EmbeddingPlan) -> list[str]:
-    """What must be equal on every process that shares the plan, one line each: its layout, each table's
-    optimizer."""
+    """What must be equal on every process that shares the plan, one line each: its layout, each stack's
+    placement (its batch layout), each table's optimizer and what else its rows are computed with (each process
+    runs the step on its own devices' rows: a width, max_norm, dtype or initializer of its own would train
+    them apart silently, or hang the collectives)."""
     return [f"layout {_layout_key(plan)!r}",
-            *(f"table {n!r}: optimizer {_plain(t.resolved_optimizer)}" for n, t in sorted(plan.tables.items()))]
+            *(f"stack {s.name!r}: {s.batch_layout.summary} ({s.batch_layout.digest})" for s in plan.stacks),
+            *(f"table {n!r}: optimizer {_plain(t.resolved_optimizer)}" for n, t in sorted(plan.tables.items())),
+            *(f"table {n!r}: embedding_dim={t.embedding_dim}, max_norm={t.max_norm!r}, "
+              f"dtype={np.dtype(t.dtype).name}, initializer={_plain(t.resolved_initializer)}, "
+              f"dynamic={_plain(t.dynamic)}" for n, t in sorted(plan.tables.items()))]
 
 
 _CHECKED: dict[int, bool] = {}  # id(plan) -> checked against the other processes

@@ -319,12 +319,20 @@ def test_processes_agree_on_the_bound(monkeypatch, mesh8):
 def test_processes_with_different_plans_are_told_at_their_first_exchange(mesh8, monkeypatch):
     """Another layout named the exchanges apart (each process waited 10 minutes, then blamed timing); another
     optimizer trained the processes apart silently. The plans are compared once, at the first exchange."""
-    def plan(lr, capacity=None):
-        t = se.TableSpec("a", 50, 4, optimizer=se.optimizers.SGD(lr))
-        return se.plan([se.FeatureSpec("f", t, 8)], mesh8, capacity=capacity)
+    def plan(lr, capacity=None, dim=4, placement="row", **table):
+        t = se.TableSpec("a", 50, dim, optimizer=se.optimizers.SGD(lr), **table)
+        return se.plan([se.FeatureSpec("f", t, 8)], mesh8, capacity=capacity, placement=placement)
 
+    # (max_norm, width, dtype, placement: were not compared; each process ran the step on its own rows with its
+    # own, training them apart silently, or the collectives hung or aborted)
     for other, here, there in ((plan(5.0), "table 'a': optimizer SGD(", "learning_rate=5.0"),
-                               (plan(0.5, capacity=16), "layout", "layout")):
+                               (plan(0.5, capacity=16), "layout", "layout"),
+                               (plan(0.5, max_norm=0.1), "table 'a': embedding_dim=4, max_norm=None", "max_norm=0.1"),
+                               (plan(0.5, dim=8), "table 'a': embedding_dim=4,", "embedding_dim=8"),
+                               (plan(0.5, dtype=jax.numpy.bfloat16),
+                                "table 'a': embedding_dim=4, max_norm=None, dtype=float32", "dtype=bfloat16"),
+                               (plan(0.5, placement={"a": "table"}), "stack 'a': placement 'row'",
+                                "placement 'table'")):
         theirs = "\n".join(plan_state.fingerprint(other)).encode()
         monkeypatch.setattr(distributed, "allgather_bytes", lambda procs, data, **kw: [data, theirs])
         with pytest.raises(RuntimeError, match=r"plan differs from process 1's: every process must build the same "
