@@ -96,14 +96,20 @@ def serving_rows(a: np.ndarray, dtype: str | None, table: str, names: np.ndarray
 
 
 def _save(dst: str, arrays: Iterable[tuple[str, str, np.ndarray]], info: CheckpointInfo) -> None:
-    """Writes `(table, key, host array)`s, one at a time, and `info` (with their checksums) to a new directory."""
+    """Writes `(table, key, host array)`s, one at a time, and `info` (with their checksums) to a new directory.
+
+    Under `jax.distributed` every process holds the same whole arrays: process 0 writes them, the others only
+    sum them for `info` (two writers of one staging directory collided, and the save then hung in orbax)."""
     if os.path.exists(dst):
         raise CheckpointError(f"{dst} already exists; choose a new destination.")
 
     def write(staging: str) -> dict[str, str]:
         sums = {}
         for name, key, a in arrays:
-            sums.update(store.write_host(staging, {name: {key: a}}))
+            if jax.process_index() == 0:
+                sums.update(store.write_host(staging, {name: {key: a}}))
+            else:
+                sums[f"{name}/{key}"] = store.host_checksum(np.ascontiguousarray(a))
         return sums
 
     save = lambda items: checkpointer(write=True).save(dst, args=ocp.args.Composite(**items))  # noqa: E731

@@ -155,6 +155,16 @@ def test_raw_id_tables_map_alike_on_two_processes(tmp_path):
     r = se.CheckpointManager(tmp_path / "ckpt").restore(plan)
     for k, v in raw_scenario.contents(plan, r.tables, r.id_maps).items():
         np.testing.assert_allclose(v, want[k], rtol=0, atol=1e-6, err_msg=k)
+    # the serving export both processes wrote (was: both wrote the one staging directory, and the save hung)
+    served, _ = se.load_serving(tmp_path / "serving")
+    np.testing.assert_allclose(np.asarray(served["items"]), want["items"], rtol=0, atol=1e-6)
+    for name in raw_scenario.RAW:
+        ids, table = served[name]
+        live = want[f"{name}/ids"] != -1
+        order = np.argsort(want[f"{name}/ids"][live])
+        np.testing.assert_array_equal(ids, want[f"{name}/ids"][live][order], err_msg=name)
+        np.testing.assert_allclose(np.asarray(table)[: ids.size], want[f"{name}/vectors"][live][order], rtol=0,
+                                   atol=1e-6, err_msg=name)
 
 
 def test_one_process_feeds_every_row_and_a_bad_feature_is_named():

@@ -26,6 +26,7 @@ results = raw_scenario.contents(plan, tables, maps)
 results["stats"] = stats
 with se.CheckpointManager(os.path.join(out_dir, "ckpt")) as ckpt:
     ckpt.save(raw_scenario.STEPS, plan, tables, id_maps=maps)
+se.export_serving(os.path.join(out_dir, "serving"), plan, tables, id_maps=maps)  # every process calls it
 if pid == 0:
     np.savez(os.path.join(out_dir, "results.npz"), **results)
 multihost_utils.sync_global_devices("done")
