@@ -24,6 +24,7 @@ temporary directories are removed when a manager is opened).
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import warnings
@@ -35,6 +36,7 @@ import orbax.checkpoint as ocp
 
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.state import EmbeddingVariables, check_state
+from sparse_embed.host import distributed
 from sparse_embed.io import store
 from sparse_embed.io.checks import user_checksums
 from sparse_embed.io.ckpt_format import (  # noqa: F401 - the public names, re-exported
@@ -46,6 +48,27 @@ from sparse_embed.io.id_checkpoint import write_id_tables
 from sparse_embed.io.id_tables import check_id_maps
 from sparse_embed.io.orbax_items import item_handlers, read_info, read_user, write_step
 from sparse_embed.io.restoring import restore_embeddings, restore_state, static_part  # noqa: F401 (re-exported)
+
+
+_SAVES = itertools.count()  # this process's CheckpointManager.save calls under several processes (exchange numbers)
+
+
+def _check_same_save(plan: EmbeddingPlan, step: int, force: bool, id_maps: Any, user: Any, data: Any) -> None:
+    """Under `jax.distributed`: every process saves the same step, with the same items, or all raise naming the
+    difference (another step wrote another staging directory, and the save failed on one process with a missing
+    file and on the others with a gloo timeout; `data` on one process only restored its state on every one)."""
+    processes = distributed.mesh_processes(plan.mesh)
+    if len(processes) == 1:
+        return
+    fields = {"step": step, "force": int(force), "id_maps": int(id_maps is not None), "user": int(user is not None),
+              "data": int(data is not None)}
+    got = distributed.allgather_ints(processes, list(fields.values()), name="checkpoint_save", n=next(_SAVES))
+    differ = [f"{k} {dict(zip(processes, map(int, got[:, i])))}" for i, k in enumerate(fields)
+              if (got[:, i] != got[0, i]).any()]
+    if differ:
+        raise ValueError(f"CheckpointManager.save: the processes called it differently ({'; '.join(differ)}, by "
+                         "process; id_maps, user, data: 1 if passed): every process must save the same step with "
+                         "the same items (each its own data).")
 
 
 class Restored(NamedTuple):
@@ -126,6 +149,7 @@ class CheckpointManager:
         if self._closed:  # orbax's closed manager would wait forever on the save's background thread
             raise RuntimeError(f"CheckpointManager.save: the manager of {self.directory} is closed (close(), or the "
                                "end of its `with` block); open a new one to save (restores still work).")
+        _check_same_save(plan, step, force, id_maps, user, data)
         # offloaded tables: their `tiers`, flushed at `step` (each store's commit is recorded, docs/offload.md)
         plan, tables, commits = offload_checkpoint.for_save(plan, tables, tiers, step)
         if force:

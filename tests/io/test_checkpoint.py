@@ -381,3 +381,29 @@ def test_leaves_of_a_target_never_placed_restore_unplaced(tmp_path):
     updates, state = step(back["params"], back["opt"])
     want, _ = tx.update(user["params"], user["opt"], user["params"])
     np.testing.assert_array_equal(np.asarray(updates["w"]), np.asarray(want["w"]))
+
+
+def test_processes_saving_differently_are_told_before_anything_is_written(tmp_path, monkeypatch):
+    """Under jax.distributed, processes saving another step failed with a missing staging file on one and a gloo
+    timeout on the other; `data` passed on one process only restored its state on every one. The processes'
+    save arguments are compared first (here: another process's, through a stand-in exchange)."""
+    from sparse_embed.host import distributed
+
+    feats = _specs()
+    plan = se.plan(feats, make_mesh(8))
+    tables = se.init_tables(plan, jax.random.key(0))
+    others = {}
+    monkeypatch.setattr(distributed, "mesh_processes", lambda mesh: (0, 1))
+    monkeypatch.setattr(distributed, "allgather_ints", lambda procs, mine, **kw: np.asarray([mine, others["row"]]))
+    ckpt = se.CheckpointManager(tmp_path / "ck")
+    for row, match in (([4, 0, 0, 0, 0], r"\(step \{0: 3, 1: 4\}, by process;"),
+                       ([3, 0, 0, 0, 1], r"\(data \{0: 0, 1: 1\}, by process;")):
+        others["row"] = row
+        with pytest.raises(ValueError, match=r"CheckpointManager.save: the processes called it differently " + match
+                                             + r" id_maps, user, data: 1 if passed\): every process must save the "
+                                               r"same step with the same items"):
+            ckpt.save(3, plan, tables)
+    assert ckpt.all_steps() == [] and not [n for n in os.listdir(tmp_path / "ck") if not n.startswith(".")]
+    others["row"] = [3, 0, 0, 0, 0]  # the same call on both: saved
+    assert ckpt.save(3, plan, tables)
+    ckpt.close()
