@@ -71,6 +71,26 @@ def _check_same_save(plan: EmbeddingPlan, step: int, force: bool, id_maps: Any, 
                          "the same items (each its own data).")
 
 
+_RESTORES = itertools.count()  # this process's restores of a step under several processes (exchange numbers)
+
+
+def _check_same_restore(plan: EmbeddingPlan, step_dir: str, step: int, user: Any) -> None:
+    """Under `jax.distributed`: every process restores the same step (and user pytree or none), or all raise
+    saying so (each read its own rows of its own step, and the checksums summed over the processes matched
+    neither: both steps were reported corrupt)."""
+    processes = distributed.mesh_processes(plan.mesh)
+    if len(processes) == 1:
+        return
+    got = distributed.allgather_ints(processes, [step, int(user is not None)], name="checkpoint_restore",
+                                     n=next(_RESTORES))
+    differ = [f"{k} {dict(zip(processes, map(int, got[:, i])))}" for i, k in enumerate(("step", "user"))
+              if (got[:, i] != got[0, i]).any()]
+    if differ:
+        raise ValueError(f"CheckpointManager.restore: the processes restore differently ({'; '.join(differ)}, by "
+                         f"process; user: 1 if passed), here {step_dir}: every process must restore the same "
+                         "step, with the same items.")
+
+
 class Restored(NamedTuple):
     """What `CheckpointManager.restore` returns."""
 
@@ -244,6 +264,7 @@ class CheckpointManager:
     def _restore(self, plan: EmbeddingPlan, step_dir: str, *, user: Any, allow_vocab_growth: bool,
                  rng: jax.Array | None) -> Restored:
         info = read_info(step_dir)
+        _check_same_restore(plan, step_dir, int(info.step), user)
         memory = offload_checkpoint.memory_plan(plan, step_dir, info.table_names)
         tables, maps = restore_state(memory, step_dir, allow_vocab_growth=allow_vocab_growth, rng=rng)
         # offloaded tables: each store made the step's commit again; their caches come back empty (docs/offload.md)

@@ -407,3 +407,23 @@ def test_processes_saving_differently_are_told_before_anything_is_written(tmp_pa
     others["row"] = [3, 0, 0, 0, 0]  # the same call on both: saved
     assert ckpt.save(3, plan, tables)
     ckpt.close()
+
+
+def test_processes_restoring_other_steps_are_told_so(saved8, monkeypatch):
+    """Under jax.distributed, processes restoring different steps each read their own rows of their own step:
+    the checksums summed over the processes matched neither, and both steps were reported corrupt. The
+    processes' steps are compared first (here: another process's, through a stand-in exchange)."""
+    from sparse_embed.host import distributed
+
+    path, feats, tables, slots = saved8
+    plan = se.plan(feats, make_mesh(8))
+    others = {}
+    monkeypatch.setattr(distributed, "mesh_processes", lambda mesh: (0, 1))
+    monkeypatch.setattr(distributed, "allgather_ints", lambda procs, mine, **kw: np.asarray([mine, others["row"]]))
+    others["row"] = [4, 0]
+    with pytest.raises(ValueError, match=r"CheckpointManager.restore: the processes restore differently \(step "
+                                         r"\{0: 3, 1: 4\}, by process; user: 1 if passed\), here .*3: every process "
+                                         r"must restore the same step"):
+        se.CheckpointManager(path).restore(plan)
+    others["row"] = [3, 0]  # the same step on both: restored
+    _assert_state(plan, se.CheckpointManager(path).restore(plan).tables, tables, slots)
