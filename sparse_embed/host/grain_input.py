@@ -44,7 +44,7 @@ import grain
 from absl import flags
 
 from sparse_embed.core.planning import EmbeddingPlan
-from sparse_embed.host import plan_state
+from sparse_embed.host import distributed, plan_state
 from sparse_embed.host.criteo_source import CriteoSource
 from sparse_embed.host.prefetching import Prefetched, Prefetcher, _check_buffer_size, _prepare
 
@@ -194,7 +194,7 @@ class Loader(Iterator[Prefetched]):
                                      f"({type(e).__name__}: {e}).") from e
         self._state = {"input": iterator.get_state(), "plan": plan_state.of(plan).snapshot()}
         self._prefetcher = Prefetcher(functools.partial(_prepare_with_state, transform), _with_states(iterator),
-                                      buffer_size)
+                                      buffer_size, fill_on_close=distributed.spans_processes(plan))
 
     def __iter__(self) -> "Loader":
         return self

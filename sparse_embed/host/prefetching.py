@@ -27,11 +27,14 @@ be advanced by any other thread. JAX settings that are local to a thread
 (`jax.default_device`, `jax.transfer_guard`) do not apply in the worker.
 
 Several processes (`jax.distributed`): each process's worker calls
-`preprocess` in input order, as the processes must. Consume every
-prefetcher to the end, of the same number of batches on every process. A
-prefetcher closed early has called `preprocess` for up to `buffer_size`
-unconsumed batches, possibly a different number on each process, and the
-processes' preprocess exchanges then no longer match.
+`preprocess` in input order, as the processes must. Consume the same
+number of batches on every process. A prefetcher closed early lets its
+worker fill its buffer first (`buffer_size` items past the last one taken,
+or up to the end of the input), so every process's worker has called
+`preprocess` as many times: else a process whose input was slower stopped
+an item short, the other's worker waited for it in vain for
+`EXCHANGE_TIMEOUT_S`, and the processes' next exchanges for the plan met
+another batch's numbers.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import numpy as np
 
 from sparse_embed.core.batch import ShardedCooMatrix, Stats
 from sparse_embed.core.planning import EmbeddingPlan
+from sparse_embed.host import distributed
 from sparse_embed.host.preprocessing import preprocess
 
 _EXIT_JOIN_TIMEOUT_S = 10.0  # at interpreter exit, how long to wait for each worker's current item
@@ -115,6 +119,13 @@ class _Slots:
             self._cond.notify_all()
             return self._items.popleft()
 
+    def wait_filled(self) -> None:
+        """Waits until every slot holds a prepared item, or the producer has handed over its last one (`_END`, a
+        `_Failure`), or `close` ran."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or len(self._items) >= self._size or bool(
+                self._items and (self._items[-1] is _END or isinstance(self._items[-1], _Failure))))
+
     @property
     def closed(self) -> bool:
         """Whether `close` ran: the worker takes no item after its current one."""
@@ -168,9 +179,11 @@ class Prefetcher(Iterator[Prefetched]):
 
     _unregister = staticmethod(atexit.unregister)  # bound here: module globals may be gone when __del__ runs at exit
 
-    def __init__(self, prepare: Callable[[Any], Prefetched], source: Iterator[Any], buffer_size: int) -> None:
+    def __init__(self, prepare: Callable[[Any], Prefetched], source: Iterator[Any], buffer_size: int, *,
+                 fill_on_close: bool = False) -> None:
         self._slots = _Slots(buffer_size)
         self._done = False
+        self._fill_on_close = fill_on_close  # several processes: close() lets the worker fill the buffer first
         self._thread = threading.Thread(target=_produce, args=(self._slots, source, prepare),
                                         name="sparse_embed.prefetch", daemon=True)
         self._thread.start()
@@ -192,6 +205,8 @@ class Prefetcher(Iterator[Prefetched]):
         if self._done:
             raise StopIteration
         result = self._take()
+        if result is _END or isinstance(result, _Failure):
+            self._fill_on_close = False  # the worker has ended: nothing more to fill
         if result is _END:
             self.close()
             raise StopIteration
@@ -218,8 +233,11 @@ class Prefetcher(Iterator[Prefetched]):
 
         After `close` returns, no `preprocess` call of this prefetcher runs or
         will run. The wait is at most one `preprocess` call, plus one step of
-        the input iterator.
+        the input iterator; with `fill_on_close` (a plan over several
+        processes), until the buffer is full or the input ended.
         """
+        if self._fill_on_close and not self._done and self._thread is not threading.current_thread():
+            self._slots.wait_filled()  # as many `preprocess` calls on every process (the module docstring)
         self._done = True
         self._slots.close()
         atexit.unregister(self._exit_hook)
@@ -367,4 +385,5 @@ def prefetch(
         source = iter(batches)
     except TypeError:
         raise TypeError(f"batches must be an iterable of input items, got {type(batches).__name__}.") from None
-    return Prefetcher(functools.partial(_prepare, plan, inputs, device_put), source, buffer_size)
+    return Prefetcher(functools.partial(_prepare, plan, inputs, device_put), source, buffer_size,
+                      fill_on_close=distributed.spans_processes(plan))

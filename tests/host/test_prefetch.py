@@ -299,3 +299,31 @@ def test_in_loop_prepares_each_item_when_asked_with_the_prefetcher_interface(mes
                                  for n in info.value.__notes__)
     assert not failing.running and next(failing, None) is None
     assert list(InLoop(prepare, iter([]))) == []
+
+
+def test_under_several_processes_close_fills_the_buffer_first():
+    """Under jax.distributed a prefetcher closed early stopped its worker at its current item: a process whose
+    input was slower had called preprocess fewer times, the other's worker waited for it in vain (10 minutes),
+    and the plan's next exchanges met another batch's numbers. With `fill_on_close` (what `prefetch` and
+    `Loader` set for a plan over several processes) the worker first prepares `buffer_size` items past the last
+    one taken, on every process alike, whatever the input's speed."""
+    from sparse_embed.host.prefetching import Prefetcher
+
+    for slow in (0.0, 0.05):
+        calls = []
+
+        def items():
+            for i in itertools.count():
+                time.sleep(slow)
+                yield i
+
+        p = Prefetcher(lambda i: calls.append(i) or i, items(), 3, fill_on_close=True)
+        assert [next(p) for _ in range(2)] == [0, 1]
+        p.close()
+        assert calls == [0, 1, 2, 3, 4], (slow, calls)  # 2 taken + buffer_size
+    p = Prefetcher(lambda i: i, iter(range(2)), 3, fill_on_close=True)  # the input ends first: no wait
+    assert list(p) == [0, 1]
+    p.close()
+    p = Prefetcher(lambda i: i, iter(range(2)), 3, fill_on_close=True)
+    next(p)
+    p.close()  # the end is in the buffer: no wait either

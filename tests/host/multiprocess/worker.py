@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
+import time
 
 from launch import worker_init
 
@@ -76,6 +78,22 @@ if sparsecore_layout.available():
         for field, x in zip(batch["items_tags"].csr._fields,
                             multihost_utils.process_allgather(batch["items_tags"].csr, tiled=True)):
             results[f"sparsecore/{step}/{field}"] = x
+
+# 3c. a prefetcher left early while the last process's input is slower: its worker fills its buffer first, as
+# the others' do (it stopped an item short: the others' workers waited for it, and the plan's next exchanges
+# below met another batch's numbers)
+def slow_input():
+    for i in itertools.count():
+        if pid == nproc - 1:
+            time.sleep(0.3)
+        yield feed(plan, scenario.global_ids(plan, i % scenario.GROW_AT))
+
+
+with se.prefetch(plan, slow_input()) as batches:
+    for _ in zip(range(3), batches):
+        pass
+    if pid == 0:
+        time.sleep(2)  # the first process's worker runs ahead
 
 # 4. errors are raised on every process (nobody deadlocks in the next step)
 messages = {}
