@@ -22,7 +22,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from sparse_embed._argtypes import number
 
@@ -71,12 +71,33 @@ def _occupancy(step_dir: str, info, t) -> str:
     return text
 
 
-def _verify(args) -> int:
+@contextlib.contextmanager
+def _bars(desc: str) -> Iterator[Callable[..., Iterable]]:
+    """A `progress=` wrapper drawing tqdm bars titled `desc`, each closed on leaving.
+
+    Closed also when the command fails, so that its error prints on a line
+    of its own, not after a bar left half drawn (and redrawn below it at exit).
+    """
     from tqdm import tqdm
 
+    bars = []
+
+    def progress(it, **kw):
+        bars.append(tqdm(it, desc=desc, **kw))
+        return bars[-1]
+
+    try:
+        yield progress
+    finally:
+        for bar in bars:
+            bar.close()
+
+
+def _verify(args) -> int:
     from sparse_embed.io.verify import verify_checkpoint
 
-    v = verify_checkpoint(args.ckpt, step=args.step, progress=lambda it, **kw: tqdm(it, desc="verifying", **kw))
+    with _bars("verifying") as progress:
+        v = verify_checkpoint(args.ckpt, step=args.step, progress=progress)
     for problem in v.problems:
         print(f"CORRUPT: {' '.join(problem.split())}")
     if not v.verified:
@@ -93,12 +114,11 @@ def _verify(args) -> int:
 
 
 def _convert(args) -> None:
-    from tqdm import tqdm
-
     from sparse_embed.io.convert import convert_checkpoint
 
-    out = convert_checkpoint(args.src, args.dst, devices=args.devices, serving=args.serving, dtype=args.dtype,
-                             step=args.step, progress=lambda it, **kw: tqdm(it, desc="converting", **kw))
+    with _bars("converting") as progress:
+        out = convert_checkpoint(args.src, args.dst, devices=args.devices, serving=args.serving, dtype=args.dtype,
+                                 step=args.step, progress=progress)
     print(f"wrote {out}")
 
 

@@ -93,6 +93,17 @@ def test_bad_checkpoints_exit_nonzero_with_one_line(ckpt, tmp_path, capsys, how)
     assert not any("Traceback" in line for line in err)
 
 
+def test_a_failed_convert_prints_its_error_below_the_progress_bar(ckpt, tmp_path, capsys):
+    """The bar is closed before the error is printed (it was printed after the half-drawn bar, on its line)."""
+    served = tmp_path / "s"
+    assert cli.main(["convert", str(ckpt[0]), str(served), "--serving", "--dtype", "int8"]) == 0
+    capsys.readouterr()
+    assert cli.main(["convert", str(served), str(tmp_path / "o"), "--serving", "--dtype", "int4"]) == 1
+    lines = capsys.readouterr().err.split("\n")  # a terminal's lines: a bar redraws itself after each "\r"
+    assert lines[-1] == "" and lines[-2].startswith("sparse-embed: error: Table 'items' is stored quantized (int8)")
+    assert sum("error:" in line for line in lines) == 1
+
+
 def test_console_script_runs(ckpt):
     exe = os.path.join(os.path.dirname(sys.executable), "sparse-embed")
     if not os.path.exists(exe):
