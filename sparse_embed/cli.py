@@ -2,7 +2,7 @@
 
     sparse-embed inspect CKPT
     sparse-embed verify CKPT [--step N]
-    sparse-embed convert SRC DST [--devices N] [--serving] [--dtype bf16|int8|int4]
+    sparse-embed convert SRC DST [--devices N | --serving [--dtype bf16|int8|int4]] [--step N]
     sparse-embed plan MODULE:NAME [--devices 8] [--placement auto] [--memory-budget 2GiB]
 
 CKPT / SRC is a checkpoint manager directory (its latest complete step is
@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command == "convert" and args.dtype and not args.serving:
         p.error("argument --dtype: applies to --serving exports only")
+    if args.command == "convert" and args.devices is not None and args.serving:
+        p.error("argument --devices: applies to training checkpoints only (a --serving export is read on one device)")
     try:
         return args.fn(args) or 0
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError

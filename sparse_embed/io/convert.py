@@ -240,7 +240,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     - `serving=True`: a serving checkpoint at `dst` (`[vocab, dim]` tables,
       no slots, optionally cast to `dtype`, e.g. "bf16", or quantized, "int8" / "int4");
       a raw-id table without the ids a lookup at the checkpoint's step finds
-      expired (as `export_serving(..., step=)`). Refused for a checkpoint with
+      expired (as `export_serving(..., step=)`); no `devices` (nothing to record). Refused for a checkpoint with
       offloaded tables (their rows are in their stores: `offload.StoreServer`).
     - else: a training checkpoint at `dst/<step>` recorded for `devices`
       devices (default: as saved), slots, user pytree, the input's position
@@ -260,6 +260,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     dtype = _dtype(dtype)
     progress = progress or (lambda it, **_: it)
     if serving:
+        if devices is not None:  # a serving export is read on one device (load_serving): no mesh size to record
+            raise ValueError("devices= applies to training checkpoints only (a serving export is read on one device, "
+                             "whatever mesh it came from).")
         keys, out_dir, n = [TABLE_KEY], os.fspath(dst), info.num_shards
         new_info = _serving_info(info.tables, dtype, info.stacking, n, info.step)
     else:

@@ -241,6 +241,7 @@ def test_plan_of_a_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch
     (["convert", "ck", "out", "--devices", "-2"], "--devices"),
     (["convert", "ck", "out", "--serving", "--dtype", "int2"], "--dtype"),
     (["convert", "ck", "out", "--dtype", "bf16"], "--dtype"),  # only for --serving
+    (["convert", "ck", "out", "--serving", "--devices", "4"], "--devices: applies to training checkpoints only"),
 ])
 def test_bad_arguments_exit_2_with_one_line_naming_them(tmp_path, capsys, argv, argument):
     argv = [str(tmp_path / a) if a in ("ck", "out") else a for a in argv]
@@ -278,6 +279,13 @@ def test_convert_checkpoint_rejects_a_device_count_below_one(tmp_path, devices):
         m.save(1, plan, se.init_tables(plan, jax.random.key(0)))
     with pytest.raises(ValueError, match=f"devices must be >= 1, got {devices}"):
         se.convert_checkpoint(tmp_path / "ck", tmp_path / "out", devices=devices)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_checkpoint_refuses_devices_for_a_serving_export(ckpt, tmp_path):
+    """A serving export records no mesh size: `devices=` was ignored (saved on 8 devices, not the 2 asked for)."""
+    with pytest.raises(ValueError, match="devices= applies to training checkpoints only"):
+        se.convert_checkpoint(ckpt[0], tmp_path / "out", serving=True, devices=2)
     assert not (tmp_path / "out").exists()
 
 
