@@ -186,6 +186,17 @@ def as_step(step: Any, what: str = "step") -> int:
     raise TypeError(f"{what} must be an integer, got {step!r} ({type(step).__name__}).")
 
 
+def _saved_step(step_dir: str) -> int | None:
+    """The step a step directory's metadata records, read as plain JSON (orbax's file), or None where it cannot
+    be read (reading the checkpoint then reports the damage) or records none."""
+    try:
+        with open(os.path.join(step_dir, META, "metadata")) as f:
+            step = json.load(f).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def resolve(path: str | os.PathLike, step: int | None = None, *, complete: bool = True) -> str:
     """The step directory of `path`: `path` itself if it is one, else its latest (or given) complete step (a
     later one without its meta item is passed over with a warning; `complete=False`: the latest, as it is)."""
@@ -201,6 +212,9 @@ def resolve(path: str | os.PathLike, step: int | None = None, *, complete: bool 
         if step is not None and name.isdigit() and int(name) != step:
             raise CheckpointError(f"{path} is the directory of step {name}, not of step {step}: pass the checkpoint "
                                   "directory above it to choose a step.")
+        saved = None if step is None or name.isdigit() else _saved_step(path)
+        if saved is not None and saved != step:  # a serving export, or a step directory under another name
+            raise CheckpointError(f"{path} is one checkpoint step, step {saved}, not step {step}: it holds no other.")
         return path
     if any(os.path.exists(os.path.join(path, item)) for item in _STEP_ITEMS):
         raise CorruptCheckpointError(f"{path} is an incomplete or damaged checkpoint step: its '{META}' item is "

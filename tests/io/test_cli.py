@@ -312,6 +312,23 @@ def test_step_choice_is_the_latest_complete_one_and_a_step_directory_is_its_own_
         assert "is the directory of step 4, not of step 9" in capsys.readouterr().err
 
 
+def test_a_step_directory_under_another_name_refuses_another_step(ckpt, tmp_path, capsys):
+    """A serving export (or a step directory copied as "best") is one step: `--step` of another was ignored, and
+    step 4 was shown, verified and converted as if it were the step asked for."""
+    served, best = tmp_path / "served", tmp_path / "best"
+    assert cli.main(["convert", str(ckpt[0]), str(served), "--serving"]) == 0
+    shutil.copytree(ckpt[0] / "4", best)
+    for path in (served, best):
+        for command in (["inspect", str(path)], ["verify", str(path)],
+                        ["convert", str(path), str(tmp_path / "o"), "--serving"]):
+            capsys.readouterr()
+            assert cli.main([*command, "--step", "7"]) == 1
+            assert capsys.readouterr().err.splitlines()[-1] == \
+                f"sparse-embed: error: {path} is one checkpoint step, step 4, not step 7: it holds no other."
+            assert cli.main([*command, "--step", "4"]) == 0
+            shutil.rmtree(tmp_path / "o", ignore_errors=True)
+
+
 def test_convert_refuses_a_destination_inside_the_source_or_unwritable_before_reading(ckpt, tmp_path, capsys):
     path = tmp_path / "ck"
     shutil.copytree(ckpt[0], path)
