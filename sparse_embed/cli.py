@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("argument --devices: applies to training checkpoints only (a --serving export is read on one device)")
     try:
         return args.fn(args) or 0
+    except BrokenPipeError:  # stdout's reader left (`sparse-embed inspect CKPT | head`): not an error to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when Python flushes stdout
+        return 1
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         msg = " ".join(str(e).split())
         print(f"{PROG}: error: {msg}", file=sys.stderr)

@@ -112,6 +112,16 @@ def test_console_script_runs(ckpt):
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "does not exist" in p.stderr
 
 
+def test_output_into_a_closed_pipe_is_no_error(ckpt):
+    """`sparse-embed inspect CKPT | head`: the reader leaving printed "sparse-embed: error: [Errno 32] Broken pipe"."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.Popen([sys.executable, "-m", "sparse_embed.cli", "inspect", str(ckpt[0])], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    p.stdout.close()  # before the command writes a line
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and err.decode() == ""
+
+
 def test_plan_prints_each_tables_placement(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_model.py").write_text(
         "import sparse_embed as se\n"
