@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from sparse_embed.io.data_item import DATA, DataHandler, DataSave
 from sparse_embed.io.checks import leaf_key, leaf_meanings, user_checksums, verify_user
@@ -226,13 +227,15 @@ def _check_target(step_dir: str, target: Any) -> None:
 
 def read_user_host(step_dir: str, info: CheckpointInfo) -> Any:
     """The user pytree as saved, as numpy arrays on the host (no target needed), verified."""
-    handler = ocp.Checkpointer(item_handlers()[USER])
-    path = os.path.join(step_dir, USER)
+    # the item's handler itself: an `ocp.Checkpointer` over the item's directory looks there for a step's own
+    # metadata file, and logs "Metadata file does not exist" (as if the step were damaged) when it is not there
+    handler = item_handlers()[USER]
+    path = epath.Path(step_dir) / USER
     if not os.path.isdir(path):
         raise CorruptCheckpointError(f"{step_dir}: its '{USER}' item (the user pytree saved with it) is missing; "
                                      f"{WHAT_TO_DO}.")
     try:
-        tree = handler.metadata(path).item_metadata.tree
+        tree = handler.metadata(path).tree
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
         user = handler.restore(path, args=ocp.args.PyTreeRestore(item=tree, restore_args=args))
     except Exception as e:  # noqa: BLE001

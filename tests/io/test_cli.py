@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -110,6 +111,15 @@ def test_console_script_runs(ckpt):
         pytest.skip("console script not installed (pip install -e .)")
     p = subprocess.run([exe, "inspect", str(ckpt[0]) + "_missing"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "does not exist" in p.stderr
+
+
+def test_verify_and_convert_of_a_step_with_a_user_pytree_log_no_warning(ckpt, tmp_path, caplog):
+    """Reading the user pytree logged "WARNING:absl:Metadata file does not exist: .../4/user/_CHECKPOINT_METADATA"
+    under every `verify` and `convert` of a sound checkpoint, as if it were damaged."""
+    with caplog.at_level(logging.WARNING):
+        assert cli.main(["verify", str(ckpt[0])]) == 0
+        assert cli.main(["convert", str(ckpt[0]), str(tmp_path / "out"), "--devices", "2"]) == 0
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_output_into_a_closed_pipe_is_no_error(ckpt):
