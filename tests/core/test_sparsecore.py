@@ -496,7 +496,7 @@ def test_sparsecores_are_detected_from_the_tpu_kind(kind, want, monkeypatch):
     if want:
         with pytest.warns(UserWarning, match=f"have {want} SparseCores per device, but jax-tpu-embedding is not"):
             assert sparsecore.count(None, tpu) == 0
-    with pytest.raises(ImportError, match=r'pip install "sparse-embed\[tpu\]"'):
+    with pytest.raises(ImportError, match=r'pip install jax-tpu-embedding'):
         sparsecore.count(2, tpu)
 
 

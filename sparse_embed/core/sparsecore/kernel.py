@@ -51,7 +51,7 @@ def _primitives():
     try:
         from jax_tpu_embedding.sparsecore.lib.core.primitives import sparse_dense_matmul_csr
     except ImportError as e:
-        raise ImportError("SparseCore stacks need jax-tpu-embedding: pip install \"sparse-embed[tpu]\".") from e
+        raise ImportError("SparseCore stacks need jax-tpu-embedding: pip install jax-tpu-embedding.") from e
     return sparse_dense_matmul_csr.tpu_sparse_dense_matmul_csr_primitive
 
 

@@ -39,7 +39,7 @@ def detect(devices: Sequence) -> int:
 
 
 def available() -> bool:
-    """True if jax-tpu-embedding (the primitives) is installed: `pip install "sparse-embed[tpu]"`."""
+    """True if jax-tpu-embedding (the primitives) is installed: `pip install jax-tpu-embedding`."""
     return importlib.util.find_spec("jax_tpu_embedding") is not None
 
 
@@ -52,7 +52,7 @@ def count(sparsecores: int | None, devices: Sequence) -> int:
         found = detect(devices)
         if found and not available():
             warnings.warn(f"These TPUs have {found} SparseCores per device, but jax-tpu-embedding is not "
-                          "installed, so every stack runs on the TensorCores: pip install \"sparse-embed[tpu]\".",
+                          "installed, so every stack runs on the TensorCores: pip install jax-tpu-embedding.",
                           stacklevel=3)
             return 0
         return found
@@ -62,7 +62,7 @@ def count(sparsecores: int | None, devices: Sequence) -> int:
     sparsecores = int(sparsecores)  # (a numpy int, e.g. computed from a mesh shape, is an int too)
     if sparsecores and not available():
         raise ImportError(f"plan(sparsecores={sparsecores}) needs jax-tpu-embedding: "
-                          "pip install \"sparse-embed[tpu]\".")
+                          "pip install jax-tpu-embedding.")
     return sparsecores
 
 
