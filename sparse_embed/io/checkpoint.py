@@ -224,7 +224,7 @@ class CheckpointManager:
         return resolve(self.directory, step)
 
     def restore(self, plan: EmbeddingPlan, *, step: int | None = None, user: Any = None,
-                allow_vocab_growth: bool = False, rng: jax.Array | None = None) -> Restored:
+                allow_vocab_growth: bool = False, rng: jax.Array | None = None, data: bool = True) -> Restored:
         """Restores the latest (or given) step onto `plan`'s mesh and stacking.
 
         Every array is verified against its checksum. Without `step`, a
@@ -238,12 +238,14 @@ class CheckpointManager:
             with the shardings to restore into); None skips it.
           allow_vocab_growth: allow tables with a larger vocabulary than saved;
             new rows get the initializer (from `rng`) and fresh slots.
+          data: False leaves the input position saved with `data=` out (`Restored.data` None): the one way
+            to restore onto another process count a step whose processes each saved their own position.
 
         Saves of this manager still in progress are waited for first (a step
         just saved is restored, not reported missing).
         """
         self.wait()  # a save of this manager still in progress is part of what there is to restore
-        kwargs = dict(user=user, allow_vocab_growth=allow_vocab_growth, rng=rng)
+        kwargs = dict(user=user, allow_vocab_growth=allow_vocab_growth, rng=rng, data=data)
         if step is not None:
             return self._restore(plan, self._step_dir(step), **kwargs)
         steps = sorted(self.all_steps(), reverse=True)
@@ -262,7 +264,7 @@ class CheckpointManager:
                                      f"{first_error}") from None
 
     def _restore(self, plan: EmbeddingPlan, step_dir: str, *, user: Any, allow_vocab_growth: bool,
-                 rng: jax.Array | None) -> Restored:
+                 rng: jax.Array | None, data: bool) -> Restored:
         info = read_info(step_dir)
         _check_same_restore(plan, step_dir, int(info.step), user)
         memory = offload_checkpoint.memory_plan(plan, step_dir, info.table_names)
@@ -270,7 +272,7 @@ class CheckpointManager:
         # offloaded tables: each store made the step's commit again; their caches come back empty (docs/offload.md)
         tables.update(offload_checkpoint.restore_stores(plan, step_dir))
         return Restored(tables, int(info.step), None if user is None else read_user(step_dir, info, user), maps,
-                        read_data(step_dir, info.has_data))
+                        read_data(step_dir, info.has_data) if data else None)
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager (saving after it is an error; restoring works)."""

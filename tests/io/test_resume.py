@@ -6,6 +6,7 @@ it resumes on another device count. Also: a step's `data` item on its own."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -160,3 +161,30 @@ def test_data_item_saved_by_other_process_counts(tmp_path):
     with pytest.raises(se.CheckpointError, match="saved by 2 processes, each at its own position"):
         read_data(str(tmp_path))
     assert read_data(str(tmp_path / "nothing")) is None
+
+
+def test_a_step_whose_processes_saved_their_own_positions_restores_elsewhere_without_them(tmp_path):
+    """Two processes' own input positions cannot be split over one process: the restore says so and names
+    `data=False`, which restores the tables and id maps (the only way to bring raw-id maps onto another count)."""
+    from sparse_embed.io import data_item
+
+    plan = resume_run.make_plan(make_mesh(8))
+    key = jax.random.key(0)
+    tables, maps = se.init_tables(plan, key), se.init_id_maps(plan, key)
+    with se.CheckpointManager(tmp_path) as m:
+        m.save(1, plan, tables, id_maps=maps, data={"next_index": 4})
+        m.wait()
+    d = tmp_path / "1" / data_item.DATA
+    (d / data_item._name(0, 1)).unlink()  # as two processes write it: a file each, each at its own position
+    for i in range(2):
+        state = {"next_index": 4 + i}
+        (d / data_item._name(i, 2)).write_text(
+            json.dumps({data_item._ENVELOPE: 1, "state": state, "crc32": data_item._crc(state)}))
+    with se.CheckpointManager(tmp_path) as m:
+        with pytest.raises(se.CheckpointError, match=r"each at its own position; .*restore\(\.\.\., data=False\)"):
+            m.restore(plan)
+        r = m.restore(plan, data=False)
+    assert r.step == 1 and r.data is None
+    assert sorted(r.tables) == sorted(tables) and sorted(r.id_maps) == sorted(maps)
+    for name in set(tables) - set(maps):  # the static tables (a raw-id one's rows are its map's)
+        np.testing.assert_array_equal(np.asarray(r.tables[name].table), np.asarray(tables[name].table))
