@@ -108,6 +108,19 @@ def test_an_eval_module_reads_trained_tables_and_refuses_another_plans_naming_th
         sel.Embed(plan, with_slots=False).apply({"params": {"tables": bad}}, batch)
 
 
+def _readme_train_step(model, tx):
+    """The README's linen step: grad, update, apply; donated."""
+    loss_fn = lambda p, b, s: _model_loss(model)(p, b, s)[0]
+
+    @jax.jit(donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch, step):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, step)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return se.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
 def test_documented_train_step_equals_lookup_plus_plain_optax(mesh8):
     """The README's linen step: grad, update, apply; donated; no recompile for a new batch."""
     plan = make_plan(mesh8)
@@ -117,13 +130,7 @@ def test_documented_train_step_equals_lookup_plus_plain_optax(mesh8):
     params = _params(plan)
     params = jax.device_put(params, layout.shardings(params))
     opt_state = jax.jit(tx.init, out_shardings=layout.shardings(jax.eval_shape(tx.init, params)))(params)
-    loss_fn = lambda p, b, s: _model_loss(model)(p, b, s)[0]
-
-    @jax.jit(donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch, step):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch, step)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return se.apply_updates(params, updates), opt_state, loss
+    train_step = _readme_train_step(model, tx)
 
     ref = (params["embed"]["tables"], params["head"], optax.adam(1e-2).init(params["head"]))
     ref_sh = layout.shardings(ref)  # pinned: the reference compiles once too
@@ -163,13 +170,7 @@ def test_the_documented_checkpoint_restores_into_a_fresh_run_that_trains_on_bitw
     plan = make_plan(mesh8)
     model = Tower(plan)
     tx = se.optax_tx(optax.adam(1e-2))
-    loss_fn = lambda p, b, s: _model_loss(model)(p, b, s)[0]
-
-    @jax.jit(donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch, step):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch, step)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return se.apply_updates(params, updates), opt_state, loss
+    train_step = _readme_train_step(model, tx)
 
     def fresh(seed):
         params = jax.jit(model.init)(jax.random.key(seed), make_batch(plan, 0), 0)["params"]
