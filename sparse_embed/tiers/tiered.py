@@ -42,6 +42,7 @@ from sparse_embed.core.row_swap import cache_positions, initial_rows, swap_rows,
 from sparse_embed.core.specs import FeatureSpec, TableSpec
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import table_key
+from sparse_embed.host import distributed
 from sparse_embed.host import ids as ids_lib
 from sparse_embed.host import native
 from sparse_embed.host.prefetching import InLoop, Prefetcher, _check_buffer_size, _split
@@ -719,7 +720,9 @@ class _Timed:
 
 class _TimedPrefetcher(_Timed, Prefetcher):
     def __init__(self, tiers: Tiers, prepare, source, buffer_size: int) -> None:
-        super().__init__(prepare, source, buffer_size)
+        # several processes: left early, every process's worker first fills its buffer (as `se.prefetch`'s does),
+        # so that each has planned as many batches and their exchanges meet
+        super().__init__(prepare, source, buffer_size, fill_on_close=distributed.spans_processes(tiers.plan))
         self._tiers = tiers
 
 

@@ -3,12 +3,14 @@ store is a `CorruptStoreError`, never a silently wrong row; a rejected batch lea
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +116,33 @@ def test_swap_ahead_of_its_turn(tmp_path):
             tiers.swap(tables, first)
     finally:
         tiers.close()
+
+
+def test_under_several_processes_a_prefetch_left_early_plans_its_whole_buffer_first(tmp_path, monkeypatch):
+    """As `se.prefetch`'s (tests/host/test_prefetch.py): under jax.distributed a `Tiers.prefetch` closed early
+    stopped its worker at its current batch, so a process with slower input had planned fewer batches than the
+    others, whose next exchanges then waited for it in vain. Its worker now plans `buffer_size` batches past the
+    last one taken first. (One process here, told it spans several: only the prefetcher reads that.)"""
+    from sparse_embed.tiers import tiered
+
+    monkeypatch.setattr(tiered.distributed, "spans_processes", lambda plan: True)
+    plan = _plan(_spec(tmp_path / "t"))
+    rng = jax.random.key(0)
+    asked = []
+
+    def batches():
+        for i in itertools.count():
+            time.sleep(0.05)  # slower input than the loop
+            asked.append(i)
+            yield {"f_t": _ids(i % V)}
+
+    with se.offload.Tiers(plan, rng) as tiers:
+        tables = se.init_tables(plan, rng)
+        with tiers.prefetch(batches(), buffer_size=3) as items:
+            for _, item in zip(range(2), items):
+                tables = tiers.swap(tables, item.swap)
+        assert asked == [0, 1, 2, 3, 4]  # 2 taken + buffer_size, whatever the input's speed
+        tables = tiers.flush(tables, 2)  # the batches planned and never taken change no value
 
 
 @pytest.mark.parametrize("then", ["next", "flush"])
