@@ -674,11 +674,12 @@ def _fit_budget(make, fixed: dict[str, str], groups: list[list[str]], loads: dic
             return stacks
         move = placement_lib.to_move(chosen, held, loads, num_shards)  # (a moved table may move on, lower)
         if move is None:
+            free = f"let tables {sorted(fixed)} be placed \"auto\" (they are yours, never moved), " if fixed else ""
             raise ValueError(
                 f"No placement fits memory_budget={memory_budget} bytes per device: the plan needs {need} "
                 f"({', '.join(f'{t}: {p}' for t, p in sorted(chosen.items()))}). Give more devices, a larger "
-                "budget or smaller tables, let more tables be placed \"auto\", or keep the largest on disk "
-                "(offload_to=<directory>, docs/offload.md).")
+                f"budget or smaller tables, {free}or keep the largest on disk (offload_to=<directory>, "
+                "docs/offload.md).")
         moved.update(dict.fromkeys(group_of.get(move[0], [move[0]]), move[1]))
 
 
