@@ -74,8 +74,8 @@ class DataHandler(ocp.CheckpointHandler):
         if all(s == states[0] for s in states):
             return states[0]
         raise CheckpointError(f"{directory}: the input state was saved by {len(states)} processes, each at its own "
-                              f"position; restore it with as many processes (now {jax.process_count()}), or without it: "
-                              "restore(..., data=False), and the input starts where you start it.")
+                              f"position; restore it with as many processes (now {jax.process_count()}), or "
+                              "without it: restore(..., data=False), and the input starts where you start it.")
 
 
 @ocp.args.register_with_handler(DataHandler, for_save=True)
