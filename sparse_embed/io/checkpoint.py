@@ -50,41 +50,38 @@ from sparse_embed.io.orbax_items import item_handlers, read_info, read_user, wri
 from sparse_embed.io.restoring import restore_embeddings, restore_state, static_part  # noqa: F401 (re-exported)
 
 
-_SAVES = itertools.count()  # this process's CheckpointManager.save calls under several processes (exchange numbers)
+_CALLS = {"checkpoint_save": itertools.count(), "checkpoint_restore": itertools.count()}  # exchange numbers
+
+
+def _differences(plan: EmbeddingPlan, what: str, fields: dict[str, int]) -> list[str]:
+    """Under `jax.distributed`: the `fields` (ints) that differ between the processes of the plan's mesh, each as
+    "name {process: value}" (none with one process)."""
+    processes = distributed.mesh_processes(plan.mesh)
+    if len(processes) == 1:
+        return []
+    got = distributed.allgather_ints(processes, list(fields.values()), name=what, n=next(_CALLS[what]))
+    return [f"{k} {dict(zip(processes, map(int, got[:, i])))}" for i, k in enumerate(fields)
+            if (got[:, i] != got[0, i]).any()]
 
 
 def _check_same_save(plan: EmbeddingPlan, step: int, force: bool, id_maps: Any, user: Any, data: Any) -> None:
     """Under `jax.distributed`: every process saves the same step, with the same items, or all raise naming the
     difference (another step wrote another staging directory, and the save failed on one process with a missing
     file and on the others with a gloo timeout; `data` on one process only restored its state on every one)."""
-    processes = distributed.mesh_processes(plan.mesh)
-    if len(processes) == 1:
-        return
-    fields = {"step": step, "force": int(force), "id_maps": int(id_maps is not None), "user": int(user is not None),
-              "data": int(data is not None)}
-    got = distributed.allgather_ints(processes, list(fields.values()), name="checkpoint_save", n=next(_SAVES))
-    differ = [f"{k} {dict(zip(processes, map(int, got[:, i])))}" for i, k in enumerate(fields)
-              if (got[:, i] != got[0, i]).any()]
+    differ = _differences(plan, "checkpoint_save", {
+        "step": step, "force": int(force), "id_maps": int(id_maps is not None), "user": int(user is not None),
+        "data": int(data is not None)})
     if differ:
         raise ValueError(f"CheckpointManager.save: the processes called it differently ({'; '.join(differ)}, by "
                          "process; id_maps, user, data: 1 if passed): every process must save the same step with "
                          "the same items (each its own data).")
 
 
-_RESTORES = itertools.count()  # this process's restores of a step under several processes (exchange numbers)
-
-
 def _check_same_restore(plan: EmbeddingPlan, step_dir: str, step: int, user: Any) -> None:
     """Under `jax.distributed`: every process restores the same step (and user pytree or none), or all raise
     saying so (each read its own rows of its own step, and the checksums summed over the processes matched
     neither: both steps were reported corrupt)."""
-    processes = distributed.mesh_processes(plan.mesh)
-    if len(processes) == 1:
-        return
-    got = distributed.allgather_ints(processes, [step, int(user is not None)], name="checkpoint_restore",
-                                     n=next(_RESTORES))
-    differ = [f"{k} {dict(zip(processes, map(int, got[:, i])))}" for i, k in enumerate(("step", "user"))
-              if (got[:, i] != got[0, i]).any()]
+    differ = _differences(plan, "checkpoint_restore", {"step": step, "user": int(user is not None)})
     if differ:
         raise ValueError(f"CheckpointManager.restore: the processes restore differently ({'; '.join(differ)}, by "
                          f"process; user: 1 if passed), here {step_dir}: every process must restore the same "
