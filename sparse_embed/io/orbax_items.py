@@ -206,7 +206,7 @@ def _check_target(step_dir: str, target: Any) -> None:
     than saved (orbax would hand back the saved shape, or fail deep inside its restore), naming the leaves; a dtype
     may differ (the leaf is cast). Metadata that cannot be read is left to the restore to report."""
     try:
-        tree = ocp.Checkpointer(item_handlers()[USER]).metadata(os.path.join(step_dir, USER)).item_metadata.tree
+        tree = _saved_user_tree(step_dir)
     except Exception:  # noqa: BLE001
         return
     def shape(x: Any) -> tuple | None:  # a Python number is a scalar; a string has none
@@ -225,19 +225,23 @@ def _check_target(step_dir: str, target: Any) -> None:
         raise CheckpointError(f"{step_dir}: its user pytree does not match the target given: {'; '.join(problems)}.")
 
 
+def _saved_user_tree(step_dir: str) -> Any:
+    """The user pytree's structure and array metadata as saved. Read by the item's handler itself: an
+    `ocp.Checkpointer` over the item's directory looks there for a step's own metadata file, and logs "Metadata
+    file does not exist" (as if the step were damaged) when it is not there."""
+    return item_handlers()[USER].metadata(epath.Path(step_dir) / USER).tree
+
+
 def read_user_host(step_dir: str, info: CheckpointInfo) -> Any:
     """The user pytree as saved, as numpy arrays on the host (no target needed), verified."""
-    # the item's handler itself: an `ocp.Checkpointer` over the item's directory looks there for a step's own
-    # metadata file, and logs "Metadata file does not exist" (as if the step were damaged) when it is not there
-    handler = item_handlers()[USER]
     path = epath.Path(step_dir) / USER
     if not os.path.isdir(path):
         raise CorruptCheckpointError(f"{step_dir}: its '{USER}' item (the user pytree saved with it) is missing; "
                                      f"{WHAT_TO_DO}.")
     try:
-        tree = handler.metadata(path).tree
+        tree = _saved_user_tree(step_dir)
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        user = handler.restore(path, args=ocp.args.PyTreeRestore(item=tree, restore_args=args))
+        user = item_handlers()[USER].restore(path, args=ocp.args.PyTreeRestore(item=tree, restore_args=args))
     except Exception as e:  # noqa: BLE001
         raise CorruptCheckpointError(f"{step_dir}: its user pytree cannot be read ({type(e).__name__}: "
                                      f"{first_line(e)}); {WHAT_TO_DO}.") from None
