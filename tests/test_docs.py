@@ -51,6 +51,8 @@ def test_readme_example_trains(mesh8, style):
     _, before = _run(style, 0)
     ns, after = _run(style, 20)
     assert np.isfinite(float(ns["loss"])) and ns["step"] == 19
+    if style == "Flax linen":  # optax_tx's state starts where the step returns it: one program, not two
+        assert ns["train_step"]._cache_size() == 1
     touched = {"items": set(), "users": set()}
     for ids, _ in ns["data"](20):
         touched["items"] |= set(np.concatenate([ids["clicked"].ravel(), ids["history"].ravel()]).tolist()) - {-1}

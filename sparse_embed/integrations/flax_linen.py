@@ -12,6 +12,11 @@ Train step (the "gradient" of `tables` is the updated tables):
     grads = jax.grad(loss)(params, batch, labels, step)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = sparse_embed.apply_updates(params, updates)
+
+or with `TrainState` (flax's, for params that hold tables):
+
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    state = state.apply_gradients(grads=jax.grad(loss)(state.params, batch, labels, step))
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ from typing import Mapping
 
 import flax.linen as nn
 import jax
+import optax
+from flax.training import train_state
 
 from sparse_embed.core.batch import ShardedCooMatrix
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.sharded_lookup import lookup
 from sparse_embed.core.tables import init_tables
+from sparse_embed.integrations.optax_utils import apply_updates, on_tables_mesh, optax_tx
 
 
 class Embed(nn.Module):
@@ -52,3 +60,31 @@ class Embed(nn.Module):
         else:
             tables = self.param("tables", lambda rng: init_tables(self.plan, rng, with_slots=self.with_slots))
         return lookup(self.plan, batch, tables, step)
+
+
+class TrainState(train_state.TrainState):
+    """flax's `TrainState` for params that hold tables: `tx` steps the dense params, the tables are replaced.
+
+    `create(apply_fn=, params=, tx=)` takes the dense optimizer (e.g. `optax.adam(1e-3)`) and wraps it in
+    `sparse_embed.optax_tx` (unplaced params and state go to the tables' mesh, replicated, where a jitted
+    step returns them); `apply_gradients(grads=)` swaps in the new tables that `jax.grad` returned for
+    them (flax's own adds them to the old ones as if they were gradients, and fails on `optax_tx`'s
+    updates) and applies `tx`'s updates to the rest.
+    """
+
+    def apply_gradients(self, *, grads, **kwargs) -> "TrainState":
+        if isinstance(grads, Mapping) and train_state.OVERWRITE_WITH_GRADIENT in grads:
+            raise NotImplementedError(f"sparse_embed's TrainState: grads with a "
+                                      f"{train_state.OVERWRITE_WITH_GRADIENT!r} collection are not supported; "
+                                      "step those params yourself.")
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        return self.replace(step=self.step + 1, params=apply_updates(self.params, updates), opt_state=opt_state,
+                            **kwargs)
+
+    @classmethod
+    def create(cls, *, apply_fn, params, tx: optax.GradientTransformation, **kwargs) -> "TrainState":
+        # unplaced params and the step count (flax's: a Python 0) where a jitted step's outputs will be, so
+        # that the step compiles once, not again at its second call
+        params = on_tables_mesh(params, params)
+        state = super().create(apply_fn=apply_fn, params=params, tx=optax_tx(tx), **kwargs)
+        return state.replace(step=on_tables_mesh(jax.numpy.asarray(state.step), params))

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import optax
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from sparse_embed.core.state import EmbeddingVariables
 
@@ -88,7 +89,25 @@ def optax_tx(dense_tx: optax.GradientTransformation) -> optax.GradientTransforma
     gradients (silently: docs/concepts.md).
     """
     # multi_transform: the name every optax >= 0.2.4 has (later also `optax.partition`).
-    return optax.multi_transform({DENSE: dense_tx, EMBEDDING: _new_states()}, param_labels)
+    tx = optax.multi_transform({DENSE: dense_tx, EMBEDDING: _new_states()}, param_labels)
+    return tx._replace(init=lambda params: on_tables_mesh(tx.init(params), params))
+
+
+def on_tables_mesh(state: Any, params: Any) -> Any:
+    """`state` with its unplaced arrays (uncommitted, as optax makes a step count) replicated on the mesh of
+    the tables in `params`: the train step's outputs are there, so without this its second call would miss
+    the first one's jit cache entry and compile the step again. Arrays the caller placed stay where they are."""
+    concrete = lambda x: isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    meshes = {x.sharding.mesh for e in jax.tree.leaves(params, is_leaf=is_embedding) if is_embedding(e)
+              for x in jax.tree.leaves(e) if concrete(x) and isinstance(x.sharding, NamedSharding)}
+    if len(meshes) != 1:  # no tables, or traced ones (in a jit, whose outputs it places itself)
+        return state
+    replicated = NamedSharding(meshes.pop(), PartitionSpec())
+    unplaced = lambda x: (concrete(x) and isinstance(x.sharding, SingleDeviceSharding)
+                          and not getattr(x, "_committed", True))
+    if replicated.mesh.size == 1:
+        return state
+    return jax.tree.map(lambda x: jax.device_put(x, replicated) if unplaced(x) else x, state)
 
 
 def _apply_one(param: Any, update: Any) -> Any:

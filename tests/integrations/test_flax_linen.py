@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax.training.train_state import OVERWRITE_WITH_GRADIENT
 
 import sparse_embed as se
 from sparse_embed.flax import linen as sel
@@ -193,3 +194,46 @@ def test_the_documented_checkpoint_restores_into_a_fresh_run_that_trains_on_bitw
         assert float(got) == float(want)
     assert_trees_equal(params2, params)
     assert_trees_equal(opt_state2, opt_state)
+
+
+def test_train_state_steps_dense_params_with_tx_and_swaps_in_the_new_tables(mesh8):
+    """`sel.TrainState` over three steps: the tables are the lookup's updated tables, the head is adam's step on
+    its own gradient (optax alone), and the jitted step compiles once (optax's step count starts on the mesh)."""
+    plan = make_plan(mesh8, "adagrad")
+    params, model, dense = _params(plan), Tower(plan), optax.adam(1e-2)
+    state = sel.TrainState.create(apply_fn=model.apply, params=params, tx=dense)
+    loss = _model_loss(model)
+
+    @jax.jit
+    def train_step(state, batch, step):
+        grads, _ = jax.grad(loss, has_aux=True)(state.params, batch, step)
+        return state.apply_gradients(grads=grads)
+
+    direct = jax.jit(jax.grad(_direct_loss(plan), argnums=(0, 1), has_aux=True))
+    tables, head, opt = params["embed"]["tables"], params["head"], dense.init(params["head"])
+    for i in range(3):
+        batch, step = make_batch(plan, i), jnp.int32(i)
+        state = train_step(state, batch, step)
+        (tables, head_grads), _ = direct(tables, head, batch, step)
+        updates, opt = dense.update(head_grads, opt, head)
+        head = optax.apply_updates(head, updates)
+    # close, not equal: adam inside one jit and outside it round alike only to float32's last bits
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    jax.tree.map(close, state.params, {"embed": {"tables": tables}, "head": head})
+    assert int(state.step) == 3 and train_step._cache_size() == 1
+    with pytest.raises(NotImplementedError, match="'_overwrite_with_gradient' collection are not supported"):
+        state.apply_gradients(grads={"params": state.params, OVERWRITE_WITH_GRADIENT: {}})
+
+
+def test_optax_tx_state_starts_on_the_tables_mesh(mesh8):
+    """`optax_tx(adam).init`'s step count (made uncommitted by optax) lands replicated on the tables' mesh, so the
+    step's second call reuses the first one's program; a dense leaf the caller placed on one device stays."""
+    plan = make_plan(mesh8)
+    params = _params(plan)
+    params["head"] = jax.device_put(params["head"], jax.devices()[3])
+    state = se.optax_tx(optax.adam(1e-3)).init(params)
+    (count,) = [x for x in jax.tree.leaves(state) if x.ndim == 0]
+    assert count.sharding.is_equivalent_to(jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec()), 0)
+    for leaf in jax.tree.leaves(state):
+        if leaf.ndim:  # adam's moments of the head: where the head is
+            assert leaf.sharding.device_set == {jax.devices()[3]}
