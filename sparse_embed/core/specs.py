@@ -185,6 +185,10 @@ class TableSpec:
             raise ValueError(
                 f"Table {self.name!r}: combiner must be one of {COMBINERS}, got {self.combiner!r}."
             )
+        if self.max_norm is not None and (isinstance(self.max_norm, (bool, str)) or np.ndim(self.max_norm)
+                                          or not np.issubdtype(np.asarray(self.max_norm).dtype, np.number)):
+            raise TypeError(f"Table {self.name!r}: max_norm must be a number (the largest L2 norm of a looked-up "
+                            f"row) or None, got {self.max_norm!r}.")  # (True would have read as 1.0)
         if self.max_norm is not None and not (float(self.max_norm) > 0):
             raise ValueError(f"Table {self.name!r}: max_norm must be > 0, got {self.max_norm!r}.")
         if self.optimizer is not None and not isinstance(self.optimizer, _opt.Optimizer):

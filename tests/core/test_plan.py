@@ -35,6 +35,14 @@ def test_table_spec_validation(kwargs, match):
         se.TableSpec(**args)
 
 
+@pytest.mark.parametrize("max_norm", [True, "2", (1.0,), np.bool_(True)])
+def test_max_norm_that_is_not_a_number_is_refused(max_norm):
+    with pytest.raises(TypeError, match=r"Table 'tbl': max_norm must be a number .* or None, got"):
+        se.TableSpec("tbl", 10, 4, max_norm=max_norm)
+    for ok in [2, np.float32(0.5), jax.numpy.float32(3.0)]:  # numbers of any kind: taken as floats
+        assert se.TableSpec("tbl", 10, 4, max_norm=ok).max_norm == float(ok)
+
+
 @pytest.mark.parametrize("name", [".", "..", "a/../b", "a//b", "/a", "a/", "a\0b"])
 def test_a_table_name_that_cannot_be_a_directory_is_refused(name):
     """A table is a directory of its checkpoints: "." and ".." failed in tensorstore after the save had started
