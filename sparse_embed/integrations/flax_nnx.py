@@ -45,6 +45,7 @@ from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.sharded_lookup import lookup
 from sparse_embed.core.state import EmbeddingVariables, check_state
 from sparse_embed.core.tables import init_tables
+from sparse_embed.integrations.optax_utils import replicate_unplaced, tables_mesh
 
 
 class EmbeddingTable(nnx.Param):
@@ -166,7 +167,12 @@ class Optimizer(nnx.Optimizer):
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt=nnx.Param):
+        # the model's unplaced state (eagerly made dense params) and this one's (the step count, adam's moments)
+        # go where a jitted step returns them, replicated on the tables' mesh: the step then compiles once
+        mesh = tables_mesh(nnx.state(model, EmbeddingTable))
+        nnx.update(model, replicate_unplaced(nnx.state(model, nnx.Not(EmbeddingTable)), mesh))
         super().__init__(model, tx, wrt=nnx.All(wrt, nnx.Not(EmbeddingTable)))
+        nnx.update(self, replicate_unplaced(nnx.state(self), mesh))
         self.embedding_wrt = nnx.All(wrt, EmbeddingTable)  # the embedding state it trains
         _check_whole_stacks(model, self.embedding_wrt)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 import optax
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from sparse_embed.core.state import EmbeddingVariables
 
@@ -93,21 +93,33 @@ def optax_tx(dense_tx: optax.GradientTransformation) -> optax.GradientTransforma
     return tx._replace(init=lambda params: on_tables_mesh(tx.init(params), params))
 
 
-def on_tables_mesh(state: Any, params: Any) -> Any:
-    """`state` with its unplaced arrays (uncommitted, as optax makes a step count) replicated on the mesh of
-    the tables in `params`: the train step's outputs are there, so without this its second call would miss
-    the first one's jit cache entry and compile the step again. Arrays the caller placed stay where they are."""
-    concrete = lambda x: isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    meshes = {x.sharding.mesh for e in jax.tree.leaves(params, is_leaf=is_embedding) if is_embedding(e)
-              for x in jax.tree.leaves(e) if concrete(x) and isinstance(x.sharding, NamedSharding)}
-    if len(meshes) != 1:  # no tables, or traced ones (in a jit, whose outputs it places itself)
-        return state
-    replicated = NamedSharding(meshes.pop(), PartitionSpec())
-    unplaced = lambda x: (concrete(x) and isinstance(x.sharding, SingleDeviceSharding)
+def tables_mesh(tables: Any) -> Mesh | None:
+    """The mesh the (concrete, placed) arrays of `tables` are on, if they are all on one; else None."""
+    meshes = {x.sharding.mesh for x in jax.tree.leaves(tables)
+              if _concrete(x) and isinstance(x.sharding, NamedSharding)}
+    return meshes.pop() if len(meshes) == 1 else None
+
+
+def replicate_unplaced(tree: Any, mesh: Mesh | None) -> Any:
+    """`tree` with its unplaced arrays (uncommitted, as optax makes a step count or an eager init the params)
+    replicated on `mesh` (the tables'): a jitted train step returns them there, so without this its second
+    call would miss the first one's jit cache entry and compile the step again. Arrays the caller placed stay."""
+    if mesh is None or mesh.size == 1:
+        return tree
+    replicated = NamedSharding(mesh, PartitionSpec())
+    unplaced = lambda x: (_concrete(x) and isinstance(x.sharding, SingleDeviceSharding)
                           and not getattr(x, "_committed", True))
-    if replicated.mesh.size == 1:
-        return state
-    return jax.tree.map(lambda x: jax.device_put(x, replicated) if unplaced(x) else x, state)
+    return jax.tree.map(lambda x: jax.device_put(x, replicated) if unplaced(x) else x, tree)
+
+
+def on_tables_mesh(tree: Any, params: Any) -> Any:
+    """`replicate_unplaced(tree, ...)` on the mesh of the `EmbeddingVariables` in `params` (none: `tree`)."""
+    tables = [e for e in jax.tree.leaves(params, is_leaf=is_embedding) if is_embedding(e)]
+    return replicate_unplaced(tree, tables_mesh(tables))
+
+
+def _concrete(x: Any) -> bool:  # (a tracer, in a jit, has no placement yet: the jit's outputs are placed by it)
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
 def _apply_one(param: Any, update: Any) -> Any:
