@@ -43,7 +43,7 @@ from sparse_embed.io.ckpt_format import (  # noqa: F401 - the public names, re-e
     STAGING, CheckpointError, CheckpointInfo, CorruptCheckpointError, TableRecord, as_step, resolve, training_info,
 )
 from sparse_embed.io import offload_checkpoint
-from sparse_embed.io.data_item import read_data
+from sparse_embed.io.data_item import check_serialisable, read_data
 from sparse_embed.io.id_checkpoint import write_id_tables
 from sparse_embed.io.id_tables import check_id_maps
 from sparse_embed.io.orbax_items import item_handlers, read_info, read_user, write_step
@@ -180,6 +180,8 @@ class CheckpointManager:
             raise ValueError(f"The plan has raw-id tables {raw}: pass their maps, save(..., id_maps=id_maps).")
         if id_maps is not None:
             check_id_maps(plan, id_maps)  # before anything is written
+        if data is not None:
+            check_serialisable(data)
 
         def write(d: str) -> dict[str, str]:
             sums = store.write_state(d, static, tables)

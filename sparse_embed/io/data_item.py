@@ -34,6 +34,18 @@ def _crc(state: Any) -> str:
     return f"{zlib.crc32(json.dumps(json.loads(json.dumps(state)), sort_keys=True).encode()):08x}"
 
 
+def check_serialisable(state: Any) -> None:
+    """TypeError naming `data=` unless `state` is JSON-serialisable; before a save writes anything (else `json`
+    failed in orbax's background thread, after the tables were written, with its bare message and a half-made
+    step left on disk)."""
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"CheckpointManager.save: data must be JSON-serialisable (the input position, e.g. "
+                        f"se.data.Loader.get_state(), alone or in your own dict or list): {e}; make numpy or jax "
+                        "values Python ones (.item(), .tolist()).") from None
+
+
 def _read(path: str, checked: bool = False) -> Any:
     """A process's saved state, checked against its CRC32 (files from before it: as they are, unless `checked`:
     the step's metadata says it was saved with one)."""

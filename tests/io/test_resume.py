@@ -148,6 +148,23 @@ def test_data_item_round_trip(tmp_path):
         assert m.restore(plan, step=2).data is None
 
 
+def test_data_that_is_not_json_is_refused_before_anything_is_written(tmp_path):
+    """A numpy float in the user's data (a loss kept as `np.float32`) failed in orbax's background thread with
+    json's bare "Object of type float32 is not JSON serializable", and left a half-made step directory."""
+    plan = resume_run.make_plan(make_mesh(8))
+    key = jax.random.key(0)
+    tables, maps = se.init_tables(plan, key), se.init_id_maps(plan, key)
+    with se.CheckpointManager(tmp_path) as m:
+        with pytest.raises(TypeError, match=r"CheckpointManager.save: data must be JSON-serialisable .*Object of "
+                                            r"type float32 is not JSON serializable"):
+            m.save(1, plan, tables, id_maps=maps, data={"losses": [np.float32(0.5)]})
+        m.wait()
+        assert os.listdir(tmp_path) == [] and m.latest_step() is None
+        assert m.save(1, plan, tables, id_maps=maps, data={"losses": [0.5]})
+        m.wait()
+        assert m.restore(plan).data == {"losses": [0.5]}
+
+
 def test_data_item_saved_by_other_process_counts(tmp_path):
     """Restored with another number of processes: the state if every process saved the same one, else an error."""
     from sparse_embed.io.data_item import read_data
