@@ -62,6 +62,9 @@ class Preprocess(grain.transforms.Map):
                  device_put: bool = True) -> None:
         if not isinstance(plan, EmbeddingPlan):
             raise TypeError(f"plan must be an EmbeddingPlan, got {type(plan).__name__}.")
+        if inputs is not None and not callable(inputs):  # (else "'str' object is not callable" at the first batch)
+            raise TypeError(f"inputs must be a function element -> ids or (ids, weights), got "
+                            f"{type(inputs).__name__}.")
         self.plan, self.inputs, self.device_put = plan, inputs, device_put
 
     def map(self, element: Any) -> Prefetched:

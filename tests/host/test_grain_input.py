@@ -148,6 +148,12 @@ def test_loader_bad_arguments():
         sed.Loader(plan, dataset(), state={**good, "plan": None})
     with pytest.raises(ValueError, match="buffer_size must be >= 1"):
         sed.Loader(plan, dataset(), buffer_size=0)
+    for inputs in ("f", {"f": 1}):  # once "'str' object is not callable", from the worker at the first batch
+        with pytest.raises(TypeError, match=f"inputs must be a function element -> ids or \\(ids, weights\\), got "
+                                            f"{type(inputs).__name__}"):
+            sed.Loader(plan, dataset(), inputs=inputs)
+        with pytest.raises(TypeError, match="inputs must be a function"):
+            sed.Preprocess(plan, inputs)
     with sed.Loader(plan, dataset()) as batches:  # the element is not an ids mapping: the error comes at it
         with pytest.raises(ValueError, match="unknown features"):
             next(batches)
