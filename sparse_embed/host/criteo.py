@@ -165,7 +165,10 @@ def _why(buf: np.ndarray, start: int, length: int, column: int) -> str:
     what = "an integer" if column <= NUM_DENSE else "a hexadecimal value below 2**63"
     if column > NUM_DENSE and _is_missing_id(text):
         what += f" other than {MISSING_ID:#x} (MISSING_ID: it would read as a missing value)"
-    return f"field {column + 1} ({FIELD_NAMES[column]}) is {text[:40]!r}, not {what}"
+    why = f"field {column + 1} ({FIELD_NAMES[column]}) is {text[:40]!r}, not {what}"
+    if column == NUM_FIELDS - 1 and text.endswith("\r"):  # (else only the repr's '\r' tells a CRLF file)
+        why += " (the line ends in '\\r\\n', Windows line endings: lines must end in '\\n' alone)"
+    return why
 
 
 def _is_missing_id(text: str) -> bool:

@@ -191,6 +191,22 @@ def test_malformed_lines_error_names_file_and_line(tmp_path):
         sed.CriteoFiles(path, 2)
 
 
+@pytest.mark.parametrize("last", ["6ab1e4c3", ""])
+def test_windows_line_endings_are_named(tmp_path, last):
+    """A file with CRLF line endings: every line's last field ends in '\r'; the error said only "field 40 (C26) is
+    '6ab1e4c3\r', not a hexadecimal value", the '\r' visible in the repr alone."""
+    rng = np.random.default_rng(6)
+    lines = [random_line(rng).rstrip("\n").rsplit("\t", 1)[0] + f"\t{last}\r\n" for _ in range(3)]
+    assert all(reference_line(x) is None for x in lines)
+    crlf = "the line ends in '\\r\\n', Windows line endings: lines must end in '\\n' alone"
+    parsed = sed.parse_lines("".join(lines).encode())
+    assert parsed.bad.tolist() == [0, 1, 2] and all(crlf in why and "field 40 (C26)" in why for why in parsed.reasons)
+    path = write(tmp_path / "crlf.txt", lines)
+    with pytest.raises(ValueError, match=re.escape(f"{path}:1: malformed line: field 40 (C26) is '{last}\\r', ")
+                       + ".*" + re.escape(crlf)):
+        sed.CriteoFiles(path, 1)
+
+
 def test_malformed_lines_skipped_and_counted(tmp_path):
     rng = np.random.default_rng(5)
     lines = [random_line(rng) for _ in range(12)]
