@@ -123,6 +123,9 @@ def test_demo_with_hashed_tables_goes_on_with_more_steps(tmp_path, capsys):
     # a record is a batch: at 32 the loader's position would be other examples (and the eval's batches others)
     with pytest.raises(SystemExit, match="was trained with --batch-size 64: resume with it"):
         dlrm.main(["--steps", "20", *flags, "--batch-size", "32"])
+    # grain's state under mp_prefetch is per worker: another count failed in the Loader, "KeyError: 'exhausted'"
+    with pytest.raises(SystemExit, match="was trained with --workers 0: resume with it"):
+        dlrm.main(["--steps", "20", *flags, "--workers", "2"])
     # the training batches' shuffle is over the batches not held out: other --eval-batches or files shuffle others
     # (and a batch trained on could be held out), so the resumed run silently trained on another order
     with pytest.raises(SystemExit, match=r"was trained on train batches 20, this run has 19: .* same --data and "

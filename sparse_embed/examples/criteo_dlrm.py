@@ -146,7 +146,8 @@ def _restore(args, plan, key: jax.Array, state: State, layout: dict[str, Any]):
     if r.step > args.steps:
         raise SystemExit(f"{args.checkpoint_dir} is at step {r.step}, past --steps {args.steps}: pass --steps "
                          f"{r.step} or more to go on from it, or another --checkpoint-dir.")
-    for flag in ("seed", "batch_size"):  # the shuffle and the loader's position (in batches) are theirs
+    # the shuffle and the loader's position (in batches) are theirs; grain's state under mp_prefetch is per worker
+    for flag in ("seed", "batch_size", "workers"):
         if r.data.get(flag, getattr(args, flag)) != getattr(args, flag):
             raise SystemExit(f"{args.checkpoint_dir} was trained with --{flag.replace('_', '-')} {r.data[flag]}: "
                              "resume with it, or use another --checkpoint-dir.")
@@ -163,11 +164,11 @@ def _restore(args, plan, key: jax.Array, state: State, layout: dict[str, Any]):
 def _save(ckpt, step: int, plan, tables, id_maps, state: State, losses: list[float], loader: sed.Loader,
           args, layout: dict[str, Any]) -> None:
     """Step `step`: tables, id maps, dense state; the loader's state, the losses so far (`step` of them), the
-    seed, the batch size and the data's layout (`_layout`) as `data`."""
+    seed, the batch size, the grain worker count and the data's layout (`_layout`) as `data`."""
     losses = [float(x).hex() for x in losses]
     if not ckpt.save(step, plan, tables, id_maps=id_maps or None, user={"params": state.params, "opt": state.opt},
                      data={"loader": loader.get_state(), "losses": losses, "seed": args.seed,
-                           "batch_size": args.batch_size, **layout}):
+                           "batch_size": args.batch_size, "workers": args.workers, **layout}):
         raise SystemExit(f"{ckpt.directory} already holds step {step}; use another --checkpoint-dir.")
     ckpt.wait()
     print(f"checkpoint of step {step} saved", flush=True)
