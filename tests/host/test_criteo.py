@@ -134,6 +134,13 @@ def test_reasons_name_the_field():
     assert "3 fields, not 40" in parsed.reasons[1]
 
 
+def test_a_hex_value_of_more_than_16_digits_is_named_so():
+    """17 digits of value 1: the reason said "not a hexadecimal value below 2**63", which it is."""
+    parsed = sed.parse_lines(BAD_LINES["17 hex digits"].encode())
+    assert parsed.reasons == ("field 15 (C1) is '00000000000000001', not a hexadecimal value of 1 to 16 digits below "
+                              "2**63",)
+
+
 def splitmix64(x: int) -> int:
     m = 2**64 - 1
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
