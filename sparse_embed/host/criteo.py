@@ -162,7 +162,8 @@ def _why(buf: np.ndarray, start: int, length: int, column: int) -> str:
     text = buf[start:start + length].tobytes().decode("latin-1")
     if column == 0:
         return f"the label is {text!r}, not '0' or '1'"
-    what = "an integer" if column <= NUM_DENSE else "a hexadecimal value of 1 to 16 digits below 2**63"
+    what = ("an integer below 2**63 in magnitude" if column <= NUM_DENSE else
+            "a hexadecimal value of 1 to 16 digits below 2**63")
     if column > NUM_DENSE and _is_missing_id(text):
         what += f" other than {MISSING_ID:#x} (MISSING_ID: it would read as a missing value)"
     why = f"field {column + 1} ({FIELD_NAMES[column]}) is {text[:40]!r}, not {what}"

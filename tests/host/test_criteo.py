@@ -141,6 +141,14 @@ def test_a_hex_value_of_more_than_16_digits_is_named_so():
                               "2**63",)
 
 
+
+def test_an_integer_past_int64_is_named_so():
+    """20 digits: the reason said "not an integer", which it is (a too large one)."""
+    line = "1\t" + "9" * 20 + "\t" * 38 + "\n"
+    assert sed.parse_lines(line.encode()).reasons == (f"field 2 (I1) is '{'9' * 20}', not an integer below 2**63 in "
+                                                      "magnitude",)
+
+
 def splitmix64(x: int) -> int:
     m = 2**64 - 1
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
