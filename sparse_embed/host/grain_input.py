@@ -55,7 +55,10 @@ class Preprocess(grain.transforms.Map):
     `inputs` picks the ids (or `(ids, weights)`) of an element, as in
     `se.prefetch`; by default the element is the ids mapping. Run it in the
     main process (after `mp_prefetch`, never inside grain's worker
-    processes: see the module docstring).
+    processes: see the module docstring), on an `IterDataset`, which maps
+    in order on the iterating thread: a `MapDataset` maps on grain's read
+    threads, several elements at once, so auto capacities would grow in
+    an order that varies by run (docs/data.md).
     """
 
     def __init__(self, plan: EmbeddingPlan, inputs: Callable[[Any], Any] | None = None, *,

@@ -114,6 +114,15 @@ def test_preprocess_as_a_grain_map_transform():
         sed.Preprocess("plan")
 
 
+def test_preprocess_on_an_iter_dataset_grows_capacities_as_a_serial_loop():
+    """The documented use (docs/data.md): on an IterDataset, in order on the iterating thread, so each batch's
+    capacity is a serial loop's (on a MapDataset, grain's read threads ran it several elements at once)."""
+    plan, reference = make_plan(), make_plan()
+    ds = grain.MapDataset.source(Source()).to_iter_dataset(grain.ReadOptions(num_threads=8))
+    got = [p.stats.capacity for p in ds.map(sed.Preprocess(plan, ids_of, device_put=False))]
+    assert got == [se.preprocess(reference, ids_of(Source()[i]), device_put=False)[1].capacity for i in range(12)]
+
+
 def test_a_loader_reads_a_map_dataset_a_few_batches_ahead():
     """An element is a whole batch and the Loader prepares batches ahead itself: a `MapDataset` given to it is read
     a few records ahead of the loop (grain's default read hundreds, 500 records on 16 threads, at every start)."""
