@@ -10,8 +10,8 @@ reading) under `se.data.Loader`. With `--checkpoint-dir`, the run saves
 every `--checkpoint-every` steps (tables, id maps, dense state, the losses
 so far and the loader's state) and, started again (with the same or a
 larger `--steps`), continues from the last save exactly as if it had
-never stopped. The last `--eval-batches` batches of the files are held
-out for eval AUC.
+never stopped. The last `--eval-batches` batches of the files (at most a
+quarter of them, at least one) are held out for eval AUC.
 """
 
 from __future__ import annotations
