@@ -350,6 +350,8 @@ def prefetch(
       plan: the `EmbeddingPlan`.
       batches: an iterable (finite or infinite) of input items. By default an
         item is the ids mapping `{feature: ids}` that `preprocess` takes.
+        Items are not copied: an input must not refill one item's arrays for
+        the next (the worker reads `buffer_size` items ahead of the loop).
       inputs: for other items, picks what to preprocess: `item -> ids` or
         `item -> (ids, weights)`. E.g. `lambda item: item[0]` for
         `(ids, labels)` items.
