@@ -167,6 +167,8 @@ class CheckpointManager:
             raise RuntimeError(f"CheckpointManager.save: the manager of {self.directory} is closed (close(), or the "
                                "end of its `with` block); open a new one to save (restores still work).")
         _check_same_save(plan, step, force, id_maps, user, data)
+        if data is not None:  # before the offloaded tables' stores are flushed, or anything is written
+            check_serialisable(data)
         # offloaded tables: their `tiers`, flushed at `step` (each store's commit is recorded, docs/offload.md)
         plan, tables, commits = offload_checkpoint.for_save(plan, tables, tiers, step)
         if force:
@@ -180,8 +182,6 @@ class CheckpointManager:
             raise ValueError(f"The plan has raw-id tables {raw}: pass their maps, save(..., id_maps=id_maps).")
         if id_maps is not None:
             check_id_maps(plan, id_maps)  # before anything is written
-        if data is not None:
-            check_serialisable(data)
 
         def write(d: str) -> dict[str, str]:
             sums = store.write_state(d, static, tables)
