@@ -181,6 +181,9 @@ class Stats:
     layouts: dict[str, str] = dataclasses.field(default_factory=dict)
     """Each stack's `BatchLayout.digest`: the layout its counts were measured under (`grow_capacity` refuses
     stats of another; empty for stats built by hand)."""
+    truncated_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Ids of the stack's sequence features past their `max_sequence_length`, left out of the batch (a
+    sequence feature's output holds its first L positions; docs/bad_input.md)."""
 
     def merge(self, other: "Stats") -> "Stats":
         """Combines the stats of two batches (max of maxima, sum of counts)."""
@@ -195,6 +198,7 @@ class Stats:
             mx(self.sparsecore_ids_per_partition, other.sparsecore_ids_per_partition),
             self.batches + other.batches,
             _same_layouts(self.layouts, other.layouts),
+            sm(self.truncated_ids, other.truncated_ids),
         )
 
 

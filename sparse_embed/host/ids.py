@@ -74,6 +74,19 @@ class CanonicalIds(NamedTuple):
         return int(np.searchsorted(np.cumsum(self.lengths), i, side="right"))
 
 
+def truncated(feature: FeatureSpec, x: FlatIds | CanonicalIds) -> int:
+    """How many of a sequence feature's ids lie past its `max_sequence_length` (a sample's position L and on):
+    preprocessing leaves them out of the batch and counts them (`Stats.truncated_ids`); 0 for other features."""
+    L = feature.max_sequence_length
+    if not feature.is_sequence:
+        return 0
+    if isinstance(x, FlatIds):
+        return int(np.count_nonzero(x.positions >= L))
+    if x.dense:
+        return int(np.count_nonzero(np.asarray(x.ids)[:, L:] != PADDING_ID))
+    return int(np.maximum(np.asarray(x.lengths, np.int64) - L, 0).sum())
+
+
 class FeatureInputError(ValueError):
     """A feature's input is malformed (the message names the feature and its table)."""
 

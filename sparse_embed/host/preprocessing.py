@@ -21,7 +21,8 @@ from sparse_embed.core.batch import ShardedCooMatrix, Stats
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
 from sparse_embed.core import sparsecore
 from sparse_embed.host import distributed, native, plan_state, sparsecore_input
-from sparse_embed.host.ids import CanonicalIds, FeatureInputError, FlatIds, checked, error, fixed_width, flatten
+from sparse_embed.host.ids import (CanonicalIds, FeatureInputError, FlatIds, checked, error, fixed_width, flatten,
+                                  truncated)
 from sparse_embed.host.partition import Partitioned, partition
 from sparse_embed.host.raw_ids import checked_raw, flatten_raw, partition_raw
 
@@ -95,9 +96,10 @@ class _Numbers(NamedTuple):
     dropped: int  # with an explicit capacity: entries past it
     worst: int  # the process with the fullest partition
     bound: int | None  # most entries a partition can get from batches of this shape (None: a ragged feature)
+    truncated: int  # sequence features' ids past max_sequence_length, left out
 
 
-_FIELDS = 5  # numbers per stack exchanged between processes: needed, max_unique, num_ids, dropped, bound
+_FIELDS = 6  # numbers per stack exchanged between processes: needed, max_unique, num_ids, dropped, bound, truncated
 
 
 def _entry_bound(stack: StackPlan, ids: Mapping[str, Any]) -> int:
@@ -113,15 +115,17 @@ def _entry_bound(stack: StackPlan, ids: Mapping[str, Any]) -> int:
     return total
 
 
-def _agree(plan: EmbeddingPlan, ids, parts: dict[str, Partitioned], failed: bool) -> dict[str, _Numbers]:
-    """Every stack's numbers over all processes (one process: its own); raises on every process if one failed."""
+def _agree(plan: EmbeddingPlan, ids, parts: dict[str, Partitioned], cut: dict[str, int],
+           failed: bool) -> dict[str, _Numbers]:
+    """Every stack's numbers over all processes (one process: its own); raises on every process if one failed.
+    `cut`: each stack's ids past a sequence feature's length (`truncated`)."""
     mine = [int(failed)]
     for s in plan.stacks:
         p = parts.get(s.name)
         # An explicit capacity is known up front, so each process can count its own drops.
         mine += [0] * _FIELDS if p is None else [
             p.needed, p.max_unique, p.num_ids, p.dropped(s.capacity) if s.capacity is not None else 0,
-            _entry_bound(s, ids)]
+            _entry_bound(s, ids), cut[s.name]]
     processes = distributed.mesh_processes(plan.mesh)
     if len(processes) == 1:
         table = np.asarray([mine], np.int64)
@@ -140,7 +144,7 @@ def _agree(plan: EmbeddingPlan, ids, parts: dict[str, Partitioned], failed: bool
         col = table[:, 1 + _FIELDS * i: 1 + _FIELDS * (i + 1)]
         out[s.name] = _Numbers(int(col[:, 0].max()), int(col[:, 1].max()), int(col[:, 2].sum()),
                                int(col[:, 3].sum()), processes[int(np.argmax(col[:, 0]))],
-                               None if (col[:, 4] < 0).any() else int(col[:, 4].max()))
+                               None if (col[:, 4] < 0).any() else int(col[:, 4].max()), int(col[:, 5].sum()))
     return out
 
 
@@ -148,17 +152,19 @@ def _partitions(plan: EmbeddingPlan, ids, weights, positions: list[int], several
                 failure: BaseException | None = None):
     """Each stack's `Partitioned` entries of this process's rows, and the numbers all processes agree on
     (`failure`: this process failed before; it takes part in the exchange, then raises it)."""
-    parts = {}
+    parts, cut = {}, {}
     try:
         if failure is None:
             flats = _checked_features(plan, ids, weights, len(positions))
             parts = {s.name: (partition_raw if s.dynamic else partition)(s, flats, len(positions))
                      for s in plan.stacks}
+            cut = {s.name: sum(truncated(lay.feature, flats[lay.feature.name]) for lay in s.features)
+                   for s in plan.stacks}
     except Exception as e:  # noqa: BLE001 - with several processes, every one must still take part in the exchange
         if not several:
             raise
         failure = _this_process(e)
-    agreed = _agree(plan, ids, parts, failure is not None)
+    agreed = _agree(plan, ids, parts, cut, failure is not None)
     if failure is not None:
         raise failure
     return parts, agreed
@@ -264,6 +270,7 @@ def preprocess_cached(plan: EmbeddingPlan, ids: Mapping[str, Any], weights: Mapp
         batch[s.name] = part.fill(s, cap)
         for k, v in zip(fields, (numbers.needed, numbers.max_unique, numbers.dropped, numbers.num_ids, cap)):
             fields[k][s.name] = v
+        fields["truncated_ids"][s.name] = numbers.truncated
     fields.update(_backend_inputs(plan, batch, several))
     if device_put:
         batch = {k: _place(plan, v, several) for k, v in batch.items()}

@@ -310,10 +310,11 @@ def test_processes_agree_on_the_bound(monkeypatch, mesh8):
     monkeypatch.setattr(distributed, "allgather_ints", lambda procs, mine, **kw: np.asarray([mine, others["row"]]))
     monkeypatch.setattr(distributed, "allgather_bytes", lambda procs, data, **kw: [data, data])  # the same plan
     for other_a, want_a in ((20, 20), (2, 6), (-1, None)):  # a: this process's bound is 2 samples x 3 = 6
-        row = [0] + [v for s in plan.stacks for v in (1, 1, 1, 0, other_a if s.name == "a" else 2)]
+        row = [0] + [v for s in plan.stacks for v in (1, 1, 1, 0, other_a if s.name == "a" else 2, 5)]
         others["row"] = row
-        agreed = preprocessing._agree(plan, ids, parts, False)
+        agreed = preprocessing._agree(plan, ids, parts, {"a": 0, "b": 3}, False)
         assert agreed["a"].bound == want_a and agreed["b"].bound == 3  # b: 1 x 1 + 1 x 2 against 2
+        assert agreed["a"].truncated == 5 and agreed["b"].truncated == 8  # ids past a sequence's end: summed
 
 
 def test_processes_with_different_plans_are_told_at_their_first_exchange(mesh8, monkeypatch):
@@ -345,6 +346,41 @@ def test_processes_with_different_plans_are_told_at_their_first_exchange(mesh8, 
     assert len(calls) == 1  # once per plan
     schedule = lambda lr: (lambda step: lr)  # noqa: E731 (functions: by type, not address)
     assert plan_state.fingerprint(plan(schedule(0.1))) == plan_state.fingerprint(plan(schedule(0.2)))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["rows", "raw_ids"])
+@pytest.mark.parametrize("fmt", ["dense", "list", "pair"])
+@pytest.mark.parametrize("n", [1, 8])
+def test_ids_past_a_sequence_length_are_left_out_and_counted(n, fmt, dynamic):
+    """A sequence feature keeps a sample's first max_sequence_length ids: the rest are left out of the batch and
+    counted per stack in `Stats.truncated_ids` (and not in `num_ids`); pooled features truncate nothing."""
+    dyn = se.Dynamic() if dynamic else None
+    a, b = se.TableSpec("a", 50, 4, dynamic=dyn), se.TableSpec("b", 13, 4)
+    feats = [se.FeatureSpec("seq3", a, 8, max_sequence_length=3), se.FeatureSpec("pooled", a, 8),
+             se.FeatureSpec("seq1", b, 16, max_sequence_length=1)]
+    plan = se.plan(feats, make_mesh(n), stacking=None)
+    rng = np.random.default_rng(n)
+    samples = {f.name: ref.random_samples(rng, f.batch_size, f.table.vocabulary_size, 6, weighted=False)
+               for f in feats}
+    _, stats = se.preprocess(plan, {k: ref.render(v, fmt)[0] for k, v in samples.items()}, device_put=False)
+    past = {f.name: sum(max(len(s) - f.max_sequence_length, 0) for s in samples[f.name]) if f.max_sequence_length
+            else 0 for f in feats}
+    everything = {f.name: sum(len(s) for s in samples[f.name]) for f in feats}
+    assert past["seq3"] and past["seq1"]  # the draw truncates both
+    assert stats.truncated_ids == {"a": past["seq3"], "b": past["seq1"]}
+    assert stats.num_ids == {"a": everything["seq3"] + everything["pooled"] - past["seq3"],
+                             "b": everything["seq1"] - past["seq1"]}
+    assert stats.merge(stats).truncated_ids == {"a": 2 * past["seq3"], "b": 2 * past["seq1"]}
+
+
+def test_a_dense_sequence_counts_positions_by_column():
+    """Dense ids: a column is a position (-1 pads it), so [5, -1, 7] under max_sequence_length 2 leaves 7 out."""
+    t = se.TableSpec("t", 10, 4)
+    plan = se.plan([se.FeatureSpec("s", t, 2, max_sequence_length=2)], make_mesh(1))
+    _, stats = se.preprocess(plan, {"s": np.array([[5, -1, 7], [1, 2, -1]])}, device_put=False)
+    assert stats.truncated_ids == {"t": 1} and stats.num_ids == {"t": 3}
+    _, stats = se.preprocess(plan, {"s": [np.array([5, 7]), np.array([1, 2])]}, device_put=False)
+    assert stats.truncated_ids == {"t": 0} and stats.num_ids == {"t": 4}
 
 
 def test_stats_merge():
