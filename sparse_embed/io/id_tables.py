@@ -143,6 +143,29 @@ def live_at(plan: EmbeddingPlan, contents: Mapping[str, IdTable], step: int | No
     return out
 
 
+def _contents_problem(stack: StackPlan, t: IdTable) -> str | None:
+    """What makes `t` unfit to place (None: it fits). The key sets are built assuming ids distinct, in
+    `[0, 2**63)` and increasing, each with its vector, slots and last-use step (waiting ids: count and step);
+    unsorted or repeated ids gave sets whose searches missed ids that `id_table_contents` still listed."""
+    live = {"vectors": t.vectors, "last": t.last, **{f"slots[{k!r}]": a for k, a in t.slots.items()}}
+    waiting = {"pending_counts": t.pending_counts, "pending_last": t.pending_last}
+    for what, ids, per_id in (("ids", t.ids, live), ("pending_ids", t.pending_ids, waiting)):
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+            return f"{what} must be a 1-D array of integers, got dtype {ids.dtype} and shape {ids.shape}"
+        for name, a in per_id.items():
+            if np.shape(a)[:1] != ids.shape:
+                return f"{name}: shape {np.shape(a)}, but there are {ids.size} {what}"
+        bad = [int(x) for x in (ids.min(), ids.max()) if not 0 <= int(x) < 2**63] if ids.size else []
+        if bad:
+            return f"{what} hold {bad[0]}: raw ids are in [0, 2**63)"
+        if ids.size > 1 and not (np.diff(ids.astype(np.int64)) > 0).all():
+            return f"{what} must be distinct and in increasing order (an IdTable is sorted by id)"
+    if np.shape(t.vectors)[1:] != (stack.embedding_dim,):
+        return f"vectors: shape {np.shape(t.vectors)}, but the plan's table has embedding_dim {stack.embedding_dim}"
+    return None
+
+
 def _per_shard(ids: np.ndarray, last: np.ndarray, S: int, caps: list[int]):
     """Each shard's entries (indices into ids, sorted by id) and how many did not fit (least recent dropped)."""
     owners, shards, dropped = owner_shards(ids, S), [], 0
@@ -215,6 +238,9 @@ def load_id_tables(plan: EmbeddingPlan, contents: Mapping[str, IdTable], *, with
             raise ValueError(f"Table {name!r} is keyed by raw ids in the plan, but the contents have no entry for it "
                              f"(they have {sorted(contents)}).")
         bits, t = s.dynamic.id_bits, contents[name]
+        problem = _contents_problem(s, t)
+        if problem:
+            raise ValueError(f"Table {name!r}: the contents do not fit an IdTable: {problem}.")
         top = max([int(x.max()) for x in (t.ids, t.pending_ids) if x.size], default=-1)
         if bits is not None and top >= 2**bits:
             raise ValueError(f"Table {name!r}: the contents hold id {top}, but the plan's table takes ids below "
