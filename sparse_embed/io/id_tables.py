@@ -230,7 +230,14 @@ def load_id_tables(plan: EmbeddingPlan, contents: Mapping[str, IdTable], *, with
     Warns with the count when a shard of this plan has fewer rows than the
     ids it owns, or fewer waiting places (`pending_capacity`) than the ids
     waiting for admission it owns (the least recently used are dropped).
+    Raises for contents that are no `IdTable` of the plan's table, or of a table it does not key by raw ids.
     """
+    raw = [s.first.name for s in dynamic_stacks(plan)]
+    unused = sorted(set(contents) - set(raw))
+    if unused:  # (as a restore refuses a checkpoint's table the plan lacks: no trained table dropped silently)
+        kind = "a static table in the plan" if unused[0] in plan.tables else "not in the plan"
+        raise ValueError(f"Table {unused[0]!r} of the contents is {kind} (its raw-id tables are {raw}): its ids "
+                         "and vectors would be dropped; load contents of the plan's raw-id tables only.")
     tables, maps = {}, {}
     for s in dynamic_stacks(plan):
         name = s.first.name

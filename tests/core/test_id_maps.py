@@ -986,3 +986,18 @@ def test_loaded_contents_are_found_by_every_lookup():
     b, _, _, stats = se.map_ids(plan, se.preprocess(plan, {"u": ids})[0], tables, maps, 1, train=False)
     assert int(stats["users"].waiting) == 0
     np.testing.assert_array_equal(np.asarray(se.lookup(plan, b, tables, 1)["u"]), t.vectors.repeat(2, 0))
+
+
+@pytest.mark.parametrize("name, match", [("userz", "Table 'userz' of the contents is not in the plan"),
+                                         ("items", "Table 'items' of the contents is a static table in the plan")])
+def test_contents_of_a_table_the_plan_does_not_key_by_raw_ids_are_refused(name, match):
+    """`load_id_tables` placed the plan's raw-id tables and ignored every other entry of the contents without a
+    word (a misspelt table name, or one the plan has as a static table: its trained ids and vectors dropped)."""
+    mesh = make_mesh(2)
+    raw = _train_plan(mesh, vocab=64).tables["users"]
+    plan = se.plan([se.FeatureSpec("u", raw, 16), se.FeatureSpec("i", se.TableSpec("items", 64, 4), 16)], mesh)
+    with pytest.raises(ValueError, match=f"{match} \\(its raw-id tables are \\['users'\\]\\): its ids and vectors "
+                                         "would be dropped"):
+        load_id_tables(plan, {"users": _contents([1, 2]), name: _contents([3, 4])})
+    tables, maps = load_id_tables(plan, {"users": _contents([1, 2])})
+    assert id_table_contents(plan, tables, maps)["users"].ids.tolist() == [1, 2]
