@@ -163,6 +163,11 @@ def _contents_problem(stack: StackPlan, t: IdTable) -> str | None:
             return f"{what} must be distinct and in increasing order (an IdTable is sorted by id)"
     if np.shape(t.vectors)[1:] != (stack.embedding_dim,):
         return f"vectors: shape {np.shape(t.vectors)}, but the plan's table has embedding_dim {stack.embedding_dim}"
+    specs = stack.optimizer.slots(stack.embedding_dim)
+    for k, a in t.slots.items():
+        if k in specs and np.shape(a)[1:] != (specs[k].width,):
+            return (f"slots[{k!r}]: shape {np.shape(a)}, but the plan's {type(stack.optimizer).__name__} keeps "
+                    f"{specs[k].width} values a row in it")
     return None
 
 

@@ -953,7 +953,7 @@ def _contents(ids, pending=()) -> IdTable:
     """An IdTable of `ids` (vector of the k-th: k * 10 + [0, 1, 2, 3]) and waiting ids `pending` (count 1)."""
     n, m = len(ids), len(pending)
     return IdTable(np.array(ids, np.int64), np.arange(n * 4, dtype=np.float32).reshape(n, 4) * 2.5,
-                   {"accumulator": np.ones((n, 1), np.float32)}, np.zeros(n, np.int32), np.array(pending, np.int64),
+                   {"accumulator": np.ones((n, 4), np.float32)}, np.zeros(n, np.int32), np.array(pending, np.int64),
                    np.ones(m, np.int32), np.zeros(m, np.int32), np.zeros(2, np.uint32))
 
 
@@ -967,7 +967,9 @@ def _contents(ids, pending=()) -> IdTable:
     (_contents([1, 2, 3])._replace(vectors=np.zeros((3, 5), np.float32)), "vectors: shape \\(3, 5\\), but the plan's "
                                                                           "table has embedding_dim 4"),
     (_contents([1, 2, 3])._replace(last=np.zeros(2, np.int32)), "last: shape \\(2,\\), but there are 3 ids"),
-], ids=["unsorted", "repeated", "negative", "pending_unsorted", "vectors_rows", "vectors_dim", "last"])
+    (_contents([1, 2, 3])._replace(slots={"accumulator": np.ones((3, 1), np.float32)}),
+     "slots\\['accumulator'\\]: shape \\(3, 1\\), but the plan's Adagrad keeps 4 values a row in it"),
+], ids=["unsorted", "repeated", "negative", "pending_unsorted", "vectors_rows", "vectors_dim", "last", "slot_width"])
 def test_contents_that_are_no_id_table_get_a_clear_error(contents, match):
     """`load_id_tables` builds each shard's sorted key set from the contents as they come: contents with ids out
     of order (or repeated) loaded without a word into sets whose searches missed most of their ids (6 of 8
