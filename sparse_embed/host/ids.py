@@ -178,13 +178,26 @@ def _id_array(feature: FeatureSpec, x: Any, what: str, xp, sample: int | None = 
     Costs a pass over the ids only for uint64 input.
     """
     a = _read(feature, x, what, xp)
-    if a.dtype == _UINT64 and _concrete(a) and a.size and (top := int(a.max())) > INT64_MAX:
+    top = None
+    if a.dtype == _UINT64 and _concrete(a) and a.size:
+        top = int(a.max())
+    elif a.dtype.kind in "fO" and isinstance(x, (list, tuple)):  # numpy reads Python ints past int64 as floats
+        top = _python_ints_max(x)
+    if top is not None and top > INT64_MAX:
         if feature.table.dynamic is not None:
             raise error(feature, f"raw id {top} is out of range: raw ids must be < 2**63.")
         where = "" if sample is None else f" in sample {sample}"
         raise error(feature, f"id {top}{where} is out of range: ids must be < vocabulary_size "
                              f"{feature.table.vocabulary_size}.")
     return _as_int(feature, a, what, xp)
+
+
+def _python_ints_max(x: list | tuple) -> int | None:
+    """The largest value of a (nested) list of Python or numpy ints, None if it holds anything else."""
+    values = np.asarray(x, dtype=object).ravel() if x else ()
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values):
+        return None
+    return max((int(v) for v in values), default=None)
 
 
 def _float_array(feature: FeatureSpec, x: Any, shape: tuple[int, ...], what: str, xp) -> Any:

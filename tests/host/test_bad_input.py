@@ -171,12 +171,28 @@ def test_nested_weights(setup):
 
 @pytest.mark.parametrize("ids", [np.full((8, 2), 2**64 - 1, np.uint64), np.full(8, 2**63, np.uint64),
                                  [np.array([2**63], np.uint64)] * 8, [[2**63]] * 8,
-                                 (np.full(8, 2**64 - 1, np.uint64), np.ones(8, int))],
-                         ids=["dense_max", "1d", "list_rows", "python_ints", "pair"])
+                                 (np.full(8, 2**64 - 1, np.uint64), np.ones(8, int)),
+                                 # Python ints past int64 beside others, which numpy reads as float64 (or object)
+                                 [2**63] + [1] * 7, [[2**63, -1]] + [[1, 2]] * 7, [[2**63], [1]] + [[2]] * 6,
+                                 [2**64] + [1] * 7],
+                         ids=["dense_max", "1d", "list_rows", "python_ints", "pair", "python_1d_mixed",
+                              "python_dense_mixed", "python_rows_mixed", "python_past_uint64"])
 def test_uint64_ids_past_int64_never_wrap(setup, ids):
-    """uint64 ids >= 2**63 are out of range; cast to int64 they would wrap (2**64 - 1 would read as -1, padding)."""
-    _expect(setup, F + r"id (18446744073709551615|9223372036854775808)( in sample 0)? is out of range: "
-                       r"ids must be < vocabulary_size 20", {"f": ids})
+    """uint64 ids >= 2**63 are out of range; cast to int64 they would wrap (2**64 - 1 would read as -1, padding).
+    Python ints past int64 are named as such, never as floats ('ids must be integers, got dtype float64')."""
+    _expect(setup, F + r"id (18446744073709551615|9223372036854775808|18446744073709551616)( in sample 0)? is out "
+                       r"of range: ids must be < vocabulary_size 20", {"f": ids})
+
+
+@pytest.mark.parametrize("ids", [[2**63] + [1] * 7, [[2**63, -1]] + [[1, 2]] * 7, [[2**63], [1]] + [[2]] * 6])
+def test_python_raw_ids_past_int64_are_out_of_range(ids):
+    t = se.TableSpec("u", 10, 4, dynamic=se.Dynamic())
+    plan = se.plan([se.FeatureSpec("u", t, 8)], make_mesh(1))
+    with pytest.raises(ValueError, match=r"Feature 'u' \(table 'u'\): raw id 9223372036854775808 is out of range: "
+                                         r"raw ids must be < 2\*\*63"):
+        se.preprocess(plan, {"u": ids})
+    with pytest.raises(ValueError, match="ids must be integers, got dtype float64"):  # floats stay floats
+        se.preprocess(plan, {"u": [1.5] * 8})
 
 
 def test_dense_rank(setup):
