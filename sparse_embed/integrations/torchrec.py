@@ -183,7 +183,9 @@ def features_from_torchrec(configs: Any, batch_size: int, optimizer: opt.Optimiz
     `weighted`: whether the collection takes per-id weights (default: the
     collection's `is_weighted()`, False for a list of configs). Weighted
     MEAN is refused: TorchRec divides a sample's weighted sum by its number
-    of ids, sparse_embed's "mean" by the sum of its weights.
+    of ids, sparse_embed's "mean" by the sum of its weights. A feature that
+    several tables read is named as TorchRec names its outputs, `f@table`
+    (one FeatureSpec per table; `preprocess` takes its ids under each name).
     """
     if hasattr(configs, "embedding_configs") and not hasattr(configs, "embedding_bag_configs"):
         raise ValueError("features_from_torchrec takes an EmbeddingBagCollection (or its EmbeddingBagConfigs), not an "
@@ -192,6 +194,9 @@ def features_from_torchrec(configs: Any, batch_size: int, optimizer: opt.Optimiz
     if hasattr(configs, "embedding_bag_configs"):  # the EmbeddingBagCollection
         weighted = configs.is_weighted() if weighted is None else weighted
         configs = configs.embedding_bag_configs()
+    configs = list(configs)
+    names = [f for c in configs for f in c.feature_names]
+    shared = {f for f in names if names.count(f) > 1}  # TorchRec's get_embedding_names_by_table
     out = {}
     for c in configs:
         pooling = _kind(getattr(c, "pooling", "sum"))  # a PoolingType or its name
@@ -208,7 +213,9 @@ def features_from_torchrec(configs: Any, batch_size: int, optimizer: opt.Optimiz
         extra = {} if initializer is None else {"initializer": initializer}
         table = TableSpec(c.name, int(c.num_embeddings), int(c.embedding_dim), optimizer=optimizer,
                           combiner=pooling, **extra)
-        out.update({f: FeatureSpec(f, table, batch_size) for f in c.feature_names})
+        for f in c.feature_names:
+            name = f"{f}@{c.name}" if f in shared else f
+            out[name] = FeatureSpec(name, table, batch_size)
     return out
 
 

@@ -238,6 +238,29 @@ def test_embedding_bag_configs_become_feature_specs():
                                                          feature_names=["f"], pooling="NONE")], B, opt.SGD(0.1))
 
 
+def test_a_feature_several_tables_read_is_one_feature_per_table_named_as_torchrec_names_it():
+    """TorchRec pools a feature that tables a and b both read into two outputs, f@a and f@b; here too (it was one
+    feature, f, reading whichever table came last: table a's lookups of f were dropped silently)."""
+    torchrec = importorfail("torchrec")
+    configs = [torchrec.EmbeddingBagConfig(name="a", num_embeddings=10, embedding_dim=4, feature_names=["f", "g"]),
+               torchrec.EmbeddingBagConfig(name="b", num_embeddings=12, embedding_dim=4, feature_names=["f"])]
+    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+    features = tr.features_from_torchrec(ebc, 2, opt.SGD(0.1))
+    assert {f: s.table.name for f, s in features.items()} == {"f@a": "a", "g": "a", "f@b": "b"}
+    plan = se.plan(features, make_mesh(1))
+    tables = tr.from_torchrec(plan, ebc.state_dict(), with_optimizer_state=False)
+    f, g = (np.array([1, 9, 4]), np.array([2, 1])), (np.array([3, 0]), np.array([1, 1]))
+    acts = se.lookup(plan, se.preprocess(plan, {"f@a": f, "f@b": f, "g": g})[0], tables, jnp.int32(0))
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f", "g"], values=torch.tensor([1, 9, 4, 3, 0]),
+                                                       lengths=torch.tensor([2, 1, 1, 1]))
+    theirs = ebc(kjt).to_dict()
+    weights = {n: ebc.state_dict()[f"embedding_bags.{n}.weight"].numpy() for n in "ab"}
+    for name, table in (("f@a", "a"), ("f@b", "b")):
+        want = np.stack([weights[table][[1, 9]].sum(0), weights[table][4]])
+        np.testing.assert_allclose(np.asarray(acts[name]), want, rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(np.asarray(acts[name]), theirs[name].detach().numpy(), rtol=1e-6, err_msg=name)
+
+
 def test_weighted_mean_and_sequence_tables_are_refused_as_they_mean_another_thing():
     """TorchRec's weighted MEAN divides by the number of ids (sparse_embed's "mean": by the weights' sum); an
     EmbeddingConfig is a sequence table: neither converts silently."""
