@@ -430,6 +430,28 @@ def _check_float(table: str, key: str, leaf: Any) -> None:
                              "writes float tables and optimizer states (an integer tensor would truncate them).")
 
 
+def _check_range(table: str, key: str, leaf: Any, a: np.ndarray) -> None:
+    """The finite values `a` stay finite in the leaf's dtype (a float16 target rounds a value above 65504 to
+    inf, which TorchRec would then train with, and `from_torchrec` refuses)."""
+    if _is_sharded(leaf) and not leaf.local_shards():
+        return  # nothing of it is written here
+    t = leaf.local_shards()[0].tensor if _is_sharded(leaf) else leaf
+    if hasattr(t, "detach"):
+        import torch
+
+        cast = torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(t.dtype).float().numpy()
+    else:
+        with np.errstate(over="ignore"):  # (the overflow is what is looked for)
+            cast = np.asarray(a, np.float32).astype(np.asarray(t).dtype).astype(np.float32)
+    rows = (np.isfinite(a) & ~np.isfinite(cast)).reshape(a.shape[0], -1)
+    if rows.any():
+        which = np.flatnonzero(rows.any(axis=1))
+        first = a.reshape(rows.shape)[which[0]][rows[which[0]]][0]
+        raise ValueError(f"Table {table!r}: TorchRec's {key} is {_dtype(t)}, too narrow for {which.size} row(s) "
+                         f"here, the first row {int(which[0])} holding {first} (it would be written as inf); nothing "
+                         "was written.")
+
+
 def _check_writable(table: str, key: str, leaf: Any) -> None:
     """A leaf `_write` can write in place, whole: a tensor (or ShardedTensor's local shards) with no element in
     two places (an `expand`ed one), or a writable numpy array; checked before anything is written."""
@@ -505,7 +527,9 @@ def to_torchrec(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], i
             _check_shape(t.name, hit[0], _shape(hit[1]), shape)
             _check_float(t.name, *hit)
             _check_writable(t.name, *hit)
-            writes.append((*hit, natural[t.name][ours].reshape(shape)))
+            values = natural[t.name][ours].reshape(shape)
+            _check_range(t.name, *hit, values)
+            writes.append((*hit, values))
     for key, leaf, values in writes:
         _write(key, leaf, values)
     return into

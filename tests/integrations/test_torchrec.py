@@ -493,6 +493,30 @@ def test_into_integer_tensors_is_refused_before_anything_is_written():
     np.testing.assert_array_equal(back["a"], se.unstack_tables(plan, tables)["a"].astype(ml_dtypes.bfloat16))
 
 
+@pytest.mark.parametrize("target", ["tensor", "numpy"])
+def test_into_a_float16_target_too_narrow_for_a_value_is_refused_before_anything_is_written(target):
+    """A float16 table (TorchRec's DataType.FP16) holds at most 65504: a larger value was written as inf, silently
+    (TorchRec trained on with it; from_torchrec refuses it). Values that fit are written rounded, as documented."""
+    plan = _plan(opt.SGD(0.1), 1)
+    tables = se.init_tables(plan, jax.random.key(1))
+    big = {n: np.array(a) for n, a in se.unstack_tables(plan, tables).items()}
+    big["c"][3, 1] = 7e4
+    tables = tr.from_torchrec(plan, {"model": {f"embedding_bags.{n}.weight": a for n, a in big.items()}})
+    half = {k: np.zeros(v.shape, np.float16) for k, v in _state(plan)["model"].items()}
+    into = {k: torch.from_numpy(v) for k, v in half.items()} if target == "tensor" else half
+    with pytest.raises(ValueError, match=r"Table 'c': TorchRec's embedding_bags.c.weight is (torch.)?float16, too "
+                                         r"narrow for 1 row\(s\) here, the first row 3 holding 70000.0 \(it would be "
+                                         r"written as inf\); nothing was written"):
+        tr.to_torchrec(plan, tables, into=into)
+    for k, v in into.items():  # a and b come before c: not written either
+        assert not np.asarray(v).any(), k
+    big["c"][3, 1] = 6e4
+    tables = tr.from_torchrec(plan, {"model": {f"embedding_bags.{n}.weight": a for n, a in big.items()}})
+    tr.to_torchrec(plan, tables, into=into)
+    for n, a in big.items():
+        np.testing.assert_array_equal(np.asarray(into[f"embedding_bags.{n}.weight"]), a.astype(np.float16))
+
+
 @pytest.mark.parametrize("target", ["read-only numpy", "expanded tensor", "jax array", "list"])
 def test_into_targets_that_cannot_be_written_are_refused_before_anything_is_written(target):
     """Table 'c''s accumulator cannot be written in place: refused naming it, tables 'a' and 'b' (written first
