@@ -280,16 +280,31 @@ def _numpy(key: str, t: Any) -> np.ndarray:
     return np.asarray(t, np.float32)
 
 
-def _read(key: str, leaf: Any) -> np.ndarray:
-    """A leaf of TorchRec's state -> the whole array on the host (a ShardedTensor from its local shards)."""
+def _local_pieces(leaf: Any) -> list[tuple[tuple[slice, ...], Any]] | None:
+    """`(where, tensor)` of each shard this process holds of a ShardedTensor, or of a DTensor whose local tensor
+    is TorchRec's `LocalShardsWrapper` (its state under `output_dtensor`, whose `full_tensor()` is that wrapper
+    again, which numpy cannot read); None for any other leaf."""
     if _is_sharded(leaf):
+        return [(_shard_slices(shard), shard.tensor) for shard in leaf.local_shards()]
+    local = leaf.to_local() if hasattr(leaf, "full_tensor") else None
+    if local is not None and hasattr(local, "local_offsets") and hasattr(local, "local_shards"):
+        return [(tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offset, t.shape)), t)
+                for offset, t in zip(local.local_offsets(), local.local_shards())]
+    return None
+
+
+def _read(key: str, leaf: Any) -> np.ndarray:
+    """A leaf of TorchRec's state -> the whole array on the host (a ShardedTensor, or TorchRec's DTensor, from
+    its local shards)."""
+    pieces = _local_pieces(leaf)
+    if pieces is not None:
         out, covered = np.zeros(_shape(leaf), np.float32), 0
-        for shard in leaf.local_shards():
-            where = _shard_slices(shard)
-            out[where] = _numpy(key, shard.tensor).reshape(out[where].shape)
+        for where, t in pieces:
+            out[where] = _numpy(key, t).reshape(out[where].shape)
             covered += out[where].size
         if covered != out.size:
-            raise ValueError(f"{key}: this process holds {covered} of its {out.size} elements (a ShardedTensor over "
+            kind = "ShardedTensor" if _is_sharded(leaf) else "DTensor"
+            raise ValueError(f"{key}: this process holds {covered} of its {out.size} elements (a {kind} over "
                              "several processes): read a DCP checkpoint instead, or gather the tensor first.")
         return out
     if hasattr(leaf, "full_tensor"):  # a DTensor
