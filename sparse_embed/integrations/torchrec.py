@@ -338,6 +338,11 @@ def _slot_shape(table: TableSpec) -> tuple[int, ...] | None:
 
 
 def _tables_of(plan: EmbeddingPlan) -> list[TableSpec]:
+    if plan.tiered_tables:  # plan.tables holds their caches' specs: `cache_rows` rows, a cache slot's row not row i
+        raise ValueError(f"Tables {sorted(plan.tiered_tables)} are offloaded (storage=): their arrays hold their "
+                         "caches' rows (a cache slot's row, not row i) and the tables are in their stores; convert "
+                         "a plan that declares them without storage= (se.offload.store_state / write_store move "
+                         "a table between the two, docs/offload.md).")
     for s in plan.stacks:
         if s.dynamic is not None:
             raise ValueError(f"Table {s.first.name!r} is keyed by raw ids (dynamic=): TorchRec's "

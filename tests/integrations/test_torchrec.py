@@ -668,6 +668,18 @@ def test_sharded_tensors_read_from_their_shards_and_a_partial_one_is_refused():
         tr.from_torchrec(plan, sharded)
 
 
+def test_offloaded_tables_are_refused(tmp_path):
+    """An offloaded table's array is its cache (`cache_rows` rows, a cache slot's row not row i): to_torchrec
+    returned the cache as TorchRec's table, silently, and from_torchrec asked for a table of cache_rows rows."""
+    t = se.TableSpec("a", 40, 8, optimizer=opt.SGD(0.1), storage=se.offload.Offload(str(tmp_path / "a"), cache_rows=16))
+    plan = se.plan({"fa": se.FeatureSpec("fa", t, B)}, make_mesh(1))
+    match = r"Tables \['a'\] are offloaded \(storage=\): their arrays hold their caches' rows"
+    with pytest.raises(ValueError, match=match):
+        tr.to_torchrec(plan, se.init_tables(plan, jax.random.key(0)))
+    with pytest.raises(ValueError, match=match):
+        tr.from_torchrec(plan, {"embedding_bags.a.weight": torch.zeros(40, 8)})
+
+
 def test_raw_id_tables_are_refused():
     t = se.TableSpec("a", 40, 8, optimizer=opt.SGD(0.1), dynamic=se.Dynamic())
     plan = se.plan({"fa": se.FeatureSpec("fa", t, B)}, make_mesh(1))
