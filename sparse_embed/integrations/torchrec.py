@@ -174,8 +174,8 @@ def fused_params(optimizer: opt.Optimizer) -> dict[str, Any]:
 
 def features_from_torchrec(configs: Any, batch_size: int, optimizer: opt.Optimizer, *,
                            initializer: Any = None, weighted: bool | None = None) -> dict[str, FeatureSpec]:
-    """TorchRec `EmbeddingBagConfig`s (or the `EmbeddingBagCollection` itself) -> `{feature: FeatureSpec}`, each
-    feature reading its config's table.
+    """TorchRec `EmbeddingBagConfig`s (or the `EmbeddingBagCollection` itself, sharded or not) ->
+    `{feature: FeatureSpec}`, each feature reading its config's table.
 
     Pooling SUM and MEAN map to the combiners "sum" and "mean"; `optimizer`
     is every table's (see `optimizer_from_fused_params`); `initializer`
@@ -194,7 +194,15 @@ def features_from_torchrec(configs: Any, batch_size: int, optimizer: opt.Optimiz
     if hasattr(configs, "embedding_bag_configs"):  # the EmbeddingBagCollection
         weighted = configs.is_weighted() if weighted is None else weighted
         configs = configs.embedding_bag_configs()
-    configs = list(configs)
+    elif hasattr(configs, "_embedding_bag_configs"):  # sharded (DistributedModelParallel's): no public accessor
+        weighted = bool(getattr(configs, "_is_weighted", False)) if weighted is None else weighted
+        configs = configs._embedding_bag_configs
+    try:
+        configs = list(configs)
+    except TypeError:
+        raise TypeError(f"features_from_torchrec takes an EmbeddingBagCollection (sharded or not) or its "
+                        f"EmbeddingBagConfigs, got a {type(configs).__name__}; pass the collection inside a model "
+                        "(e.g. dmp.module.ebc).") from None
     names = [f for c in configs for f in c.feature_names]
     shared = {f for f in names if names.count(f) > 1}  # TorchRec's get_embedding_names_by_table
     out = {}

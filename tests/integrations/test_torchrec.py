@@ -286,6 +286,35 @@ def test_weighted_mean_and_sequence_tables_are_refused_as_they_mean_another_thin
         tr.features_from_torchrec(ec, B, opt.SGD(0.1))  # (was: 'EmbeddingCollection' object is not iterable)
 
 
+def test_a_sharded_collection_becomes_feature_specs_and_a_model_is_refused_naming_it(request):
+    """DistributedModelParallel's module, a ShardedEmbeddingBagCollection, gives the same features as the collection
+    it was made of, its weighted MEAN refused alike; the DMP itself is a TypeError saying what to pass (both were
+    "'...' object is not iterable")."""
+    torchrec = importorfail("torchrec")
+    request.getfixturevalue("process_group")
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from benchmarks.e2e_torchrec import fused_dmp
+
+    configs = [torchrec.EmbeddingBagConfig(name=c.name, num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim,
+                                           feature_names=list(c.feature_names), pooling=torchrec.PoolingType.MEAN
+                                           if c.name == "b" else torchrec.PoolingType.SUM) for c in CONFIGS]
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+    for weighted in (False, True):
+        ebc = torchrec.EmbeddingBagCollection(tables=configs, is_weighted=weighted, device=torch.device("cpu"))
+        dmp = fused_dmp(torch, ebc, fused, [c.name for c in CONFIGS])
+        assert type(dmp.module).__name__ == "ShardedEmbeddingBagCollection"
+        if weighted:
+            with pytest.raises(ValueError, match="Table 'b': weighted MEAN pooling means another thing"):
+                tr.features_from_torchrec(dmp.module, B, opt.SGD(0.1))
+        else:
+            assert tr.features_from_torchrec(dmp.module, B, opt.SGD(0.1)) == tr.features_from_torchrec(
+                configs, B, opt.SGD(0.1))
+    with pytest.raises(TypeError, match=r"takes an EmbeddingBagCollection \(sharded or not\) or its "
+                                        r"EmbeddingBagConfigs, got a DistributedModelParallel; pass the collection"):
+        tr.features_from_torchrec(dmp, B, opt.SGD(0.1))
+
+
 def test_to_torchrec_then_from_torchrec_is_exact_on_another_mesh_and_stacking():
     o = opt.RowwiseAdagrad(0.1)
     plan8 = _plan(o, 8)
