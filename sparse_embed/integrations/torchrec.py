@@ -60,6 +60,7 @@ MOMENTUM = "momentum1"
 TINY = float(np.finfo(np.float32).tiny)  # FBGEMM's accumulators start at 0; ours must start > 0
 _NO_DECAY, _DECOUPLED = 0, 2  # FBGEMM's WeightDecayMode values (names: _DECAY_NAMES)
 _DECAY_NAMES = {0: "NONE", 1: "L2", 2: "DECOUPLE", 3: "COUNTER", 4: "COWCLIP", 5: "DECOUPLE_GLOBAL"}
+_META = "use the sharded model's state (DistributedModelParallel's state_dict()) or a checkpoint"  # for 'meta'
 # FBGEMM's settings that change the update (None: off) and that no sparse_embed optimizer has
 _UNCONVERTED = ("counter_based_regularization", "cowclip_regularization", "global_weight_decay", "ensemble_mode",
                 "emainplace_mode")
@@ -281,6 +282,9 @@ def _numpy(key: str, t: Any) -> np.ndarray:
     if not _floating(t):
         raise ValueError(f"{key}: TorchRec's tensor is {_dtype(t)}, not floating point (a quantized inference "
                          "table?); from_torchrec reads float tables and optimizer states.")
+    if getattr(t, "is_meta", False):
+        raise ValueError(f"{key}: TorchRec's tensor is on device 'meta', which holds no values (a collection made "
+                         f"there to be sharded); {_META}.")
     if hasattr(t, "detach"):
         t = t.detach().cpu()
         t = t.float() if t.element_size() < 4 else t
@@ -491,6 +495,8 @@ def _check_writable(table: str, key: str, leaf: Any) -> None:
         for t in [shard.tensor for shard in leaf.local_shards()] if _is_sharded(leaf) else [leaf]:
             if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
                 why = "a tensor whose elements share memory (expanded): writing it would write each row many times"
+            if t.is_meta:  # copy_ into one writes nothing, and raises nothing
+                why = f"on device 'meta', which holds no values (a collection made there to be sharded); {_META}"
     elif isinstance(leaf, np.ndarray):
         if not leaf.flags.writeable:
             why = "a read-only numpy array (np.load(mmap_mode='r'), np.frombuffer, ...)"

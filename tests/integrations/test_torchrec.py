@@ -601,6 +601,26 @@ def test_into_a_float16_target_too_narrow_for_a_value_is_refused_before_anything
         np.testing.assert_array_equal(np.asarray(into[f"embedding_bags.{n}.weight"]), a.astype(np.float16))
 
 
+def test_meta_tensors_are_refused_both_ways():
+    """A collection made on device 'meta' (to be sharded) holds no values: reading it failed with torch's 'Cannot
+    copy out of meta tensor', and writing into it wrote nothing and raised nothing (the tables were lost)."""
+    torchrec = importorfail("torchrec")
+    configs = [torchrec.EmbeddingBagConfig(name=c.name, num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim,
+                                           feature_names=list(c.feature_names)) for c in CONFIGS]
+    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    plan = _plan(opt.SGD(0.1), 1)
+    with pytest.raises(ValueError, match=r"embedding_bags.a.weight: TorchRec's tensor is on device 'meta', which "
+                                         r"holds no values .*use the sharded model's state"):
+        tr.from_torchrec(plan, ebc.state_dict())
+    into = {**_state(plan)["model"], "embedding_bags.c.weight": ebc.state_dict()["embedding_bags.c.weight"]}
+    kept = {k: v.clone() for k, v in into.items() if ".c." not in k}
+    with pytest.raises(ValueError, match=r"Table 'c': TorchRec's embedding_bags.c.weight is on device 'meta', which "
+                                         r"holds no values .*; nothing was written"):
+        tr.to_torchrec(plan, se.init_tables(plan, jax.random.key(1)), into=into)
+    for k, v in kept.items():
+        np.testing.assert_array_equal(into[k].numpy(), v.numpy(), err_msg=k)
+
+
 @pytest.mark.parametrize("target", ["read-only numpy", "expanded tensor", "jax array", "list"])
 def test_into_targets_that_cannot_be_written_are_refused_before_anything_is_written(target):
     """Table 'c''s accumulator cannot be written in place: refused naming it, tables 'a' and 'b' (written first
