@@ -528,7 +528,9 @@ def to_torchrec(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], i
     optimizer's (load with `load_state_dict`, or save with DCP). With
     `into` (a state as `from_torchrec` reads it: live state dicts of a
     TorchRec model, plain tensors or ShardedTensors), writes into its
-    tensors in place instead and returns it: every table must be there.
+    tensors in place instead and returns it: every table must be there
+    (a ShardedTensor's local shards; a table this process holds none of
+    needs no optimizer state here).
     """
     specs = _tables_of(plan)
     natural = unstack_state(plan, tables)
@@ -556,6 +558,8 @@ def to_torchrec(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], i
         pairs += [(SLOT, want, 1)] if want is not None and with_optimizer_state else []
         for ours, shape, i in pairs:
             hit = _find(leaves, _keys(t.name)[i], t.name)
+            if hit is None and i == 1 and _is_sharded(writes[-1][1]) and not writes[-1][1].local_shards():
+                continue  # a table only other processes hold: their fused optimizers keep its state, this one none
             if hit is None:
                 raise ValueError(f"Table {t.name!r}: no {_keys(t.name)[i]!r} in the TorchRec state to write into.")
             _check_shape(t.name, hit[0], _shape(hit[1]), shape)

@@ -717,6 +717,30 @@ def test_sharded_tensors_read_from_their_shards_and_a_partial_one_is_refused():
         tr.from_torchrec(plan, sharded)
 
 
+def test_into_a_process_holding_none_of_a_table_writes_the_tables_it_holds():
+    """Under DistributedModelParallel over several processes, a process's fused optimizer keeps the state of the
+    tables it holds shards of only (measured, TABLE_WISE over 2 gloo processes): into= refused 'no ...momentum1 to
+    write into' on every process. A table with no local shard here needs none; one with a shard still does."""
+    plan = _plan(opt.Adagrad(0.1), 1)
+    state = _state(plan)
+    model = {k: _ShardedTensor(np.zeros(tuple(v.shape), np.float32), [] if ".b." in k else [(0, 5), (5, v.shape[0])])
+             for k, v in state["model"].items()}
+    optim = {k: v for k, v in state["optim"]["state"].items() if ".b." not in k}
+    into = {"model": model, "optim": {"state": optim}}
+    tables = se.init_tables(plan, jax.random.key(1))
+    tr.to_torchrec(plan, tables, into=into)
+    want = se.unstack_state(plan, tables)
+    for name in "ac":
+        got = np.concatenate([s.tensor.numpy() for s in model[f"embedding_bags.{name}.weight"].local_shards()])
+        np.testing.assert_array_equal(got, want[name]["table"], err_msg=name)
+        np.testing.assert_array_equal(optim[f"embedding_bags.{name}.weight"][f"{name}.momentum1"].numpy(),
+                                      want[name]["accumulator"], err_msg=name)
+    model["embedding_bags.b.weight"] = _ShardedTensor(np.zeros((23, 8), np.float32), [(0, 23)])
+    with pytest.raises(ValueError, match=r"Table 'b': no 'embedding_bags.b.weight.b.momentum1' in the TorchRec state "
+                                         r"to write into"):
+        tr.to_torchrec(plan, tables, into=into)
+
+
 def test_offloaded_tables_are_refused(tmp_path):
     """An offloaded table's array is its cache (`cache_rows` rows, a cache slot's row not row i): to_torchrec
     returned the cache as TorchRec's table, silently, and from_torchrec asked for a table of cache_rows rows."""
