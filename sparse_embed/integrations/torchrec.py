@@ -325,15 +325,23 @@ def _read(key: str, leaf: Any) -> np.ndarray:
 
 
 def _read_dcp(path: str | os.PathLike) -> dict[str, Any]:
-    """A DCP checkpoint directory -> its state dict (nested, plain tensors), without a process group."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    """A DCP checkpoint directory -> its tensors by dotted key (plain tensors), by this process alone: with
+    `no_dist`, so that a process group the caller has initialized is not used (DCP's load on one process of
+    it waited for the others forever)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not os.path.isfile(os.path.join(path, ".metadata")):  # (torch's own error is not an Exception)
         raise FileNotFoundError(f"No DCP checkpoint at {os.fspath(path)!r} (no .metadata file there).")
-
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+    reader = dcp.FileSystemReader(os.fspath(path))
+    saved = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()
+             if isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "torch.distributed is disabled ..., assuming ... a single process"
         warnings.simplefilter("ignore", UserWarning)
-        return _load_state_dict_from_keys(checkpoint_id=os.fspath(path))
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
 
 
 def _slot_shape(table: TableSpec) -> tuple[int, ...] | None:

@@ -10,6 +10,10 @@ test extra cannot carry it: see pyproject.toml), the same runs through TorchRec'
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 import types
 import warnings
 
@@ -342,6 +346,41 @@ def test_a_dcp_checkpoint_reads_as_its_state_dict(tmp_path):
     for name, arrays in se.unstack_state(plan, state).items():
         for key, a in arrays.items():
             np.testing.assert_array_equal(se.unstack_state(plan, back)[name][key], a)
+
+
+_ONE_OF_TWO = textwrap.dedent("""
+    import sys, numpy as np, torch.distributed as dist
+    rank, where = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"file://{where}/group", rank=rank, world_size=2)
+    if rank == 0:  # converts; rank 1 does not
+        import sparse_embed as se
+        plan = se.plan({"fa": se.FeatureSpec("fa", se.TableSpec("a", 40, 8, optimizer=se.optimizers.SGD(0.1)), 16)})
+        got = se.unstack_tables(plan, se.torchrec.from_torchrec(plan, f"{where}/ckpt"))["a"]
+        assert np.array_equal(got, np.arange(320, dtype=np.float32).reshape(40, 8)), got
+    dist.barrier()
+""")
+
+
+def test_a_dcp_checkpoint_reads_in_one_process_of_a_process_group(tmp_path):
+    """from_torchrec(plan, directory) in one process of an initialized torch.distributed group (a conversion on
+    rank 0 of a training job): DCP's load used the group and waited for the other processes forever."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": {"embedding_bags.a.weight": torch.arange(320.0).reshape(40, 8)}},
+                 checkpoint_id=str(tmp_path / "ckpt"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _ONE_OF_TWO, str(rank), str(tmp_path)], env=env)
+             for rank in (0, 1)]
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = "hung"
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0]
 
 
 def test_a_dcp_checkpoint_of_a_torchrec_model_reads_as_its_live_state(tmp_path, request):
