@@ -332,6 +332,9 @@ def _read_dcp(path: str | os.PathLike) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if os.path.isfile(path):  # torch.save's file, most likely
+        raise ValueError(f"{os.fspath(path)!r} is a file, not a DCP checkpoint's directory: pass the state dict it "
+                         "holds (torch.load(path)) instead.")
     if not os.path.isfile(os.path.join(path, ".metadata")):  # (torch's own error is not an Exception)
         raise FileNotFoundError(f"No DCP checkpoint at {os.fspath(path)!r} (no .metadata file there).")
     reader = dcp.FileSystemReader(os.fspath(path))

@@ -13,6 +13,7 @@ import functools
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import types
 import warnings
@@ -568,6 +569,11 @@ def test_an_optimizer_state_for_an_sgd_table_and_an_unconvertible_optimizer_are_
         "a"], state["model"]["embedding_bags.a.weight"].numpy())
     with pytest.raises(FileNotFoundError, match="No DCP checkpoint at '/nonexistent/ckpt'"):
         tr.from_torchrec(sgd, "/nonexistent/ckpt")
+    with tempfile.TemporaryDirectory() as where:  # torch.save's file (was: "No DCP checkpoint at ... no .metadata")
+        torch.save(state["model"], os.path.join(where, "model.pt"))
+        with pytest.raises(ValueError, match=r"'.*model.pt' is a file, not a DCP checkpoint's directory: pass the "
+                                             r"state dict it holds \(torch.load\(path\)\)"):
+            tr.from_torchrec(sgd, os.path.join(where, "model.pt"))
     adam = _plan(opt.Adam(0.1), 1)
     with pytest.raises(ValueError, match="Table 'a': its optimizer Adam has no TorchRec"):
         tr.from_torchrec(adam, state)
