@@ -536,7 +536,10 @@ def to_torchrec(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables], i
     """The plan's state -> TorchRec's: `{"model": {key: tensor}, "optim": {"state": {key: {name: tensor}}}}`.
 
     The keys are an unsharded `EmbeddingBagCollection`'s and its fused
-    optimizer's (load with `load_state_dict`, or save with DCP). With
+    optimizer's: "model" loads with `load_state_dict`, sharded or not; a
+    fused optimizer's `load_state_dict` takes its own ShardedTensors only
+    (TorchRec asserts), so save the whole with DCP and `dcp.load` it into
+    the model's state, or write into that with `into`. With
     `into` (a state as `from_torchrec` reads it: live state dicts of a
     TorchRec model, plain tensors or ShardedTensors), writes into its
     tensors in place instead and returns it: every table must be there
