@@ -130,6 +130,16 @@ def _relaid_stack(plan: EmbeddingPlan, stack: StackPlan, rng: jax.Array) -> jax.
     return relayout(*blocks)
 
 
+def _check_no_raw_ids(plan: EmbeddingPlan, what: str) -> None:
+    """A raw-id table has no `[vocabulary_size, dim]` form: its rows are id map slots (which depend on the mesh),
+    its ids in the map."""
+    raw = sorted(t.table.name for st in plan.stacks if st.dynamic is not None for t in st.tables)
+    if raw:
+        raise ValueError(f"{what}: tables {raw} are keyed by raw ids: their rows are id map slots, not rows by "
+                         "id; read them with sparse_embed.raw_ids.id_table_contents (ids with their rows) and "
+                         "write them with load_id_tables (docs/raw_ids.md).")
+
+
 def _check_arrays(plan: EmbeddingPlan, arrays: Mapping[str, np.ndarray], what: str) -> None:
     missing = sorted(set(plan.tables) - set(arrays))
     unknown = sorted(set(arrays) - set(plan.tables))
@@ -180,6 +190,7 @@ def stack_tables(
     (`{table: {slot_name: [vocabulary_size, width]}}`) gives them;
     `with_slots=False` creates none (inference). Inverse of `unstack_state`.
     """
+    _check_no_raw_ids(plan, "stack_tables")
     _check_arrays(plan, arrays, "stack_tables")
     if slots and not with_slots:
         raise ValueError("stack_tables: slots were given but with_slots=False.")
@@ -219,12 +230,16 @@ def to_host(a: jax.Array) -> np.ndarray:
 
 
 def unstack_tables(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, np.ndarray]:
-    """The stacked state -> `{table_name: np.ndarray [vocabulary_size, dim]}` (mesh-independent)."""
+    """The stacked state -> `{table_name: np.ndarray [vocabulary_size, dim]}`: row i of each table, whatever the
+    mesh. Raw-id tables are refused (their rows are id map slots: `raw_ids.id_table_contents` reads them); an
+    offloaded table's array is its cache (`[cache_rows, dim]`: `offload.store_state` reads the table)."""
+    _check_no_raw_ids(plan, "unstack_tables")
     return {name: arrays[TABLE_KEY] for name, arrays in unstack_state(plan, tables).items()}
 
 
 def unstack_state(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables]) -> dict[str, dict[str, np.ndarray]]:
-    """`{table_name: {"table": [vocab, dim], slot_name: [vocab, width], ...}}` on the host."""
+    """`{table_name: {"table": [vocab, dim], slot_name: [vocab, width], ...}}` on the host (raw-id and offloaded
+    tables: their stacks' rows, map or cache slots, as `unstack_tables` says)."""
     check_state(plan, tables)
     out: dict[str, dict[str, np.ndarray]] = {}
     for s in plan.stacks:

@@ -185,3 +185,21 @@ def test_stack_tables_bad_input(mesh8):
         se.stack_tables(plan, good, {"A": {"accumulator": np.full((37, 8), 7.0, np.float32)}})
     with pytest.raises(ValueError, match="stacks missing"):
         se.unstack_tables(plan, {})
+
+
+def test_raw_id_tables_have_no_natural_form(mesh8):
+    """A raw-id table's rows are id map slots (the mesh decides which id has which): `unstack_tables` gave them as
+    if they were rows 0.., and `stack_tables` put rows where no id reads them; both refuse it, naming the table,
+    while the static tables of the same plan go on through a plan of them alone."""
+    raw = se.TableSpec("users", 16, 4, dynamic=se.Dynamic())
+    items = se.TableSpec("items", 16, 4)
+    plan = se.plan([se.FeatureSpec("u", raw, 8), se.FeatureSpec("i", items, 8)], mesh8)
+    tables = se.init_tables(plan, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"unstack_tables: tables \['users'\] are keyed by raw ids: .*"
+                                         r"id_table_contents"):
+        se.unstack_tables(plan, tables)
+    with pytest.raises(ValueError, match=r"stack_tables: tables \['users'\] are keyed by raw ids: .*load_id_tables"):
+        se.stack_tables(plan, {"users": np.zeros((16, 4), np.float32), "items": np.zeros((16, 4), np.float32)})
+    static = se.plan([se.FeatureSpec("i", items, 8)], mesh8)
+    want = se.unstack_tables(static, se.init_tables(static, jax.random.key(0)))["items"]
+    np.testing.assert_array_equal(se.unstack_state(plan, tables)["items"]["table"], want)
