@@ -307,6 +307,10 @@ def serving_lookup(
                 raise error(f, "the table is keyed by raw ids: give it as (ids, array), as load_serving returns it.")
             x = _raw_rows(f, table[0], x, policy)
             table = table[1]
+        elif isinstance(table, tuple):
+            raise error(f, "the table is given as (ids, array), as load_serving returns a raw-id table, but its "
+                           "TableSpec is not keyed by raw ids (no dynamic=): look it up with the spec load_serving "
+                           "returns for it.")
         out[name] = lookup_feature(f, jnp.asarray(table), x, weights.get(name), oov=policy)
     return out
 

@@ -130,6 +130,17 @@ def test_raw_ids_in_every_format_read_their_rows_and_never_under_jit():
         jax.jit(lambda t, i: se.serving_lookup(raw, t, i))(served, {"g": np.array([[3], [7]])})
 
 
+def test_a_raw_id_tables_ids_and_array_under_a_spec_without_dynamic_are_refused_naming_the_feature():
+    """A spec written by hand without `dynamic=` for a raw-id table as load_serving returns it: jax's "Cannot
+    concatenate arrays with different numbers of dimensions" named neither the feature nor the cause."""
+    plain = [se.FeatureSpec("g", se.TableSpec("u", 8, 4, combiner="sum"), 2)]
+    served = {"u": (np.array([3, 7], np.int64), np.zeros((8, 4), np.float32))}
+    with pytest.raises(ValueError, match=r"Feature 'g' \(table 'u'\): the table is given as \(ids, array\), as "
+                                         r"load_serving returns a raw-id table, but its TableSpec is not keyed by raw "
+                                         r"ids \(no dynamic=\)"):
+        se.serving_lookup(plain, served, {"g": np.array([[3], [7]])})
+
+
 @pytest.mark.parametrize("dtype", [None, "int8"])
 def test_a_raw_id_tables_default_vector_is_served_as_lookup_reads_it_under_max_norm(tmp_path, dtype):
     """`max_norm` clips the table's rows, not the default vector of ids without a row: `lookup` adds the
