@@ -238,6 +238,11 @@ def _raw_rows(feature: FeatureSpec, known: np.ndarray, ids: Any, policy: Any) ->
                                  "serving_lookup outside jit (under jit, look up the rows: io.serving.lookup_feature).")
         return np.asarray(a)
 
+    narrow = isinstance(known, jax.Array) and known.dtype.itemsize < 8  # (jax without x64: int64 ids kept 32 bits)
+    if narrow and not isinstance(known, jax.core.Tracer):  # (under jit: on_host says why it cannot be)
+        raise error(feature, f"the table's raw ids are a jax {known.dtype} array: jax without x64 keeps 32 bits of "
+                             "int64 ids (2**32 + 7 reads as 7), so ids would find other ids' rows or none. Give them "
+                             "as load_serving returns them, a numpy int64 array (move only the table's array).")
     known = on_host(known).astype(np.int64)
 
     def rows(a):

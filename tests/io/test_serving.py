@@ -141,6 +141,23 @@ def test_a_raw_id_tables_ids_and_array_under_a_spec_without_dynamic_are_refused_
         se.serving_lookup(plain, served, {"g": np.array([[3], [7]])})
 
 
+def test_a_raw_id_tables_ids_narrowed_by_jax_are_refused_naming_the_feature():
+    """`jax.device_put(tables)` (or `jnp.asarray`) keeps 32 bits of the int64 raw ids without x64: id 2**32 + 7
+    became 7, so a request for raw id 7 read raw id 2**32 + 7's row, and 2**32 + 7 read zeros, silently."""
+    raw = [se.FeatureSpec("g", se.TableSpec("u", 8, 4, combiner="sum", dynamic=se.Dynamic()), 2)]
+    array = np.arange(32, dtype=np.float32).reshape(8, 4)
+    served = {"u": (np.array([3, 2**32 + 7], np.int64), array)}
+    ids = {"g": np.array([[7], [2**32 + 7]], np.int64)}
+    got = np.asarray(se.serving_lookup(raw, served, ids, oov="zero")["g"])
+    np.testing.assert_array_equal(got, [np.zeros(4), array[1]])  # 7: unknown; 2**32 + 7: row 1
+    moved = jax.device_put(served)
+    if moved["u"][0].dtype == np.int64:
+        pytest.skip("jax_enable_x64 is on: the ids keep their 64 bits")
+    with pytest.raises(ValueError, match=r"Feature 'g' \(table 'u'\): the table's raw ids are a jax int32 array: "
+                                         r"jax without x64 keeps 32 bits of int64 ids"):
+        se.serving_lookup(raw, moved, ids, oov="zero")
+
+
 @pytest.mark.parametrize("dtype", [None, "int8"])
 def test_a_raw_id_tables_default_vector_is_served_as_lookup_reads_it_under_max_norm(tmp_path, dtype):
     """`max_norm` clips the table's rows, not the default vector of ids without a row: `lookup` adds the
