@@ -235,6 +235,11 @@ def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapp
     if set(raw_names) != set(changes.served_ids):
         raise ValueError(f"The export has raw-id tables {sorted(changes.served_ids)}, the plan {raw_names}: "
                          "the tracker started at an export of another model.")
+    for name, t in sorted(plan.tables.items()):  # rows of a resized table would land in the served one silently
+        shape = (t.vocabulary_size, t.embedding_dim)
+        if changes.shapes.get(name, shape) != shape:
+            raise ValueError(f"Table {name!r} is {list(shape)} in the plan, {list(changes.shapes[name])} in the "
+                             "export: the tracker started at an export of another model.")
     _next_path(directory, changes)  # before gathering the tables
     raw = _raw_rows(plan, tables, id_maps, changes, step) if raw_names else {}
     return write_delta(directory, changes, _static_rows(plan, tables, changes), raw)

@@ -272,6 +272,13 @@ def test_tracking_from_a_training_checkpoint_or_without_id_maps_is_refused(tmp_p
     static = se.plan([f for f in plan.features.values() if f.table.dynamic is None], make_mesh(1))
     with pytest.raises(ValueError, match=r"The export has raw-id tables \['users'\], the plan \[\]"):
         ss.export_delta(tmp_path / "d", static, se.init_tables(static, rng), changes)
+    # a table resized since the export: its rows inside the export's vocabulary were applied to it silently
+    items = se.TableSpec("items", 60, 6, combiner="mean", optimizer=se.optimizers.Adagrad(0.5))
+    grown = se.plan([se.FeatureSpec("i", items, B), *[f for n, f in plan.features.items() if n != "i"]], make_mesh(1))
+    with pytest.raises(ValueError, match=r"Table 'items' is \[60, 6\] in the plan, \[50, 6\] in the export: the "
+                                         "tracker started at an export of another model"):
+        ss.export_delta(tmp_path / "d", grown, se.init_tables(grown, rng),
+                        changes.touched_ids(grown, {"i": np.array([[1, 2]] * B)}), id_maps=se.init_id_maps(grown, rng))
     assert not (tmp_path / "d").exists()
 
 
