@@ -204,14 +204,15 @@ def read_tables(step_dir: str, info: CheckpointInfo, keys: list[str], device: ja
             yield rec.name, (key, read_embeddings(step_dir, target, info)[rec.name][key])
 
 
-def _converted(a: np.ndarray, rec: TableRecord, dtype: str | None) -> np.ndarray:
-    """A table read from a checkpoint, in the serving `dtype` asked for (None: as stored)."""
+def _converted(a: np.ndarray, rec: TableRecord, dtype: str | None, raw_ids: Callable[[], np.ndarray]) -> np.ndarray:
+    """A table read from a checkpoint, in the serving `dtype` asked for (None: as stored); `raw_ids()`: a raw-id
+    table's ids row by row (-1: none), which its errors name a row by (as `export_serving`'s)."""
     if dtype is None or dtype == rec.dtype:
         return a
     if rec.dtype in BITS:
         raise ValueError(f"Table {rec.name!r} is stored quantized ({rec.dtype}); it converts to {dtype} only from "
                          "the float checkpoint it was exported from.")
-    return serving_rows(a, dtype, rec.name)
+    return serving_rows(a, dtype, rec.name, *((raw_ids(), "raw id") if rec.dynamic else ()))
 
 
 def _expired(step_dir: str, info: CheckpointInfo, rec: TableRecord) -> np.ndarray | None:
@@ -282,9 +283,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     total = sum(1 + (0 if serving else len(r.slots)) for r in info.tables)
     # a serving copy leaves out the raw ids a lookup at the checkpoint's step finds expired, as export_serving
     gone = {r.name: _expired(step_dir, info, r) for r in info.tables if serving and r.dynamic}
-    arrays = ((name, key, _converted(_dropped(np.asarray(a), gone.get(name), 0), info.table(name), dtype))
-              for name, (key, a) in progress(read_tables(step_dir, info, keys), total=total, unit="array"))
     read = lambda group, key: _dropped(read_host_array(step_dir, info, group, key), gone.get(group), -1)  # noqa: E731
+    arrays = ((name, key, _converted(_dropped(np.asarray(a), gone.get(name), 0), info.table(name), dtype,
+                                     lambda name=name: join_words(read(name, IDS_KEY))))
+              for name, (key, a) in progress(read_tables(step_dir, info, keys), total=total, unit="array"))
     raw = (x for r in info.tables if r.dynamic for x in raw_arrays(read, r.name, serving))
     _save(out_dir, itertools.chain(arrays, raw), new_info)
     if not serving:

@@ -180,6 +180,28 @@ def test_cli_converts_a_checkpoint_to_int8_as_export_does(tmp_path, capsys):
         se.convert_checkpoint(tmp_path / "s8", tmp_path / "s4", serving=True, dtype="int4")
 
 
+def test_cli_names_a_raw_id_tables_row_that_cannot_be_quantized_by_its_raw_id_as_export_does(tmp_path, capsys):
+    """A row of a raw-id table is its raw id to the user (its row number is its place in id order): convert named
+    "row 0" where export_serving names "raw id 5"."""
+    users = se.TableSpec("users", 8, 3, combiner="sum", dynamic=se.Dynamic())
+    plan = se.plan([se.FeatureSpec("u", users, 4)], make_mesh(1))
+    key = jax.random.key(0)
+    tables, maps = se.init_tables(plan, key), se.init_id_maps(plan, key)
+    batch = se.preprocess(plan, {"u": np.array([[9], [5], [2**40], [7]])})[0]
+    _, tables, maps, _ = se.map_ids(plan, batch, tables, maps, 0)
+    stack = tables["users"]
+    rows = np.asarray(stack.table).copy()
+    rows[np.abs(rows).sum(1) > 0, 1] = np.nan  # every row that holds an id: the first, in id order, is id 5
+    tables = {"users": stack._replace(table=jax.device_put(rows, stack.table.sharding))}
+    with se.CheckpointManager(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, plan, tables, id_maps=maps)
+    with pytest.raises(ValueError, match=r"Table 'users': raw id 5 is not finite \(NaN or inf\)"):
+        se.export_serving(tmp_path / "e", plan, tables, id_maps=maps, dtype="int8")
+    assert cli.main(["convert", str(tmp_path / "ck"), str(tmp_path / "s"), "--serving", "--dtype", "int4"]) == 1
+    assert "Table 'users': raw id 5 is not finite (NaN or inf)" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 def test_bad_dtype_damaged_file_and_wrong_table_are_refused(tmp_path):
     feats = {n: f for n, f in _features().items() if "sum_pooled" in n}
     plan = se.plan(feats, make_mesh(1))
