@@ -170,7 +170,8 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
     """
     t = feature.table
     quantized = table.dtype == jnp.uint8 and bits_of(table.shape[-1], t.embedding_dim) is not None
-    if table.ndim != 2 or table.shape[0] != t.vocabulary_size or not (quantized or table.shape[1] == t.embedding_dim):
+    floats = jnp.issubdtype(table.dtype, jnp.floating) and table.shape[1:] == (t.embedding_dim,)  # (not int8 codes)
+    if table.ndim != 2 or table.shape[0] != t.vocabulary_size or not (quantized or floats):
         v, d = t.vocabulary_size, t.embedding_dim
         raise error(feature, f"the table array is {table.dtype} {tuple(table.shape)}, expected a float {(v, d)} or a "
                              f"quantized uint8 {(v, fused_width(d, 8))} (int8) or {(v, fused_width(d, 4))} (int4).")

@@ -225,3 +225,8 @@ def test_bad_dtype_damaged_file_and_wrong_table_are_refused(tmp_path):
     wrong = {name: np.zeros((specs[name].vocabulary_size, 9), np.uint8)}  # neither int8 (16) nor int4 (12) rows
     with pytest.raises(ValueError, match=r"Feature 'f' .*uint8 \(40, 9\), expected a float \(40, 8\) or a quantized"):
         se.serving_lookup(serve, wrong, {"f": np.zeros((B, 1), np.int32)})
+    for dtype in (np.int8, np.uint8, np.int32):  # codes of the table's width (int8 ones were read as floats, silently)
+        codes = {name: np.ones((specs[name].vocabulary_size, 8), dtype)}
+        with pytest.raises(ValueError, match=rf"Feature 'f' .*: the table array is {np.dtype(dtype).name} \(40, 8\), "
+                                             r"expected a float \(40, 8\) or a quantized uint8 \(40, 16\) \(int8\)"):
+            se.serving_lookup(serve, codes, {"f": np.zeros((B, 1), np.int32)})
