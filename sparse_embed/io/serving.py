@@ -181,6 +181,11 @@ def lookup_feature(feature: FeatureSpec, table: jax.Array, ids: Any, weights: An
         _check_oov_eagerly(feature, e)
     if weights is not None and not isinstance(e.weights, jax.core.Tracer):  # (under jit: the row reads 0)
         valid = np.asarray(e.valid)
+        bad = valid & ~np.isfinite(np.asarray(e.weights))  # as preprocess refuses them (padding's may be anything)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise error(feature, f"weight {np.asarray(e.weights)[i]} for sample {int(np.asarray(e.samples)[i])} is "
+                                 "not finite.")
         check_divisors(feature, np.asarray(e.weights), valid.size,
                        lambda: (np.asarray(e.weights)[valid], np.asarray(e.samples)[valid]))
     L = feature.max_sequence_length

@@ -179,6 +179,26 @@ def test_a_raw_id_tables_default_vector_is_served_as_lookup_reads_it_under_max_n
     np.testing.assert_array_equal(got[0], [3.0, 4.0])
     np.testing.assert_allclose(got[1], want[1], atol=0 if dtype is None else 0.01)
 
+@pytest.mark.parametrize("fmt", ["dense", "pair", "coo"])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_weight_that_is_not_finite_is_refused_eagerly_naming_the_feature_and_sample(fmt, combiner, bad):
+    """As preprocess refuses it: sum served NaN / inf, mean and sqrtn said the weights 'sum to nan, past float32's
+    range: scale the weights down'. Padding's weights are never read."""
+    feats = [se.FeatureSpec("f", se.TableSpec("t", 10, 2, combiner=combiner), 3)]
+    tables = {"t": np.ones((10, 2), np.float32)}
+    samples = [[(1, 1.0), (2, 0.5)], [(3, 1.0), (4, bad)], [(5, 2.0)]]
+    ids, w = _render(samples, fmt)
+    if fmt == "dense":
+        w[2, 1] = np.nan  # padding: ignored
+    with pytest.raises(ValueError, match=rf"Feature 'f' \(table 't'\): weight {bad} for sample 1 is not finite"):
+        se.serving_lookup(feats, tables, {"f": ids}, {"f": w})
+    samples[1][1] = (4, 1.5)
+    ids, w = _render(samples, fmt)
+    got = np.asarray(se.serving_lookup(feats, tables, {"f": ids}, {"f": w})["f"])
+    np.testing.assert_allclose(got, ref.lookup(tables["t"], samples, combiner=combiner), rtol=1e-6)
+
+
 def test_ids_and_weights_of_unknown_or_missing_features_are_refused():
     feats, tables, ids, _ = _oov_setup()
     with pytest.raises(ValueError, match=r"ids have no ids for features \['f'\]; the features are \['f'\]\.$"):
