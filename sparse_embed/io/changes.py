@@ -29,6 +29,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 from sparse_embed.core.id_maps import IdMap
@@ -171,10 +172,10 @@ def _check_rows(changes: Changes, rows: Mapping[str, tuple], raw: Mapping[str, t
                 raise ValueError(f"Table {name!r}: row {bad} is outside [0, {vocab}).")
 
 
-def _next_path(directory: str | os.PathLike, changes: Changes) -> str:
-    """The path of the delta after `changes`; FileExistsError if it exists (see `write_delta`)."""
+def _next_path(directory: str | os.PathLike, changes: Changes, *, check: bool = True) -> str:
+    """The path of the delta after `changes`; FileExistsError if it exists (see `write_delta`) and `check`."""
     path = os.path.join(os.fspath(directory), delta_name(changes.base, changes.seq + 1))
-    if os.path.exists(path):
+    if check and os.path.exists(path):
         raise FileExistsError(f"The delta {path} exists already: this tracker (sequence {changes.seq}) wrote its "
                               "next delta before, so it is an old one (carry on with the tracker write_delta/"
                               "export_delta returned), or another run exports the same tables into this directory. "
@@ -191,8 +192,12 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
     returns `(its path, the tracker for the next delta)`. `export_delta` gathers these from the live tables.
 
     A delta is never overwritten (FileExistsError): a server may have applied the one there, and it takes each
-    sequence number once, so other content under the same name would never reach it."""
-    path = _next_path(directory, changes)
+    sequence number once, so other content under the same name would never reach it.
+
+    Under `jax.distributed` every process calls it (as `export_serving`): process 0 writes the file, the others (which
+    may find it written already) take its checksum for the tracker they return, the same as process 0's."""
+    writer = jax.process_index() == 0
+    path = _next_path(directory, changes, check=writer)
     _check_rows(changes, rows, raw or {})
     # "after": the delta it follows (None: the export), so that two runs' chains after one export never mix
     header: dict[str, Any] = {"base": changes.base, "seq": changes.seq + 1, "after": changes.last, "tables": {}}
@@ -214,8 +219,10 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
         arrays.update({f"{name}/rows": upsert, f"{name}/values": serving_rows(values, changes.dtypes[name], name,
                                                                              upsert, "raw id"),
                        f"{name}/evicted": evicted})
-    os.makedirs(directory, exist_ok=True)
-    digest = delta_file.write(path, header, arrays, ids=[k for k in arrays if not k.endswith("/values")])
+    if writer:
+        os.makedirs(directory, exist_ok=True)
+    digest = delta_file.write(path, header, arrays, ids=[k for k in arrays if not k.endswith("/values")],
+                              dry=not writer)
     return path, dataclasses.replace(changes, seq=changes.seq + 1, touched={}, served_ids=served, last=digest)
 
 
@@ -227,6 +234,7 @@ def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapp
     Returns `(its path, the tracker for the next delta)`. Gathers the touched
     tables to the host as `export_serving` does; writes only their touched rows.
     `step`: as `export_serving`'s (the ids of a raw-id table expired at `step` leave the served copy).
+    Under `jax.distributed` every process calls it, with the same tracker; process 0 writes the file (`write_delta`).
     """
     check_not_offloaded(plan, "export_delta")
     raw_names = sorted(t.name for t in plan.tables.values() if t.dynamic is not None)
@@ -241,5 +249,9 @@ def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapp
             raise ValueError(f"Table {name!r} is {list(shape)} in the plan, {list(changes.shapes[name])} in the "
                              "export: the tracker started at an export of another model.")
     _next_path(directory, changes)  # before gathering the tables
+    if jax.process_count() > 1:  # every process checked before process 0 writes it (a slower one found it, and failed)
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("sparse_embed delta checked")
     raw = _raw_rows(plan, tables, id_maps, changes, step) if raw_names else {}
     return write_delta(directory, changes, _static_rows(plan, tables, changes), raw)

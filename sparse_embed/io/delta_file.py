@@ -61,10 +61,10 @@ def decode_ids(blob: bytes) -> np.ndarray:
 
 
 def write(path: str, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], *,
-          ids: Collection[str] = ()) -> str:
+          ids: Collection[str] = (), dry: bool = False) -> str:
     """Writes `header` (JSON-able) and `arrays` to `path` atomically; the arrays named in `ids` (sorted distinct
     int64 ids) with the "gaps" codec, the others raw (see the module doc). Returns the file's checksum (what
-    `read` returns as the header's "checksum": the next delta of a chain names it)."""
+    `read` returns as the header's "checksum": the next delta of a chain names it); `dry`: only that, no file."""
     blobs, index, offset = [], [], 0
     for name, a in arrays.items():
         a = np.ascontiguousarray(a)
@@ -77,6 +77,8 @@ def write(path: str, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
     body = b"".join([MAGIC, len(head).to_bytes(8, "little"), head, *blobs])
     tmp = f"{path}.tmp{os.getpid()}"
     digest = checksum(np.frombuffer(body, np.uint8))
+    if dry:
+        return digest
     with open(tmp, "wb") as f:
         f.write(body)
         f.write(digest.encode())

@@ -321,6 +321,34 @@ def test_a_delta_is_never_overwritten_by_an_old_tracker(tmp_path):
     np.testing.assert_array_equal(np.asarray(snapshot.tables["a"]), np.asarray(se.unstack_tables(plan, tables)["a"]))
 
 
+def test_under_jax_distributed_process_0_writes_the_delta_and_every_process_gets_its_tracker(tmp_path, monkeypatch):
+    """Every process calls export_delta (as export_serving) into one directory: a process slower than process 0
+    found its delta written and failed with "this tracker wrote its next delta before" (then the others hung at
+    their next collective). Now process 0 writes it, after every process checked the name; the others only take
+    its checksum for their trackers."""
+    a = se.TableSpec("a", 10, 4, combiner="sum")
+    plan = se.plan([se.FeatureSpec("fa", a, B)], make_mesh(1))
+    tables = se.init_tables(plan, jax.random.key(0))
+    se.export_serving(tmp_path / "base", plan, tables, dtype="int8")
+    changes = ss.Changes.since(tmp_path / "base").touched_ids(plan, {"fa": np.array([[1], [2]] * (B // 2))})
+    rows = {"a": (np.array([1, 2]), np.ones((2, 4), np.float32))}
+    path, first = ss.write_delta(tmp_path / "d", changes, rows)  # process 0
+    written = pathlib.Path(path).read_bytes()
+    _, exported = ss.export_delta(tmp_path / "p0", plan, tables, changes)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    for directory in (tmp_path / "d", tmp_path / "elsewhere"):  # found written already, or not yet
+        other_path, other = ss.write_delta(directory, changes, rows)
+        assert os.path.basename(other_path) == os.path.basename(path)
+        assert (other.seq, other.last, other.base) == (first.seq, first.last, first.base)
+    assert pathlib.Path(path).read_bytes() == written and not (tmp_path / "elsewhere").exists()
+    checked = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr("jax.experimental.multihost_utils.sync_global_devices", checked.append)
+    _, after = ss.export_delta(tmp_path / "e", plan, tables, changes)
+    assert checked == ["sparse_embed delta checked"] and after.last == exported.last
+    assert not (tmp_path / "e").exists()
+
+
 def test_a_delta_names_the_table_row_that_cannot_be_quantized(tmp_path):
     a = se.TableSpec("a", 10, 4, combiner="sum")
     plan = se.plan([se.FeatureSpec("fa", a, B)], make_mesh(1))
