@@ -34,7 +34,7 @@ import numpy as np
 
 from sparse_embed.core.id_maps import IdMap
 from sparse_embed.core.planning import EmbeddingPlan
-from sparse_embed.core.raw_keys import join_words
+from sparse_embed.core.raw_keys import join_words, split_words
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import unstack_tables
 from sparse_embed.host.ids import canonical, flattened
@@ -226,6 +226,22 @@ def write_delta(directory: str | os.PathLike, changes: Changes, rows: Mapping[st
     return path, dataclasses.replace(changes, seq=changes.seq + 1, touched={}, served_ids=served, last=digest)
 
 
+def _touched_everywhere(plan: EmbeddingPlan, changes: Changes) -> Changes:
+    """Under `jax.distributed`: `changes` touched by the ids of every process. A process's tracker holds the ids
+    it fed (its own rows of each batch, what its `preprocess` took), and a delta needs every row that changed."""
+    from jax.experimental import multihost_utils
+
+    names = sorted(plan.tables)
+    mine = [changes.rows(n) for n in names]
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([r.size for r in mine], np.int32)))  # [P, tables]
+    words = np.full((max(int(sizes.sum(axis=1).max()), 1), 2), -1, np.int32)  # int64 ids as int32 words (no x64)
+    words[: sum(r.size for r in mine)] = split_words(np.concatenate(mine))
+    every = np.asarray(multihost_utils.process_allgather(words))  # [P, width, 2]
+    ids = [np.split(join_words(w[: n.sum()]), np.cumsum(n)[:-1]) for w, n in zip(every, sizes)]
+    touched = {name: (np.unique(np.concatenate([p[i] for p in ids])),) for i, name in enumerate(names)}
+    return dataclasses.replace(changes, touched={n: t for n, t in touched.items() if t[0].size})
+
+
 def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVariables],
                  changes: Changes, *, id_maps: Mapping[str, IdMap] | None = None,
                  step: int | None = None) -> tuple[str, Changes]:
@@ -234,7 +250,8 @@ def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapp
     Returns `(its path, the tracker for the next delta)`. Gathers the touched
     tables to the host as `export_serving` does; writes only their touched rows.
     `step`: as `export_serving`'s (the ids of a raw-id table expired at `step` leave the served copy).
-    Under `jax.distributed` every process calls it, with the same tracker; process 0 writes the file (`write_delta`).
+    Under `jax.distributed` every process calls it with its own tracker (of the ids it fed); the delta holds the
+    rows that the ids of every process touched, and process 0 writes it (`write_delta`).
     """
     check_not_offloaded(plan, "export_delta")
     raw_names = sorted(t.name for t in plan.tables.values() if t.dynamic is not None)
@@ -249,9 +266,7 @@ def export_delta(directory: str | os.PathLike, plan: EmbeddingPlan, tables: Mapp
             raise ValueError(f"Table {name!r} is {list(shape)} in the plan, {list(changes.shapes[name])} in the "
                              "export: the tracker started at an export of another model.")
     _next_path(directory, changes)  # before gathering the tables
-    if jax.process_count() > 1:  # every process checked before process 0 writes it (a slower one found it, and failed)
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("sparse_embed delta checked")
+    if jax.process_count() > 1:  # (also: every process checked the name before process 0 writes it)
+        changes = _touched_everywhere(plan, changes)
     raw = _raw_rows(plan, tables, id_maps, changes, step) if raw_names else {}
     return write_delta(directory, changes, _static_rows(plan, tables, changes), raw)

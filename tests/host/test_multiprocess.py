@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import sparse_embed as se
+import sparse_embed.serving as ss
 from conftest import make_mesh
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess")
@@ -165,6 +166,17 @@ def test_raw_id_tables_map_alike_on_two_processes(tmp_path):
         np.testing.assert_array_equal(ids, want[f"{name}/ids"][live][order], err_msg=name)
         np.testing.assert_allclose(np.asarray(table)[: ids.size], want[f"{name}/vectors"][live][order], rtol=0,
                                    atol=1e-6, err_msg=name)
+    # a delta from trackers of each process's own ids (process 0 wrote it) == the full export after it, bit for bit
+    # (was: only process 0's rows; and a process slower than process 0 found the file and failed)
+    live = ss.LiveTables(tmp_path / "served8")
+    assert live.catch_up(tmp_path / "deltas") == 1
+    full, _ = se.load_serving(tmp_path / "full8")
+    for name, a in full.items():
+        got = live.snapshot.tables[name]
+        if isinstance(a, tuple):
+            np.testing.assert_array_equal(got[0], a[0], err_msg=name)
+            got, a = got[1], a[1]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(a), err_msg=name)
 
 
 def test_one_process_feeds_every_row_and_a_bad_feature_is_named():

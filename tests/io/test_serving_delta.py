@@ -15,6 +15,7 @@ import pytest
 import sparse_embed as se
 import sparse_embed.serving as ss
 from conftest import make_mesh
+from sparse_embed.core.raw_keys import split_words
 from sparse_embed.io import delta_file
 from test_delta_file import _parts
 
@@ -334,19 +335,46 @@ def test_under_jax_distributed_process_0_writes_the_delta_and_every_process_gets
     rows = {"a": (np.array([1, 2]), np.ones((2, 4), np.float32))}
     path, first = ss.write_delta(tmp_path / "d", changes, rows)  # process 0
     written = pathlib.Path(path).read_bytes()
-    _, exported = ss.export_delta(tmp_path / "p0", plan, tables, changes)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     for directory in (tmp_path / "d", tmp_path / "elsewhere"):  # found written already, or not yet
         other_path, other = ss.write_delta(directory, changes, rows)
         assert os.path.basename(other_path) == os.path.basename(path)
         assert (other.seq, other.last, other.base) == (first.seq, first.last, first.base)
     assert pathlib.Path(path).read_bytes() == written and not (tmp_path / "elsewhere").exists()
-    checked = []
+
+
+def test_under_jax_distributed_a_delta_holds_the_rows_the_ids_of_every_process_touched(tmp_path, monkeypatch):
+    """A process's tracker holds the ids it fed (its rows of each batch, as its preprocess took them): the delta
+    written by process 0 had only the rows of process 0's ids, and the server kept the others' old values."""
+    a = se.TableSpec("a", 10, 4, combiner="sum", optimizer=se.optimizers.SGD(0.5))
+    b = se.TableSpec("b", 12, 4, combiner="mean", optimizer=se.optimizers.SGD(0.5))
+    plan = se.plan([se.FeatureSpec("fa", a, B), se.FeatureSpec("fb", b, B)], make_mesh(1))
+    tables = se.init_tables(plan, jax.random.key(0))
+    se.export_serving(tmp_path / "base", plan, tables)
+    mine = ss.Changes.since(tmp_path / "base").touched_ids(plan, {"fa": np.array([[1], [2]] * (B // 2))})
+    other = {"a": np.array([2, 5, 7]), "b": np.array([11])}  # what the batches of another process touched
+    calls = []
+
+    def allgather(x, tiled=False):  # this process's array, and the other process's (ids as int32 words, -1 padded)
+        if tiled:  # (a global array: this process holds all of it here)
+            return np.asarray(x)
+        calls.append(x.shape)
+        if x.ndim == 1:
+            return np.stack([x, [other["a"].size, other["b"].size]])
+        theirs = np.full_like(x, -1)
+        theirs[:4] = split_words(np.concatenate([other["a"], other["b"]]))
+        return np.stack([x, theirs])
+
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr("jax.experimental.multihost_utils.sync_global_devices", checked.append)
-    _, after = ss.export_delta(tmp_path / "e", plan, tables, changes)
-    assert checked == ["sparse_embed delta checked"] and after.last == exported.last
-    assert not (tmp_path / "e").exists()
+    monkeypatch.setattr("jax.experimental.multihost_utils.process_allgather", allgather)
+    tables = jax.tree.map(lambda x: x + 1, tables)  # every row moved
+    path, after = ss.export_delta(tmp_path / "d", plan, tables, mine)
+    header, arrays = delta_file.read(path)
+    natural = se.unstack_tables(plan, tables)
+    assert arrays["a/rows"].tolist() == [1, 2, 5, 7] and arrays["b/rows"].tolist() == [11]
+    assert calls == [(2,), (4, 2)] and after.touched == {}
+    for name in ("a", "b"):
+        np.testing.assert_array_equal(arrays[f"{name}/values"], natural[name][arrays[f"{name}/rows"]])
 
 
 def test_a_delta_names_the_table_row_that_cannot_be_quantized(tmp_path):
