@@ -61,6 +61,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import mmap
 import os
 import re
 import threading
@@ -226,7 +227,8 @@ class RowStore:
         # the commits it can go back to, oldest first, the last one the state of the last commit (`rollback_to`)
         self.history = list(meta.get("history") or [{"commit": self.commit, "id": self.id, "step": self.step}])
         self._written_crc = meta.get("written_crc32")  # the last commit's bitmap's (stores before it: none)
-        self._records = open_mapped(os.path.join(self.path, "records", "c", "0", "0"), shape, write=True)
+        self._records_path = os.path.join(self.path, "records", "c", "0", "0")
+        self._records = open_mapped(self._records_path, shape, write=True)
         self.written = self._load_written()
         self._committed = self.written.copy()  # as of the last commit: what the undo log restores
         self._rolled_back = np.zeros(0, np.int64)  # rows the rollback restored: in the next commit's changes
@@ -366,6 +368,27 @@ class RowStore:
     def _io(self, rows: np.ndarray, data: np.ndarray, write: bool) -> None:
         self._records.move(rows, data, write)
 
+    def _allocate(self, rows: np.ndarray) -> None:
+        """Allocates the disk blocks of the records of sorted rows `rows` before they are written through the
+        mapping: a row written for the first time fills a hole of the sparse records file, and on a full disk a
+        page the mapping cannot get is a SIGBUS that kills the process (no error, no message). Here it is an
+        OSError (ENOSPC); the store keeps its last commit (opening it rolls the merge back)."""
+        if not rows.size:
+            return
+        page, size = mmap.PAGESIZE, self.table.vocabulary_size * self.record_bytes
+        start = rows.astype(np.int64) * self.record_bytes // page * page
+        end = np.minimum(-(-(rows.astype(np.int64) + 1) * self.record_bytes // page) * page, size)
+        first = np.flatnonzero(np.r_[True, start[1:] > end[:-1]])  # one range per run of rows on adjacent pages
+        fd = os.open(self._records_path, os.O_RDWR)
+        try:
+            for lo, hi in zip(start[first], np.maximum.reduceat(end, first)):
+                os.posix_fallocate(fd, int(lo), int(hi - lo))
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):  # a file system that cannot preallocate: as before
+                raise
+        finally:
+            os.close(fd)
+
     def read(self, rows: np.ndarray) -> np.ndarray:
         """`[n, width - 1]` float32 records (row, then slots) of stored rows `rows` (the newest: the write log's,
         else the records file's), checksums verified."""
@@ -410,6 +433,7 @@ class RowStore:
                 records = np.empty((part.size, self.width), np.float32)
                 log.read(part, records)
                 self._log_undo(part)
+                self._allocate(part[~self._committed[part]])  # the rows new to the records file
                 self._io(part, records, write=True)
         finally:
             self._records.advise_sequential(False)
@@ -421,7 +445,16 @@ class RowStore:
         write in flight."""
         step = step_number(step)
         new = _new_id()
-        self._commit(step, new, (self.history + [{"commit": self.commit + 1, "id": new, "step": step}])[-KEPT_COMMITS:])
+        try:
+            self._commit(step, new,
+                         (self.history + [{"commit": self.commit + 1, "id": new, "step": step}])[-KEPT_COMMITS:])
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise OSError(e.errno, f"Table {self.table.name!r}: the store at {self.path!r} cannot take the rows "
+                                   f"written since its last commit ({e.strerror}); it keeps its last commit"
+                                   f"{'' if self.step is None else f' (step {self.step})'}. Free space on its "
+                                   "disk and flush again, or restore the last checkpoint.") from e
 
     def _commit(self, step: int | None, commit_id: str, history: list[dict]) -> None:
         self._merge()

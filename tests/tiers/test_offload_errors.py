@@ -523,6 +523,40 @@ def test_a_failed_write_back_is_raised_by_flush_not_waited_for_forever(tmp_path)
         tiers.close()
 
 
+def test_a_full_disk_at_a_commit_is_an_error_naming_the_table_and_a_later_flush_commits(tmp_path, monkeypatch):
+    """A commit writes the rows new to the store into holes of its mapped, sparse records file: on a full disk
+    the first page the file could not get was a SIGBUS that killed the process ('Fatal Python error: Bus
+    error', nothing else). The blocks are allocated first: the flush raises an OSError naming the table, and
+    once there is room again a flush commits, the store equal to in-memory training."""
+    tables = {"a": (se.optimizers.Adagrad(0.1), "sum")}
+    feats = [Feat("a", "a")]
+    mesh, rng = make_mesh(1), jax.random.key(6)
+    batches = make_batches(feats, 4, seed=12)
+    mem_f, tier_f = make_specs(tables, feats, str(tmp_path), cache_rows=120)
+    mem_losses, state = train_in_memory(mem_f, mesh, batches, rng)
+    plan = se.plan(tier_f, mesh)
+    allocate, calls = os.posix_fallocate, []
+
+    def full(fd, offset, length):  # the disk is full until the first refusal
+        calls.append(offset)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return allocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with se.offload.Tiers(plan, rng) as tiers:
+        losses, out = train_tiered(tiers, plan, se.init_tables(plan, rng), batches)
+        with pytest.raises(OSError, match=r"Table 'a': the store at .* cannot take the rows written since its last "
+                                          r"commit \(No space left on device\); it keeps its last commit\. Free "
+                                          r"space on its disk and flush again"):
+            tiers.flush(out, len(batches))
+        assert tiers.tables["a"].store.step is None
+        out = tiers.flush(out, len(batches))
+        assert tiers.tables["a"].store.step == len(batches) and len(calls) > 1
+        assert_equal(losses, mem_losses, what="losses")
+        assert_store_equals(tiers, state, touched_rows(feats, batches))
+
+
 def test_exporting_an_offloaded_table_for_serving_is_refused(tmp_path):
     """Its array holds the cache's rows (a slot's row, not row i): `export_serving` wrote them as a 64-row table
     ids 0-63 read, silently; `export_delta` too. Both refuse, pointing to the store."""
