@@ -235,6 +235,7 @@ class Tiers:
         self._released: dict[int, int] = {}  # written-back swap -> swaps that must run before its rows are dropped
         self._writes: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._error_table: str | None = None  # the table whose write-back failed
         self._writer = threading.Thread(target=self._write_loop, name="sparse_embed.tiers.writer", daemon=True)
         self._writer.start()
         self._replicated = NamedSharding(plan.mesh, P())
@@ -557,6 +558,7 @@ class Tiers:
             if job is None:
                 return
             index, per_table = job
+            name = None
             try:
                 if self._error is not None:  # a write failed: the later ones are dropped, not waited for forever
                     continue
@@ -564,7 +566,7 @@ class Tiers:
                     if rows.size:
                         self._write_back(self.tables[name], rows, evicted)
             except BaseException as e:  # noqa: BLE001 - handed to the loop's thread
-                self._error = e
+                self._error, self._error_table = e, name
                 continue
             finally:
                 self._writes.task_done()
@@ -586,8 +588,13 @@ class Tiers:
 
     def _raise_writer_error(self) -> None:
         if self._error is not None:
-            raise RuntimeError("sparse_embed.offload.Tiers: writing evicted rows back to the store failed; the store "
-                               "holds the state of the last flush.") from self._error
+            t = self.tables.get(self._error_table)
+            what = f"Table {t.spec.name!r}: writing evicted rows back to its store at {t.store.path!r}" if t else \
+                "sparse_embed.offload.Tiers: writing evicted rows back to the store"
+            raise RuntimeError(f"{what} failed ({type(self._error).__name__}: {self._error}). This Tiers cannot go on: "
+                               "each store holds the state of its last flush (commit). Close it (tiers.close()) and "
+                               "go on from the last checkpoint: a new Tiers opens each store at its last commit."
+                               ) from self._error
 
     def wait(self) -> None:
         """Blocks until every evicted row so far is written to the store."""

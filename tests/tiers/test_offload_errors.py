@@ -483,7 +483,8 @@ def test_a_store_reopened_with_another_key_or_initializer_is_refused(tmp_path):
 
 def test_a_failed_write_back_is_raised_by_flush_not_waited_for_forever(tmp_path):
     """A write-back that fails (a full disk) while later swaps' write-backs are queued: `flush` raises the
-    failure (it waited forever on the queued ones), and so does the next swap."""
+    failure (it waited forever on the queued ones), and so does the next swap, naming the table, its store and
+    how to go on (the error named none of them)."""
     plan = _plan(_spec(tmp_path / "t", cache_rows=16))
     rng = jax.random.key(0)
     tiers = se.offload.Tiers(plan, rng)
@@ -515,9 +516,13 @@ def test_a_failed_write_back_is_raised_by_flush_not_waited_for_forever(tmp_path)
         waiter.start()
         waiter.join(60)
         assert not waiter.is_alive(), "flush waited forever on the write-backs queued after the failed one"
-        assert "writing evicted rows back to the store failed" in str(result["error"])
+        # the table, its store, the cause, and how to go on
+        assert re.fullmatch(r"Table 't': writing evicted rows back to its store at '.*' failed \(OSError: \[Errno 28\] "
+                            r"No space left on device\)\. This Tiers cannot go on: each store holds the state of "
+                            r"its last flush \(commit\)\. Close it \(tiers\.close\(\)\) and go on from the last "
+                            r"checkpoint: a new Tiers opens each store at its last commit\.", str(result["error"]))
         assert isinstance(result["error"].__cause__, OSError) and calls
-        with pytest.raises(RuntimeError, match="writing evicted rows back to the store failed"):
+        with pytest.raises(RuntimeError, match="Table 't': writing evicted rows back to its store at .* failed"):
             tiers.swap(tables, batches[3][1])
     finally:
         tiers.close()
