@@ -208,13 +208,18 @@ class RowStore:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise NotADirectoryError(f"Table {table.name!r}: its store path {self.path!r} is a file; Offload(...) "
                                      "takes a directory (one for each table).")
-        os.makedirs(self.path, exist_ok=True)
-        self._lock_file = _lock(table.name, self.path)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            self._lock_file = _lock(table.name, self.path)
+        except OSError as e:
+            raise _not_writable(table.name, self.path, e) from e
         try:
             self._open(table)
-        except BaseException:
+        except BaseException as e:
             if self._lock_file is not None:
                 self._lock_file.close()
+            if isinstance(e, OSError):
+                raise _not_writable(table.name, self.path, e) from e
             raise
 
     def _open(self, table: TableSpec) -> None:
@@ -534,6 +539,18 @@ class RowStore:
         self._records.close()
         if self._lock_file is not None:
             self._lock_file.close()  # (and its lock)
+
+
+def _not_writable(name: str, path: str, e: OSError) -> OSError:
+    """`e`, or for a store that cannot be written (a read-only file system, no permission) an OSError naming the
+    table and what to do: opening a store for training writes (its lock, its logs, the rollback to its last
+    commit), also to read it whole (`store_state`)."""
+    if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return e
+    return OSError(e.errno, f"Table {name!r}: the store at {path!r} cannot be opened for training ({e.strerror}: "
+                            f"{e.filename!r}): Tiers, store_state and write_store open it to write (its lock file, "
+                            "its logs, the rollback to its last commit). Give its Offload(...) a writable directory "
+                            "(a copy of the store); StoreServer serves a read-only store.")
 
 
 def _lock(name: str, path: str):

@@ -3,6 +3,7 @@ store is a `CorruptStoreError`, never a silently wrong row; a rejected batch lea
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -436,6 +437,34 @@ def test_a_store_path_that_is_a_file_is_named(tmp_path):
                                                  r"Offload\(...\) takes a directory"):
         se.offload.Tiers(_plan(_spec(tmp_path / "t")), jax.random.key(0))
     assert (tmp_path / "t").read_text() == "not a store"
+
+
+@pytest.mark.parametrize("where", ["lock", "records"])
+def test_a_store_that_cannot_be_written_is_named(tmp_path, monkeypatch, where):
+    """A store on a read-only file system (a copy to evaluate, say): Tiers and store_state raised a bare
+    "[Errno 30] Read-only file system: '.../lock'", naming no table; now the table, the store, and what to do.
+    (Simulated: the tests may run as root, whom permissions do not stop.)"""
+    from sparse_embed.tiers import rows_file, store
+    spec = _spec(tmp_path / "t")
+    plan, rng = _plan(spec), jax.random.key(0)
+    with se.offload.Tiers(plan, rng) as tiers:
+        tiers.flush(tiers.swap(se.init_tables(plan, rng), tiers.preprocess({"f_t": _ids(1, 2)})[2]), 1)
+
+    def read_only(path, *args, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", os.path.join(path, "lock") if where == "lock" else path)
+
+    monkeypatch.setattr(store, "_lock", (lambda name, path: read_only(path)) if where == "lock" else store._lock)
+    monkeypatch.setattr(store, "open_mapped", read_only if where == "records" else rows_file.open_mapped)
+    match = (rf"Table 't': the store at '{tmp_path / 't'}' cannot be opened for training \(Read-only file system: "
+             r"'.*'\): Tiers, store_state and write_store open it to write .* Give its Offload\(\.\.\.\) a writable "
+             r"directory \(a copy of the store\); StoreServer serves a read-only store\.")
+    for use in (lambda: se.offload.Tiers(plan, rng), lambda: se.offload.store_state(spec, rng)):
+        with pytest.raises(OSError, match=match) as e:
+            use()
+        assert e.value.errno == errno.EROFS
+    monkeypatch.undo()
+    with se.offload.Tiers(plan, rng) as tiers:  # nothing was left open or locked
+        assert tiers.tables["t"].store.step == 1
 
 
 def test_reading_or_restoring_a_store_that_is_not_there_creates_nothing(tmp_path):
