@@ -348,10 +348,27 @@ class RowStore:
             entries = np.empty((was.size, 8 + self.record_bytes), np.uint8)
             entries[:, :8] = was.astype(np.int64).view(np.uint8).reshape(-1, 8)
             entries[:, 8:] = data.view(np.uint8)
-            self._undo.write(entries.tobytes())
-            self._undo.flush()
-            os.fdatasync(self._undo.fileno())
+            whole = os.fstat(self._undo.fileno()).st_size  # (every earlier append was flushed)
+            try:
+                self._undo.write(entries.tobytes())
+                self._undo.flush()
+                os.fdatasync(self._undo.fileno())
+            except OSError:
+                self._cut_undo(whole)
+                raise
         self._logged[new] = True
+
+    def _cut_undo(self, size: int) -> None:
+        """After a failed append (a full disk): the undo log cut back to its `size` bytes of whole entries and
+        reopened without the bytes left unwritten in its buffer. A torn entry is harmless last (opening drops it),
+        but a retried commit appends after it, and every later entry would be read shifted: garbage rows."""
+        path = self._undo.name
+        try:
+            self._undo.close()  # (it tries its unwritten bytes again, which may fail again, or land: cut below)
+        except OSError:
+            pass
+        os.truncate(path, size)
+        self._undo = open(path, "ab")
 
     def _load_written(self, commit: int | None = None) -> np.ndarray:
         """bool `[V]`: the rows stored as of `commit` (default: the last)."""

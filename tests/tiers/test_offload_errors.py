@@ -591,6 +591,53 @@ def test_a_full_disk_at_a_commit_is_an_error_naming_the_table_and_a_later_flush_
         assert_store_equals(tiers, state, touched_rows(feats, batches))
 
 
+def test_a_flush_retried_after_a_full_disk_keeps_the_way_back_to_the_commit_before(tmp_path):
+    """A commit first saves the committed records it overwrites in an undo log (the way back to the commit
+    before). A full disk tore an entry there; the flush retried once there was room appended after it, so every
+    later entry read shifted: the commit before no longer restored (a CorruptStoreError for row
+    -5022533103482085139, on a real full disk). The log is cut back to its whole entries: the retried flush
+    commits, and the store goes back to the commit before as in-memory training had it then."""
+    tables = {"a": (se.optimizers.Adagrad(0.1), "sum")}
+    feats = [Feat("a", "a")]
+    mesh, rng = make_mesh(1), jax.random.key(6)
+    batches = make_batches(feats, 4, seed=12)
+    mem_f, tier_f = make_specs(tables, feats, str(tmp_path), cache_rows=120)
+    _, state, states = train_in_memory(mem_f, mesh, batches, rng, snapshots=(2,))
+    plan = se.plan(tier_f, mesh)
+
+    class Torn:  # the undo log's file: its next append writes part of an entry, the disk full; then room again
+        def __init__(self, f):
+            self.f, self.name, self.full = f, f.name, True
+
+        def write(self, data):
+            if not self.full:
+                return self.f.write(data)
+            self.full = False
+            self.f.write(data[:len(data) // 2 + 3])
+            self.f.flush()
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    with se.offload.Tiers(plan, rng) as tiers:
+        store = tiers.tables["a"].store
+        _, out = train_tiered(tiers, plan, se.init_tables(plan, rng), batches[:2])
+        out = tiers.flush(out, 2)
+        before = store.id
+        _, out = train_tiered(tiers, plan, out, batches[2:], start=2)
+        store._undo = Torn(store._undo)
+        with pytest.raises(OSError, match=r"Table 'a': the store at .* cannot take the rows written since its last "
+                                          r"commit \(No space left on device\); it keeps its last commit \(step 2\)"):
+            tiers.flush(out, 4)
+        out = tiers.flush(out, 4)  # there is room again
+        assert_store_equals(tiers, state, touched_rows(feats, batches))
+    with se.offload.Tiers(plan, rng) as tiers:
+        tiers.tables["a"].store.rollback_to(before)
+        assert tiers.tables["a"].store.step == 2
+        assert_store_equals(tiers, states[2], touched_rows(feats, batches[:2]))
+
+
 def test_exporting_an_offloaded_table_for_serving_is_refused(tmp_path):
     """Its array holds the cache's rows (a slot's row, not row i): `export_serving` wrote them as a 64-row table
     ids 0-63 read, silently; `export_delta` too. Both refuse, pointing to the store."""
