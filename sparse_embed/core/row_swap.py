@@ -117,6 +117,25 @@ def swap_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariable
     return EmbeddingVariables(out.pop(TABLE_KEY), out), evicted
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def read_rows(plan: EmbeddingPlan, stack_name: str, variables: EmbeddingVariables, at: jax.Array
+              ) -> dict[str, jax.Array]:
+    """`{"table": [n, dim], slot: [n, width]}`: the rows at global array rows `at` (`[n]` int32, -1: padding, zeros)
+    of a stack's cache, replicated. Reads only: `variables` is not donated, so a flush whose write to the store
+    fails leaves the caller's tables whole (it can be retried)."""
+    stack = plan.stack(stack_name)
+    arrays = {TABLE_KEY: variables.table, **variables.slots}
+    axis, rps = plan.axis_name, stack.rows_per_shard
+
+    def read(arrays, at):
+        local = _local_at(at, jax.lax.axis_index(axis) * rps, rps)
+        return {k: _gathered(jnp.where((local < rps)[:, None], v[jnp.minimum(local, rps - 1)], jnp.zeros((), v.dtype)),
+                             axis)
+                for k, v in arrays.items()}
+
+    return jax.shard_map(read, mesh=plan.mesh, in_specs=(P(axis), P()), out_specs=P())(arrays, at)
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def initial_rows(t: TableSpec, table_key: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
     """`fresh_rows` as its own computation: an offloaded table's rows never stored, generated ahead of the swap

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparse_embed.core.planning import EmbeddingPlan
 from sparse_embed.core.relayout import TABLE_KEY
-from sparse_embed.core.row_swap import cache_positions, initial_rows, swap_rows, write_rows
+from sparse_embed.core.row_swap import cache_positions, initial_rows, read_rows, swap_rows, write_rows
 from sparse_embed.core.specs import FeatureSpec, TableSpec
 from sparse_embed.core.state import EmbeddingVariables
 from sparse_embed.core.tables import table_key
@@ -605,7 +605,8 @@ class Tiers:
         """Writes every cached row that changed to the store and makes the store durable (`step` recorded).
 
         Afterwards the store alone holds the whole table as of this step: the steps whose swaps ran. Returns
-        the tables (the readout runs through a donating jit); the cache keeps its rows, now clean. Batches
+        the tables, as given (the readout only reads them, so a flush that failed, on a full disk say, is tried
+        again with the same tables); the cache keeps its rows, now clean. Batches
         already preprocessed for later steps (by hand, or by a `prefetch` still running) are not affected:
         their swaps run as usual, and what their steps change is written back later.
         """
@@ -619,10 +620,7 @@ class Tiers:
             for lo in range(0, slots.size, _FLUSH_ROWS):
                 part = slots[lo:lo + _FLUSH_ROWS]
                 n = _bucket(part.size)
-                at = _padded(t.positions[part], n, -1)
-                none = {k: np.zeros((n, w), np.float32) for k, w in t.columns.items()}
-                out[t.stack.name], rows = swap_rows(self.plan, t.stack.name, out[t.stack.name], t.key, at,
-                                                    np.full(n, -1, np.int32), none, None, None)
+                rows = read_rows(self.plan, t.stack.name, out[t.stack.name], _padded(t.positions[part], n, -1))
                 self._write_back(t, t.held[part], rows)
             t.changed[:] = False
             if t.raw:  # its map as of these rows, durable with the commit

@@ -557,6 +557,38 @@ def test_a_failed_write_back_is_raised_by_flush_not_waited_for_forever(tmp_path)
         tiers.close()
 
 
+def test_a_flush_that_failed_is_tried_again_with_the_same_tables(tmp_path, monkeypatch):
+    """A flush reads the changed cache rows out, then commits. Its readout went through the swap's donating jit,
+    so a commit that failed (a full disk) had consumed the caller's tables: the flush tried again returned them
+    deleted, and the next step failed ('Buffer has been deleted or donated'). The readout only reads now: the
+    flush tried again once there is room commits, and training goes on as in memory."""
+    tables = {"a": (se.optimizers.Adagrad(0.1), "sum")}
+    feats = [Feat("a", "a")]
+    mesh, rng = make_mesh(1), jax.random.key(6)
+    batches = make_batches(feats, 6, seed=12)
+    mem_f, tier_f = make_specs(tables, feats, str(tmp_path), cache_rows=120)
+    mem_losses, state = train_in_memory(mem_f, mesh, batches, rng)
+    plan = se.plan(tier_f, mesh)
+    allocate, calls = os.posix_fallocate, []
+
+    def full(fd, offset, length):  # the disk is full until the first refusal
+        calls.append(offset)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return allocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with se.offload.Tiers(plan, rng) as tiers:
+        losses, out = train_tiered(tiers, plan, se.init_tables(plan, rng), batches[:3])
+        with pytest.raises(OSError, match="No space left on device"):
+            tiers.flush(out, 3)
+        out = tiers.flush(out, 3)
+        more, out = train_tiered(tiers, plan, out, batches[3:], start=3)
+        tiers.flush(out, len(batches))
+        assert_equal(losses + more, mem_losses, what="losses")
+        assert_store_equals(tiers, state, touched_rows(feats, batches))
+
+
 def test_a_full_disk_at_a_commit_is_an_error_naming_the_table_and_a_later_flush_commits(tmp_path, monkeypatch):
     """A commit writes the rows new to the store into holes of its mapped, sparse records file: on a full disk
     the first page the file could not get was a SIGBUS that killed the process ('Fatal Python error: Bus
