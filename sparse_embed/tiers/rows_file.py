@@ -130,9 +130,19 @@ class WriteLog:
         entries = np.empty((rows.size, self.words), np.uint32)
         entries[:, :2] = rows.astype("<i8").view(np.uint32).reshape(-1, 2)
         entries[:, 2:] = records.view(np.uint32)
-        view = memoryview(entries).cast("B")
-        while view.nbytes:
-            view = view[os.write(self.fd, view):]
+        view, done = memoryview(entries).cast("B"), 0
+        try:
+            while done < view.nbytes:
+                done += os.write(self.fd, view[done:])
+        except OSError:  # (a full disk) a torn entry would shift every entry appended after it: it is cut off, and
+            whole = rows[:done // self.entry_bytes]  # the whole ones stay (a reader may have indexed and mapped them)
+            os.ftruncate(self.fd, (self.count + whole.size) * self.entry_bytes)
+            self._index(whole)
+            raise
+        self._index(rows)
+
+    def _index(self, rows: np.ndarray) -> None:
+        """Indexes the entries just appended, of `rows`."""
         with self.lock:
             self.at[rows] = np.arange(self.count + 1, self.count + 1 + rows.size, dtype=np.uint32)
             self.count += rows.size

@@ -471,12 +471,17 @@ class RowStore:
             self._commit(step, new,
                          (self.history + [{"commit": self.commit + 1, "id": new, "step": step}])[-KEPT_COMMITS:])
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            raise OSError(e.errno, f"Table {self.table.name!r}: the store at {self.path!r} cannot take the rows "
-                                   f"written since its last commit ({e.strerror}); it keeps its last commit"
-                                   f"{'' if self.step is None else f' (step {self.step})'}. Free space on its "
-                                   "disk and flush again, or restore the last checkpoint.") from e
+            raise self.disk_full(e) from e
+
+    def disk_full(self, e: OSError) -> OSError:
+        """`e`, or for a full disk (or quota) an OSError naming the table and what to do: a commit (or a flush's
+        write) that fails leaves the store at its last commit, and can be tried again once there is room."""
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        return OSError(e.errno, f"Table {self.table.name!r}: the store at {self.path!r} cannot take the rows written "
+                                f"since its last commit ({e.strerror}); it keeps its last commit"
+                                f"{'' if self.step is None else f' (step {self.step})'}. Free space on its disk and "
+                                "flush again, or restore the last checkpoint.")
 
     def _commit(self, step: int | None, commit_id: str, history: list[dict]) -> None:
         self._merge()

@@ -621,7 +621,10 @@ class Tiers:
                 part = slots[lo:lo + _FLUSH_ROWS]
                 n = _bucket(part.size)
                 rows = read_rows(self.plan, t.stack.name, out[t.stack.name], _padded(t.positions[part], n, -1))
-                self._write_back(t, t.held[part], rows)
+                try:
+                    self._write_back(t, t.held[part], rows)
+                except OSError as e:
+                    raise t.store.disk_full(e) from e
             t.changed[:] = False
             if t.raw:  # its map as of these rows, durable with the commit
                 self._ids.save(name, t.store, step)

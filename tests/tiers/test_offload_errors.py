@@ -589,6 +589,45 @@ def test_a_flush_that_failed_is_tried_again_with_the_same_tables(tmp_path, monke
         assert_store_equals(tiers, state, touched_rows(feats, batches))
 
 
+def test_a_flush_whose_write_log_append_was_torn_is_tried_again(tmp_path, monkeypatch):
+    """A flush appends the changed cache rows to the store's write log. A full disk tore the append (a bare
+    "[Errno 28] No space left on device"), and the flush tried again appended after the torn entry: every later
+    entry read shifted, and the commit merged garbage into the store. The torn entry is cut off, the error names
+    the table: the flush tried again commits, and training goes on as in memory."""
+    tables = {"a": (se.optimizers.Adagrad(0.1), "sum")}
+    feats = [Feat("a", "a")]
+    mesh, rng = make_mesh(1), jax.random.key(6)
+    batches = make_batches(feats, 6, seed=12)
+    mem_f, tier_f = make_specs(tables, feats, str(tmp_path), cache_rows=120)
+    mem_losses, state = train_in_memory(mem_f, mesh, batches, rng)
+    plan = se.plan(tier_f, mesh)
+    write, log = os.write, {}
+
+    def full(fd, data):  # the write log's next append: a short write (whole entries and a torn one), then full
+        if fd != log.get("fd"):
+            return write(fd, data)
+        if "wrote" in log:
+            del log["fd"]  # (room again after this)
+            raise OSError(28, "No space left on device")
+        log["wrote"] = write(fd, bytes(data)[:len(data) // 2 + 3])
+        return log["wrote"]
+
+    monkeypatch.setattr(os, "write", full)
+    with se.offload.Tiers(plan, rng) as tiers:
+        losses, out = train_tiered(tiers, plan, se.init_tables(plan, rng), batches[:3])
+        tiers.wait()
+        log["fd"], entry = tiers.tables["a"].store._log.fd, tiers.tables["a"].store._log.entry_bytes
+        with pytest.raises(OSError, match=r"Table 'a': the store at .* cannot take the rows written since its last "
+                                          r"commit \(No space left on device\)"):
+            tiers.flush(out, 3)
+        assert log["wrote"] > entry and log["wrote"] % entry  # whole entries, and a torn one
+        out = tiers.flush(out, 3)
+        more, out = train_tiered(tiers, plan, out, batches[3:], start=3)
+        tiers.flush(out, len(batches))
+        assert_equal(losses + more, mem_losses, what="losses")
+        assert_store_equals(tiers, state, touched_rows(feats, batches))
+
+
 def test_a_full_disk_at_a_commit_is_an_error_naming_the_table_and_a_later_flush_commits(tmp_path, monkeypatch):
     """A commit writes the rows new to the store into holes of its mapped, sparse records file: on a full disk
     the first page the file could not get was a SIGBUS that killed the process ('Fatal Python error: Bus

@@ -141,3 +141,44 @@ def test_a_damaged_log_entry_is_a_corrupt_store_error_naming_the_table_and_row(t
     with pytest.raises(CorruptStoreError, match=r"Table 'items': row 9 of the store at .* fails its checksum"):
         store.read(np.array([8, 9]))
     store.close()
+
+
+def test_an_append_a_full_disk_cuts_short_keeps_the_whole_entries_a_reader_may_have_seen(tmp_path, monkeypatch):
+    """A full disk cut an append short: whole entries, a torn one, then ENOSPC. The torn one must go (an append
+    after it would shift every later entry), but a serving reader may have indexed the whole ones meanwhile:
+    cutting the file back before them left its index on other rows' entries (or past the end of the file: a
+    SIGBUS through its mapping). They stay: the store and that reader read each row's newest record."""
+    path = str(tmp_path)
+    store = RowStore(_spec(path))
+    writes = _writes(7, 3)
+    store.write(*writes[0])
+    store.commit_step(1)
+    reader = StoreReader(path)
+    write, log = os.write, {"fd": store._log.fd}
+
+    def full(fd, data):  # a short write (3.5 entries), the reader follows the log, then the disk is full
+        if fd != log.get("fd"):
+            return write(fd, data)
+        if "wrote" in log:
+            del log["fd"]
+            reader._follow()
+            raise OSError(28, "No space left on device")
+        log["wrote"] = write(fd, bytes(data)[:store._log.entry_bytes * 7 // 2])
+        return log["wrote"]
+
+    monkeypatch.setattr(os, "write", full)
+    rows, values = writes[1]
+    assert rows.size > 4
+    with pytest.raises(OSError, match="No space left on device"):
+        store.write(rows, values)
+    store.write(*writes[2])  # (there is room again)
+    want = {int(r): v for r, v in zip(*writes[0])}
+    want.update({int(r): v for r, v in zip(rows[:3], values[:3])})  # the whole entries written
+    want.update({int(r): v for r, v in zip(*writes[2])})
+    at = np.array(sorted(want))
+    expect = np.stack([want[r] for r in at.tolist()])
+    np.testing.assert_array_equal(reader.read(at), expect)
+    np.testing.assert_array_equal(store.read(at), expect)
+    assert os.path.getsize(os.path.join(path, LOG_NAME)) == store._log.count * store._log.entry_bytes
+    reader.close()
+    store.close()
