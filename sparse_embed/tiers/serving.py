@@ -325,7 +325,12 @@ class StoreServer:
 
     def _serve(self, ids: Any, default: np.ndarray, label: str) -> tuple[np.ndarray, dict[str, Any]]:
         """The rows of `ids`, and this lookup's counts (`_PER_LOOKUP`)."""
-        shape = np.shape(ids)
+        try:
+            ids = np.asarray(ids)
+        except ValueError as e:  # a ragged list: numpy's message named no table
+            raise ValueError(f"{label}: ids must be an integer array (a list of lists of one length), got a ragged "
+                             f"{type(ids).__name__} ({e}).") from None
+        shape = ids.shape
         flat = self._check_ids(ids, label)
         self._maybe_refresh()
         with self._lock:

@@ -393,6 +393,9 @@ def test_a_config_file_names_models_tables_and_stores_and_models_share_a_store(t
             ps.lookup("ranker", "items", np.array([1, 200]))
         with pytest.raises(ValueError, match="Model 'ranker', table 'items': ids must be integers"):
             ps.lookup("ranker", "items", np.array([1.0]))
+        with pytest.raises(ValueError, match=r"Model 'ranker', table 'items': ids must be an integer array \(a list "
+                                             r"of lists of one length\), got a ragged list"):
+            ps.lookup("ranker", "items", [[1, 2], [3]])  # (numpy's 'inhomogeneous shape' named no table)
     with pytest.raises(ValueError, match=r"Table 'items': id -2 \(at 1\) is outside"):
         se.offload.StoreServer(a).lookup(np.array([0, -2]))
     for big in (2**64 - 1, 2**63, 200):  # unsigned ids past the table, not wrapped to padding or a row
