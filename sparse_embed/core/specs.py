@@ -111,7 +111,7 @@ class Offload:
       path: the store's directory (created if absent; an existing store is reopened), one per table;
         `~` is expanded.
       cache_rows: rows the device holds; at least the distinct ids of one
-        batch, or the step raises naming the table.
+        batch, or `Tiers.preprocess` refuses the batch naming the table.
     """
 
     path: str
