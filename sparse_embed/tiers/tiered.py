@@ -627,7 +627,10 @@ class Tiers:
                     raise t.store.disk_full(e) from e
             t.changed[:] = False
             if t.raw:  # its map as of these rows, durable with the commit
-                self._ids.save(name, t.store, step)
+                try:
+                    self._ids.save(name, t.store, step)
+                except OSError as e:
+                    raise t.store.disk_full(e) from e
             t.store.commit_step(step)
             if t.raw:
                 self._ids.prune(t.store)

@@ -340,6 +340,41 @@ def test_bad_input(tmp_path):
         se.offload.Tiers(tiny, jax.random.key(0))
 
 
+def test_a_full_disk_writing_the_id_map_names_the_table_and_the_flush_is_tried_again(tmp_path, monkeypatch):
+    """A flush writes a raw-id table's map before its commit: a full disk there was a bare "[Errno 28] No space
+    left on device"; it names the table now, and the flush tried again commits the map the swaps ran."""
+    from sparse_embed.tiers.id_map import IdMaps
+    root = str(tmp_path / "s")
+    plan, tiers = small_run(root, make_mesh(1))
+    save, calls = IdMaps.save, []
+
+    def full(self, *args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return save(self, *args)
+
+    monkeypatch.setattr(IdMaps, "save", full)
+    try:
+        _, _, tables, _ = train_tiered(tiers, plan, se.init_tables(plan, jax.random.key(0)), {},
+                                       batches(2, seed=4, tables=SMALL), start=3)
+        with pytest.raises(OSError, match=r"Table 'adagrad': the store at .* cannot take the rows written since its "
+                                          r"last commit \(No space left on device\); it keeps its last commit "
+                                          r"\(step 3\)\. Free space on its disk and flush again"):
+            tiers.flush(tables, 5)
+        tiers.flush(tables, 5)
+        want = [np.asarray(x) for x in jax.tree.leaves(tiers._ids.swapped["adagrad"])]
+    finally:
+        tiers.close()
+    tiers = se.offload.Tiers(plan, jax.random.key(0))
+    try:
+        assert tiers.tables["adagrad"].store.step == 5
+        for g, w in zip(jax.tree.leaves(tiers._ids.swapped["adagrad"]), want):
+            np.testing.assert_array_equal(np.asarray(g), w)
+    finally:
+        tiers.close()
+
+
 def test_a_shard_cache_too_small_is_refused_and_changes_nothing(tmp_path):
     """A batch whose ids read more rows on one shard than that shard's share of the cache raises naming the
     table, the shard and the rows needed; the map and cache are unchanged: training goes on as in memory
