@@ -308,6 +308,9 @@ def serving_lookup(
     if set(weights) - set(feats):
         raise ValueError(f"weights have unknown features {sorted(set(weights) - set(feats))}; features are "
                          f"{sorted(feats)}.")
+    if isinstance(oov, Mapping) and set(oov) - set(tables):  # (a misspelt table would keep its default silently)
+        raise ValueError(f"oov sets policies for tables {sorted(set(oov) - set(tables), key=str)} that are not in "
+                         f"tables (it has {sorted(tables)}).")
     out = {}
     for name, f in feats.items():
         if f.table.name not in tables:

@@ -81,6 +81,10 @@ def test_oov_zero_and_default_vector(policy):
     jitted = jax.jit(lambda t, i: se.serving_lookup(feats, t, i, oov=oov))(tables, ids)
     for got in (eager, jitted):
         np.testing.assert_allclose(got["f"], want, rtol=1e-6)
+    if policy != "zero":  # a misspelt table kept the default policy ("error") silently
+        with pytest.raises(ValueError, match=r"oov sets policies for tables \['T'\] that are not in tables \(it "
+                                             r"has \['t'\]\)"):
+            se.serving_lookup(feats, tables, ids, oov={"T": default})
 
 
 def test_oov_error_raises_eagerly_and_poisons_under_jit():
