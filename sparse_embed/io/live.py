@@ -167,9 +167,11 @@ class LiveTables:
 def _warn_if_gap(directory: str, base: str, missing: int) -> None:
     """Warns when a later delta of `base` is in `directory` but delta `missing` is not: the chain is broken
     there (a delta lost or not yet copied), and the served snapshot cannot move past it."""
-    later = sorted(n for n in os.listdir(directory) if n.startswith(base + ".") and n.endswith(".delta")
-                   and n > delta_name(base, missing))
+    seqs = (n[len(base) + 1:-len(".delta")] for n in os.listdir(directory)
+            if n.startswith(base + ".") and n.endswith(".delta"))
+    later = sorted(int(q) for q in seqs if q.isdigit() and int(q) > missing)  # (by number: 1000000 after 999999)
     if later:
         warnings.warn(f"{os.path.join(directory, delta_name(base, missing))} is missing, but {len(later)} later "
-                      f"delta(s) of the export are there ({later[0]} ...): serving stays at delta {missing - 1} "
-                      "until it comes (a delta lost: export in full again).", RuntimeWarning, stacklevel=3)
+                      f"delta(s) of the export are there ({delta_name(base, later[0])} ...): serving stays at delta "
+                      f"{missing - 1} until it comes (a delta lost: export in full again).", RuntimeWarning,
+                      stacklevel=3)

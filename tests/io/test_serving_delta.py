@@ -495,3 +495,15 @@ def test_with_a_step_exports_and_deltas_leave_out_the_ids_expired_at_it(tmp_path
         se.convert_checkpoint(tmp_path / "ckpt", tmp_path / f"got_{dtype}", serving=True, dtype=dtype)
         _assert_same_tables(se.load_serving(tmp_path / f"got_{dtype}")[0],
                             se.load_serving(tmp_path / f"want_{dtype}")[0])
+
+
+def test_a_gap_is_warned_of_past_a_million_deltas(tmp_path):
+    """Delta names grow a digit at 1,000,000: compared as strings, 'b.1000000' sorted before 'b.999999', so a
+    missing delta 999999 with later ones there went unwarned."""
+    from sparse_embed.io.live import _warn_if_gap
+
+    for seq in (1_000_000, 1_000_001, 999_998):
+        (tmp_path / ss.delta_name("b", seq)).touch()
+    with pytest.warns(RuntimeWarning, match=r"b\.999999\.delta is missing, but 2 later delta\(s\) of the export "
+                                            r"are there \(b\.1000000\.delta \.\.\.\): serving stays at delta 999998"):
+        _warn_if_gap(str(tmp_path), "b", 999_999)
