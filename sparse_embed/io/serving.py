@@ -218,11 +218,24 @@ def _narrowed(feature: FeatureSpec, a: Any, oov: Any) -> Any:
     """Host ids wider than int32 (jax takes them as int32 and would wrap 2**32 + 5 to row 5, 2**64 - 1 to -1
     padding): an error naming the id (`oov="error"`), else the first id past the table (out of vocabulary,
     served by the policy). Traced ids, and ids of other dtypes, as they are."""
+    vocab, top = feature.table.vocabulary_size, np.iinfo(np.int32).max
+    if isinstance(a, (list, tuple, int)):  # Python ints (numpy reads those past int64 as floats): as Python ints
+        try:
+            values = np.asarray(a, dtype=object)
+        except (ValueError, TypeError):
+            return a  # (malformed: the reader names it)
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values.flat):
+            return a
+        bad = np.vectorize(lambda v: not -top <= int(v) <= top, otypes=[bool])(values)
+        a = np.where(bad, 0, values).astype(np.int64)  # (then set below)
+        if np.any(bad) and isinstance(oov, str) and oov == "error":
+            raise error(feature, f"id {int(values[bad].ravel()[0])} is out of vocabulary [0, {vocab}); pass "
+                                 "oov='zero' or a default vector to serve it.")
+        return np.where(bad, vocab, a).astype(np.int64)
     if isinstance(a, jax.core.Tracer) or not isinstance(a, (np.ndarray, np.integer)):
         return a
     if a.dtype.kind not in "iu" or (a.dtype.itemsize < 4 or a.dtype == np.int32):
         return a
-    vocab, top = feature.table.vocabulary_size, np.iinfo(np.int32).max
     bad = (a > top) if a.dtype.kind == "u" else ((a < -top) | (a > top))  # (the others: checked as int32)
     if not np.any(bad):
         return a

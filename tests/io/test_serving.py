@@ -106,7 +106,8 @@ def test_ids_wider_than_int32_are_never_wrapped_to_a_row_or_padding(wide):
     coo = (np.array([[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1]]), ids.ravel(), (3, 2))
     with pytest.raises(ValueError, match=rf"Feature 'f' \(table 't'\): id {wide} is out of vocabulary \[0, 10\)"):
         se.serving_lookup(feats, tables, {"f": coo})  # COO: its values are the ids (not its indices)
-    for given in ([row for row in ids], ids, coo):
+    python = [[int(i) for i in row] for row in ids]  # Python ints: jax alone refused those past int32
+    for given in ([row for row in ids], ids, coo, python):
         got = se.serving_lookup(feats, tables, {"f": given}, oov="zero")["f"]
         np.testing.assert_allclose(got, np.stack([W[1] / 2, (W[3] + W[0]) / 2, W[2]]), rtol=1e-6)  # as any OOV id
     raw = {"g": se.FeatureSpec("g", se.TableSpec("u", 8, 4, combiner="sum", dynamic=se.Dynamic()), 2)}
