@@ -557,27 +557,37 @@ def test_a_failed_write_back_is_raised_by_flush_not_waited_for_forever(tmp_path)
         tiers.close()
 
 
-def test_a_flush_that_failed_is_tried_again_with_the_same_tables(tmp_path, monkeypatch):
-    """A flush reads the changed cache rows out, then commits. Its readout went through the swap's donating jit,
-    so a commit that failed (a full disk) had consumed the caller's tables: the flush tried again returned them
-    deleted, and the next step failed ('Buffer has been deleted or donated'). The readout only reads now: the
-    flush tried again once there is room commits, and training goes on as in memory."""
-    tables = {"a": (se.optimizers.Adagrad(0.1), "sum")}
-    feats = [Feat("a", "a")]
-    mesh, rng = make_mesh(1), jax.random.key(6)
-    batches = make_batches(feats, 6, seed=12)
-    mem_f, tier_f = make_specs(tables, feats, str(tmp_path), cache_rows=120)
-    mem_losses, state = train_in_memory(mem_f, mesh, batches, rng)
-    plan = se.plan(tier_f, mesh)
+def _one_table(tmp_path, steps: int):
+    """One offloaded Adagrad table (a cache of 120 rows), its batches, and in-memory training's losses and state:
+    `(feats, batches, losses, state, plan, rng)`."""
+    feats, rng = [Feat("a", "a")], jax.random.key(6)
+    batches = make_batches(feats, steps, seed=12)
+    mem_f, tier_f = make_specs({"a": (se.optimizers.Adagrad(0.1), "sum")}, feats, str(tmp_path), cache_rows=120)
+    mem_losses, state = train_in_memory(mem_f, make_mesh(1), batches, rng)
+    return feats, batches, mem_losses, state, se.plan(tier_f, make_mesh(1)), rng
+
+
+def _full_once(monkeypatch) -> list:
+    """The disk full for the first block allocation (`os.posix_fallocate`), then room; the calls' offsets."""
     allocate, calls = os.posix_fallocate, []
 
-    def full(fd, offset, length):  # the disk is full until the first refusal
+    def full(fd, offset, length):
         calls.append(offset)
         if len(calls) == 1:
             raise OSError(28, "No space left on device")
         return allocate(fd, offset, length)
 
     monkeypatch.setattr(os, "posix_fallocate", full)
+    return calls
+
+
+def test_a_flush_that_failed_is_tried_again_with_the_same_tables(tmp_path, monkeypatch):
+    """A flush reads the changed cache rows out, then commits. Its readout went through the swap's donating jit,
+    so a commit that failed (a full disk) had consumed the caller's tables: the flush tried again returned them
+    deleted, and the next step failed ('Buffer has been deleted or donated'). The readout only reads now: the
+    flush tried again once there is room commits, and training goes on as in memory."""
+    feats, batches, mem_losses, state, plan, rng = _one_table(tmp_path, 6)
+    _full_once(monkeypatch)
     with se.offload.Tiers(plan, rng) as tiers:
         losses, out = train_tiered(tiers, plan, se.init_tables(plan, rng), batches[:3])
         with pytest.raises(OSError, match="No space left on device"):
@@ -594,13 +604,7 @@ def test_a_flush_whose_write_log_append_was_torn_is_tried_again(tmp_path, monkey
     "[Errno 28] No space left on device"), and the flush tried again appended after the torn entry: every later
     entry read shifted, and the commit merged garbage into the store. The torn entry is cut off, the error names
     the table: the flush tried again commits, and training goes on as in memory."""
-    tables = {"a": (se.optimizers.Adagrad(0.1), "sum")}
-    feats = [Feat("a", "a")]
-    mesh, rng = make_mesh(1), jax.random.key(6)
-    batches = make_batches(feats, 6, seed=12)
-    mem_f, tier_f = make_specs(tables, feats, str(tmp_path), cache_rows=120)
-    mem_losses, state = train_in_memory(mem_f, mesh, batches, rng)
-    plan = se.plan(tier_f, mesh)
+    feats, batches, mem_losses, state, plan, rng = _one_table(tmp_path, 6)
     write, log = os.write, {}
 
     def full(fd, data):  # the write log's next append: a short write (whole entries and a torn one), then full
@@ -633,22 +637,8 @@ def test_a_full_disk_at_a_commit_is_an_error_naming_the_table_and_a_later_flush_
     the first page the file could not get was a SIGBUS that killed the process ('Fatal Python error: Bus
     error', nothing else). The blocks are allocated first: the flush raises an OSError naming the table, and
     once there is room again a flush commits, the store equal to in-memory training."""
-    tables = {"a": (se.optimizers.Adagrad(0.1), "sum")}
-    feats = [Feat("a", "a")]
-    mesh, rng = make_mesh(1), jax.random.key(6)
-    batches = make_batches(feats, 4, seed=12)
-    mem_f, tier_f = make_specs(tables, feats, str(tmp_path), cache_rows=120)
-    mem_losses, state = train_in_memory(mem_f, mesh, batches, rng)
-    plan = se.plan(tier_f, mesh)
-    allocate, calls = os.posix_fallocate, []
-
-    def full(fd, offset, length):  # the disk is full until the first refusal
-        calls.append(offset)
-        if len(calls) == 1:
-            raise OSError(28, "No space left on device")
-        return allocate(fd, offset, length)
-
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    feats, batches, mem_losses, state, plan, rng = _one_table(tmp_path, 4)
+    calls = _full_once(monkeypatch)
     with se.offload.Tiers(plan, rng) as tiers:
         losses, out = train_tiered(tiers, plan, se.init_tables(plan, rng), batches)
         with pytest.raises(OSError, match=r"Table 'a': the store at .* cannot take the rows written since its last "
