@@ -334,7 +334,8 @@ class StoreServer:
         flat = self._check_ids(ids, label)
         self._maybe_refresh()
         with self._lock:
-            epoch, bits = self._epoch, self._bits
+            # the store this bitmap is of: a refresh may reopen a replaced store meanwhile, whose rows differ
+            epoch, bits, store = self._epoch, self._bits, self.store
             slots = self.cache.slot_of[np.maximum(flat, 0)] - 1
             slots[flat < 0] = -1
             hit = slots >= 0
@@ -346,14 +347,14 @@ class StoreServer:
         found = _is_set(bits, flat[rest])
         rows, where = np.unique(flat[rest[found]], return_inverse=True)
         t0 = time.perf_counter()
-        values, retried = self._read(rows, label)
+        values, retried = self._read(store, rows, label)
         seconds = time.perf_counter() - t0
         out[rest[found]] = values[where]
         out[rest[~found]] = default
         out[pad] = 0.0
         counts = dict(hits=int(hit.sum()), misses=int(found.sum()), not_found=int(rest.size - found.sum()),
                       padding=int(pad.size), rows_read=int(rows.size), retries=retried,
-                      bytes_read=int(rows.size + retried) * self.store.record_bytes, read_seconds=seconds)
+                      bytes_read=int(rows.size + retried) * store.record_bytes, read_seconds=seconds)
         counts["lookups"] = counts["hits"] + counts["misses"] + counts["not_found"]
         with self._lock:
             if self._epoch == epoch and rows.size:  # no refresh since the reads began: they are fresh enough
@@ -363,10 +364,10 @@ class StoreServer:
                 setattr(self._stats, k, getattr(self._stats, k) + v)
         return out.reshape(shape + (self.embedding_dim,)), counts
 
-    def _read(self, rows: np.ndarray, label: str) -> tuple[np.ndarray, int]:
-        """`([n, dim] embeddings of rows, re-reads)`: a record that fails its checksum is read again, sleeping in
-        between (a writer may be in the middle of it); still failing after `retries`: CorruptStoreError."""
-        data, bad = self._read_records(rows)
+    def _read(self, store: StoreReader, rows: np.ndarray, label: str) -> tuple[np.ndarray, int]:
+        """`([n, dim] embeddings of rows, re-reads)` from `store`: a record that fails its checksum is read again,
+        sleeping in between (a writer may be in the middle of it); still failing after `retries`: CorruptStoreError."""
+        data, bad = self._read_records(store, rows)
         retried, wait = 0, self.retry_seconds
         for _ in range(self.retries):
             if not bad.any():
@@ -375,27 +376,27 @@ class StoreServer:
             wait *= 2
             again = np.flatnonzero(bad)
             retried += again.size
-            data[again], bad[again] = self.store.read_records(rows[again])
+            data[again], bad[again] = store.read_records(rows[again])
         if bad.any():
             row = int(rows[int(np.argmax(bad))])
             raise CorruptStoreError(f"{label}: row {row} of the store at {self.path!r} fails its checksum after "
                                     f"{self.retries} re-reads (the file was damaged or written by something else).")
         return data[:, :self.embedding_dim], retried
 
-    def _read_records(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`StoreReader.read_records`, split over `read_threads` threads when there are many rows."""
+    def _read_records(self, store: StoreReader, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`store.read_records`, split over `read_threads` threads when there are many rows."""
         k = min(self.read_threads, rows.size // _ROWS_PER_READER)
         if k <= 1:
-            return self.store.read_records(rows)
+            return store.read_records(rows)
         if self._readers is None:
             with self._lock:
                 if self._readers is None:
                     self._readers = ThreadPoolExecutor(self.read_threads, "sparse_embed.serving.reader")
-        data = np.empty((rows.size, self.store.width), np.float32)
+        data = np.empty((rows.size, store.width), np.float32)
         bad = np.empty(rows.size, bool)
 
         def part(at: slice) -> None:
-            data[at], bad[at] = self.store.read_records(rows[at])
+            data[at], bad[at] = store.read_records(rows[at])
 
         bounds = np.linspace(0, rows.size, k + 1).astype(int)
         list(self._readers.map(part, [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]))

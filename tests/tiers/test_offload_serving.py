@@ -484,3 +484,27 @@ def test_a_store_replaced_by_another_runs_is_served_from_scratch(tmp_path):
                                                 r"table"):
         server.refresh()
     server.close()
+
+
+def test_a_lookup_under_way_when_the_store_is_replaced_reads_the_store_its_bitmap_came_from(tmp_path, monkeypatch):
+    """A refresh that reopens a replaced store while a lookup runs: the lookup reads its rows from the store whose
+    bitmap it took (the old one), not the new one, where those rows were never written and fail their checksum
+    (a CorruptStoreError, and rows of two stores in one lookup)."""
+    path = str(tmp_path / "store")
+    _row_store(path, np.arange(10)).close()
+    server = se.offload.StoreServer(path, refresh_seconds=None, retries=1, retry_seconds=0)
+    os.rename(path, str(tmp_path / "old"))
+    _row_store(path, np.arange(100, 110), np.full((10, 2 * D), -3.0)).close()  # another run's store
+    is_set, refreshed = serving._is_set, []
+
+    def refresh_meanwhile(bits, rows):  # the lookup has taken its bitmap: the refresh runs now
+        if not refreshed:
+            refreshed.append(server.refresh())
+        return is_set(bits, rows)
+
+    monkeypatch.setattr(serving, "_is_set", refresh_meanwhile)
+    got = server.lookup(np.array([3, 4, 105]))
+    assert refreshed == [True]
+    np.testing.assert_array_equal(got[:, 0], [3.0, 4.0, 0.0])  # the old store's rows, its bitmap's default
+    np.testing.assert_array_equal(server.lookup(np.array([3, 105]))[:, 0], [0.0, -3.0])  # then the new store's
+    server.close()
