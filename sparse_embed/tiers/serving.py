@@ -232,6 +232,7 @@ class StoreServer:
         self._refreshing = threading.Lock()  # one refresh at a time
         self._stats = ServingStats()
         self._epoch = 0  # bumped by every refresh that picks up a commit: reads begun before it are not cached
+        self._closed = False
         self.commit, self.step, self._bits, self._id = self._load(self.store)
         self._stats.commit, self._stats.step = self.commit, self.step
         self._next_check = time.monotonic() + (refresh_seconds or 0.0)
@@ -332,6 +333,8 @@ class StoreServer:
                              f"{type(ids).__name__} ({e}).") from None
         shape = ids.shape
         flat = self._check_ids(ids, label)
+        if self._closed:  # (its files are closed: a read would fail with the OS's bare 'Bad file descriptor')
+            raise ValueError(f"{label}: the server of the store at {self.path!r} is closed.")
         self._maybe_refresh()
         with self._lock:
             # the store this bitmap is of: a refresh may reopen a replaced store meanwhile, whose rows differ
@@ -409,6 +412,8 @@ class StoreServer:
             return dataclasses.replace(self._stats)
 
     def close(self) -> None:
+        """Closes the store's files; a lookup after it is a ValueError naming the table."""
+        self._closed = True
         if self._readers is not None:
             self._readers.shutdown()
         self.store.close()

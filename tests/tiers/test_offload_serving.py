@@ -508,3 +508,19 @@ def test_a_lookup_under_way_when_the_store_is_replaced_reads_the_store_its_bitma
     np.testing.assert_array_equal(got[:, 0], [3.0, 4.0, 0.0])  # the old store's rows, its bitmap's default
     np.testing.assert_array_equal(server.lookup(np.array([3, 105]))[:, 0], [0.0, -3.0])  # then the new store's
     server.close()
+
+
+def test_a_lookup_after_close_is_an_error_naming_the_table(tmp_path):
+    """Not the OS's bare 'Bad file descriptor' (a store with a write log) or an unnamed 'the store is closed'."""
+    store = _row_store(str(tmp_path), np.arange(10))
+    store.write(np.array([3]), np.full((1, 2 * D), 9.0, np.float32))  # in the write log, which the server follows
+    server = se.offload.StoreServer(str(tmp_path), refresh_seconds=None)
+    server.lookup(np.array([3]))
+    server.close()
+    with pytest.raises(ValueError, match=r"Table 'items': the server of the store at .* is closed"):
+        server.lookup(np.array([3, 4]))
+    with se.offload.load_parameter_server({"models": {"m": {"items": {"store": str(tmp_path)}}}}) as ps:
+        ps.lookup("m", "items", [4])
+    with pytest.raises(ValueError, match=r"Model 'm', table 'items': the server of the store at .* is closed"):
+        ps.lookup("m", "items", [4, 5])
+    store.close()
