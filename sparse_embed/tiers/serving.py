@@ -307,10 +307,20 @@ class StoreServer:
         """`[*ids.shape, dim]` float32 rows of integer `ids` (-1: padding, zeros; rows never written: the default)."""
         return self._serve(ids, self.default, f"Table {self.table!r}")[0]
 
-    def _check_ids(self, ids: Any, label: str) -> np.ndarray:
+    def _check_ids(self, ids: Any, label: str, given: Any = None) -> np.ndarray:
         ids = np.asarray(ids)
         if ids.size == 0 and ids.dtype.kind == "f":  # `[]`: numpy's empty list is float64
             ids = ids.astype(np.int64)
+        # a list of integers that numpy reads as floats or objects (Python ints past int64, or numpy's uint64 beside
+        # int64): read as the integers they are, not refused with "ids must be integers"
+        if isinstance(given, (list, tuple)) and ids.dtype.kind in "fO":
+            values = np.asarray(given, dtype=object)
+            if all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values.flat):
+                for i, v in enumerate(values.flat):
+                    if not PADDING_ID <= int(v) < self.vocabulary_size:
+                        raise ValueError(f"{label}: id {int(v)} (at {i}) is outside [0, {self.vocabulary_size}) of "
+                                         f"the store at {self.path!r} (-1 is padding).")
+                ids = values.astype(np.int64)
         if ids.dtype.kind not in "iu":
             raise ValueError(f"{label}: ids must be integers, got dtype {ids.dtype}.")
         given = ids.reshape(-1)
@@ -327,12 +337,12 @@ class StoreServer:
     def _serve(self, ids: Any, default: np.ndarray, label: str) -> tuple[np.ndarray, dict[str, Any]]:
         """The rows of `ids`, and this lookup's counts (`_PER_LOOKUP`)."""
         try:
-            ids = np.asarray(ids)
+            given, ids = ids, np.asarray(ids)
         except ValueError as e:  # a ragged list: numpy's message named no table
             raise ValueError(f"{label}: ids must be an integer array (a list of lists of one length), got a ragged "
                              f"{type(ids).__name__} ({e}).") from None
         shape = ids.shape
-        flat = self._check_ids(ids, label)
+        flat = self._check_ids(ids, label, given)
         if self._closed:  # (its files are closed: a read would fail with the OS's bare 'Bad file descriptor')
             raise ValueError(f"{label}: the server of the store at {self.path!r} is closed.")
         self._maybe_refresh()

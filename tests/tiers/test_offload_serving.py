@@ -524,3 +524,16 @@ def test_a_lookup_after_close_is_an_error_naming_the_table(tmp_path):
     with pytest.raises(ValueError, match=r"Model 'm', table 'items': the server of the store at .* is closed"):
         ps.lookup("m", "items", [4, 5])
     store.close()
+
+
+def test_a_list_of_ints_past_int64_is_an_id_outside_the_table_not_a_dtype_error(tmp_path):
+    """numpy reads a list with an int past int64 as float64 or object: the error names the id, as for an array;
+    numpy's uint64 beside int64 (read as float64) serve as the integers they are."""
+    _row_store(str(tmp_path), np.arange(10)).close()
+    with se.offload.StoreServer(str(tmp_path), refresh_seconds=None) as server:
+        for ids, bad, at in (([1, 2**63], 2**63, 1), ([[1], [2**64]], 2**64, 1), ([-2**63 - 1, 1], -2**63 - 1, 0)):
+            with pytest.raises(ValueError, match=rf"Table 'items': id {bad} \(at {at}\) is outside \[0, 200\)"):
+                server.lookup(ids)
+        np.testing.assert_array_equal(server.lookup([np.uint64(5), np.int64(-1)])[:, 0], [5.0, 0.0])
+        with pytest.raises(ValueError, match="Table 'items': ids must be integers, got dtype float64"):
+            server.lookup([1.0, 2**63])
