@@ -67,7 +67,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from sparse_embed.tiers.store import KEPT_CHANGES, CorruptStoreError, StoreReader
+from sparse_embed.tiers.store import KEPT_CHANGES, CorruptStoreError, StoreReader, stored_shards
 
 DEFAULT_CACHE_BYTES = 1 << 30
 PADDING_ID = -1
@@ -529,6 +529,11 @@ def _table_fields(fields: Any, label: str, base: str) -> dict[str, Any]:
         raise ValueError(f"{label}: \"store\" must be the path of a store, got {store!r}.")
     store = os.path.realpath(os.path.join(base, os.path.expanduser(store)))
     if not os.path.exists(os.path.join(store, "tier.json")):
+        shards = stored_shards(store)
+        if shards:  # (not "no store there": it holds one, of several processes)
+            raise ValueError(f"{label}: the store at {store!r} was written by {shards} processes (each keeps its rows "
+                             "in process<i>of<P>/): serving reads a store of one process; rewrite it as one with "
+                             "sparse_embed.offload.store_state and write_store.")
         raise FileNotFoundError(f"{label}: no offloaded table's store at {store!r} (no tier.json there).")
     cache = fields.get("cache_bytes", DEFAULT_CACHE_BYTES)
     if isinstance(cache, bool) or not isinstance(cache, int) or cache < 0:

@@ -537,3 +537,14 @@ def test_a_list_of_ints_past_int64_is_an_id_outside_the_table_not_a_dtype_error(
         np.testing.assert_array_equal(server.lookup([np.uint64(5), np.int64(-1)])[:, 0], [5.0, 0.0])
         with pytest.raises(ValueError, match="Table 'items': ids must be integers, got dtype float64"):
             server.lookup([1.0, 2**63])
+
+
+def test_a_config_naming_a_store_of_several_processes_says_so(tmp_path):
+    """Not "no offloaded table's store there": it holds one, in process<i>of<P>/ (as StoreServer says)."""
+    for i in range(2):
+        _row_store(str(tmp_path / "items" / f"process{i}of2"), np.arange(i, 10, 2)).close()
+    with pytest.raises(ValueError, match=r"serving config: model 'm', table 'items': the store at .* was written by "
+                                         r"2 processes .* rewrite it as one"):
+        se.offload.load_parameter_server({"models": {"m": {"items": {"store": str(tmp_path / "items")}}}})
+    with pytest.raises(ValueError, match="was written by 2 processes"):
+        se.offload.StoreServer(tmp_path / "items")
