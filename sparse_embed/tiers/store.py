@@ -542,7 +542,8 @@ class RowStore:
         gone = np.flatnonzero(self.written & ~written)  # rows it no longer holds: a reader drops them too
         with self._lock:
             self.written = written
-        self._rolled_back = np.union1d(np.union1d(rows, gone), dropped)
+        # (and the rows the opening rolled back: a reader may have cached their newer records too)
+        self._rolled_back = np.union1d(np.union1d(rows, gone), np.union1d(dropped, self._rolled_back))
         self._commit(self.history[at]["step"], commit_id, self.history[:at + 1])
 
     def _replace_log(self) -> WriteLog:

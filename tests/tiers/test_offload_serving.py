@@ -548,3 +548,25 @@ def test_a_config_naming_a_store_of_several_processes_says_so(tmp_path):
         se.offload.load_parameter_server({"models": {"m": {"items": {"store": str(tmp_path / "items")}}}})
     with pytest.raises(ValueError, match="was written by 2 processes"):
         se.offload.StoreServer(tmp_path / "items")
+
+
+def test_rows_a_killed_trainer_wrote_are_dropped_when_its_restore_goes_back_to_an_older_commit(tmp_path):
+    """Killed with rows written back after its last commit (a server read them), then restored to an older commit
+    (a checkpoint's): the opening rolls those rows back, and the restore's commit lists them with the rows it
+    restores, so the server drops them (they were served, as rows the store never committed, until evicted)."""
+    path = str(tmp_path)
+    store = _row_store(path, np.arange(10))
+    first = store.id
+    _write(store, [5], np.full((1, 2 * D), 7.0))  # commit 2 changes row 5
+    store.write(np.array([1, 2]), np.full((2, 2 * D), -5.0, np.float32))  # written back, never committed
+    server = se.offload.StoreServer(path, refresh_seconds=None)
+    np.testing.assert_array_equal(server.lookup(np.array([1, 2, 5]))[:, 0], [-5.0, -5.0, 7.0])
+    store.close()  # killed
+    again = RowStore(_spec(path, 200))
+    _OPEN.append(again)
+    again.rollback_to(first)  # the restore of the checkpoint at commit 1
+    np.testing.assert_array_equal(np.load(os.path.join(path, f"changes.{again.commit}.npy")), [1, 2, 5])
+    assert server.refresh() and server.stats().invalidated == 3
+    want, _ = reference(path, 200)
+    np.testing.assert_array_equal(server.lookup(np.array([1, 2, 5])), want[[1, 2, 5]])
+    np.testing.assert_array_equal(want[[1, 2, 5], 0], [1.0, 2.0, 5.0])
