@@ -21,6 +21,10 @@ Layout of the store's directory (one table):
   (and any a rollback restored), so that a reader serving the store
   (`tiers.serving`) drops exactly its cached rows that changed; the last
   `KEPT_CHANGES` commits' are kept.
+- `rolled_back.npy`: the rows that openings since the last commit rolled
+  back (their logs are gone), until the next commit lists them in its
+  changes: a store opened, rolled back and closed again before a commit
+  (killed twice, or read by `store_state` in between) still lists them.
 - `log.bin`: the write log. Rows written back between commits are
   appended here (each entry: the row number, then its record), not written
   in place: a tail row's first write into the records file costs a page
@@ -75,6 +79,7 @@ from sparse_embed.tiers.rows_file import LOG_NAME, WriteLog, log_rows, open_mapp
 
 FORMAT = "sparse_embed.offload/1"
 KEPT_CHANGES = 8  # commits whose `changes.<commit>.npy` a store keeps
+ROLLED_BACK_NAME = "rolled_back.npy"  # rows rolled back since the last commit, until it lists them (`_rollback`)
 KEPT_COMMITS = 8  # commits a store can go back to (`RowStore.rollback_to`): their undo logs and bitmaps are kept
 LOG_BYTES = 1 << 30  # a store's write log is merged once it holds this much or half the records file's size
 _MERGE_ROWS = 1 << 18  # rows a merge of the write log copies at a time
@@ -321,6 +326,16 @@ class RowStore:
         if os.path.exists(path):
             rows, records = _read_log(path, self.record_bytes)
             self._rolled_back = np.union1d(self._rolled_back, rows)
+        saved = os.path.join(self.path, ROLLED_BACK_NAME)
+        if os.path.exists(saved):  # an earlier opening's, never committed: its logs are gone, its rows are here
+            self._rolled_back = np.union1d(self._rolled_back, np.load(saved).astype(np.int64))
+        if self._rolled_back.size:  # durable before the logs that list them are deleted
+            with open(saved + ".tmp", "wb") as f:
+                np.save(f, self._rolled_back)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(saved + ".tmp", saved)
+        if os.path.exists(path):
             keep = self._committed[rows]  # rows unwritten at the commit need nothing: the bitmap says so
             if keep.any():
                 self._io(rows[keep], np.ascontiguousarray(records[keep]), write=True)
@@ -502,6 +517,8 @@ class RowStore:
                                                            "history": history, "written_crc32": crc,
                                                            **self._init_json()})
         self._written_crc = crc
+        if os.path.exists(os.path.join(self.path, ROLLED_BACK_NAME)):  # the commit's changes list them now
+            os.remove(os.path.join(self.path, ROLLED_BACK_NAME))
         # committed: files no kept commit needs are obsolete (a crash before their removal: removed on opening)
         self._undo.close()
         self.commit, self.step, self.id, self.history = self.commit + 1, step, commit_id, history

@@ -570,3 +570,24 @@ def test_rows_a_killed_trainer_wrote_are_dropped_when_its_restore_goes_back_to_a
     want, _ = reference(path, 200)
     np.testing.assert_array_equal(server.lookup(np.array([1, 2, 5])), want[[1, 2, 5]])
     np.testing.assert_array_equal(want[[1, 2, 5], 0], [1.0, 2.0, 5.0])
+
+
+def test_rows_rolled_back_by_a_trainer_killed_twice_before_a_commit_are_dropped_at_its_next_commit(tmp_path):
+    """The first restart rolls the rows a server read back and deletes the logs that listed them; killed again
+    (or the store opened by store_state) before committing, the next run's commit still lists them (they were
+    served, as rows the store never committed, until evicted)."""
+    path = str(tmp_path)
+    store = _row_store(path, np.arange(10))
+    store.write(np.array([1, 2]), np.full((2, 2 * D), -5.0, np.float32))  # written back, never committed
+    server = se.offload.StoreServer(path, refresh_seconds=None)
+    np.testing.assert_array_equal(server.lookup(np.array([1, 2, 3]))[:, 0], [-5.0, -5.0, 3.0])
+    store.close()  # killed
+    RowStore(_spec(path, 200)).close()  # restarted, killed again before its first commit
+    RowStore(_spec(path, 200)).close()
+    again = _row_store(path, np.array([50]))
+    np.testing.assert_array_equal(np.load(os.path.join(path, "changes.2.npy")), [1, 2, 50])
+    assert server.refresh() and server.stats().invalidated == 2
+    np.testing.assert_array_equal(server.lookup(np.array([1, 2, 3, 50]))[:, 0], [1.0, 2.0, 3.0, 50.0])
+    assert not os.path.exists(os.path.join(path, "rolled_back.npy"))  # listed by the commit: gone
+    _write(again, [60])
+    np.testing.assert_array_equal(np.load(os.path.join(path, "changes.3.npy")), [60])
