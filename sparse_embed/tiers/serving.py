@@ -155,7 +155,7 @@ class _RowCache:
     def drop(self, rows: np.ndarray | None) -> int:
         """Drops `rows` (int64, any) from the cache, or every row (None); how many were cached."""
         slots = np.flatnonzero(self.row_of >= 0) if rows is None else self.slot_of[rows].astype(np.int64) - 1
-        slots = slots[slots >= 0]
+        slots = np.unique(slots[slots >= 0])  # (a row twice, as changed by two commits: dropped, and counted, once)
         self.slot_of[self.row_of[slots]] = 0
         self.row_of[slots] = -1
         self.referenced[slots] = False

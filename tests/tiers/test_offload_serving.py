@@ -591,3 +591,19 @@ def test_rows_rolled_back_by_a_trainer_killed_twice_before_a_commit_are_dropped_
     assert not os.path.exists(os.path.join(path, "rolled_back.npy"))  # listed by the commit: gone
     _write(again, [60])
     np.testing.assert_array_equal(np.load(os.path.join(path, "changes.3.npy")), [60])
+
+
+def test_a_row_changed_by_several_commits_is_invalidated_and_uncounted_once(tmp_path):
+    """A refresh over two commits that both changed a cached row: it is dropped once; `invalidated` and
+    `cached_rows` count rows (they counted it twice: 4 invalidated, 6 cached, with 8 rows in the cache)."""
+    path = str(tmp_path)
+    store = _row_store(path, np.arange(10))
+    server = se.offload.StoreServer(path, refresh_seconds=None)
+    server.lookup(np.arange(10))
+    _write(store, [2, 3])
+    _write(store, [2, 3], np.full((2, 2 * D), -1.0))
+    assert server.refresh()
+    s = server.stats()
+    assert (s.invalidated, s.cached_rows) == (2, 8) == (2, int((server.cache.row_of >= 0).sum()))
+    np.testing.assert_array_equal(server.lookup(np.arange(5))[:, 0], [0.0, 1.0, -1.0, -1.0, 4.0])
+    assert server.stats().cached_rows == 10
