@@ -576,8 +576,12 @@ def load_parameter_server(config: str | os.PathLike | Mapping) -> ParameterServe
         for store in dict.fromkeys(f["store"] for f in fields.values()):
             named = [f for f in fields.values() if f["store"] == store]
             refresh = [f["refresh_seconds"] for f in named if f["refresh_seconds"] is not None]
-            servers[store] = StoreServer(store, cache_bytes=max(f["cache_bytes"] for f in named),
-                                         refresh_seconds=min(refresh) if refresh else None)
+            try:
+                servers[store] = StoreServer(store, cache_bytes=max(f["cache_bytes"] for f in named),
+                                             refresh_seconds=min(refresh) if refresh else None)
+            except ValueError as e:  # (CorruptStoreError too) a store refused: named by the entries that name it
+                entries = "; ".join(f"model {m!r}, table {t!r}" for (m, t), f in fields.items() if f["store"] == store)
+                raise type(e)(f"{where}: {entries}: {e}") from None
         entries: dict[str, dict[str, tuple[StoreServer, np.ndarray]]] = {}
         for (model, table), f in fields.items():
             server, label = servers[f["store"]], f"{where}: model {model!r}, table {table!r}"

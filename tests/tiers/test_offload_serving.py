@@ -607,3 +607,21 @@ def test_a_row_changed_by_several_commits_is_invalidated_and_uncounted_once(tmp_
     assert (s.invalidated, s.cached_rows) == (2, 8) == (2, int((server.cache.row_of >= 0).sum()))
     np.testing.assert_array_equal(server.lookup(np.arange(5))[:, 0], [0.0, 1.0, -1.0, -1.0, 4.0])
     assert server.stats().cached_rows == 10
+
+
+def test_a_store_the_config_names_that_cannot_be_served_is_an_error_naming_the_model_and_table(tmp_path):
+    """A raw-id table's store, or a damaged one: the StoreServer's error, prefixed with the config's entries that
+    name the store (it named the store's table only, not the model)."""
+    store = RowStore(dataclasses.replace(_spec(str(tmp_path / "raw"), 200, "t"), dynamic=se.Dynamic()))
+    _write(store, np.arange(3))
+    store.close()
+    _row_store(str(tmp_path / "cut"), np.arange(3), name="u").close()
+    os.truncate(str(tmp_path / "cut" / "records" / "c" / "0" / "0"), 100)
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"models": {"a": {"t": {"store": "raw"}}, "b": {"t": {"store": "raw"}}}}))
+    with pytest.raises(ValueError, match=r"serving config .*c.json': model 'a', table 't'; model 'b', table 't': "
+                                         r"Table 't' \(store .*\) is keyed by raw ids"):
+        se.offload.load_parameter_server(config)
+    with pytest.raises(CorruptStoreError, match=r"serving config: model 'm', table 'u': Table 'u': the records file "
+                                                r".* cut short"):
+        se.offload.load_parameter_server({"models": {"m": {"u": {"store": str(tmp_path / "cut")}}}})
