@@ -221,6 +221,10 @@ class StoreServer:
                              "(export_serving with its id_maps).")
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, (int, np.integer)) or cache_bytes < 0:
             raise ValueError(f"{label}: cache_bytes must be an int >= 0, got {cache_bytes!r}.")
+        if refresh_seconds is not None and (isinstance(refresh_seconds, bool) or not isinstance(
+                refresh_seconds, (int, float, np.integer, np.floating)) or not refresh_seconds >= 0):
+            self.store.close()  # (as the config file's: "5" failed in time's arithmetic, -1 or NaN passed)
+            raise ValueError(f"{label}: refresh_seconds must be a number >= 0 or None, got {refresh_seconds!r}.")
         self.cache_bytes = int(cache_bytes)
         self.default = _default_vector(default, self.embedding_dim, label)
         self.refresh_seconds, self.retries, self.retry_seconds = refresh_seconds, int(retries), float(retry_seconds)
@@ -539,7 +543,7 @@ def _table_fields(fields: Any, label: str, base: str) -> dict[str, Any]:
     if isinstance(cache, bool) or not isinstance(cache, int) or cache < 0:
         raise ValueError(f"{label}: \"cache_bytes\" must be an int >= 0, got {cache!r}.")
     refresh = fields.get("refresh_seconds", 1.0)
-    if refresh is not None and (isinstance(refresh, bool) or not isinstance(refresh, (int, float)) or refresh < 0):
+    if refresh is not None and (isinstance(refresh, bool) or not isinstance(refresh, (int, float)) or not refresh >= 0):
         raise ValueError(f"{label}: \"refresh_seconds\" must be a number >= 0 or null, got {refresh!r}.")
     return {"store": store, "cache_bytes": cache, "default": fields.get("default", 0.0), "refresh_seconds": refresh}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import threading
 import time
 
@@ -625,3 +626,19 @@ def test_a_store_the_config_names_that_cannot_be_served_is_an_error_naming_the_m
     with pytest.raises(CorruptStoreError, match=r"serving config: model 'm', table 'u': Table 'u': the records file "
                                                 r".* cut short"):
         se.offload.load_parameter_server({"models": {"m": {"u": {"store": str(tmp_path / "cut")}}}})
+
+
+def test_a_refresh_period_that_is_not_a_number_or_is_negative_is_refused_naming_the_table(tmp_path):
+    """As the config file's: "5" failed with time's 'unsupported operand type(s) for +', -1 and NaN were taken
+    (NaN: a JSON config may hold it)."""
+    _row_store(str(tmp_path / "items"), np.arange(3)).close()
+    for bad in ("5", -1, float("nan"), True):
+        with pytest.raises(ValueError, match=r"Table 'items' \(store .*\): refresh_seconds must be a number >= 0 or "
+                                             rf"None, got {re.escape(repr(bad))}"):
+            se.offload.StoreServer(tmp_path / "items", refresh_seconds=bad)
+    config = tmp_path / "c.json"
+    config.write_text('{"models": {"m": {"items": {"store": "items", "refresh_seconds": NaN}}}}')
+    with pytest.raises(ValueError, match=r"model 'm', table 'items': \"refresh_seconds\" must be a number >= 0"):
+        se.offload.load_parameter_server(config)
+    with se.offload.StoreServer(tmp_path / "items", refresh_seconds=np.float32(0.5)) as server:
+        assert server.lookup([1])[0, 0] == 1.0
