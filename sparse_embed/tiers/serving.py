@@ -257,9 +257,16 @@ class StoreServer:
     def refresh(self) -> bool:
         """Picks up the store's newest commit, if there is a new one: its bitmap, and drops the cached rows
         written since the commit served (all of them when the store no longer keeps those changes).
-        Lookups go on meanwhile. Whether there was a new commit."""
+        Lookups go on meanwhile. Whether there was a new commit. A FileNotFoundError naming the table while the
+        store is gone from its path (removed, or another run's store being made there): lookups serve the commit
+        they have meanwhile."""
         with self._refreshing:
-            return self._refresh()
+            try:
+                return self._refresh()
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"Table {self.table!r}: the store at {self.path!r} is gone from its path "
+                                        f"({e.strerror}: {e.filename!r}): removed, or another run's store being made "
+                                        f"there; lookups serve its commit {self.commit} meanwhile.") from None
 
     def _refresh(self) -> bool:
         store, meta = self.store, self.store.meta()
@@ -304,6 +311,8 @@ class StoreServer:
             try:
                 self._next_check = time.monotonic() + self.refresh_seconds
                 self._refresh()
+            except FileNotFoundError:  # the store gone from its path (removed, or another run's being made there):
+                pass  # lookups serve the commit they have (still mapped), and look again after refresh_seconds
             finally:
                 self._refreshing.release()
 

@@ -642,3 +642,23 @@ def test_a_refresh_period_that_is_not_a_number_or_is_negative_is_refused_naming_
         se.offload.load_parameter_server(config)
     with se.offload.StoreServer(tmp_path / "items", refresh_seconds=np.float32(0.5)) as server:
         assert server.lookup([1])[0, 0] == 1.0
+
+
+def test_lookups_go_on_while_the_store_is_gone_from_its_path_and_a_refresh_says_so(tmp_path):
+    """Another run about to make a store at the path (the old one removed, the new one without tier.json yet):
+    an automatic refresh failed every lookup with a bare FileNotFoundError of tier.json; lookups serve the commit
+    they have, `refresh()` names the table, and the new store is served once it is there."""
+    path = str(tmp_path / "store")
+    _row_store(path, np.arange(10)).close()
+    server = se.offload.StoreServer(path, refresh_seconds=0)
+    np.testing.assert_array_equal(server.lookup([1, 2])[:, 0], [1.0, 2.0])
+    os.rename(path, str(tmp_path / "old"))
+    os.makedirs(os.path.join(path, "records", "c", "0"))  # the new run has begun
+    np.testing.assert_array_equal(server.lookup([1, 2])[:, 0], [1.0, 2.0])
+    with pytest.raises(FileNotFoundError, match=r"Table 'items': the store at .* is gone from its path .*tier.json"
+                                                r".* lookups serve its commit 1 meanwhile"):
+        server.refresh()
+    os.rmdir(os.path.join(path, "records", "c", "0"))
+    _row_store(path, np.arange(5), np.full((5, 2 * D), -3.0)).close()
+    np.testing.assert_array_equal(server.lookup([1, 2, 7])[:, 0], [-3.0, -3.0, 0.0])
+    server.close()
