@@ -217,8 +217,9 @@ class StoreServer:
         if self.store.raw_ids or any(n.startswith("idmap.") for n in os.listdir(self.path)):
             self.store.close()
             raise ValueError(f"{label} is keyed by raw ids: its rows belong to the ids of its id map, which a "
-                             "StoreServer does not read; serve it from a restored in-memory table "
-                             "(export_serving with its id_maps).")
+                             "StoreServer does not read; serving an offloaded raw-id table, or moving it into an "
+                             "in-memory plan to export it (export_serving with its id_maps), is not done yet "
+                             "(docs/offload.md, Raw-id tables).")
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, (int, np.integer)) or cache_bytes < 0:
             raise ValueError(f"{label}: cache_bytes must be an int >= 0, got {cache_bytes!r}.")
         if refresh_seconds is not None and (isinstance(refresh_seconds, bool) or not isinstance(
