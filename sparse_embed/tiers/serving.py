@@ -226,6 +226,12 @@ class StoreServer:
                 refresh_seconds, (int, float, np.integer, np.floating)) or not refresh_seconds >= 0):
             self.store.close()  # (as the config file's: "5" failed in time's arithmetic, -1 or NaN passed)
             raise ValueError(f"{label}: refresh_seconds must be a number >= 0 or None, got {refresh_seconds!r}.")
+        number = (int, float, np.integer, np.floating)  # (a negative sleep failed in the lookup that met a torn row)
+        if isinstance(retries, bool) or not isinstance(retries, (int, np.integer)) or retries < 0 or \
+                isinstance(retry_seconds, bool) or not isinstance(retry_seconds, number) or not retry_seconds >= 0:
+            self.store.close()
+            raise ValueError(f"{label}: retries must be an int >= 0 and retry_seconds a number >= 0, got {retries!r} "
+                             f"and {retry_seconds!r}.")
         self.cache_bytes = int(cache_bytes)
         self.default = _default_vector(default, self.embedding_dim, label)
         self.refresh_seconds, self.retries, self.retry_seconds = refresh_seconds, int(retries), float(retry_seconds)

@@ -663,3 +663,15 @@ def test_lookups_go_on_while_the_store_is_gone_from_its_path_and_a_refresh_says_
     _row_store(path, np.arange(5), np.full((5, 2 * D), -3.0)).close()
     np.testing.assert_array_equal(server.lookup([1, 2, 7])[:, 0], [-3.0, -3.0, 0.0])
     server.close()
+
+
+def test_retries_and_retry_seconds_are_checked_when_the_server_is_made(tmp_path):
+    """A negative retry_seconds was taken, then failed with time.sleep's bare 'sleep length must be non-negative'
+    in the first lookup that met a row caught mid-write; -1 retries said 'after -1 re-reads'."""
+    _row_store(str(tmp_path), np.arange(3)).close()
+    for kw in (dict(retry_seconds=-0.001), dict(retries=-1), dict(retries=2.5), dict(retry_seconds="0.1")):
+        with pytest.raises(ValueError, match=r"Table 'items' \(store .*\): retries must be an int >= 0 and "
+                                             r"retry_seconds a number >= 0"):
+            se.offload.StoreServer(tmp_path, **kw)
+    with se.offload.StoreServer(tmp_path, retries=0, retry_seconds=0) as server:
+        assert server.lookup([2])[0, 0] == 2.0
