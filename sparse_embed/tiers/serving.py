@@ -108,6 +108,12 @@ _PER_LOOKUP = ("lookups", "hits", "misses", "not_found", "padding", "rows_read",
 _ROWS_PER_READER = 256  # a lookup reads its misses on up to read_threads threads, at least this many rows each
 
 
+def slot_dtype(capacity: int) -> np.dtype:
+    """The dtype of a cache's row -> cache row + 1 map: 4 bytes a table row, 8 where a cache row + 1 would pass
+    int32 (and wrap to another row's slot)."""
+    return np.dtype(np.int32 if capacity < np.iinfo(np.int32).max else np.int64)
+
+
 class _RowCache:
     """`capacity` cached rows of a `[vocabulary, dim]` table: values, the row each holds, CLOCK reference bits."""
 
@@ -115,7 +121,7 @@ class _RowCache:
         self.capacity = capacity
         self.values = np.empty((max(capacity, 1), dim), np.float32)  # (a row to gather from when there are none)
         self.row_of = np.full(capacity, -1, np.int64)  # cache row -> table row (-1: empty)
-        self.slot_of = np.zeros(vocabulary, np.int32)  # table row -> cache row + 1 (0: not cached)
+        self.slot_of = np.zeros(vocabulary, slot_dtype(capacity))  # table row -> cache row + 1 (0: not cached)
         self.referenced = np.zeros(capacity, bool)
         self.hand = 0
         self.size = 0

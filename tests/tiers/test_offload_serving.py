@@ -675,3 +675,13 @@ def test_retries_and_retry_seconds_are_checked_when_the_server_is_made(tmp_path)
             se.offload.StoreServer(tmp_path, **kw)
     with se.offload.StoreServer(tmp_path, retries=0, retry_seconds=0) as server:
         assert server.lookup([2])[0, 0] == 2.0
+
+
+@pytest.mark.parametrize("capacity, dtype", [(4, np.int32), (2**31 - 2, np.int32), (2**31 - 1, np.int64),
+                                             (2**33, np.int64)])
+def test_a_cache_of_2_31_rows_or_more_numbers_its_rows_in_int64(capacity, dtype):
+    """A cache row + 1 past int32 would wrap in an int32 row -> slot map, serving another row's values."""
+    from sparse_embed.tiers.serving import _RowCache, slot_dtype
+
+    assert slot_dtype(capacity) == dtype and np.iinfo(dtype).max >= capacity  # (cache row + 1 <= capacity)
+    assert _RowCache(10, 1, 4).slot_of.dtype == np.int32
