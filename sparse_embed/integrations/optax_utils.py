@@ -102,9 +102,10 @@ def tables_mesh(tables: Any) -> Mesh | None:
 
 def replicate_unplaced(tree: Any, mesh: Mesh | None) -> Any:
     """`tree` with its unplaced arrays (uncommitted, as optax makes a step count or an eager init the params)
-    replicated on `mesh` (the tables'): a jitted train step returns them there, so without this its second
-    call would miss the first one's jit cache entry and compile the step again. Arrays the caller placed stay."""
-    if mesh is None or mesh.size == 1:
+    replicated on `mesh` (the tables', a one-device mesh too): a jitted train step returns them there, so
+    without this its second call would miss the first one's jit cache entry and compile the step again.
+    Arrays the caller placed stay."""
+    if mesh is None:
         return tree
     replicated = NamedSharding(mesh, PartitionSpec())
     unplaced = lambda x: (_concrete(x) and isinstance(x.sharding, SingleDeviceSharding)

@@ -15,6 +15,7 @@ from flax.training.train_state import OVERWRITE_WITH_GRADIENT
 
 import sparse_embed as se
 from sparse_embed.flax import linen as sel
+from conftest import make_mesh
 from train_fixtures import PLACEMENTS, B, assert_trees_equal, features_vector, make_batch, make_plan
 
 
@@ -237,3 +238,34 @@ def test_optax_tx_state_starts_on_the_tables_mesh(mesh8):
     for leaf in jax.tree.leaves(state):
         if leaf.ndim:  # adam's moments of the head: where the head is
             assert leaf.sharding.device_set == {jax.devices()[3]}
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_the_train_step_compiles_once_on_one_device_too(devices):
+    """A one-device mesh (`se.plan(features)` on one CPU) is a mesh too: the jitted step returns the dense params
+    and optax's count on it, so an eager `model.init`'s params and the count must start there (they were left on
+    their default device, and the README's linen step and a `TrainState` step compiled twice)."""
+    plan = make_plan(make_mesh(devices))
+    model, batch = Tower(plan), make_batch(plan, 0)
+    params = model.init(jax.random.key(0), batch, 0)["params"]  # eager: the head's params unplaced
+    tx = se.optax_tx(optax.adam(1e-2))
+    loss = _model_loss(model)
+
+    @jax.jit
+    def readme_step(params, opt_state, batch, step):
+        grads, _ = jax.grad(loss, has_aux=True)(params, batch, step)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return se.apply_updates(params, updates), opt_state
+
+    @jax.jit
+    def state_step(state, batch, step):
+        return state.apply_gradients(grads=jax.grad(loss, has_aux=True)(state.params, batch, step)[0])
+
+    placed = jax.jit(model.init)(jax.random.key(0), batch, 0)["params"]
+    args = (placed, tx.init(placed))  # the README's: placed by jit, optax's count not
+    state = sel.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+    for i in range(2):
+        batch = make_batch(plan, i)
+        args = readme_step(*args, batch, jnp.int32(i))
+        state = state_step(state, batch, jnp.int32(i))
+    assert (readme_step._cache_size(), state_step._cache_size()) == (1, 1)

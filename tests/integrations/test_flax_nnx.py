@@ -12,6 +12,7 @@ import pytest
 
 import sparse_embed as se
 from sparse_embed.flax import nnx as sen
+from conftest import make_mesh
 from train_fixtures import PLACEMENTS, B, assert_trees_equal, features_vector, make_batch, make_plan
 
 LABELS = np.random.default_rng(3).normal(size=B).astype(np.float32)
@@ -348,3 +349,24 @@ def test_set_embedding_variables_checks_the_tables_and_an_eval_module_takes_no_s
     wrong = {**trained, "items": trained["items"]._replace(table=trained["items"].table[:-1])}
     with pytest.raises(ValueError, match=r"Stack 'items': table has shape"):
         module.set_embedding_variables(wrong)
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_the_documented_step_compiles_once_on_one_device_too(devices):
+    """The model's eagerly made dense params and the optimizer's state start where the jitted step returns them,
+    replicated on the tables' mesh, a one-device one included (there they stayed unplaced: two compiles)."""
+    plan = make_plan(make_mesh(devices))
+    model = Tower(plan, nnx.Rngs(0))
+    optimizer = sen.Optimizer(model, optax.adam(1e-2))
+    traces = []
+
+    @nnx.jit
+    def train_step(model, optimizer, batch, step):
+        traces.append(step)
+        (loss, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, step)
+        optimizer.update(model, grads)
+        return loss
+
+    for step in range(2):
+        train_step(model, optimizer, make_batch(plan, step), jnp.int32(step))
+    assert len(traces) == 1
