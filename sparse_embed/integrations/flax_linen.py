@@ -66,8 +66,8 @@ class TrainState(train_state.TrainState):
     """flax's `TrainState` for params that hold tables: `tx` steps the dense params, the tables are replaced.
 
     `create(apply_fn=, params=, tx=)` takes the dense optimizer (e.g. `optax.adam(1e-3)`) and wraps it in
-    `sparse_embed.optax_tx` (unplaced params and state go to the tables' mesh, replicated, where a jitted
-    step returns them); `apply_gradients(grads=)` swaps in the new tables that `jax.grad` returned for
+    `sparse_embed.optax_tx` (unplaced params and state, and a subclass's fields such as `batch_stats`, go to
+    the tables' mesh, replicated, where a jitted step returns them); `apply_gradients(grads=)` swaps in the new tables that `jax.grad` returned for
     them (flax's own adds them to the old ones as if they were gradients, and fails on `optax_tx`'s
     updates) and applies `tx`'s updates to the rest.
     """
@@ -83,8 +83,8 @@ class TrainState(train_state.TrainState):
 
     @classmethod
     def create(cls, *, apply_fn, params, tx: optax.GradientTransformation, **kwargs) -> "TrainState":
-        # unplaced params and the step count (flax's: a Python 0) where a jitted step's outputs will be, so
-        # that the step compiles once, not again at its second call
-        params = on_tables_mesh(params, params)
+        # unplaced params, the step count (flax's: a Python 0) and a subclass's fields (batch_stats) where a
+        # jitted step's outputs will be, so that the step compiles once, not again at its second call
+        params, kwargs = on_tables_mesh((params, kwargs), params)
         state = super().create(apply_fn=apply_fn, params=params, tx=optax_tx(tx), **kwargs)
         return state.replace(step=on_tables_mesh(jax.numpy.asarray(state.step), params))

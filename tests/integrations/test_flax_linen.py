@@ -269,3 +269,37 @@ def test_the_train_step_compiles_once_on_one_device_too(devices):
         args = readme_step(*args, batch, jnp.int32(i))
         state = state_step(state, batch, jnp.int32(i))
     assert (readme_step._cache_size(), state_step._cache_size()) == (1, 1)
+
+
+def test_a_train_state_subclass_with_batch_stats_compiles_once(mesh8):
+    """flax's recipe for BatchNorm, a `TrainState` subclass with a `batch_stats` field given to `create`: an eager
+    init's batch stats start replicated on the tables' mesh, where the jitted step returns them (they stayed
+    unplaced, and the step compiled again at its second call)."""
+    plan = make_plan(mesh8)
+
+    class Normed(nn.Module):
+        @nn.compact
+        def __call__(self, batch, step=None):
+            return nn.Dense(1)(nn.BatchNorm(use_running_average=False)(features_vector(sel.Embed(plan)(batch, step))))
+
+    class State(sel.TrainState):
+        batch_stats: dict
+
+    model = Normed()
+    variables = model.init(jax.random.key(0), make_batch(plan, 0), 0)
+    state = State.create(apply_fn=model.apply, params=variables["params"], tx=optax.adam(1e-2),
+                         batch_stats=variables["batch_stats"])
+
+    @jax.jit
+    def train_step(state, batch, step):
+        def loss(params):
+            out, new = model.apply({"params": params, "batch_stats": state.batch_stats}, batch, step,
+                                   mutable=["batch_stats"])
+            return jnp.mean((out[:, 0] - LABELS) ** 2), new["batch_stats"]
+
+        grads, batch_stats = jax.grad(loss, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, batch_stats=batch_stats)
+
+    for i in range(2):
+        state = train_step(state, make_batch(plan, i), jnp.int32(i))
+    assert train_step._cache_size() == 1
