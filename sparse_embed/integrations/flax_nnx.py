@@ -163,7 +163,9 @@ class Optimizer(nnx.Optimizer):
     updated state, bit for bit, no pass over the tables) and applies `tx` to
     the rest; tables `wrt` leaves out (e.g. `wrt=DENSE`) stay frozen. `wrt`
     takes a stack's table and slots together or not at all (a ValueError
-    naming the stack otherwise).
+    naming the stack otherwise). Give `nnx.grad` that `wrt`, not
+    `optimizer.wrt` (flax's attribute: here the dense part only, what `tx`
+    steps, so the tables would get no new state).
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt=nnx.Param):
@@ -182,9 +184,10 @@ class Optimizer(nnx.Optimizer):
         if new.flat_state().paths != want:
             raise ValueError(
                 f"Optimizer.update: grads hold embedding state {list(new.flat_state().paths)} but the optimizer's "
-                f"wrt selects {list(want)} of the model; take nnx.grad with the optimizer's wrt (default "
-                "nnx.Param, which includes EmbeddingTable, so the lookup's backward returns the updated tables; "
-                "sparse_embed.flax.nnx.DENSE freezes them)."
+                f"wrt selects {list(want)} of the model; take nnx.grad with the wrt given to the optimizer "
+                "(default nnx.Param, which includes EmbeddingTable, so the lookup's backward returns the updated "
+                "tables; sparse_embed.flax.nnx.DENSE freezes them), not with `optimizer.wrt`: that is its dense "
+                "part, the params tx steps."
             )
         nnx.update(model, new)
         return super().update(model, grads, **kwargs)

@@ -153,7 +153,12 @@ def test_update_rejects_grads_without_embedding_state(mesh8):
     optimizer = sen.Optimizer(model, optax.sgd(0.1))
     grads = nnx.state(model, sen.DENSE)  # what nnx.grad(..., argnums=nnx.DiffState(0, sen.DENSE)) returns
     with pytest.raises(ValueError, match=r"grads hold embedding state \[\] but the optimizer's wrt selects "
-                                         r"\[\('embed', 'tables', .*take nnx.grad with the optimizer's wrt"):
+                                         r"\[\('embed', 'tables', .*take nnx.grad with the wrt given to the "
+                                         r"optimizer .*not with `optimizer.wrt`: that is its dense part"):
+        optimizer.update(model, grads)
+    # flax's docs give nnx.grad `optimizer.wrt`; here that is the dense part, and the message says so
+    grads = nnx.grad(lambda m: loss_fn(m, make_batch(plan, 0), 0)[0], argnums=nnx.DiffState(0, optimizer.wrt))(model)
+    with pytest.raises(ValueError, match=r"grads hold embedding state \[\] .*not with `optimizer.wrt`"):
         optimizer.update(model, grads)
     frozen = sen.Optimizer(model, optax.sgd(0.1), wrt=sen.DENSE)
     with pytest.raises(ValueError, match=r"grads hold embedding state \[\('embed', .* but the optimizer's wrt "
