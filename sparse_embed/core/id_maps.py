@@ -39,7 +39,7 @@ from sparse_embed.core.batch import MappedIdBatch, RawIdBatch, ShardedCooMatrix,
 from sparse_embed.core.initializers import TruncatedNormal, mix32, seeds, truncated_normal_rows
 from sparse_embed.core.key_set import FREE, KeySet
 from sparse_embed.core.planning import EmbeddingPlan, StackPlan
-from sparse_embed.core.state import SLOT_DTYPE, EmbeddingVariables, check_state, checked_step
+from sparse_embed.core.state import AD_TRACERS, SLOT_DTYPE, EmbeddingVariables, check_state, checked_step
 from sparse_embed.core.tables import check_rng, table_seeds
 
 
@@ -438,6 +438,13 @@ def map_ids(
     evicts and touches nothing: ids without a row read zeros (or `Dynamic.default`).
     """
     check_raw_batch(plan, batch, id_maps, tables)
+    differentiated = sorted(s.name for s in dynamic_stacks(plan)
+                            if any(isinstance(x, AD_TRACERS) for x in jax.tree.leaves(tables[s.name])))
+    if differentiated:  # (jax would say only that a while_loop has no reverse-mode derivative)
+        raise ValueError(f"map_ids: the tables of raw-id stacks {differentiated} are being differentiated: map_ids "
+                         "was called inside jax.grad's (or nnx.value_and_grad's) loss. It changes the tables and id "
+                         "maps and has no gradient: call it in the train step before the grad, and give the loss the "
+                         "batch and tables it returns (docs/raw_ids.md).")
     step = checked_step(step, "map_ids").astype(jnp.int32)
     return _map_jit(plan, train, dict(batch), dict(tables), dict(id_maps), step)[:4]
 

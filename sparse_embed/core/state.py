@@ -17,11 +17,11 @@ SLOT_DTYPE = jnp.float32
 try:  # jax.grad traces with LinearizeTracer, which jax (0.10) does not export; test_lookup fails if this misses it
     from jax._src.interpreters.ad import JVPTracer, LinearizeTracer
 
-    _AD_TRACERS: tuple[type, ...] = (JVPTracer, LinearizeTracer)
+    AD_TRACERS: tuple[type, ...] = (JVPTracer, LinearizeTracer)
 except ImportError:  # another jax: its public JVP tracer
     from jax.interpreters.ad import JVPTracer
 
-    _AD_TRACERS = (JVPTracer,)
+    AD_TRACERS = (JVPTracer,)
 # id(tracer) -> weakref, for every differentiated table array looked up in a trace still alive
 _looked_up: dict[int, weakref.ref] = {}
 
@@ -96,7 +96,7 @@ def check_once_per_trace(plan: EmbeddingPlan, tables: Mapping[str, EmbeddingVari
     """
     for name, state in tables.items():
         for leaf in jax.tree.leaves(state):
-            if not isinstance(leaf, _AD_TRACERS):
+            if not isinstance(leaf, AD_TRACERS):
                 continue
             key, ref = id(leaf), _looked_up.get(id(leaf))
             if ref is not None and ref() is leaf:

@@ -396,6 +396,24 @@ def test_bad_raw_ids_get_a_clear_error(ids, match):
         se.preprocess(plan, {"u": ids})
 
 
+def test_map_ids_inside_the_differentiated_loss_is_named():
+    """map_ids in jax.grad's loss: jax said only 'Reverse-mode differentiation does not work for lax.while_loop'."""
+    plan = _train_plan(make_mesh(2), batch=8)
+    tables, maps = se.init_tables(plan, jax.random.key(0)), se.init_id_maps(plan, jax.random.key(0))
+    batch, _ = se.preprocess(plan, {"u": np.array([[5, 7]] * 8)})
+
+    def loss(tables):
+        b, tables, _, _ = se.map_ids(plan, batch, tables, maps, 0)
+        return jnp.sum(se.lookup(plan, b, tables, 0)["u"])
+
+    with pytest.raises(ValueError, match=r"map_ids: the tables of raw-id stacks \['users'\] are being "
+                                         r"differentiated: map_ids was called inside jax.grad's"):
+        jax.grad(loss)(tables)
+    b, new, _, _ = se.map_ids(plan, batch, tables, maps, 0)  # before the grad: as documented
+    assert jax.grad(lambda t: jnp.sum(se.lookup(plan, b, t, 0)["u"]))(new)["users"].table.shape == \
+        tables["users"].table.shape
+
+
 @pytest.mark.parametrize("bits", [0, 64, 2.5, True, "40"])
 def test_bad_id_bits_get_a_clear_error(bits):
     with pytest.raises(ValueError, match="Dynamic: id_bits"):
