@@ -30,8 +30,10 @@ from sparse_embed.io.id_checkpoint import read_id_tables
 from sparse_embed.io.orbax_items import checkpointer, read_info
 
 
-def check_compatible(plan: EmbeddingPlan, info: CheckpointInfo, where: str, *, allow_vocab_growth: bool) -> None:
-    """Raises a ValueError naming the table if the plan cannot be restored from `info`."""
+def check_compatible(plan: EmbeddingPlan, info: CheckpointInfo, where: str, *, allow_vocab_growth: bool,
+                     with_slots: bool = True) -> None:
+    """Raises a ValueError naming the table if the plan cannot be restored from `info` (its slots only if they
+    are restored: `with_slots=False` reads none, so another optimizer takes the tables)."""
     missing = sorted(set(plan.tables) - set(info.table_names))
     if missing:
         raise ValueError(
@@ -56,7 +58,7 @@ def check_compatible(plan: EmbeddingPlan, info: CheckpointInfo, where: str, *, a
         if rec.dtype != want.dtype:
             raise ValueError(f"Table {name!r}: dtype is {rec.dtype} in the checkpoint {where} but {want.dtype} in "
                              "the plan; use the checkpoint's dtype.")
-        if info.kind == "training" and rec.slots != want.slots:
+        if with_slots and info.kind == "training" and rec.slots != want.slots:
             raise ValueError(
                 f"Table {name!r}: the checkpoint {where} has optimizer {rec.optimizer} with slots {dict(rec.slots)}, "
                 f"the plan has {want.optimizer} with slots {dict(want.slots)}; use the same optimizer."
@@ -106,7 +108,7 @@ def restore_state(plan: EmbeddingPlan, step_dir: str, *, allow_vocab_growth: boo
     """`(tables, id_maps)` of the plan from one step directory (see `restore_embeddings`)."""
     info = read_info(step_dir)
     warn_unverified(step_dir, info)
-    check_compatible(plan, info, step_dir, allow_vocab_growth=allow_vocab_growth)
+    check_compatible(plan, info, step_dir, allow_vocab_growth=allow_vocab_growth, with_slots=with_slots)
     if with_slots and info.kind != "training":
         raise ValueError(f"{step_dir} is a {info.kind} checkpoint without optimizer slots; "
                          "restore it with with_slots=False, or restore a training checkpoint.")

@@ -246,6 +246,26 @@ def test_mismatched_specs_name_the_table(saved8, change, match):
         ckpt.restore(se.plan(feats, make_mesh(2)))
 
 
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_tables_without_slots_restore_into_a_plan_with_another_optimizer(saved8, devices):
+    """`restore_embeddings(..., with_slots=False)` reads no slot, so the plan's optimizer does not matter (an
+    eval plan with SGD was refused: "the checkpoint has optimizer Adagrad ... use the same optimizer", while a
+    serving export of the same step restored); a restore with slots still refuses it."""
+    path, _, tables, _ = saved8
+    feats = _specs(vocab_a=45, optimizer_a=opt.SGD(0.1))
+    plan = se.plan(feats, make_mesh(devices))
+    state = se.restore_embeddings(plan, path, with_slots=False, allow_vocab_growth=True, rng=jax.random.key(2))
+    assert all(v.slots == {} for v in state.values())
+    got = se.unstack_tables(plan, state)
+    fresh = se.unstack_tables(plan, se.init_tables(plan, jax.random.key(2), with_slots=False))
+    np.testing.assert_array_equal(got["a"][:37], tables["a"])
+    np.testing.assert_array_equal(got["a"][37:], fresh["a"][37:])
+    for name in ("b", "c"):
+        np.testing.assert_array_equal(got[name], tables[name])
+    with pytest.raises(ValueError, match=r"Table 'a': the checkpoint .* optimizer Adagrad .* SGD"):
+        se.restore_embeddings(plan, path, allow_vocab_growth=True, rng=jax.random.key(2))
+
 # orbax leaves a tensorstore future behind when a read fails; its callback may fire after its event
 # loop closed ("Event loop is closed", an unraisable exception at garbage collection): not ours.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
