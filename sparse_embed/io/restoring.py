@@ -28,6 +28,7 @@ from sparse_embed.io.ckpt_format import (
 )
 from sparse_embed.io.id_checkpoint import read_id_tables
 from sparse_embed.io.orbax_items import checkpointer, read_info
+from sparse_embed.io.quantize import BITS
 
 
 def check_compatible(plan: EmbeddingPlan, info: CheckpointInfo, where: str, *, allow_vocab_growth: bool,
@@ -55,6 +56,10 @@ def check_compatible(plan: EmbeddingPlan, info: CheckpointInfo, where: str, *, a
         if rec.embedding_dim != t.embedding_dim:
             raise ValueError(f"Table {name!r}: embedding_dim is {rec.embedding_dim} in the checkpoint {where} "
                              f"but {t.embedding_dim} in the plan.")
+        if rec.dtype in BITS:  # no TableSpec holds quantized rows: the advice below could not be followed
+            raise ValueError(f"Table {name!r} is quantized ({rec.dtype}) in the serving checkpoint {where}: it cannot "
+                             "be restored into a plan's tables; read it with se.load_serving (serving_lookup), or "
+                             "restore from a float checkpoint.")
         if rec.dtype != want.dtype:
             raise ValueError(f"Table {name!r}: dtype is {rec.dtype} in the checkpoint {where} but {want.dtype} in "
                              "the plan; use the checkpoint's dtype.")

@@ -180,6 +180,18 @@ def test_cli_converts_a_checkpoint_to_int8_as_export_does(tmp_path, capsys):
         se.convert_checkpoint(tmp_path / "s8", tmp_path / "s4", serving=True, dtype="int4")
 
 
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_restoring_a_quantized_serving_checkpoint_into_a_plan_says_to_load_it_for_serving(dtype, tmp_path):
+    """`restore_embeddings(..., with_slots=False)` of an int8 export said "dtype is int8 in the checkpoint but
+    float32 in the plan; use the checkpoint's dtype", which no TableSpec can (its dtype is a float)."""
+    feats = _features()
+    plan = se.plan(feats, make_mesh(2))
+    se.export_serving(tmp_path / "s", plan, se.init_tables(plan, jax.random.key(5)), dtype=dtype)
+    with pytest.raises(ValueError, match=rf"Table 't_mean_pooled' is quantized \({dtype}\) in the serving "
+                                         r"checkpoint .*se.load_serving"):
+        se.restore_embeddings(plan, tmp_path / "s", with_slots=False)
+
 def test_cli_names_a_raw_id_tables_row_that_cannot_be_quantized_by_its_raw_id_as_export_does(tmp_path, capsys):
     """A row of a raw-id table is its raw id to the user (its row number is its place in id order): convert named
     "row 0" where export_serving names "raw id 5"."""
