@@ -275,6 +275,10 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager (saving after it is an error; restoring works)."""
+        # orbax's close() does not wait for the removal of leftover temporary directories that opening it started
+        # (only a save does): a program that opened and closed a manager and exited printed an ERROR traceback
+        # ("cannot schedule new futures after interpreter shutdown") from that background thread
+        getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         self._manager.close()
         self._closed = True
 

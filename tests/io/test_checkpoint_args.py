@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,6 +139,21 @@ def test_saving_after_close_is_an_error_and_restoring_still_works(static8, tmp_p
         m.save(2, plan, tables)
     assert m.latest_step() == 1 and m.restore(plan).step == 1
 
+
+
+def test_a_manager_opened_and_closed_exits_without_an_error_from_orbax(tmp_path):
+    """close() did not wait for orbax's removal of leftover temporary directories (started when a manager opens;
+    only a save waited for it): a program that opened a new checkpoint directory, closed it and exited printed
+    "ERROR:absl ... cannot schedule new futures after interpreter shutdown" with a traceback."""
+    code = ("import sys, sparse_embed as se\n"
+            "with se.CheckpointManager(sys.argv[1]):\n"
+            "    pass\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    for name in ("a", "b"):
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], capture_output=True, text=True,
+                              env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "cannot schedule new futures" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 def test_restore_step_must_be_an_integer(static8, tmp_path):
     plan, tables = static8
