@@ -118,6 +118,12 @@ def restore_state(plan: EmbeddingPlan, step_dir: str, *, allow_vocab_growth: boo
         raise ValueError(f"{step_dir} is a {info.kind} checkpoint without optimizer slots; "
                          "restore it with with_slots=False, or restore a training checkpoint.")
     static = static_part(plan)
+    grown = {n: (info.table(n).vocabulary_size, t.vocabulary_size) for n, t in static.tables.items()
+             if info.table(n).vocabulary_size < t.vocabulary_size}
+    if grown and rng is None:  # before anything is read; the table named (the check below the readers names none)
+        name, (saved, now) = next(iter(sorted(grown.items())))
+        raise ValueError(f"Table {name!r}: vocabulary_size is {saved} in the checkpoint {step_dir} but {now} in the "
+                         "plan: its new rows need their initial values, pass rng= (as to init_tables).")
     if info.format == FORMAT:
         tables = _stream_in(static, step_dir, info, allow_vocab_growth=allow_vocab_growth, rng=rng,
                             with_slots=with_slots)

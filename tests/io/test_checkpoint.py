@@ -215,6 +215,10 @@ def test_vocab_growth_initialises_new_rows_and_fresh_slots(saved8):
     with se.CheckpointManager(path) as ckpt:
         with pytest.raises(ValueError, match=r"Table 'a'.*37.*100.*allow_vocab_growth=True"):
             ckpt.restore(plan)
+        # without rng: the table named (it said "Restoring a larger vocabulary needs ... (rng=)", naming none)
+        with pytest.raises(ValueError, match=r"Table 'a': vocabulary_size is 37 in the checkpoint .* but 100 in the "
+                                             r"plan: its new rows need their initial values, pass rng="):
+            ckpt.restore(plan, allow_vocab_growth=True)
         r = ckpt.restore(plan, allow_vocab_growth=True, rng=jax.random.key(9))
     got = se.unstack_state(plan, r.tables)
     fresh = se.unstack_tables(plan, se.init_tables(plan, jax.random.key(9)))
