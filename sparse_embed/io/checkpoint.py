@@ -175,7 +175,14 @@ class CheckpointManager:
             self._check_after_latest(step)
         elif not self._manager.should_save(step):
             return False
-        check_state(plan, tables)
+        check_state(plan, tables)  # (it takes tables without slots: they look up, for eval)
+        slotless = [s for s in plan.stacks if s.slot_widths() and not tables[s.name].slots]
+        if slotless:  # else a step whose metadata lists slots it does not hold: every restore called it corrupt
+            s = slotless[0]
+            raise ValueError(f"CheckpointManager.save: stack {s.name!r} has no optimizer slots (tables made with "
+                             f"with_slots=False), and a training checkpoint keeps its {type(s.optimizer).__name__} "
+                             f"slots {sorted(s.slot_widths())}: save the training tables, or write these for serving "
+                             "with se.export_serving.")
         static = static_part(plan)
         if len(static.stacks) != len(plan.stacks) and id_maps is None:
             raw = sorted(set(plan.stack_names) - set(static.stack_names))

@@ -155,6 +155,20 @@ def test_a_manager_opened_and_closed_exits_without_an_error_from_orbax(tmp_path)
         assert done.returncode == 0, done.stderr
         assert "cannot schedule new futures" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
+
+def test_saving_tables_without_slots_is_refused_before_anything_is_written(static8, tmp_path):
+    """Tables made with `with_slots=False` (an eval state) were saved as a training step whose metadata lists the
+    optimizer's slots, without them: every restore then said "Every step ... is corrupt"."""
+    plan, _ = static8
+    tables = se.init_tables(plan, jax.random.key(0), with_slots=False)
+    with se.CheckpointManager(tmp_path) as m:
+        with pytest.raises(ValueError, match=r"CheckpointManager.save: stack 'items' has no optimizer slots .*"
+                                             r"Adagrad slots \['accumulator'\].*se.export_serving"):
+            m.save(1, plan, tables)
+        m.wait()
+        assert m.all_steps() == []
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == []
+
 def test_restore_step_must_be_an_integer(static8, tmp_path):
     plan, tables = static8
     with se.CheckpointManager(tmp_path, async_save=False) as m:
