@@ -40,7 +40,7 @@ from sparse_embed.host import distributed
 from sparse_embed.io import store
 from sparse_embed.io.checks import user_checksums
 from sparse_embed.io.ckpt_format import (  # noqa: F401 - the public names, re-exported
-    STAGING, CheckpointError, CheckpointInfo, CorruptCheckpointError, TableRecord, as_step, resolve, training_info,
+    META, STAGING, CheckpointError, CheckpointInfo, CorruptCheckpointError, TableRecord, as_step, resolve, training_info,
 )
 from sparse_embed.io import offload_checkpoint
 from sparse_embed.io.data_item import check_serialisable, read_data
@@ -111,6 +111,18 @@ def _check_options(max_to_keep: Any, save_interval_steps: Any) -> None:
             raise ValueError(f"CheckpointManager: {name} must be >= 1 ({meaning}), got {value}.")
 
 
+def _check_directory(directory: str) -> None:
+    """Raises a CheckpointError if `directory` is a file or one step of a checkpoint (orbax raised a bare
+    NotADirectoryError for a file; a step directory had "No complete checkpoint", and a save nested steps in it)."""
+    if os.path.isfile(directory):
+        raise CheckpointError(f"{directory} is a file, not a checkpoint directory: pass the directory of the "
+                              "checkpoint's steps (a new one to start one).")
+    if os.path.isdir(os.path.join(directory, META)):
+        raise CheckpointError(f"{directory} is one checkpoint step (it has a '{META}' item), not the directory of a "
+                              "CheckpointManager: open the directory above it, or read this step with "
+                              "se.restore_embeddings (or se.load_serving, a serving export).")
+
+
 class CheckpointManager:
     """Saves and restores `(tables, step, user pytree)` with an orbax `CheckpointManager`.
 
@@ -130,6 +142,7 @@ class CheckpointManager:
                  save_interval_steps: int = 1, async_save: bool = True):
         _check_options(max_to_keep, save_interval_steps)
         self.directory = os.path.abspath(os.fspath(directory))
+        _check_directory(self.directory)
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=int(save_interval_steps),
             preservation_policy=ocp.checkpoint_managers.LatestN(None if max_to_keep is None else int(max_to_keep)),

@@ -169,6 +169,25 @@ def test_saving_tables_without_slots_is_refused_before_anything_is_written(stati
         assert m.all_steps() == []
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == []
 
+
+def test_a_manager_on_a_file_or_a_step_directory_is_refused_naming_it(static8, tmp_path):
+    """A file gave orbax's bare NotADirectoryError; a step directory (or a serving export) "No complete checkpoint"
+    though it is one, and a save there nested a step inside the step."""
+    plan, tables = static8
+    with se.CheckpointManager(tmp_path / "ck") as m:
+        m.save(3, plan, tables)
+    se.export_serving(tmp_path / "served", plan, tables)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(se.CheckpointError, match=r"file is a file, not a checkpoint directory"):
+        se.CheckpointManager(tmp_path / "file")
+    for step_dir in (tmp_path / "ck" / "3", tmp_path / "served"):
+        with pytest.raises(se.CheckpointError, match=r"is one checkpoint step \(it has a 'meta' item\), not the "
+                                                     r"directory of a CheckpointManager: open the directory above it"):
+            se.CheckpointManager(step_dir)
+    assert sorted(p.name for p in (tmp_path / "ck" / "3").iterdir() if p.name.isdigit()) == []
+    with se.CheckpointManager(tmp_path / "ck") as m:
+        assert m.restore(plan).step == 3
+
 def test_restore_step_must_be_an_integer(static8, tmp_path):
     plan, tables = static8
     with se.CheckpointManager(tmp_path, async_save=False) as m:
