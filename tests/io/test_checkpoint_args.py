@@ -156,6 +156,18 @@ def test_a_manager_opened_and_closed_exits_without_an_error_from_orbax(tmp_path)
         assert "cannot schedule new futures" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+
+def test_close_does_not_raise_what_the_removal_of_leftover_temporary_directories_met(tmp_path, monkeypatch):
+    """close() waits for that removal (above); where it failed (a directory another manager of the same checkpoint
+    was writing: orbax logs it), close raised its OSError ("Directory not empty") and left the manager open."""
+    m = se.CheckpointManager(tmp_path)
+
+    def failed():
+        raise OSError(39, "Directory not empty", "user.orbax-checkpoint-tmp")
+    monkeypatch.setattr(m._manager, "_maybe_await_cleanup_tmp_directory", failed)
+    m.close()
+    assert m._closed
+
 def test_saving_tables_without_slots_is_refused_before_anything_is_written(static8, tmp_path):
     """Tables made with `with_slots=False` (an eval state) were saved as a training step whose metadata lists the
     optimizer's slots, without them: every restore then said "Every step ... is corrupt"."""
