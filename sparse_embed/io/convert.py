@@ -280,6 +280,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
             dataclasses.replace(r, stored_rows=r.vocabulary_size) for r in info.tables))
         out_dir = os.path.join(os.fspath(dst), str(info.step if info.step is not None else 0))
     _check_destination(out_dir, os.fspath(src))
+    if not serving and info.has_user:  # verified before anything is written (after, a failure left a step behind)
+        read_user_host(step_dir, info)
     total = sum(1 + (0 if serving else len(r.slots)) for r in info.tables)
     # a serving copy leaves out the raw ids a lookup at the checkpoint's step finds expired, as export_serving
     gone = {r.name: _expired(step_dir, info, r) for r in info.tables if serving and r.dynamic}
@@ -295,10 +297,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
 
 
 def _copy_as_saved(step_dir: str, out_dir: str, info: CheckpointInfo, offload_records: list[str]) -> None:
-    """Into a converted training step, what no mesh changes: the user pytree (once verified), the input's position
+    """Into a converted training step, what no mesh changes: the user pytree (verified before), the input's position
     (`data`) and the offloaded tables' store commits (checksummed records)."""
     if info.has_user:
-        read_user_host(step_dir, info)
         shutil.copytree(os.path.join(step_dir, USER), os.path.join(out_dir, USER))
     if os.path.isdir(os.path.join(step_dir, DATA)):
         shutil.copytree(os.path.join(step_dir, DATA), os.path.join(out_dir, DATA))

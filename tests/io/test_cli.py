@@ -105,6 +105,18 @@ def test_a_failed_convert_prints_its_error_below_the_progress_bar(ckpt, tmp_path
     assert sum("error:" in line for line in lines) == 1
 
 
+
+def test_a_convert_of_a_step_whose_user_pytree_is_missing_writes_nothing(ckpt, tmp_path, capsys):
+    """The user pytree was checked after the tables were written: the convert failed (exit 1) and left `dst/4`,
+    a step with its metadata and no user pytree, which a second convert called "already exists"."""
+    src = tmp_path / "src"
+    shutil.copytree(ckpt[0], src)
+    shutil.rmtree(src / "4" / "user")
+    for _ in range(2):
+        assert cli.main(["convert", str(src), str(tmp_path / "out"), "--devices", "2"]) == 1
+        assert "its 'user' item (the user pytree saved with it) is missing" in capsys.readouterr().err
+        assert not (tmp_path / "out" / "4").exists()
+
 def test_console_script_runs(ckpt):
     exe = os.path.join(os.path.dirname(sys.executable), "sparse-embed")
     if not os.path.exists(exe):
