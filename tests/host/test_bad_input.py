@@ -464,6 +464,40 @@ def test_nonfinite_gradients_apply_poisons_exactly_those_rows(mesh8):
         assert {int(r) for r in np.nonzero(~np.isfinite(got[t]["table"]).all(1))[0]} == bad[t]
 
 
+OVERFLOWING = {  # optimizers whose update squares the gradient: (optimizer, reference update)
+    "adagrad": (se.optimizers.Adagrad(0.1), ref.adagrad),
+    "rowwise_adagrad": (se.optimizers.RowwiseAdagrad(0.1), ref.rowwise_adagrad(1e-8)),
+    "adam": (se.optimizers.Adam(0.01), ref.adam(0.9, 0.999, 1e-8)),
+    "adagrad_momentum": (se.optimizers.AdagradMomentum(0.1), ref.adagrad_momentum(0.9, 1.0, 1e-10, 2.0, False)),
+    "ftrl": (se.optimizers.FTRL(0.1), ref.ftrl(-0.5, 0.0, 0.0, 0.0, False)),
+    "laprop": (se.optimizers.LaProp(0.01), ref.laprop(0.9, 0.95, 1e-30)),
+}
+
+
+@pytest.mark.usefixtures("each_kernel")  # on the generic and the native kernel
+def test_a_finite_gradient_whose_update_overflows_is_skipped(mesh8):
+    """A finite gradient of 1e20 (its square is inf in float32) wrote inf into every optimizer's slots and NaN into
+    FTRL's rows (Adam's the step after): under "skip" such a row keeps its values and slots, the others train."""
+    feats = {n: se.FeatureSpec(n, se.TableSpec(n, 16, 4, combiner="sum", optimizer=o), 8)
+             for n, (o, _) in OVERFLOWING.items()}
+    plan = se.plan(feats, mesh8)
+    batch, _ = se.preprocess(plan, {n: np.arange(8) for n in feats})  # sample i reads row i
+    tables = se.init_tables(plan, jax.random.key(0))
+    state = {n: {k: v.astype(np.float64) for k, v in s.items()} for n, s in se.unstack_state(plan, tables).items()}
+    rng = np.random.default_rng(0)
+    for step, huge in enumerate([(0, 1), ()]):  # rows 0 and 1 get 1e20 at step 0; every row trains at step 1
+        cts = {n: rng.normal(size=(8, 4)).astype(np.float32) for n in feats}
+        for n in feats:
+            cts[n][list(huge)] = 1e20
+        loss = lambda t, b, c: sum(jnp.sum(a * c[k]) for k, a in se.lookup(plan, b, t, step).items())
+        tables = jax.jit(jax.grad(loss))(tables, batch, cts)
+        got = se.unstack_state(plan, tables)
+        for n, (o, update) in OVERFLOWING.items():
+            ref.apply(update, state[n], {r: cts[n][r] for r in range(8) if r not in huge}, o.learning_rate, step)
+            for k, want in state[n].items():
+                np.testing.assert_allclose(got[n][k], want, rtol=1e-5, atol=1e-6, err_msg=f"step {step}: {n}/{k}")
+
+
 def test_bad_input_table_names_existing_tests():
     """Every row of docs/bad_input.md names the test (path under tests/) that checks it."""
     import pathlib

@@ -808,11 +808,12 @@ struct Grads {
 };
 
 // The update of one table row from its run of records (in entry order), on copies: `w` [dim] holds the row
-// (f32), `s0`, `s1` its slot rows; `g` [dim], `tmp` [3 * dim] are scratch. Returns false if the row and its
-// slots must keep their values (a NaN/inf gradient under skip_nonfinite).
+// (f32), `s0`, `s1` its slot rows (widths w0, w1; 0: none); `g` [dim], `tmp` [3 * dim] are scratch. Returns false
+// if the row and its slots must keep their values (under skip_nonfinite: a NaN/inf gradient, or an update that
+// is not finite, e.g. a finite gradient whose square overflows into Adagrad's accumulator).
 template <int64_t kDim>
 inline bool update_copy(const Options& o, const Grads& gr, const Record* group, int64_t size, float* w, float* s0,
-                        float* s1, float* g, float* tmp) {
+                        float* s1, int64_t w0, int64_t w1, float* g, float* tmp) {
   const int64_t dim = kDim > 0 ? kDim : gr.dim;
   if (o.linear) {  // SGD, each occurrence on its own in entry order: row += -lr * (g_k * v_k)
     for (int64_t i = 0; i < size && gr.bad; i++)
@@ -840,7 +841,7 @@ inline bool update_copy(const Options& o, const Grads& gr, const Record* group, 
   }
   if (o.skip_nonfinite && !all_finite(g, dim)) return false;
   update_row<kDim>(o, dim, w, g, tmp, s0, s1);
-  return true;
+  return !o.skip_nonfinite || (all_finite(w, dim) && all_finite(s0, w0) && all_finite(s1, w1));
 }
 
 constexpr int64_t kRowsAhead = 32;        // distinct rows ahead whose table and slot rows are prefetched
@@ -887,7 +888,7 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
     for (int64_t j = 0; j < dim; j++) w[j] = load(row + j);
     copy_row<kDim>(s0, st.slot[0] + col * w0, w0);
     copy_row<kDim>(s1, st.slot[1] + col * w1, w1);
-    if (update_copy<kDim>(o, gr, recs + b, e - b, w, s0, s1, g, tmp)) {  // else the row and its slots keep their values
+    if (update_copy<kDim>(o, gr, recs + b, e - b, w, s0, s1, w0, w1, g, tmp)) {  // else the row and its slots keep their values
       for (int64_t j = 0; j < dim; j++) store(row + j, w[j]);
       copy_row<kDim>(st.slot[0] + col * w0, s0, w0);
       copy_row<kDim>(st.slot[1] + col * w1, s1, w1);

@@ -135,13 +135,14 @@ def _update_rows(stack: StackPlan, state: EmbeddingVariables, cols, rows, slots,
                  skip_nonfinite: bool) -> EmbeddingVariables:
     """Applies the optimizer to `rows [C, dim]` and their `slots` at distinct `cols` and writes them
     back (out-of-range cols write nothing). With `skip_nonfinite`, a row whose summed gradient is
-    non-finite (if any of its terms is, or if it overflows) keeps its values and slots."""
+    non-finite (if any of its terms is, or if it overflows), or whose update is (a finite gradient whose
+    square overflows: inf in Adagrad's accumulator, NaN in FTRL's row), keeps its values and slots."""
     if stack.gathers_rows:  # an optimizer that sees whole rows, on rows split by columns
         new_rows, new_slots, skipped = _update_whole_rows(stack, rows, slots, grads, step)
     else:
         new_rows, new_slots = stack.optimizer.update(rows, slots, grads, step, stack.row_mean)
         new_rows = stack.real_columns(new_rows)  # a split row's padding columns stay zero
-        skipped = nonfinite(grads)[:, None]
+        skipped = _nonfinite_update(grads, new_rows, new_slots)
     if skip_nonfinite:
         if stack.needs_row_sums and not stack.gathers_rows:  # skipped on every device that holds its columns
             skipped = stack.row_sum(skipped.astype(jnp.float32)) > 0
@@ -159,7 +160,15 @@ def _update_whole_rows(stack: StackPlan, rows, slots, grads, step):
     grads = stack.whole(grads)
     new_rows, new_slots = stack.optimizer.update(stack.whole(rows), whole(slots), grads, step)
     own = {k: stack.own(v) if k in split else v for k, v in new_slots.items()}
-    return stack.own(new_rows), own, nonfinite(grads)[:, None]
+    return stack.own(new_rows), own, _nonfinite_update(grads, new_rows, new_slots)
+
+
+def _nonfinite_update(grads, new_rows, new_slots) -> jax.Array:
+    """`[U, 1]`: does a row's gradient, its updated row or one of its updated slots hold a NaN or inf?"""
+    bad = nonfinite(grads) | nonfinite(new_rows)
+    for v in new_slots.values():
+        bad = bad | nonfinite(v)
+    return bad[:, None]
 
 
 @dataclasses.dataclass(frozen=True)
