@@ -353,6 +353,9 @@ class AdagradMomentum(Optimizer):
     def _check(self):
         if not 0 < float(self.beta2) <= 1:
             raise ValueError(f"AdagradMomentum: beta2 must be in (0, 1], got {self.beta2!r}.")
+        if float(self.beta2) < 1 and not float(self.epsilon) > 0:  # (acc + eps)^(-1/exponent): inf, a NaN row
+            raise ValueError(f"AdagradMomentum: with beta2 < 1 the accumulator decays towards 0, so epsilon must be "
+                             f"finite and > 0, got {self.epsilon!r}.")
         self._positive(exponent=self.exponent)
         self._non_negative(momentum=self.momentum)
         if not 0 < float(self.initial_accumulator_value) + float(self.epsilon) < np.inf:

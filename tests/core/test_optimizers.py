@@ -302,6 +302,10 @@ def test_a_custom_optimizer_whose_slots_do_not_fit_its_fn_says_what_it_was_given
     (lambda: opt.LaProp(0.1, eps=0.0), "eps must be finite and > 0"),  # a zero gradient's row became NaN
     (lambda: opt.AdagradMomentum(0.1, momentum=float("nan")), "momentum must be finite and >= 0"),
     (lambda: opt.AdagradMomentum(0.1, epsilon=float("nan")), "initial_accumulator_value \\+ epsilon must be finite"),
+    # the accumulator decays towards 0 (to 0.05 here at once, then below): (acc + eps)^(-1/2) made the row NaN
+    (lambda: opt.AdagradMomentum(0.1, beta2=0.5, epsilon=-0.05),
+     r"AdagradMomentum: with beta2 < 1 the accumulator decays towards 0, so epsilon must be finite and > 0, got -0.05"),
+    (lambda: opt.AdagradMomentum(0.1, beta2=0.9, epsilon=0.0), "so epsilon must be finite and > 0, got 0.0"),
     (lambda: opt.Custom(_momentum_sign_sgd, {"m": (4, 0.0)}), "must be a SlotSpec"),
 ])
 def test_bad_hyperparameters(make, match):
