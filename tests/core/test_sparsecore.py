@@ -132,6 +132,24 @@ def _interpret_backward(stack, entries, state: dict[str, np.ndarray], grads: np.
     return out
 
 
+def test_the_row_computation_skips_a_finite_gradient_whose_update_overflows():
+    """A finite gradient of 1e20 (its square is inf in float32) wrote inf into Adagrad's accumulator under "skip"
+    (only a non-finite gradient was checked); the row and slots now keep their values, as on the other kernels."""
+    plan, _ = _plans(make_mesh(1), opt.Adagrad(0.1, initial_accumulator_value=0.3), 2, 8)
+    stack = plan.stacks[0]
+    dim = stack.embedding_dim
+    row, acc = np.full((1, dim), 0.5, np.float32), np.full((1, dim), 0.3, np.float32)
+    lr, step = np.full((1, dim), 0.1, np.float32), np.zeros((1, dim), np.float32)
+    for skip, g in [(True, 1e20), (False, 1e20), (True, 2.0)]:
+        new_row, new_acc = jax.jit(sc_kernel.row_update(stack, skip))(np.full((1, dim), g, np.float32), row, acc, lr,
+                                                                       step)
+        with np.errstate(over="ignore"):
+            want_acc = np.float32(0.3) + np.float32(g) * np.float32(g)  # inf for 1e20
+        want = (row, acc) if skip and g == 1e20 else (row - 0.1 * g / np.sqrt(want_acc), np.full((1, dim), want_acc))
+        np.testing.assert_allclose(new_row, want[0], rtol=1e-6, err_msg=f"skip={skip}, g={g}")
+        np.testing.assert_allclose(new_acc, want[1], rtol=1e-6, err_msg=f"skip={skip}, g={g}")
+
+
 @pytest.mark.parametrize("devices,S", [(1, 2), (2, 4), (8, 2), (8, 4)])
 def test_the_csr_interpreted_in_numpy_equals_the_generic_lookup_and_step(devices, S):
     mesh = make_mesh(devices)

@@ -19,7 +19,7 @@ stack's CSR input (`SparseCoreBatch.csr`, fields local to the device):
   every occurrence, then `Optimizer.update` on that one row (clipping,
   schedules, weight decay included; the learning rate and the step are its
   two hyperparameters), and under "skip" the old row and slots kept when
-  the summed gradient is not finite. Returns the new table and slots.
+  the summed gradient or the update is not finite. Returns the new table and slots.
 
 Everything else (the per-shard work, `nonfinite_rows`, the raw-id map's
 search) is the fallback's.
@@ -80,8 +80,8 @@ def row_update(stack: StackPlan, skip_nonfinite: bool):
         *slots, lr, step = rest
         new_row, new_slots = opt.update(row, dict(zip(names, slots)), grad, step, lr=lr)
         new = (new_row, *(new_slots[k] for k in names))
-        if skip_nonfinite:
-            ok = jnp.isfinite(grad).all()
+        if skip_nonfinite:  # a NaN/inf gradient, or a finite one whose update overflows (g² past float32's range)
+            ok = jnp.isfinite(grad).all() & jnp.all(jnp.stack([jnp.isfinite(n).all() for n in new]))
             new = tuple(jnp.where(ok, n, o) for n, o in zip(new, (row, *slots)))
         return new
 
