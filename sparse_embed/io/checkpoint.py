@@ -40,7 +40,8 @@ from sparse_embed.host import distributed
 from sparse_embed.io import store
 from sparse_embed.io.checks import user_checksums
 from sparse_embed.io.ckpt_format import (  # noqa: F401 - the public names, re-exported
-    META, STAGING, CheckpointError, CheckpointInfo, CorruptCheckpointError, TableRecord, as_step, resolve, training_info,
+    META, STAGING, CheckpointError, CheckpointInfo, CorruptCheckpointError, TableRecord, as_step, resolve,
+    training_info,
 )
 from sparse_embed.io import offload_checkpoint
 from sparse_embed.io.data_item import check_serialisable, read_data
@@ -143,16 +144,30 @@ class CheckpointManager:
         _check_options(max_to_keep, save_interval_steps)
         self.directory = os.path.abspath(os.fspath(directory))
         _check_directory(self.directory)
-        options = ocp.CheckpointManagerOptions(
+        self._options = dict(
             save_interval_steps=int(save_interval_steps),
             preservation_policy=ocp.checkpoint_managers.LatestN(None if max_to_keep is None else int(max_to_keep)),
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
             create=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=item_handlers(write=True))
+        # Leftovers of a killed save (orbax's temporary steps, our staged tables) are removed at this manager's
+        # first save, not when it opens: a manager opened only to restore (an evaluation job beside the
+        # training) would remove the temporary step of a save in flight in the training's manager, losing it.
+        self._manager, self._cleaned = self._orbax(cleanup=False), False
         self._closed = False
-        if jax.process_index() == 0:  # tables staged by a save that was killed
+
+    def _orbax(self, cleanup: bool) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(cleanup_tmp_directories=cleanup, **self._options)
+        return ocp.CheckpointManager(self.directory, options=options, item_handlers=item_handlers(write=True))
+
+    def _clean_leftovers(self) -> None:
+        """Before the first save: a manager that removes orbax's leftover temporary steps (awaited by its save),
+        and the tables staged by a save that was killed."""
+        if self._cleaned:
+            return
+        self._manager.close()
+        self._manager, self._cleaned = self._orbax(cleanup=True), True
+        if jax.process_index() == 0:
             for name in os.listdir(self.directory):
                 if name.startswith(STAGING):
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
@@ -202,6 +217,8 @@ class CheckpointManager:
             raise ValueError(f"The plan has raw-id tables {raw}: pass their maps, save(..., id_maps=id_maps).")
         if id_maps is not None:
             check_id_maps(plan, id_maps)  # before anything is written
+
+        self._clean_leftovers()
 
         def write(d: str) -> dict[str, str]:
             sums = store.write_state(d, static, tables)

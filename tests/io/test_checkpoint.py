@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import Mesh
 
 import sparse_embed as se
+from sparse_embed.io.ckpt_format import STAGING
 from sparse_embed import optimizers as opt
 from conftest import devices as conftest_devices, make_mesh
 
@@ -371,7 +372,7 @@ def test_killed_save_keeps_the_last_good_checkpoint(tmp_path, mode):
 
     t = se.TableSpec("a", 50_000, 64, optimizer=opt.Adagrad(0.1))
     plan = se.plan({"f": se.FeatureSpec("f", t, 2)}, make_mesh(2))
-    with se.CheckpointManager(path) as ckpt:  # opening cleans the leftover temporary directory
+    with se.CheckpointManager(path) as ckpt:  # its first save removes the leftover temporary directory
         assert ckpt.latest_step() == 1
         r = ckpt.restore(plan)
         want = se.unstack_tables(plan, se.init_tables(plan, jax.random.key(0)))["a"]
@@ -380,6 +381,28 @@ def test_killed_save_keeps_the_last_good_checkpoint(tmp_path, mode):
         ckpt.wait()
         assert ckpt.all_steps() == [1, 2]
     assert not [n for n in os.listdir(path) if "tmp" in n]
+
+
+def test_a_manager_opened_to_restore_leaves_a_save_in_flight_alone(tmp_path):
+    """An evaluation job opening the training's directory removed every temporary step as a leftover, the one
+    of a save in flight included: that save then failed in orbax ('No ArrayMetadata found') and its step was
+    lost. Leftovers are removed at a manager's first save, not when it opens."""
+    plan = se.plan(_specs(), make_mesh(2))
+    state = se.init_tables(plan, jax.random.key(0))
+    with se.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, plan, state)
+    in_flight = [tmp_path / "2.orbax-checkpoint-tmp", tmp_path / f"{STAGING}-2"]  # as a save of step 2 has them
+    for d in in_flight:
+        d.mkdir()
+        (d / "part").write_bytes(b"x")
+    with se.CheckpointManager(tmp_path) as reader:  # opened to restore: touches nothing
+        assert reader.restore(plan).step == 1
+    assert all((d / "part").exists() for d in in_flight)
+    with se.CheckpointManager(tmp_path) as trainer:  # a manager that saves: those are its leftovers now
+        assert trainer.save(3, plan, state)
+        trainer.wait()
+        assert trainer.all_steps() == [1, 3]
+    assert not any(d.exists() for d in in_flight)
 
 
 def test_leaves_of_a_target_never_placed_restore_unplaced(tmp_path):
