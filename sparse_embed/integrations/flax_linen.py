@@ -67,9 +67,9 @@ class TrainState(train_state.TrainState):
 
     `create(apply_fn=, params=, tx=)` takes the dense optimizer (e.g. `optax.adam(1e-3)`) and wraps it in
     `sparse_embed.optax_tx` (unplaced params and state, and a subclass's fields such as `batch_stats`, go to
-    the tables' mesh, replicated, where a jitted step returns them); `apply_gradients(grads=)` swaps in the new tables that `jax.grad` returned for
-    them (flax's own adds them to the old ones as if they were gradients, and fails on `optax_tx`'s
-    updates) and applies `tx`'s updates to the rest.
+    the tables' mesh, replicated, where a jitted step returns them); `apply_gradients(grads=)` swaps in the
+    new tables that `jax.grad` returned for them (flax's own adds them to the old ones as if they were
+    gradients, and fails on `optax_tx`'s updates) and applies `tx`'s updates to the rest.
     """
 
     def apply_gradients(self, *, grads, **kwargs) -> "TrainState":

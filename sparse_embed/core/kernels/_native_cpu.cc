@@ -888,7 +888,8 @@ inline void update_range(const Options& o, const Grads& gr, const Record* recs, 
     for (int64_t j = 0; j < dim; j++) w[j] = load(row + j);
     copy_row<kDim>(s0, st.slot[0] + col * w0, w0);
     copy_row<kDim>(s1, st.slot[1] + col * w1, w1);
-    if (update_copy<kDim>(o, gr, recs + b, e - b, w, s0, s1, w0, w1, g, tmp)) {  // else the row and its slots keep their values
+    // else the row and its slots keep their values
+    if (update_copy<kDim>(o, gr, recs + b, e - b, w, s0, s1, w0, w1, g, tmp)) {
       for (int64_t j = 0; j < dim; j++) store(row + j, w[j]);
       copy_row<kDim>(st.slot[0] + col * w0, s0, w0);
       copy_row<kDim>(st.slot[1] + col * w1, s1, w1);
