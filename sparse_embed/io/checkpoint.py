@@ -312,9 +312,9 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager (saving after it is an error; restoring works)."""
-        # orbax's close() does not wait for the removal of leftover temporary directories that opening it started
-        # (only a save does): a program that opened and closed a manager and exited printed an ERROR traceback
-        # ("cannot schedule new futures after interpreter shutdown") from that background thread
+        # orbax's close() does not wait for the removal of leftover temporary directories that opening its manager
+        # started (the manager of our first save, `_clean_leftovers`; only a save waits): a program that exited
+        # right after printed an ERROR traceback ("cannot schedule new futures after interpreter shutdown")
         try:
             getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         except OSError:  # orbax logged it (e.g. the temporary step of another manager's save): not this one's failure

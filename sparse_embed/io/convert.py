@@ -267,18 +267,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
         keys, out_dir, n = [TABLE_KEY], os.fspath(dst), info.num_shards
         new_info = _serving_info(info.tables, dtype, info.stacking, n, info.step)
     else:
-        if info.kind != "training":
-            raise CheckpointError(f"{step_dir} is a {info.kind} checkpoint; only training checkpoints convert to "
-                                  "training checkpoints.")
-        if dtype is not None:
-            raise ValueError("dtype= applies to serving exports only (training tables keep the dtype of their spec).")
-        n = info.num_shards if devices is None else devices
-        if n <= 0:
-            raise ValueError(f"devices must be >= 1, got {n}.")
-        keys = []
-        new_info = dataclasses.replace(info, num_shards=n, format=FORMAT, tables=tuple(
-            dataclasses.replace(r, stored_rows=r.vocabulary_size) for r in info.tables))
-        out_dir = os.path.join(os.fspath(dst), str(info.step if info.step is not None else 0))
+        keys, (new_info, out_dir) = [], _training_copy(step_dir, info, dst, devices, dtype)
     _check_destination(out_dir, os.fspath(src))
     if not serving and info.has_user:  # verified before anything is written (after, a failure left a step behind)
         read_user_host(step_dir, info)
@@ -294,6 +283,22 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, device
     if not serving:
         _copy_as_saved(step_dir, out_dir, info, offload_records)
     return out_dir
+
+
+def _training_copy(step_dir: str, info: CheckpointInfo, dst: str | os.PathLike, devices: int | None,
+                   dtype) -> tuple[CheckpointInfo, str]:
+    """`(info, step directory)` of a training copy of the checkpoint `info` describes, for `devices` devices."""
+    if info.kind != "training":
+        raise CheckpointError(f"{step_dir} is a {info.kind} checkpoint; only training checkpoints convert to "
+                              "training checkpoints.")
+    if dtype is not None:
+        raise ValueError("dtype= applies to serving exports only (training tables keep the dtype of their spec).")
+    n = info.num_shards if devices is None else devices
+    if n <= 0:
+        raise ValueError(f"devices must be >= 1, got {n}.")
+    new_info = dataclasses.replace(info, num_shards=n, format=FORMAT, tables=tuple(
+        dataclasses.replace(r, stored_rows=r.vocabulary_size) for r in info.tables))
+    return new_info, os.path.join(os.fspath(dst), str(info.step if info.step is not None else 0))
 
 
 def _copy_as_saved(step_dir: str, out_dir: str, info: CheckpointInfo, offload_records: list[str]) -> None:
