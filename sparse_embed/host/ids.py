@@ -182,7 +182,8 @@ def _id_array(feature: FeatureSpec, x: Any, what: str, xp, sample: int | None = 
     if a.dtype == _UINT64 and _concrete(a) and a.size:
         top = int(a.max())
     elif a.dtype.kind in "fO" and isinstance(x, (list, tuple)):  # numpy reads Python ints past int64 as floats
-        top = _python_ints_max(x)
+        values = python_ints(x)
+        top = None if values is None else max(values.flat, default=None)
     if top is not None and top > INT64_MAX:
         if feature.table.dynamic is not None:
             raise error(feature, f"raw id {top} is out of range: raw ids must be < 2**63.")
@@ -192,12 +193,16 @@ def _id_array(feature: FeatureSpec, x: Any, what: str, xp, sample: int | None = 
     return _as_int(feature, a, what, xp)
 
 
-def _python_ints_max(x: list | tuple) -> int | None:
-    """The largest value of a (nested) list of Python or numpy ints, None if it holds anything else."""
-    values = np.asarray(x, dtype=object).ravel() if x else ()
-    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values):
+def python_ints(x: Any) -> np.ndarray | None:
+    """A (nested) list of ints that numpy reads as floats or objects (Python ints past int64 beside others, numpy's
+    uint64 beside int64) as an object array of Python ints; None if it holds anything else."""
+    try:
+        values = np.asarray(x, dtype=object)
+    except (ValueError, TypeError):
         return None
-    return max((int(v) for v in values), default=None)
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values.flat):
+        return None
+    return np.vectorize(int, otypes=[object])(values) if values.size else values
 
 
 def _float_array(feature: FeatureSpec, x: Any, shape: tuple[int, ...], what: str, xp) -> Any:

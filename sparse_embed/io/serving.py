@@ -51,7 +51,7 @@ import numpy as np
 
 from sparse_embed.core import pooling
 from sparse_embed.core.specs import FeatureSpec, TableSpec
-from sparse_embed.host.ids import PADDING_ID, canonical, check_divisors, error
+from sparse_embed.host.ids import PADDING_ID, canonical, check_divisors, error, python_ints
 from sparse_embed.io.quantize import bits_of, dequantize, fused_width
 
 OOV_POLICIES = ("error", "zero")
@@ -219,19 +219,21 @@ def _narrowed(feature: FeatureSpec, a: Any, oov: Any) -> Any:
     padding): an error naming the id (`oov="error"`), else the first id past the table (out of vocabulary,
     served by the policy). Traced ids, and ids of other dtypes, as they are."""
     vocab, top = feature.table.vocabulary_size, np.iinfo(np.int32).max
-    if isinstance(a, (list, tuple, int)):  # Python ints (numpy reads those past int64 as floats): as Python ints
+    if isinstance(a, (list, tuple, int)):  # Python ints: as numpy reads them, or (past int64) one by one
         try:
-            values = np.asarray(a, dtype=object)
-        except (ValueError, TypeError):
+            read = np.asarray(a)
+        except (ValueError, TypeError, OverflowError):
             return a  # (malformed: the reader names it)
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values.flat):
+        if read.dtype.kind in "iu":
+            a = read  # (then as any host array, below)
+        elif (values := python_ints(a)) is None:
             return a
-        bad = np.vectorize(lambda v: not -top <= int(v) <= top, otypes=[bool])(values)
-        a = np.where(bad, 0, values).astype(np.int64)  # (then set below)
-        if np.any(bad) and isinstance(oov, str) and oov == "error":
-            raise error(feature, f"id {int(values[bad].ravel()[0])} is out of vocabulary [0, {vocab}); pass "
-                                 "oov='zero' or a default vector to serve it.")
-        return np.where(bad, vocab, a).astype(np.int64)
+        else:
+            bad = np.vectorize(lambda v: not -top <= v <= top, otypes=[bool])(values)
+            if np.any(bad) and isinstance(oov, str) and oov == "error":
+                raise error(feature, f"id {values[bad].ravel()[0]} is out of vocabulary [0, {vocab}); pass "
+                                     "oov='zero' or a default vector to serve it.")
+            return np.where(bad, vocab, values).astype(np.int64)
     if isinstance(a, jax.core.Tracer) or not isinstance(a, (np.ndarray, np.integer)):
         return a
     if a.dtype.kind not in "iu" or (a.dtype.itemsize < 4 or a.dtype == np.int32):

@@ -67,6 +67,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from sparse_embed.host.ids import python_ints
 from sparse_embed.tiers.store import KEPT_CHANGES, CorruptStoreError, StoreReader, stored_shards
 
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -340,8 +341,8 @@ class StoreServer:
         # a list of integers that numpy reads as floats or objects (Python ints past int64, or numpy's uint64 beside
         # int64): read as the integers they are, not refused with "ids must be integers"
         if isinstance(given, (list, tuple)) and ids.dtype.kind in "fO":
-            values = np.asarray(given, dtype=object)
-            if all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values.flat):
+            values = python_ints(given)
+            if values is not None:
                 for i, v in enumerate(values.flat):
                     if not PADDING_ID <= int(v) < self.vocabulary_size:
                         raise ValueError(f"{label}: id {int(v)} (at {i}) is outside [0, {self.vocabulary_size}) of "
